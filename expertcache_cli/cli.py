@@ -1,0 +1,47 @@
+"""The command line: a thin layer that parses options and calls the library.
+
+Each subcommand lives in `commands/<name>.py` and imports its heavy dependencies
+(torch, vllm) inside the command body, so `expertcache --help` and the CPU commands
+start in well under a second.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from .commands import register_all
+from .errors import UserError
+
+app = typer.Typer(
+    name="expertcache",
+    help="A VRAM cache of MoE expert slots for vLLM, and the instruments to size it.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+register_all(app)
+
+
+def main() -> None:
+    """Console entry point: user errors become one line on stderr and exit code 2."""
+    try:
+        app(standalone_mode=False)
+    except UserError as exc:
+        print(f"expertcache: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("expertcache: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except Exception as exc:  # click usage errors and aborts arrive here in non-standalone mode
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(1)
+        raise

@@ -1,0 +1,270 @@
+"""The reference cache: the one place the slot-cache rules of DESIGN section 2 are written.
+
+Everything else is checked against this module: the compiled replay engine
+(`engine.py`) must agree with it step by step, and the CUDA manager kernel must agree
+with it on every field after every step. It is deliberately written as plain,
+per-step Python so that a reader can hold it against the design text line by line;
+speed lives elsewhere.
+
+Rules, per layer and per step (DESIGN section 2):
+
+1. ``step += 1``.
+2. ``R`` = distinct ids with ``0 <= id < E``. If ``|R| > max_distinct`` the step is a
+   read-through: nothing else changes and no misses are emitted.
+3. For each ``e`` in ``R`` ascending: resident -> refresh (LRU ``prio = step``, LFU
+   ``prio += 1``); otherwise it is a miss. Only the first ``max_inserts`` misses are kept.
+4. LFU with ``decay > 0`` and ``step % decay == 0``: every slot's priority ``>>= 1``.
+5. Evictable slots are the empty ones and those whose expert is not in ``R``. They are
+   ranked by ``(occupied, prio, slot)``: empty slots first, then the smallest priority,
+   ties to the lowest slot index. The k-th ranked slot receives the k-th miss.
+6. Install: the victim's old expert loses its table entry; ``prio = step`` (LRU) or 1 (LFU).
+
+Belady's optimum (``opt``) uses the same steps, gates and order, with the priority of a
+slot being the next step at which its expert is used again; the slot used furthest in
+the future (or never) is evicted first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+#: Priority given to an expert that is never used again (Belady): larger than any step.
+NEVER = np.iinfo(np.int64).max // 4
+
+
+class Policy(IntEnum):
+    """Policy codes. LRU and LFU are also the kernel's policy codes (see the binding)."""
+
+    LRU = 0
+    LFU = 1
+    OPT = 2
+
+    @classmethod
+    def parse(cls, name: str | int | Policy) -> Policy:
+        """Accept 'lru' / 'LFU' / 2 / Policy.OPT; raise ValueError with the choices otherwise."""
+        if isinstance(name, Policy):
+            return name
+        if isinstance(name, (int, np.integer)):
+            return cls(int(name))
+        try:
+            return cls[str(name).strip().upper()]
+        except KeyError:
+            raise ValueError(f"unknown policy {name!r}: choose from lru, lfu, opt") from None
+
+
+@dataclass
+class StepResult:
+    """What one manager step emits: the (expert, slot) installs in ascending expert order."""
+
+    misses: list[tuple[int, int]]
+    read_through: bool
+    distinct: int
+    #: misses dropped by the insert cap or for lack of evictable slots (not installed)
+    dropped: int = 0
+
+    @property
+    def miss_count(self) -> int:
+        return len(self.misses)
+
+
+def next_use_positions(seq: np.ndarray) -> np.ndarray:
+    """For a layer's routing ``seq[T, W]``, the next step (> t) each entry's id is used.
+
+    ``NEVER`` where it is not used again; padding entries get ``NEVER`` too. This is the
+    knowledge Belady's optimum needs, computed once by a backward scan.
+    """
+    seq = np.asarray(seq)
+    t_steps = seq.shape[0]
+    out = np.full(seq.shape, NEVER, dtype=np.int64)
+    last: dict[int, int] = {}
+    for t in range(t_steps - 1, -1, -1):
+        row = seq[t]
+        for w, e in enumerate(row):
+            e = int(e)
+            if e >= 0:
+                out[t, w] = last.get(e, NEVER)
+        for e in row:
+            if int(e) >= 0:
+                last[int(e)] = t
+    return out
+
+
+@dataclass
+class LayerCache:
+    """One layer's cache state and the manager step, exactly as the kernel must do it.
+
+    ``future`` (Belady only) is the layer's whole routing ``[T, W]``: step ``t`` (0-based
+    call count) must be fed ``future[t]``.
+    """
+
+    num_experts: int
+    num_slots: int
+    policy: Policy = Policy.LRU
+    decay: int = 0
+    max_distinct: int | None = None
+    max_inserts: int | None = None
+    future: np.ndarray | None = None
+    table: np.ndarray = field(init=False)
+    slot_expert: np.ndarray = field(init=False)
+    prio: np.ndarray = field(init=False)
+    step_count: int = field(init=False, default=0)
+    #: forwards seen so far (the index into ``future``); equals step_count unless the
+    #: shape gate of `forward` skipped the manager on wide steps
+    forwards: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.policy = Policy.parse(self.policy)
+        if self.num_experts <= 0 or self.num_slots <= 0:
+            raise ValueError("num_experts and num_slots must be positive")
+        if self.decay < 0:
+            raise ValueError("decay must be >= 0")
+        if self.max_distinct is None:
+            self.max_distinct = self.num_slots
+        if self.max_inserts is None:
+            self.max_inserts = self.num_slots
+        self.table = np.full(self.num_experts, -1, dtype=np.int32)
+        self.slot_expert = np.full(self.num_slots, -1, dtype=np.int32)
+        self.prio = np.zeros(self.num_slots, dtype=np.int64)
+        self._next: np.ndarray | None = None
+        if self.policy is Policy.OPT:
+            if self.future is None:
+                raise ValueError("Belady's optimum needs the layer's future routing")
+            self.future = np.asarray(self.future)
+            self._next = next_use_positions(self.future)
+
+    def _next_use(self, t: int, e: int) -> int:
+        """Next step after ``t`` at which expert ``e`` is routed (``NEVER`` if none)."""
+        assert self._next is not None and self.future is not None
+        row = self.future[t]
+        hits = np.nonzero(row == e)[0]
+        if not hits.size:
+            raise ValueError(f"Belady step {t} was not fed future[{t}] (expert {e} absent)")
+        return int(self._next[t, hits[0]])
+
+    def _distinct(self, ids: Sequence[int] | np.ndarray) -> tuple[list[int], int]:
+        flat = np.asarray(ids).reshape(-1)
+        valid = [int(e) for e in flat if 0 <= int(e) < self.num_experts]
+        return sorted(set(valid)), len(valid)
+
+    def _refresh_belady(self, t: int, distinct: list[int]) -> None:
+        # Belady's knowledge is not cache state: keep it true even on read-through steps.
+        for e in distinct:
+            s = int(self.table[e])
+            if s >= 0:
+                self.prio[s] = self._next_use(t, e)
+
+    def forward(self, ids: Sequence[int] | np.ndarray) -> StepResult:
+        """One layer forward as the plugin runs it: the shape gate, then the manager.
+
+        A forward carrying more routing ids than there are slots (``tokens x top_k >
+        S``) cannot be served from slots whatever the hit rate; the plugin decides that
+        from shapes alone and leaves the cache untouched (not even ``step`` moves).
+        """
+        distinct, valid = self._distinct(ids)
+        if valid > self.num_slots:
+            if self.policy is Policy.OPT:
+                self._refresh_belady(self.forwards, distinct)
+            self.forwards += 1
+            return StepResult([], True, len(distinct))
+        return self.step(ids)
+
+    def step(self, ids: Sequence[int] | np.ndarray) -> StepResult:
+        """Apply one manager step (DESIGN section 2) to the routing ids of one forward."""
+        t = self.forwards  # index of this forward in `future`
+        self.forwards += 1
+        self.step_count += 1
+        step = self.step_count
+        distinct, _ = self._distinct(ids)
+        if self.policy is Policy.OPT:
+            self._refresh_belady(t, distinct)
+        if len(distinct) > self.max_distinct:
+            return StepResult([], True, len(distinct))
+
+        wanted: list[int] = []
+        for e in distinct:
+            s = int(self.table[e])
+            if s >= 0:
+                if self.policy is Policy.LRU:
+                    self.prio[s] = step
+                elif self.policy is Policy.LFU:
+                    self.prio[s] += 1
+            else:
+                wanted.append(e)
+        dropped = max(0, len(wanted) - self.max_inserts)
+        wanted = wanted[: self.max_inserts]
+
+        if self.policy is Policy.LFU and self.decay > 0 and step % self.decay == 0:
+            self.prio >>= 1
+
+        in_step = set(distinct)
+        evictable = [
+            s for s in range(self.num_slots) if int(self.slot_expert[s]) not in in_step
+        ]
+        evictable.sort(key=self._victim_key)
+        if len(wanted) > len(evictable):
+            dropped += len(wanted) - len(evictable)
+            wanted = wanted[: len(evictable)]
+
+        misses: list[tuple[int, int]] = []
+        for e, s in zip(wanted, evictable):
+            old = int(self.slot_expert[s])
+            if old >= 0:
+                self.table[old] = -1
+            self.slot_expert[s] = e
+            self.table[e] = s
+            if self.policy is Policy.LRU:
+                self.prio[s] = step
+            elif self.policy is Policy.LFU:
+                self.prio[s] = 1
+            else:
+                self.prio[s] = self._next_use(t, e)
+            misses.append((e, s))
+        return StepResult(misses, False, len(distinct), dropped)
+
+    def _victim_key(self, s: int) -> tuple[int, int, int]:
+        occupied = int(self.slot_expert[s] >= 0)
+        p = int(self.prio[s])
+        # Belady evicts the furthest next use first: invert so that smaller ranks first.
+        return (occupied, -p if self.policy is Policy.OPT else p, s)
+
+    def remap(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Routing ids in slot space (what the fused-MoE kernel sees after the gather)."""
+        flat = np.asarray(ids)
+        out = flat.copy()
+        valid = (flat >= 0) & (flat < self.num_experts)
+        out[valid] = self.table[flat[valid]]
+        return out
+
+    def state(self) -> dict[str, np.ndarray | int]:
+        """A copy of the full state, field names as the kernel tests compare them."""
+        return {
+            "table": self.table.copy(),
+            "slot_expert": self.slot_expert.copy(),
+            "prio": self.prio.copy(),
+            "step": self.step_count,
+        }
+
+
+def replay_layer_reference(
+    seq: np.ndarray,
+    num_experts: int,
+    num_slots: int,
+    policy: Policy | str = Policy.LRU,
+    decay: int = 0,
+    max_inserts: int | None = None,
+) -> list[StepResult]:
+    """Replay one layer's routing ``seq[T, W]`` forward by forward, the slow plain way."""
+    policy = Policy.parse(policy)
+    cache = LayerCache(
+        num_experts,
+        num_slots,
+        policy,
+        decay,
+        max_inserts=max_inserts,
+        future=seq if policy is Policy.OPT else None,
+    )
+    return [cache.forward(row) for row in seq]

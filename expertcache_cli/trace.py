@@ -1,0 +1,173 @@
+"""Routing trace files (DESIGN section 4): load, validate, save.
+
+A trace is what the plugin records from a live server and what `replay` consumes, so
+validation is strict and its errors are one readable line: a user handing us a wrong
+file should learn what is wrong with it, not read a numpy traceback.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import UserError
+
+
+class TraceError(UserError):
+    """The file is not a usable routing trace."""
+
+
+@dataclass
+class Trace:
+    """Routing ids ``topk_ids[T, L, W]`` (-1 = padding) and what is known about them."""
+
+    topk_ids: np.ndarray
+    num_experts: int
+    top_k: int
+    expert_bytes: int | None = None
+    model: str | None = None
+    layers: np.ndarray | None = None
+    step_tokens: np.ndarray | None = None
+    source: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return int(self.topk_ids.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.topk_ids.shape[1])
+
+    @property
+    def width(self) -> int:
+        return int(self.topk_ids.shape[2])
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the trace covers: ``step_tokens`` summed, else the valid ids / top_k."""
+        if self.step_tokens is not None:
+            return int(np.sum(self.step_tokens))
+        valid = int(np.count_nonzero(self.topk_ids[:, 0, :] >= 0))
+        return max(1, valid // max(1, self.top_k))
+
+    def layer_names(self) -> list[int]:
+        if self.layers is not None:
+            return [int(x) for x in self.layers]
+        return list(range(self.num_layers))
+
+    def validate(self) -> Trace:
+        """Raise TraceError naming the first thing wrong; return self when sound."""
+        ids = self.topk_ids
+        if not isinstance(ids, np.ndarray) or not np.issubdtype(ids.dtype, np.integer):
+            kind = getattr(ids, "dtype", type(ids))
+            raise TraceError(f"topk_ids must be an integer array, got {kind}")
+        if ids.ndim != 3:
+            raise TraceError(f"topk_ids must be [steps, layers, ids], got shape {ids.shape}")
+        if ids.size == 0 or 0 in ids.shape:
+            raise TraceError(f"trace is empty (topk_ids shape {ids.shape})")
+        if self.num_experts <= 0:
+            raise TraceError(f"num_experts must be positive, got {self.num_experts}")
+        if self.top_k <= 0:
+            raise TraceError(f"top_k must be positive, got {self.top_k}")
+        hi = int(ids.max())
+        if hi >= self.num_experts:
+            t, layer, w = (int(v) for v in np.argwhere(ids >= self.num_experts)[0])
+            raise TraceError(
+                f"expert id {int(ids[t, layer, w])} at step {t}, layer {layer} is >= "
+                f"num_experts={self.num_experts} (only negative ids may pad)"
+            )
+        if not np.any(ids >= 0):
+            raise TraceError("trace holds only padding (no id >= 0)")
+        if self.layers is not None and len(self.layers) != ids.shape[1]:
+            raise TraceError(f"layers has {len(self.layers)} entries for {ids.shape[1]} layers")
+        if self.step_tokens is not None and len(self.step_tokens) != ids.shape[0]:
+            raise TraceError(
+                f"step_tokens has {len(self.step_tokens)} entries for {ids.shape[0]} steps"
+            )
+        if self.expert_bytes is not None and self.expert_bytes <= 0:
+            raise TraceError(f"expert_bytes must be positive, got {self.expert_bytes}")
+        return self
+
+
+def _scalar(data: Any, key: str, kind: type) -> Any:
+    value = np.asarray(data[key])
+    if value.ndim != 0:
+        raise TraceError(f"{key} must be a scalar, got shape {value.shape}")
+    if kind is int:
+        if not np.issubdtype(value.dtype, np.integer):
+            raise TraceError(f"{key} must be an integer, got {value.dtype}")
+        return int(value)
+    return str(value)
+
+
+def load(path: str | Path) -> Trace:
+    """Read and validate a trace; every failure is a TraceError with one line."""
+    p = Path(path)
+    if not p.exists():
+        raise TraceError(f"{p}: no such file")
+    if p.is_dir():
+        raise TraceError(f"{p}: is a directory, not a trace file")
+    try:
+        npz = np.load(p, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise TraceError(f"{p}: not a readable .npz trace ({exc.__class__.__name__})") from None
+    if not hasattr(npz, "files"):
+        raise TraceError(f"{p}: is a single .npy array, not an .npz trace")
+    with npz as data:
+        missing = [k for k in ("topk_ids", "num_experts", "top_k") if k not in data.files]
+        if missing:
+            raise TraceError(f"{p}: missing key(s) {', '.join(missing)}")
+        try:
+            ids = data["topk_ids"]
+            trace = Trace(
+                topk_ids=ids,
+                num_experts=_scalar(data, "num_experts", int),
+                top_k=_scalar(data, "top_k", int),
+                expert_bytes=_scalar(data, "expert_bytes", int)
+                if "expert_bytes" in data.files
+                else None,
+                model=_scalar(data, "model", str) if "model" in data.files else None,
+                layers=np.asarray(data["layers"]) if "layers" in data.files else None,
+                step_tokens=np.asarray(data["step_tokens"])
+                if "step_tokens" in data.files
+                else None,
+                source=_scalar(data, "source", str) if "source" in data.files else None,
+            )
+        except ValueError as exc:  # e.g. object arrays refused with allow_pickle=False
+            raise TraceError(f"{p}: unreadable field ({exc})") from None
+    try:
+        return trace.validate()
+    except TraceError as exc:
+        raise TraceError(f"{p}: {exc}") from None
+
+
+def save(trace: Trace, path: str | Path) -> Path:
+    """Validate and write ``trace``; ids are stored in the smallest signed type that fits."""
+    trace.validate()
+    p = Path(path)
+    dtype = np.int16 if trace.num_experts < 2**15 else np.int32
+    payload: dict[str, Any] = {
+        "topk_ids": trace.topk_ids.astype(dtype),
+        "num_experts": np.int64(trace.num_experts),
+        "top_k": np.int64(trace.top_k),
+    }
+    if trace.expert_bytes is not None:
+        payload["expert_bytes"] = np.int64(trace.expert_bytes)
+    if trace.model is not None:
+        payload["model"] = np.str_(trace.model)
+    if trace.layers is not None:
+        payload["layers"] = np.asarray(trace.layers, dtype=np.int64)
+    if trace.step_tokens is not None:
+        payload["step_tokens"] = np.asarray(trace.step_tokens, dtype=np.int64)
+    if trace.source is not None:
+        payload["source"] = np.str_(trace.source)
+    if p.suffix != ".npz":
+        p = p.with_name(p.name + ".npz")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(p, **payload)
+    return p
