@@ -13,6 +13,7 @@ The test suite replays random traces through both and compares every step's inst
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -186,10 +187,12 @@ def sweep(
     slots: list[int],
     decay: int = 0,
     max_inserts: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[LayerCounts]:
     """Replay every layer of ``ids[T, L, W]`` under every (policy, slots) pair.
 
-    ``max_inserts`` None means uncapped (the slot count). Jobs run in parallel threads.
+    ``max_inserts`` None means uncapped (the slot count). Jobs run in parallel threads;
+    ``progress(done, total)`` is called as each (policy, slots, layer) job finishes.
     """
     ids = np.ascontiguousarray(ids, dtype=np.int32)
     t_steps, n_layers, _ = ids.shape
@@ -216,10 +219,11 @@ def sweep(
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         if Policy.OPT in policies:
             list(pool.map(next_use, range(n_layers)))
-        list(pool.map(run, range(len(jobs))))
+        for done, _ in enumerate(pool.map(run, range(len(jobs))), start=1):
+            if progress is not None:
+                progress(done, len(jobs))
     return [
-        LayerCounts(p, s, layer, *(int(v) for v in row))
-        for (p, s, layer), row in zip(jobs, out)
+        LayerCounts(p, s, layer, *(int(v) for v in row)) for (p, s, layer), row in zip(jobs, out)
     ]
 
 

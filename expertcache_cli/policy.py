@@ -201,9 +201,7 @@ class LayerCache:
             self.prio >>= 1
 
         in_step = set(distinct)
-        evictable = [
-            s for s in range(self.num_slots) if int(self.slot_expert[s]) not in in_step
-        ]
+        evictable = [s for s in range(self.num_slots) if int(self.slot_expert[s]) not in in_step]
         evictable.sort(key=self._victim_key)
         if len(wanted) > len(evictable):
             dropped += len(wanted) - len(evictable)

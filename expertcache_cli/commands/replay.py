@@ -1,0 +1,326 @@
+"""`expertcache replay`: misses per policy and budget on a routing trace."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import UserError
+from ..policy import Policy
+from ..trace import Trace, load
+from . import demo_trace_path, parse_int_list
+
+console = Console()
+err = Console(stderr=True)
+
+
+def parse_policies(text: str) -> list[Policy]:
+    try:
+        out = [Policy.parse(p) for p in text.split(",") if p.strip()]
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if not out:
+        raise UserError("--policy needs at least one of lru, lfu, opt")
+    return list(dict.fromkeys(out))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _trace_json(path: Path, trace: Trace) -> dict:
+    return {
+        "path": str(path),
+        "steps": trace.steps,
+        "layers": trace.num_layers,
+        "width": trace.width,
+        "num_experts": trace.num_experts,
+        "top_k": trace.top_k,
+        "tokens": trace.tokens,
+        "expert_bytes": trace.expert_bytes,
+        "model": trace.model,
+        "source": trace.source,
+    }
+
+
+def _records(df) -> list[dict]:
+    out = []
+    for rec in df.to_dict(orient="records"):
+        clean = {}
+        for k, v in rec.items():
+            if hasattr(v, "item"):
+                v = v.item()
+            if isinstance(v, float) and math.isnan(v):
+                v = None
+            clean[k] = v
+        out.append(clean)
+    return out
+
+
+def _progress_runner(enabled: bool):
+    """A rich progress bar on stderr for long sweeps; a no-op context otherwise."""
+    from contextlib import contextmanager
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    @contextmanager
+    def cm():
+        if not enabled:
+            yield None
+            return
+        with Progress(
+            TextColumn("replaying"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} layer replays"),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
+        ) as prog:
+            task = prog.add_task("replay", total=None)
+
+            def update(done: int, total: int) -> None:
+                prog.update(task, completed=done, total=total)
+
+            yield update
+
+    return cm()
+
+
+def replay_command(
+    trace_path: Path | None = typer.Argument(
+        None, metavar="[TRACE]", help="Routing trace .npz (default: the bundled demo trace)."
+    ),
+    slots: str = typer.Option("16,32,64", "--slots", help="Slot budgets per layer, comma list."),
+    policy: str = typer.Option("lru,lfu,opt", "--policy", help="Policies: lru, lfu, opt."),
+    decay: int = typer.Option(0, "--decay", min=0, help="LFU halving interval (0 = never)."),
+    max_inserts: int | None = typer.Option(
+        None, "--max-inserts", min=1, help="Insert cap per step (default: no cap)."
+    ),
+    per_layer: bool = typer.Option(
+        False, "--per-layer", help="Per-layer table and a recommended per-layer budget split."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead."),
+    csv: Path | None = typer.Option(None, "--csv", help="Also write the result rows to a CSV."),
+    expert_bytes: int | None = typer.Option(
+        None, "--expert-bytes", min=1, help="Bytes per expert per layer (else the trace's)."
+    ),
+    link_gbps: float | None = typer.Option(
+        None, "--link-gbps", min=0.001, help="Host link GB/s for transfer time per token."
+    ),
+    device: str = typer.Option(
+        "cpu", "--device", help="cpu (reference engine) or cuda (the real kernels)."
+    ),
+) -> None:
+    """Replay a routing trace: experts fetched per policy and slot budget."""
+    from ..replay import replay
+    from ..split import recommend
+
+    path = trace_path if trace_path is not None else demo_trace_path()
+    trace = load(path)
+    budgets = parse_int_list(slots, "--slots")
+    bad = [s for s in budgets if s >= trace.num_experts]
+    if bad:
+        raise UserError(
+            f"--slots {bad[0]} is not below the trace's {trace.num_experts} experts "
+            "(that many slots hold every expert: nothing to cache)"
+        )
+    policies = parse_policies(policy)
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device must be cpu or cuda, got {device!r}")
+
+    long_run = trace.steps * trace.num_layers * len(budgets) * 3 > 2_000_000
+    with _progress_runner(long_run and err.is_terminal and not as_json) as update:
+        report = replay(
+            trace,
+            policies,
+            budgets,
+            decay=decay,
+            max_inserts=max_inserts,
+            expert_bytes=expert_bytes,
+            link_gbps=link_gbps,
+            progress=update,
+        )
+    split_policy = next((p for p in policies if p is not Policy.OPT), Policy.LRU)
+    splits = recommend(trace, split_policy, budgets, decay) if per_layer else []
+
+    device_check = None
+    if device == "cuda":
+        device_check = _device_check(trace, policies, budgets, decay, max_inserts, report)
+
+    if csv is not None:
+        frame = report.per_layer if per_layer else report.results
+        frame.to_csv(csv, index=False)
+
+    if as_json:
+        obj = {
+            "trace": _trace_json(path, trace),
+            "results": _records(report.results),
+            "reuse_distance": report.reuse,
+        }
+        if per_layer:
+            obj["per_layer"] = _records(report.per_layer)
+            obj["split"] = [
+                {
+                    "policy": split_policy.name.lower(),
+                    "uniform_slots": s.uniform_slots,
+                    "budget": s.budget,
+                    "slots": s.slots,
+                    "misses": s.misses,
+                    "uniform_misses": s.uniform_misses,
+                    "saved": s.saved,
+                }
+                for s in splits
+            ]
+        if device_check is not None:
+            obj["device"] = device_check
+        print(json.dumps(obj, indent=2))
+        _fail_on_device_mismatch(device_check)
+        return
+
+    _print_results(path, trace, report, link_gbps)
+    if per_layer:
+        _print_per_layer(trace, report)
+        _print_splits(split_policy, splits)
+    if device_check is not None:
+        _print_device(device_check)
+    _fail_on_device_mismatch(device_check)
+
+
+def _print_results(path: Path, trace: Trace, report, link_gbps: float | None) -> None:
+    what = trace.model or "unknown model"
+    console.print(
+        f"[bold]{path.name}[/]: {trace.steps} steps x {trace.num_layers} layers, "
+        f"{trace.width} ids/step, top-{trace.top_k} of {trace.num_experts} experts, "
+        f"{trace.tokens} tokens ({what})"
+    )
+    if trace.source:
+        console.print(f"source: {trace.source}")
+    df = report.results
+    has_bytes = "bytes_per_token" in df.columns
+    table = Table(title="experts fetched over the host link (all layers)")
+    for col in ("policy", "slots", "misses", "requests", "miss rate", "vs LRU", "vs OPT"):
+        table.add_column(col, justify="right" if col != "policy" else "left")
+    table.add_column("read-through\nlayer-steps", justify="right")
+    if has_bytes:
+        table.add_column("host bytes\n/token", justify="right")
+    if "transfer_ms_per_token" in df.columns:
+        table.add_column(f"ms/token\n@{link_gbps:g} GB/s", justify="right")
+    for row in df.itertuples():
+        cells = [
+            row.policy,
+            str(row.slots),
+            f"{row.misses:,}",
+            f"{row.requests:,}",
+            f"{row.miss_rate:.1%}",
+            f"{row.vs_lru:.3f}",
+            f"{row.vs_opt:.3f}",
+            f"{row.read_through_steps:,}",
+        ]
+        if has_bytes:
+            cells.append(_fmt_bytes(row.bytes_per_token))
+        if "transfer_ms_per_token" in df.columns:
+            cells.append(f"{row.transfer_ms_per_token:.2f}")
+        table.add_row(*cells)
+    console.print(table)
+    r = report.reuse
+    if r.get("reuses"):
+        console.print(
+            f"reuse distance (distinct other experts between uses of an expert): "
+            f"p50 {r['p50']:.0f}, p90 {r['p90']:.0f}, p99 {r['p99']:.0f} "
+            f"over {r['reuses']:,} re-uses"
+        )
+    rt = df[df["read_through_steps"] > 0]
+    for row in rt.drop_duplicates("slots").itertuples():
+        console.print(
+            f"[yellow]warning[/]: at {row.slots} slots {row.read_through_steps:,} layer-steps "
+            f"carry more ids than slots and read through the host (tokens x top_k > slots)"
+        )
+
+
+def _print_per_layer(trace: Trace, report) -> None:
+    df = report.per_layer
+    pivot = df.pivot_table(
+        index="layer", columns=["policy", "slots"], values="miss_rate", sort=False
+    )
+    table = Table(title="miss rate per layer")
+    table.add_column("layer", justify="right")
+    for pol, s in pivot.columns:
+        table.add_column(f"{pol}\n{s}", justify="right")
+    for layer, row in pivot.iterrows():
+        table.add_row(str(layer), *(f"{v:.1%}" for v in row.values))
+    console.print(table)
+
+
+def _print_splits(policy: Policy, splits) -> None:
+    table = Table(title=f"recommended per-layer split ({policy.name.lower()}, same total)")
+    for col in ("uniform", "total", "misses uniform", "misses split", "saved", "per-layer slots"):
+        table.add_column(col, justify="right" if col != "per-layer slots" else "left")
+    for s in splits:
+        table.add_row(
+            str(s.uniform_slots),
+            str(s.budget),
+            f"{s.uniform_misses:,}",
+            f"{s.misses:,}",
+            f"{s.saved:,} ({s.saved_fraction:.1%})",
+            ",".join(str(x) for x in s.slots),
+        )
+    console.print(table)
+
+
+def _device_check(trace, policies, budgets, decay, max_inserts, report) -> dict:
+    """Run the real kernels over the trace and compare installs with the CPU engine."""
+    from ..device_replay import device_replay
+
+    rows = []
+    per_layer = report.per_layer
+    for pol in policies:
+        if pol is Policy.OPT:
+            continue  # Belady needs the future: there is no kernel for it
+        for s in budgets:
+            dev = device_replay(trace.topk_ids, trace.num_experts, pol, s, decay, max_inserts)
+            cpu = per_layer[(per_layer["policy"] == pol.name.lower()) & (per_layer["slots"] == s)]
+            cpu_installs = [int(x) for x in cpu.sort_values("layer")["installs"]]
+            rows.append(
+                {
+                    "policy": pol.name.lower(),
+                    "slots": s,
+                    "device_installs": int(sum(dev)),
+                    "cpu_installs": int(sum(cpu_installs)),
+                    "match": list(map(int, dev)) == cpu_installs,
+                }
+            )
+    return {"rows": rows, "match": all(r["match"] for r in rows)}
+
+
+def _print_device(check: dict) -> None:
+    table = Table(title="real kernels (cuda) against the CPU reference engine")
+    for col in ("policy", "slots", "installs (cuda)", "installs (cpu)", "match"):
+        table.add_column(col)
+    for r in check["rows"]:
+        table.add_row(
+            r["policy"],
+            str(r["slots"]),
+            f"{r['device_installs']:,}",
+            f"{r['cpu_installs']:,}",
+            "yes" if r["match"] else "[red]NO[/]",
+        )
+    console.print(table)
+
+
+def _fail_on_device_mismatch(check: dict | None) -> None:
+    if check is not None and not check["match"]:
+        err.print("[red]expertcache: the CUDA kernels disagree with the CPU reference[/]")
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("replay")(replay_command)

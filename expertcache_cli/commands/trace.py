@@ -1,0 +1,127 @@
+"""`expertcache trace synth|info`: make synthetic routing traces and describe trace files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import UserError
+
+console = Console()
+trace_app = typer.Typer(help="Routing trace files: synthesise and inspect.", no_args_is_help=True)
+
+KINDS = ("zipf", "tasks", "batched")
+
+
+@trace_app.command("synth")
+def synth_command(
+    out: Path = typer.Argument(..., help="Output .npz path."),
+    kind: str = typer.Option("zipf", "--kind", help="zipf | tasks | batched."),
+    steps: int = typer.Option(2000, "--steps", min=1),
+    layers: int = typer.Option(16, "--layers", min=1),
+    experts: int = typer.Option(64, "--experts", min=2),
+    top_k: int = typer.Option(8, "--top-k", min=1),
+    alpha: float = typer.Option(1.0, "--alpha", min=0.0, help="Zipf exponent of popularity."),
+    layer_skew: float = typer.Option(
+        0.5, "--layer-skew", min=0.0, help="How much steeper deep layers' popularity is."
+    ),
+    stickiness: float = typer.Option(
+        0.35, "--stickiness", min=0.0, max=0.99, help="Chance a pick repeats the last token's."
+    ),
+    tasks: int = typer.Option(4, "--tasks", min=1, help="Tasks interleaved (kind=tasks)."),
+    segment: int = typer.Option(250, "--segment", min=1, help="Steps per task segment."),
+    batch: int = typer.Option(4, "--batch", min=1, help="Sequences per step (kind=batched)."),
+    seed: int = typer.Option(0, "--seed"),
+    expert_bytes: int | None = typer.Option(None, "--expert-bytes", min=1),
+    model: str | None = typer.Option(None, "--model", help="Model label stored in the trace."),
+) -> None:
+    """Write a synthetic routing trace (labelled synthetic in its `source`)."""
+    from ..synth import SynthSpec, synthesize
+    from ..trace import save
+
+    if kind not in KINDS:
+        raise UserError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    spec = SynthSpec(
+        steps=steps,
+        layers=layers,
+        experts=experts,
+        top_k=top_k,
+        alpha=alpha,
+        layer_skew=layer_skew,
+        stickiness=stickiness,
+        tasks=tasks if kind == "tasks" else 1,
+        segment=segment,
+        batch=batch if kind == "batched" else 1,
+        seed=seed,
+        expert_bytes=expert_bytes,
+        model=model,
+    )
+    try:
+        trace = synthesize(spec)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    path = save(trace, out)
+    console.print(
+        f"wrote {path}: {trace.steps} steps x {trace.num_layers} layers x {trace.width} ids "
+        f"(top-{trace.top_k} of {trace.num_experts}), {trace.source}"
+    )
+
+
+def describe(trace) -> dict:
+    """Facts about a trace that a user checks before trusting a replay of it."""
+    ids = trace.topk_ids
+    valid = ids >= 0
+    per_step = valid.sum(axis=2)
+    counts = np.bincount(ids[valid].ravel(), minlength=trace.num_experts)
+    share = np.sort(counts)[::-1] / max(1, counts.sum())
+    top = max(1, trace.num_experts // 8)
+    return {
+        "steps": trace.steps,
+        "layers": trace.num_layers,
+        "layer_ids": trace.layer_names(),
+        "width": trace.width,
+        "num_experts": trace.num_experts,
+        "top_k": trace.top_k,
+        "tokens": trace.tokens,
+        "ids_per_step_min": int(per_step.min()),
+        "ids_per_step_max": int(per_step.max()),
+        "padding_fraction": float(1 - valid.mean()),
+        "experts_used": int(np.count_nonzero(counts)),
+        f"top_{top}_experts_share": float(share[:top].sum()),
+        "expert_bytes": trace.expert_bytes,
+        "model": trace.model,
+        "source": trace.source,
+    }
+
+
+@trace_app.command("info")
+def info_command(
+    path: Path = typer.Argument(..., help="Routing trace .npz."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Describe a trace file (validating it)."""
+    from ..trace import load
+
+    facts = describe(load(path))
+    if as_json:
+        print(json.dumps({"path": str(path), **facts}, indent=2))
+        return
+    table = Table(title=str(path), show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    for k, v in facts.items():
+        if k == "layer_ids":
+            v = f"{v[0]}..{v[-1]}" if len(v) > 1 else str(v[0])
+        elif isinstance(v, float):
+            v = f"{v:.3f}"
+        table.add_row(k, str(v))
+    console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(trace_app, name="trace")

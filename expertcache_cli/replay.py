@@ -1,0 +1,149 @@
+"""Replay a routing trace under policies and budgets: the library behind `expertcache replay`.
+
+Counting misses is the deterministic way to compare policies (DESIGN section 6): no
+server, no timing noise, and it measures exactly what the cache controls. The numbers
+here are the ones a user sizes a deployment from, so each is defined once:
+
+- ``requests``: distinct valid ids over all layer-steps (what a layer needs resident).
+- ``installs``: experts the cache gathered into slots (what the kernel counts live).
+- ``read_through_ids``: distinct ids of layer-steps too wide for the slots
+  (``tokens x top_k > slots``); the stock path reads them over the link in place.
+- ``misses = installs + read_through_ids``: experts fetched over the host link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+from numba import njit
+
+from . import engine
+from .policy import Policy
+from .trace import Trace
+
+COUNT_FIELDS = [
+    "installs",
+    "dropped",
+    "read_through_steps",
+    "read_through_ids",
+    "requests",
+    "served_steps",
+]
+
+
+@dataclass
+class ReplayReport:
+    """Everything one replay computed; tables are pandas frames for the CLI and tests."""
+
+    results: pd.DataFrame  # one row per (policy, slots), all layers summed
+    per_layer: pd.DataFrame  # one row per (policy, slots, layer)
+    reuse: dict[str, float] = field(default_factory=dict)
+    split: pd.DataFrame | None = None
+
+
+def _derive(df: pd.DataFrame, tokens: int, expert_bytes: int | None, link_gbps: float | None):
+    df = df.copy()
+    df["misses"] = df["installs"] + df["read_through_ids"]
+    df["miss_rate"] = df["misses"] / df["requests"].where(df["requests"] > 0, 1)
+    if expert_bytes:
+        df["bytes_moved"] = df["misses"] * expert_bytes
+        df["bytes_per_token"] = df["bytes_moved"] / max(1, tokens)
+        if link_gbps:
+            df["transfer_ms_per_token"] = df["bytes_per_token"] / (link_gbps * 1e9) * 1e3
+    return df
+
+
+def replay(
+    trace: Trace,
+    policies: list[Policy],
+    slots: list[int],
+    *,
+    decay: int = 0,
+    max_inserts: int | None = None,
+    expert_bytes: int | None = None,
+    link_gbps: float | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ReplayReport:
+    """Replay ``trace`` under every (policy, slots); LRU and OPT are added for the ratios."""
+    wanted = list(dict.fromkeys(policies))
+    run = list(dict.fromkeys([*wanted, Policy.LRU, Policy.OPT]))
+    counts = engine.sweep(
+        trace.topk_ids, trace.num_experts, run, slots, decay, max_inserts, progress=progress
+    )
+    layer_names = trace.layer_names()
+    rows = [
+        {
+            "policy": c.policy.name.lower(),
+            "slots": c.slots,
+            "layer": layer_names[c.layer],
+            **{f: getattr(c, f) for f in COUNT_FIELDS},
+        }
+        for c in counts
+    ]
+    per_layer = pd.DataFrame(rows)
+    eb = expert_bytes if expert_bytes is not None else trace.expert_bytes
+    tokens = trace.tokens
+    totals = per_layer.groupby(["policy", "slots"], sort=False)[COUNT_FIELDS].sum().reset_index()
+    totals = _derive(totals, tokens, eb, link_gbps)
+    per_layer = _derive(per_layer, tokens, eb, link_gbps)
+    base = totals.set_index(["policy", "slots"])["misses"]
+    totals["vs_lru"] = [
+        m / base[("lru", s)] if base[("lru", s)] else 1.0
+        for m, s in zip(totals["misses"], totals["slots"])
+    ]
+    totals["vs_opt"] = [
+        m / base[("opt", s)] if base[("opt", s)] else 1.0
+        for m, s in zip(totals["misses"], totals["slots"])
+    ]
+    names = [p.name.lower() for p in wanted]
+    totals = totals[totals["policy"].isin(names)].reset_index(drop=True)
+    per_layer = per_layer[per_layer["policy"].isin(names)].reset_index(drop=True)
+    return ReplayReport(results=totals, per_layer=per_layer, reuse=reuse_percentiles(trace))
+
+
+@njit(cache=True)
+def _stack_distances(seq, num_experts, out):
+    """Distinct other experts routed in the steps strictly between two uses of an expert."""
+    t_steps, width = seq.shape
+    last = np.full(num_experts, -1, np.int64)
+    n = 0
+    for t in range(t_steps):
+        for w in range(width):
+            e = seq[t, w]
+            if e < 0 or e >= num_experts or last[e] == t:
+                continue
+            if last[e] >= 0:
+                d = 0
+                for o in range(num_experts):
+                    if o != e and last[o] > last[e] and last[o] < t:
+                        d += 1
+                out[n] = d
+                n += 1
+        for w in range(width):
+            e = seq[t, w]
+            if 0 <= e < num_experts:
+                last[e] = t
+    return n
+
+
+def reuse_percentiles(trace: Trace, qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
+    """Reuse (stack) distance percentiles over all layers, in distinct experts.
+
+    An expert re-used after ``d`` other distinct experts hits an LRU cache of more than
+    ``d`` slots (when the step fits), so these percentiles read as "slots needed for
+    q% of re-uses to hit".
+    """
+    ids = np.ascontiguousarray(trace.topk_ids, dtype=np.int32)
+    chunks = []
+    for layer in range(ids.shape[1]):
+        seq = np.ascontiguousarray(ids[:, layer, :])
+        out = np.empty(seq.size, np.int64)
+        n = _stack_distances(seq, trace.num_experts, out)
+        chunks.append(out[:n])
+    dist = np.concatenate(chunks) if chunks else np.empty(0)
+    if dist.size == 0:
+        return {f"p{q}": float("nan") for q in qs} | {"reuses": 0}
+    return {f"p{q}": float(np.percentile(dist, q)) for q in qs} | {"reuses": int(dist.size)}

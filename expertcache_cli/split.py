@@ -1,0 +1,94 @@
+"""Recommend how to split a total slot budget across layers.
+
+Layers differ a lot: deep layers are often far more cacheable than shallow ones, so a
+uniform split wastes slots where they buy little. Given each layer's miss curve (misses
+at a grid of slot counts, from the replay engine), an exact dynamic program over the
+grid finds the per-layer counts with the fewest total misses within the same total.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import engine
+from .policy import Policy
+from .trace import Trace
+
+
+@dataclass
+class Split:
+    """A per-layer allocation and what it costs against the uniform one."""
+
+    budget: int
+    uniform_slots: int
+    slots: list[int]  # per layer
+    misses: int
+    uniform_misses: int
+
+    @property
+    def saved(self) -> int:
+        return self.uniform_misses - self.misses
+
+    @property
+    def saved_fraction(self) -> float:
+        return self.saved / self.uniform_misses if self.uniform_misses else 0.0
+
+
+def slot_grid(num_experts: int, extra: list[int]) -> list[int]:
+    """Candidate per-layer slot counts: an even grid of ~32 points plus the asked sizes."""
+    step = max(1, num_experts // 32)
+    grid = set(range(step, num_experts + 1, step)) | {s for s in extra if 0 < s <= num_experts}
+    return sorted(grid)
+
+
+def miss_curves(trace: Trace, policy: Policy, grid: list[int], decay: int = 0) -> np.ndarray:
+    """``curves[layer, i]`` = host fetches of that layer at ``grid[i]`` slots."""
+    counts = engine.sweep(trace.topk_ids, trace.num_experts, [policy], grid, decay)
+    curves = np.zeros((trace.num_layers, len(grid)), np.int64)
+    col = {s: i for i, s in enumerate(grid)}
+    for c in counts:
+        curves[c.layer, col[c.slots]] = c.installs + c.read_through_ids
+    return curves
+
+
+def best_split(curves: np.ndarray, grid: list[int], budget: int, uniform: int) -> Split:
+    """Exact minimum of total misses with per-layer slots from ``grid`` summing to <= budget."""
+    n_layers = curves.shape[0]
+    inf = np.iinfo(np.int64).max // 4
+    # cost[b] = fewest misses of the layers so far using exactly b slots
+    cost = np.full(budget + 1, inf, np.int64)
+    cost[0] = 0
+    choice = np.zeros((n_layers, budget + 1), np.int64)
+    for layer in range(n_layers):
+        new = np.full(budget + 1, inf, np.int64)
+        for i, s in enumerate(grid):
+            if s > budget:
+                break
+            cand = np.full(budget + 1, inf, np.int64)
+            cand[s:] = cost[: budget + 1 - s] + curves[layer, i]
+            better = cand < new
+            new[better] = cand[better]
+            choice[layer, better] = i
+        cost = new
+    b = int(np.argmin(cost))
+    if cost[b] >= inf:
+        raise ValueError(f"budget {budget} is below one grid step per layer")
+    slots = [0] * n_layers
+    for layer in range(n_layers - 1, -1, -1):
+        i = int(choice[layer, b])
+        slots[layer] = grid[i]
+        b -= grid[i]
+    misses = int(sum(curves[layer, grid.index(s)] for layer, s in enumerate(slots)))
+    uniform_misses = int(curves[:, grid.index(uniform)].sum())
+    return Split(uniform * n_layers, uniform, slots, misses, uniform_misses)
+
+
+def recommend(
+    trace: Trace, policy: Policy, uniform_slots: list[int], decay: int = 0
+) -> list[Split]:
+    """For each uniform size, the best split of the same total (``size x layers``)."""
+    grid = slot_grid(trace.num_experts, uniform_slots)
+    curves = miss_curves(trace, policy, grid, decay)
+    return [best_split(curves, grid, s * trace.num_layers, s) for s in uniform_slots]
