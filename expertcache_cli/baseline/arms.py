@@ -1,0 +1,114 @@
+"""Arms: the server configurations a baseline compares, and the order they run in.
+
+An arm is a whole server configuration, not a request option, because what we measure
+(expert residency, host reads, the cache) is fixed when the server loads its weights.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import UserError
+
+#: Environment variables the plugin reads (issue 5). Kept here so the arms and the docs agree.
+ENV_DISABLE = "EXPERT_CACHE_DISABLE"
+ENV_SLOTS = "EXPERT_CACHE_SLOTS"
+ENV_POLICY = "EXPERT_CACHE_POLICY"
+ENV_STATS = "EXPERT_CACHE_STATS"
+#: Variables that, inherited from the caller's shell, would change what an arm means.
+ENV_CACHE_KNOBS = (ENV_DISABLE, ENV_SLOTS, ENV_POLICY, "EXPERT_CACHE_FRACTION")
+
+_CACHE_RE = re.compile(r"^cache:(\d+)(?::(lru|lfu))?$")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One server configuration.
+
+    kind: ``resident`` (stock vLLM, every expert in VRAM), ``offload`` (experts in pinned
+    host memory, plugin disabled: the control) or ``cache`` (offloaded, plugin armed with
+    ``slots`` slots per layer and ``policy``).
+    """
+
+    name: str
+    kind: str
+    slots: int | None = None
+    policy: str | None = None
+
+    @property
+    def offloaded(self) -> bool:
+        return self.kind != "resident"
+
+    def env(self, stats_every: int | None = None) -> dict[str, str | None]:
+        """Environment overrides for this arm's server; ``None`` means "remove".
+
+        The resident and offload arms disable the plugin outright, so they are the stock
+        server; cache arms drop any inherited knob that would change the budget.
+        """
+        env: dict[str, str | None] = {k: None for k in ENV_CACHE_KNOBS}
+        if self.kind == "cache":
+            env[ENV_SLOTS] = str(self.slots)
+            if self.policy:
+                env[ENV_POLICY] = self.policy
+            if stats_every:
+                env[ENV_STATS] = str(stats_every)
+        else:
+            env[ENV_DISABLE] = "1"
+        return env
+
+    def server_args(self, cpu_offload_gb: float | None) -> list[str]:
+        """vLLM arguments this arm adds: the expert offload for every arm but resident."""
+        if not self.offloaded:
+            return []
+        if cpu_offload_gb is None:
+            raise UserError(
+                f"arm {self.name!r} offloads experts: pass --cpu-offload-gb GB or --vram GB"
+            )
+        return ["--cpu-offload-gb", _fmt_gb(cpu_offload_gb), "--cpu-offload-params", "experts"]
+
+
+def _fmt_gb(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def parse_arm(text: str) -> Arm:
+    """``resident`` | ``offload`` | ``cache:S`` | ``cache:S:lru`` | ``cache:S:lfu``."""
+    t = text.strip().lower()
+    if t in ("resident", "offload"):
+        return Arm(name=t, kind=t)
+    m = _CACHE_RE.match(t)
+    if not m:
+        raise UserError(
+            f"bad arm {text!r}: expected resident, offload, cache:SLOTS or cache:SLOTS:lru|lfu"
+        )
+    slots = int(m.group(1))
+    if slots <= 0:
+        raise UserError(f"bad arm {text!r}: the slot budget must be at least 1")
+    return Arm(name=t, kind="cache", slots=slots, policy=m.group(2))
+
+
+def parse_arms(text: str) -> list[Arm]:
+    """A comma-separated list of arms, each named once."""
+    parts = [p for p in (s.strip() for s in text.split(",")) if p]
+    if not parts:
+        raise UserError("--arms is empty: name at least one of resident, offload, cache:S")
+    arms = [parse_arm(p) for p in parts]
+    seen: set[str] = set()
+    for arm in arms:
+        if arm.name in seen:
+            raise UserError(f"arm {arm.name!r} is named twice in --arms")
+        seen.add(arm.name)
+    return arms
+
+
+def round_order(arms: list[str], restart: int) -> list[str]:
+    """The arm order for one restart round: the list rotated by the round index.
+
+    Rotation puts each arm first (and last) in turn, so a slow drift of the machine
+    (thermals, page cache, another tenant) does not always land on the same arm.
+    """
+    if not arms:
+        return []
+    k = restart % len(arms)
+    return arms[k:] + arms[:k]

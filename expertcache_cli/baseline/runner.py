@@ -1,0 +1,306 @@
+"""The protocol: restart rounds x rotated arms x (fresh server, warm-up, measured runs).
+
+Everything measured is appended to the results file before the next thing happens, and
+every server is stopped (with its whole process group) before the next one starts, even
+on Ctrl-C. A server that fails is a result, recorded with its log tail; the experiment
+goes on with the next arm.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import signal
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+from . import store as _store
+from .arms import Arm, round_order
+from .client import RequestFailed, measure_run
+from .counters import latest_counters
+from .server import (
+    Server,
+    ServerFailed,
+    build_command,
+    default_template,
+    free_port,
+    server_env,
+    tail,
+)
+
+DEFAULT_PROMPT = (
+    "Explain, step by step and in plain words, how a mixture-of-experts language model "
+    "decides which experts process each token, and why that matters for memory."
+)
+
+
+@dataclass
+class BaselineConfig:
+    """Everything that defines one baseline experiment (see ``expertcache baseline --help``)."""
+
+    model: str
+    arms: list[Arm]
+    out: Path
+    restarts: int = 3
+    runs: int = 5
+    max_tokens: int = 200
+    concurrency: int = 1
+    prompt: str = DEFAULT_PROMPT
+    resume: bool = False
+    server_cmd: str | None = None
+    vllm_args: list[str] = field(default_factory=list)
+    cpu_offload_gb: float | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    start_timeout_s: float = 1800.0
+    request_timeout_s: float = 600.0
+    stop_grace_s: float = 30.0
+    stats_every: int | None = None
+    log_dir: Path | None = None
+    retry_failed: bool = False
+
+    def validate(self) -> None:
+        if self.restarts < 1:
+            raise UserError("--restarts must be at least 1")
+        if self.runs < 1:
+            raise UserError("--runs must be at least 1")
+        if self.max_tokens < 2:
+            raise UserError("--max-tokens must be at least 2 (decode speed needs two tokens)")
+        if self.concurrency < 1:
+            raise UserError("--concurrency must be at least 1")
+        if not self.prompt:
+            raise UserError("--prompt is empty")
+        if self.start_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise UserError("timeouts must be positive")
+        if self.cpu_offload_gb is not None and self.cpu_offload_gb <= 0:
+            raise UserError("--cpu-offload-gb must be positive: 0 would offload nothing")
+        for arm in self.arms:
+            arm.server_args(self.cpu_offload_gb)  # raises when an offload size is missing
+
+    def meta(self) -> dict[str, Any]:
+        from .. import __version__
+
+        return {
+            "kind": "meta",
+            "format": _store.FORMAT_VERSION,
+            "model": self.model,
+            "arms": [a.name for a in self.arms],
+            "restarts": self.restarts,
+            "runs": self.runs,
+            "max_tokens": self.max_tokens,
+            "concurrency": self.concurrency,
+            "prompt": self.prompt,
+            "server_cmd": self.server_cmd or default_template(),
+            "vllm_args": self.vllm_args,
+            "cpu_offload_gb": self.cpu_offload_gb,
+            "stats_every": self.stats_every,
+            "created_at": now_iso(),
+            "expertcache": __version__,
+        }
+
+    @property
+    def logs(self) -> Path:
+        return self.log_dir or self.out.parent / f"{self.out.stem}-logs"
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Treat SIGTERM like Ctrl-C, so a killed baseline still stops its server group."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def plan_blocks(cfg: BaselineConfig, done: set[tuple[str, int]]) -> list[tuple[int, Arm]]:
+    """The (restart, arm) blocks still to run, in the order they will run."""
+    by_name = {a.name: a for a in cfg.arms}
+    todo = []
+    for r in range(cfg.restarts):
+        for name in round_order([a.name for a in cfg.arms], r):
+            if (name, r) not in done:
+                todo.append((r, by_name[name]))
+    return todo
+
+
+def open_results(cfg: BaselineConfig) -> tuple[_store.ResultsStore, set[tuple[str, int]]]:
+    """Start a new results file, or check and reopen one for --resume."""
+    meta = cfg.meta()
+    exists = cfg.out.exists() and cfg.out.stat().st_size > 0
+    if exists and not cfg.resume:
+        raise UserError(f"{cfg.out} exists: pass --resume to continue it, or choose another --out")
+    st = _store.ResultsStore(cfg.out)
+    if not exists:
+        st.open()
+        st.append(meta)
+        return st, set()
+    old, records = _store.load(cfg.out)
+    if old is None:
+        raise UserError(f"{cfg.out} has no meta record: not an expertcache baseline file")
+    _store.check_resumable(old, meta)
+    done = _store.completed_blocks(records, cfg.runs)
+    if cfg.retry_failed:
+        done = _store.completed_blocks(
+            [r for r in records if not (r["kind"] == "server" and r.get("status") == "failed")],
+            cfg.runs,
+        )
+    st.open()
+    st.append(
+        {
+            "kind": "resume",
+            "at": now_iso(),
+            "restarts": cfg.restarts,
+            "retry_failed": cfg.retry_failed,
+        }
+    )
+    return st, done
+
+
+def run_baseline(cfg: BaselineConfig, say: Callable[[str], None] = lambda s: None) -> Path:
+    """Run (or continue) the experiment; returns the results path."""
+    cfg.validate()
+    template = cfg.server_cmd or default_template()
+    st, done = open_results(cfg)
+    todo = plan_blocks(cfg, done)
+    if done:
+        say(f"resuming: {len(done)} block(s) already done, {len(todo)} to run")
+    try:
+        with _sigterm_as_interrupt():
+            for i, (restart, arm) in enumerate(todo):
+                say(f"[{i + 1}/{len(todo)}] restart {restart}, arm {arm.name}")
+                _run_block(cfg, template, st, restart, arm, say)
+    finally:
+        st.close()
+    return cfg.out
+
+
+def _run_block(
+    cfg: BaselineConfig,
+    template: str,
+    st: _store.ResultsStore,
+    restart: int,
+    arm: Arm,
+    say: Callable[[str], None],
+) -> None:
+    port = cfg.port or free_port(cfg.host)
+    argv = build_command(
+        template,
+        model=cfg.model,
+        host=cfg.host,
+        port=port,
+        arm=arm.name,
+        arm_args=arm.server_args(cfg.cpu_offload_gb),
+        vllm_args=cfg.vllm_args,
+    )
+    env = server_env(arm.env(cfg.stats_every))
+    safe = arm.name.replace(":", "-")
+    sid = uuid.uuid4().hex[:12]
+    log_path = cfg.logs / f"r{restart}-{safe}-{sid}.log"
+    server = Server(argv=argv, env=env, log_path=log_path, host=cfg.host, port=port, server_id=sid)
+    started_at = now_iso()
+    base = {"arm": arm.name, "restart": restart, "server_id": server.server_id}
+    phase = "start"
+    try:
+        server.start()
+        phase = "health"
+        start_s = server.wait_healthy(cfg.start_timeout_s)
+        say(f"  server healthy after {start_s:.1f} s (pid {server.proc.pid}, port {port})")
+        st.append(
+            {
+                **base,
+                "kind": "server",
+                "status": "healthy",
+                "start_s": start_s,
+                "started_at": started_at,
+                "argv": argv,
+                "log": str(server.log_path),
+                "model_id": server.model_id,
+                "port": port,
+                "env": {k: v for k, v in arm.env(cfg.stats_every).items() if v is not None},
+            }
+        )
+        common = {**base, "server_start_s": start_s, "server_started_at": started_at}
+        for run in range(-1, cfg.runs):
+            phase = "warmup" if run < 0 else "run"
+            try:
+                res = measure_run(
+                    server.base_url,
+                    server.model_id or cfg.model,
+                    cfg.prompt,
+                    cfg.max_tokens,
+                    cfg.concurrency,
+                    cfg.request_timeout_s,
+                )
+            except RequestFailed as exc:
+                why = str(exc)
+                if not server.alive():
+                    why = f"server {server.exit_reason()} ({why})"
+                raise ServerFailed(phase, why) from None
+            rec = {
+                **common,
+                "kind": "warmup" if run < 0 else "run",
+                "run": run if run >= 0 else None,
+                "tok_s": res.tok_s,
+                "ttft_s": res.ttft_s,
+                "tokens": res.tokens,
+                "chunks": res.chunks,
+                "decode_s": res.decode_s,
+                "wall_s": res.wall_s,
+                "concurrency": res.streams,
+                "finished_at": now_iso(),
+                "counters": latest_counters(server.log_path),
+            }
+            st.append(rec)
+            label = "warm-up" if run < 0 else f"run {run + 1}/{cfg.runs}"
+            say(
+                f"  {label}: {res.tok_s:.2f} tok/s, TTFT {res.ttft_s * 1000:.0f} ms, "
+                f"{res.tokens} tokens"
+            )
+    except ServerFailed as exc:
+        server.stop(cfg.stop_grace_s)
+        st.append(
+            {
+                **base,
+                "kind": "server",
+                "status": "failed",
+                "phase": exc.phase,
+                "reason": exc.reason,
+                "started_at": started_at,
+                "argv": argv,
+                "log": str(server.log_path),
+                "log_tail": tail(server.log_path),
+                "failed_at": now_iso(),
+            }
+        )
+        say(f"  server failed ({exc.phase}): {exc.reason}; continuing with the next arm")
+        return
+    finally:
+        server.stop(cfg.stop_grace_s)
+
+
+def load_summary(path: str | os.PathLike[str]):
+    """(summary, records) of a results file, for ``report`` and after a run."""
+    from .summary import summarise
+
+    meta, records = _store.load(path)
+    if meta is None and not records:
+        raise UserError(f"{path}: empty results file")
+    return summarise(records, meta), records

@@ -1,0 +1,186 @@
+"""`expertcache baseline`: offload vs no-offload vs cache, replicated across server restarts.
+
+`expertcache baseline MODEL [OPTIONS] [-- VLLM ARGS]` runs the experiment;
+`expertcache baseline report FILE` summarises a results file again. The work is in
+`expertcache_cli.baseline`; this module only parses options.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import typer
+from rich.console import Console
+from typer.core import TyperGroup
+
+from ..errors import UserError
+
+console = Console()
+err = Console(stderr=True, highlight=False)
+
+
+class _DefaultRunGroup(TyperGroup):
+    """`baseline MODEL ...` means `baseline run MODEL ...`; `baseline report FILE` stays."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+baseline_app = typer.Typer(
+    cls=_DefaultRunGroup,
+    help=(
+        "Offload vs no-offload vs cache serving runs, replicated across server restarts. "
+        "`expertcache baseline MODEL [OPTIONS] [-- VLLM ARGS]` runs it (same as "
+        "`baseline run`); `expertcache baseline report FILE` re-summarises a results file."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def _vram_offload(model: str, vram: float, vllm_args: list[str], arms: list, concurrency: int):
+    """--cpu-offload-gb from the sizing library, and warnings on the sizing trap."""
+    from .. import sizing
+    from ..baseline.sizing_bridge import offload_from_vram
+
+    p = offload_from_vram(sizing, model, vram, vllm_args)
+    err.print(f"--vram {vram:g}: {p.text}; offload arms get --cpu-offload-gb {p.cpu_offload_gb:g}")
+    for arm in arms:
+        if arm.kind != "cache":
+            continue
+        if arm.slots > p.max_slots:
+            err.print(f"[yellow]warning:[/yellow] {arm.name}: only {p.max_slots} slots fit")
+        if arm.slots < concurrency * p.top_k:
+            err.print(
+                f"[yellow]warning:[/yellow] {arm.name}: {concurrency} stream(s) x top_k "
+                f"{p.top_k} = {concurrency * p.top_k} ids per decode step exceed {arm.slots} "
+                "slots: every step reads through, the cache cannot engage"
+            )
+        elif arm.slots < p.trap_ids:
+            err.print(
+                f"[yellow]warning:[/yellow] {arm.name}: below max_num_seqs x top_k = "
+                f"{p.trap_ids}: batched traffic beyond {arm.slots // p.top_k} sequences "
+                "bypasses the cache (this single-stream-per-run test will not show it)"
+            )
+    return p.cpu_offload_gb
+
+
+def _print_summary(path: Path, plot: Path | None, as_json: bool) -> None:
+    from ..baseline.runner import load_summary
+    from ..baseline.summary import render
+
+    summary, records = load_summary(path)
+    if as_json:
+        print(json.dumps(summary.to_dict(), indent=2))
+    else:
+        render(summary, console)
+    if plot is not None:
+        from ..baseline.plot import plot as draw
+
+        out = draw(summary, records, plot)
+        err.print(f"plot written to {out}")
+
+
+@baseline_app.command(
+    "run",
+    context_settings={"allow_extra_args": True},
+    help=(
+        "Run the experiment: for each restart round, each arm (rotated order) gets a fresh "
+        "server, a discarded warm-up request and --runs measured streaming requests. Every "
+        "run is appended to --out as it finishes. Arguments after `--` go to vLLM."
+    ),
+)
+def run_cmd(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="Model name or directory, as vLLM takes it."),
+    arms: str = typer.Option(
+        "resident,offload,cache:64",
+        help="Comma-separated arms: resident | offload | cache:SLOTS[:lru|lfu].",
+    ),
+    restarts: int = typer.Option(3, help="Restart rounds: fresh servers for every arm each round."),
+    runs: int = typer.Option(5, help="Measured requests per server (after one warm-up)."),
+    max_tokens: int = typer.Option(200, help="Tokens per request (ignore_eos: always this many)."),
+    concurrency: int = typer.Option(1, help="Identical streams sent together per run."),
+    prompt: str | None = typer.Option(None, help="Fixed prompt (default: a built-in one)."),
+    out: Path = typer.Option(Path("results.jsonl"), help="Results file (JSON Lines)."),
+    resume: bool = typer.Option(False, help="Continue an interrupted --out file."),
+    retry_failed: bool = typer.Option(False, help="With --resume: run failed blocks again."),
+    server_cmd: str | None = typer.Option(
+        None,
+        help=(
+            "Server command template. Placeholders: {model} {host} {port} {python} {arm} "
+            "{arm_args} {vllm_args}; the last two are appended when absent. Default: "
+            "`vllm serve {model} --host {host} --port {port} {arm_args} {vllm_args}`."
+        ),
+    ),
+    cpu_offload_gb: float | None = typer.Option(
+        None, help="--cpu-offload-gb for the offload and cache arms."
+    ),
+    vram: float | None = typer.Option(
+        None, help="Card VRAM in GB: let `size` choose --cpu-offload-gb."
+    ),
+    host: str = typer.Option("127.0.0.1", help="Address the servers listen on."),
+    port: int = typer.Option(0, help="Server port (0: a free port for every server)."),
+    start_timeout: float = typer.Option(1800.0, help="Seconds a server may take to be healthy."),
+    request_timeout: float = typer.Option(600.0, help="Seconds one request may take."),
+    stats: int | None = typer.Option(
+        None, help="Set EXPERT_CACHE_STATS=N on cache arms (the plugin logs its counters)."
+    ),
+    log_dir: Path | None = typer.Option(None, help="Server logs (default: OUT-stem-logs/)."),
+    plot: Path | None = typer.Option(None, help="Also draw tok/s per arm to this image."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    from ..baseline.arms import parse_arms
+    from ..baseline.runner import DEFAULT_PROMPT, BaselineConfig, run_baseline
+
+    vllm_args = list(ctx.args)
+    arm_list = parse_arms(arms)
+    if cpu_offload_gb is not None and vram is not None:
+        raise UserError("give --cpu-offload-gb or --vram, not both")
+    if vram is not None:
+        if vram <= 0:
+            raise UserError("--vram must be positive")
+        cpu_offload_gb = _vram_offload(model, vram, vllm_args, arm_list, concurrency)
+    cfg = BaselineConfig(
+        model=model,
+        arms=arm_list,
+        out=out,
+        restarts=restarts,
+        runs=runs,
+        max_tokens=max_tokens,
+        concurrency=concurrency,
+        prompt=prompt if prompt is not None else DEFAULT_PROMPT,
+        resume=resume,
+        server_cmd=server_cmd,
+        vllm_args=vllm_args,
+        cpu_offload_gb=cpu_offload_gb,
+        host=host,
+        port=port,
+        start_timeout_s=start_timeout,
+        request_timeout_s=request_timeout,
+        stats_every=stats,
+        log_dir=log_dir,
+        retry_failed=retry_failed,
+    )
+    if retry_failed and not resume:
+        raise UserError("--retry-failed only makes sense with --resume")
+    run_baseline(cfg, say=lambda s: err.print(s))
+    err.print(f"results in {out}")
+    _print_summary(out, plot, json_out)
+
+
+@baseline_app.command("report", help="Summarise a results file again (and optionally plot it).")
+def report_cmd(
+    file: Path = typer.Argument(..., help="A results file written by `expertcache baseline`."),
+    plot: Path | None = typer.Option(None, help="Draw tok/s per arm to this image."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    _print_summary(file, plot, json_out)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(baseline_app, name="baseline")

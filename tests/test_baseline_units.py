@@ -1,0 +1,410 @@
+"""`baseline` without a server: arms, commands, the results file, the summary math,
+the warnings, the counters regex, and the CLI's handling of bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from expertcache_cli.baseline import store
+from expertcache_cli.baseline.arms import parse_arm, parse_arms, round_order
+from expertcache_cli.baseline.client import StreamResult, summarise_streams
+from expertcache_cli.baseline.counters import latest_counters, parse_stats_line
+from expertcache_cli.baseline.runner import BaselineConfig, plan_blocks
+from expertcache_cli.baseline.server import build_command
+from expertcache_cli.baseline.summary import indistinguishable, summarise, t975
+from expertcache_cli.errors import UserError
+
+# ---------------------------------------------------------------- arms
+
+
+def test_parse_arms_kinds_and_env():
+    arms = parse_arms("resident, offload,cache:32,cache:64:lfu")
+    assert [a.name for a in arms] == ["resident", "offload", "cache:32", "cache:64:lfu"]
+    res, off, c32, c64 = arms
+    assert res.server_args(8) == []
+    assert off.server_args(8) == ["--cpu-offload-gb", "8", "--cpu-offload-params", "experts"]
+    assert c32.server_args(7.5)[1] == "7.5"
+    assert off.env()["EXPERT_CACHE_DISABLE"] == "1"
+    assert res.env()["EXPERT_CACHE_DISABLE"] == "1"
+    env = c64.env(stats_every=100)
+    assert env["EXPERT_CACHE_SLOTS"] == "64" and env["EXPERT_CACHE_POLICY"] == "lfu"
+    assert env["EXPERT_CACHE_STATS"] == "100"
+    assert env["EXPERT_CACHE_DISABLE"] is None  # an inherited DISABLE must not leak in
+    assert c32.env()["EXPERT_CACHE_POLICY"] is None
+
+
+@pytest.mark.parametrize("bad", ["", "cache", "cache:0", "cache:x", "resident,resident", "gpu"])
+def test_parse_arms_rejects(bad):
+    with pytest.raises(UserError):
+        parse_arms(bad)
+
+
+def test_offload_arm_needs_a_size():
+    with pytest.raises(UserError, match="--cpu-offload-gb"):
+        parse_arm("offload").server_args(None)
+
+
+def test_round_order_rotates_every_arm_through_every_position():
+    names = ["a", "b", "c"]
+    rounds = [round_order(names, r) for r in range(3)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    for pos in range(3):
+        assert sorted(r[pos] for r in rounds) == names
+
+
+def test_plan_blocks_skips_done_and_keeps_rotation(tmp_path):
+    cfg = BaselineConfig(
+        model="m",
+        arms=parse_arms("resident,offload"),
+        out=tmp_path / "r",
+        restarts=2,
+        cpu_offload_gb=1,
+    )
+    todo = [(r, a.name) for r, a in plan_blocks(cfg, {("resident", 0)})]
+    assert todo == [(0, "offload"), (1, "offload"), (1, "resident")]
+
+
+# ---------------------------------------------------------------- server command
+
+
+def test_build_command_template_substitution():
+    argv = build_command(
+        "{python} -m srv --model '{model}' --port {port} {arm_args} --x {vllm_args}",
+        model="/m dir",
+        host="h",
+        port=123,
+        arm="offload",
+        arm_args=["--cpu-offload-gb", "4"],
+        vllm_args=["--max-model-len", "512"],
+    )
+    assert argv == [sys.executable, "-m", "srv", "--model", "/m dir", "--port", "123",
+                    "--cpu-offload-gb", "4", "--x", "--max-model-len", "512"]  # fmt: skip
+
+
+def test_build_command_appends_missing_multiword_placeholders():
+    argv = build_command(
+        "serve {model}", model="m", host="h", port=1, arm="a", arm_args=["--o"], vllm_args=["--v"]
+    )
+    assert argv == ["serve", "m", "--o", "--v"]
+
+
+@pytest.mark.parametrize("tmpl", ["", "serve {nope}", "serve x{arm_args}", "serve 'unclosed"])
+def test_build_command_rejects(tmpl):
+    with pytest.raises(UserError):
+        build_command(tmpl, model="m", host="h", port=1, arm="a", arm_args=[], vllm_args=[])
+
+
+# ---------------------------------------------------------------- client arithmetic
+
+
+def test_decode_rate_is_tokens_after_first_over_first_to_last():
+    s = StreamResult(
+        tokens=11, chunks=11, t_sent=0.0, t_first=0.5, t_last=2.5, finish_reason="length"
+    )
+    r = summarise_streams([s], wall_s=2.6)
+    assert r.tok_s == pytest.approx(10 / 2.0)
+    assert r.ttft_s == pytest.approx(0.5)
+    assert r.tokens == 11
+
+
+def test_concurrent_streams_aggregate():
+    a = StreamResult(5, 5, 0.0, 1.0, 3.0, "length")
+    b = StreamResult(5, 5, 0.0, 2.0, 5.0, "length")
+    r = summarise_streams([a, b], wall_s=5.0)
+    assert r.tok_s == pytest.approx(8 / 4.0)  # (4 + 4) tokens over 1.0 .. 5.0
+    assert r.ttft_s == pytest.approx(1.5)
+
+
+# ---------------------------------------------------------------- results store
+
+
+def test_store_appends_and_survives_cut_short_tail(tmp_path):
+    p = tmp_path / "r.jsonl"
+    with store.ResultsStore(p) as st:
+        st.append({"kind": "meta", "format": store.FORMAT_VERSION})
+        st.append({"kind": "run", "arm": "a", "restart": 0, "run": 0, "tok_s": 1.0})
+    with open(p, "a") as fh:
+        fh.write('{"kind": "run", "arm": "a", "rest')  # an interrupted write
+    meta, recs = store.load(p)
+    assert meta["kind"] == "meta" and len(recs) == 1
+    with store.ResultsStore(p) as st:  # reopening drops the fragment before appending
+        st.append({"kind": "run", "arm": "a", "restart": 0, "run": 1, "tok_s": 2.0})
+    lines = p.read_text().splitlines()
+    assert len(lines) == 3 and all(json.loads(line) for line in lines)
+
+
+def test_store_keeps_complete_record_missing_its_newline(tmp_path):
+    p = tmp_path / "r.jsonl"
+    p.write_text('{"kind": "meta"}\n{"kind": "run", "tok_s": 3.0}')
+    store.repair_tail(p)
+    assert p.read_text().endswith("3.0}\n")
+
+
+def test_store_refuses_garbage_in_the_middle(tmp_path):
+    p = tmp_path / "r.jsonl"
+    p.write_text('{"kind": "meta"}\nnot json\n{"kind": "run"}\n')
+    with pytest.raises(UserError, match=":2:"):
+        store.load(p)
+
+
+def test_completed_blocks():
+    recs = [
+        {"kind": "run", "arm": "a", "restart": 0, "server_id": "s1"},
+        {"kind": "run", "arm": "a", "restart": 0, "server_id": "s1"},
+        {"kind": "run", "arm": "b", "restart": 0, "server_id": "s2"},  # cut short
+        {"kind": "server", "status": "failed", "arm": "c", "restart": 0},
+        {"kind": "server", "status": "healthy", "arm": "b", "restart": 1},
+    ]
+    assert store.completed_blocks(recs, runs=2) == {("a", 0), ("c", 0)}
+
+
+def test_check_resumable():
+    old = {
+        "format": store.FORMAT_VERSION,
+        "model": "m",
+        "arms": ["a"],
+        "runs": 2,
+        "max_tokens": 8,
+        "concurrency": 1,
+        "prompt": "p",
+        "restarts": 2,
+    }
+    store.check_resumable(old, {**old, "restarts": 3})  # growing is fine
+    with pytest.raises(UserError, match="runs"):
+        store.check_resumable(old, {**old, "runs": 3})
+    with pytest.raises(UserError, match="restarts"):
+        store.check_resumable(old, {**old, "restarts": 1})
+
+
+# ---------------------------------------------------------------- summary
+
+
+def _runs(arm: str, per_restart: list[list[float]], sid_prefix: str = "s") -> list[dict]:
+    out = []
+    for r, vals in enumerate(per_restart):
+        for i, v in enumerate(vals):
+            out.append(
+                {
+                    "kind": "run",
+                    "arm": arm,
+                    "restart": r,
+                    "run": i,
+                    "tok_s": v,
+                    "ttft_s": 0.1,
+                    "tokens": 8,
+                    "server_id": f"{sid_prefix}{arm}{r}",
+                }
+            )
+    return out
+
+
+def test_t_quantiles():
+    assert t975(2) == pytest.approx(4.303)
+    assert t975(30) == pytest.approx(2.042)
+    assert t975(60) == pytest.approx(2.000, abs=0.002)
+    assert math.isnan(t975(0))
+
+
+def test_summary_math_by_hand():
+    recs = _runs("cache:4", [[10, 12], [14, 16], [11, 13]])
+    recs += _runs("resident", [[100, 100]] * 3) + _runs("offload", [[20, 20]] * 3)
+    s = summarise(recs, {"arms": ["resident", "offload", "cache:4"], "runs": 2})
+    c = s.arm("cache:4")
+    assert c.restarts == 3 and c.runs == 6
+    assert c.restart_means == [11, 15, 12]
+    assert c.mean_tok_s == pytest.approx(38 / 3)
+    assert c.between_sd == pytest.approx(math.sqrt(26 / 9 * 3 / 2))  # sd of 11, 15, 12
+    assert c.within_sd == pytest.approx(math.sqrt(2))
+    half = 4.303 * c.between_sd / math.sqrt(3)
+    assert (c.ci_low, c.ci_high) == (pytest.approx(38 / 3 - half), pytest.approx(38 / 3 + half))
+    assert c.ratio_resident == pytest.approx(38 / 300)
+    assert c.ratio_offload == pytest.approx(38 / 60)
+    assert c.recovered == pytest.approx((38 / 3 - 20) / 80)
+    assert s.arm("resident").ratio_resident == pytest.approx(1.0)
+    assert math.isnan(s.arm("offload").recovered)
+
+
+def test_summary_uses_only_the_latest_server_of_a_block():
+    recs = _runs("a", [[1.0]], sid_prefix="old") + _runs("a", [[5.0, 7.0]], sid_prefix="new")
+    s = summarise(recs, {"arms": ["a"], "runs": 2})
+    assert s.arm("a").mean_tok_s == pytest.approx(6.0)
+    assert s.superseded_runs == 1
+    assert any("superseded" in w for w in s.warnings)
+
+
+def _warn(s, text):
+    return [w for w in s.warnings if text in w]
+
+
+def test_warning_within_much_smaller_than_between():
+    recs = _runs("resident", [[10.0, 10.01], [11.5, 11.51], [9.0, 9.02]])
+    s = summarise(recs, {"arms": ["resident"], "runs": 2})
+    assert _warn(s, "runs inside one server agree")
+    calm = summarise(_runs("resident", [[10, 12], [11, 13], [10.5, 12.5]]), {"runs": 2})
+    assert not _warn(calm, "runs inside one server agree")
+
+
+def test_warning_cache_not_engaged_and_offload_not_offloaded():
+    recs = _runs("resident", [[50, 50], [51, 51], [49, 49]])
+    recs += _runs("offload", [[20, 20.2], [21, 21.1], [19.5, 19.6]])
+    recs += _runs("cache:8", [[20.1, 20], [20.8, 21], [19.7, 19.6]])
+    s = summarise(recs, {"arms": ["resident", "offload", "cache:8"], "runs": 2})
+    assert _warn(s, "cache:8 is indistinguishable from the offload control")
+    assert not _warn(s, "offload is indistinguishable from resident")
+    engaged = _runs("resident", [[50, 50], [51, 51], [49, 49]])
+    engaged += _runs("offload", [[20, 20], [21, 21], [19, 19]])
+    engaged += _runs("cache:8", [[40, 40], [41, 41], [39, 39]])
+    assert not _warn(summarise(engaged, {"runs": 2}), "indistinguishable")
+    flat = _runs("resident", [[20, 20], [21, 21], [19, 19]]) + _runs(
+        "offload", [[20, 20], [21, 21], [19, 19]]
+    )
+    assert _warn(summarise(flat, {"runs": 2}), "offload is indistinguishable from resident")
+
+
+def test_warning_few_restarts_missing_control_failures_and_incomplete():
+    recs = _runs("cache:8", [[10, 11], [12]])
+    recs.append(
+        {
+            "kind": "server",
+            "status": "failed",
+            "arm": "cache:8",
+            "restart": 2,
+            "phase": "health",
+            "reason": "boom",
+        }
+    )
+    s = summarise(recs, {"arms": ["cache:8"], "runs": 2})
+    assert _warn(s, "only 2 restart(s)")
+    assert _warn(s, "no offload control arm")
+    assert _warn(s, "1 server(s) failed")
+    assert _warn(s, "fewer than 2 per restart")
+    assert s.arm("cache:8").failed_servers == 1
+    assert s.failures[0]["reason"] == "boom"
+
+
+def test_indistinguishable_without_intervals_uses_two_percent():
+    recs = _runs("offload", [[20.0]]) + _runs("cache:1", [[20.3]]) + _runs("cache:2", [[25.0]])
+    s = summarise(recs, {"runs": 1})
+    assert indistinguishable(s.arm("offload"), s.arm("cache:1"))
+    assert not indistinguishable(s.arm("offload"), s.arm("cache:2"))
+
+
+def test_summary_to_dict_is_json_clean():
+    s = summarise(_runs("a", [[1.0]]), {"runs": 1})
+    text = json.dumps(s.to_dict(), allow_nan=False)
+    assert json.loads(text)["arms"][0]["between_sd"] is None
+
+
+# ---------------------------------------------------------------- counters
+
+
+def test_stats_line_parsing(tmp_path):
+    line = (
+        "INFO 11-30 02:00:01 [plugin.py:88] expert-cache stats: "
+        "layer_steps=4800 hits=30112 misses=6304 hit_rate=0.8269"
+    )
+    assert parse_stats_line(line) == {
+        "layer_steps": 4800,
+        "hits": 30112,
+        "misses": 6304,
+        "hit_rate": pytest.approx(0.8269),
+    }
+    assert parse_stats_line("expert_cache STATS hit_rate=82.5%") == {"hit_rate": 82.5}
+    assert parse_stats_line("INFO: 127.0.0.1 GET /health 200") is None
+    assert parse_stats_line("expert-cache armed on 48 layers, slots=64") is None
+    log = tmp_path / "s.log"
+    log.write_text(
+        "\n".join(
+            [
+                "boot",
+                "expert-cache stats: hits=1 misses=9",
+                "noise",
+                "expert-cache stats: hits=5 misses=9",
+                "bye",
+                "",
+            ]
+        )
+    )
+    assert latest_counters(log) == {"hits": 5, "misses": 9}
+    assert latest_counters(tmp_path / "missing.log") is None
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "expertcache_cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["baseline", "m", "--arms", "cache:zero"], "bad arm"),
+        (["baseline", "m", "--arms", "offload"], "--cpu-offload-gb"),
+        (["baseline", "m", "--arms", "resident", "--runs", "0"], "--runs"),
+        (["baseline", "m", "--cpu-offload-gb", "1", "--vram", "24"], "not both"),
+        (["baseline", "report", "/nonexistent/results.jsonl"], "not found"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(args, needle, tmp_path):
+    p = _cli(*args, "--out", str(tmp_path / "r.jsonl")) if args[1] != "report" else _cli(*args)
+    assert p.returncode == 2, p.stderr
+    assert needle in p.stderr
+    assert "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_cli_refuses_to_overwrite_without_resume(tmp_path):
+    out = tmp_path / "r.jsonl"
+    out.write_text('{"kind": "meta"}\n')
+    p = _cli("baseline", "m", "--arms", "resident", "--out", str(out))
+    assert p.returncode == 2 and "--resume" in p.stderr
+
+
+def test_cli_report_renders_table_and_json(tmp_path):
+    out = tmp_path / "r.jsonl"
+    recs = [{"kind": "meta", "format": 1, "arms": ["resident", "offload"], "runs": 2}]
+    recs += _runs("resident", [[50, 50], [51, 51], [49, 49]])
+    recs += _runs("offload", [[20, 20], [21, 21], [19, 19]])
+    out.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    p = _cli("baseline", "report", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "resident" in p.stdout and "offload" in p.stdout and "0.400" in p.stdout
+    j = _cli("baseline", "report", str(out), "--json")
+    data = json.loads(j.stdout)
+    assert [a["arm"] for a in data["arms"]] == ["resident", "offload"]
+    assert data["arms"][1]["ratio_resident"] == pytest.approx(0.4)
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="plot extra (matplotlib) not installed")
+    from expertcache_cli.baseline.plot import plot
+
+    recs = _runs("resident", [[50, 51], [49, 48]]) + _runs("offload", [[20, 21], [19, 22]])
+    s = summarise(recs, {"arms": ["resident", "offload"], "runs": 2})
+    out = plot(s, recs, tmp_path / "p.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_torch_or_vllm_at_import():
+    code = (
+        "import sys, expertcache_cli.commands.baseline, expertcache_cli.baseline.runner;"
+        "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ}, timeout=60
+    )
+    assert p.stdout.strip() == "[]", p.stderr
