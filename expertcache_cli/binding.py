@@ -1,0 +1,414 @@
+"""The kernel ABI, in one place: argument order, C types, checks, policy codes.
+
+`kernels/expert_cache.cu` exports two kernels (``expert_cache_manage_kernel``,
+``expert_cache_gather_kernel``) and, when built as a shared library, two C entry points
+(``expert_cache_manage``, ``expert_cache_gather``) that validate and launch them. This
+module is the only Python code that knows their signatures. It can drive either build:
+
+* ``NvrtcKernels`` (default): the source compiled by NVRTC for this GPU (see
+  `kernel_build`), loaded with the driver API from `cuda-bindings`, launched with
+  ``cuLaunchKernel`` on the caller's stream. The checks the C wrappers would do are done
+  here, before launching.
+* ``LibraryKernels``: a shared library built by ``kernels/build.sh`` and named by
+  ``EXPERT_CACHE_LIB``, called through ctypes.
+
+Launchers (`ManageLauncher`, `GatherLauncher`) prebuild their argument blocks once, so a
+call only rewrites the few values that change (ids, output, source pointers): the
+per-layer Python cost stays small, and nothing here ever synchronises with the device.
+If you change an argument here, change the .cu file with it and bump ``ABI_VERSION``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from .policy import Policy
+
+ABI_VERSION = 1  # = EC_ABI_VERSION in expert_cache.cu
+THREADS = 256  # = EC_THREADS: manager block size and gather block size
+MAX_EXPERTS = 16384  # = EC_MAX_EXPERTS
+MAX_SLOTS = 1024  # = EC_MAX_SLOTS
+GATHER_MAX_TENSORS = 8  # = EC_GATHER_MAX_TENSORS: wider gathers are split across launches
+VEC_BYTES = 16  # every gather lane moves 16 bytes; slabs must be multiples of it
+
+#: kernel policy codes (= EC_POLICY_*): exactly the `Policy` enum values
+POLICY_CODES = {Policy.LRU: 0, Policy.LFU: 1}
+assert all(int(p) == c for p, c in POLICY_CODES.items())
+
+#: nonzero codes returned by the C wrappers instead of launching (CUDA errors are < 1000)
+ERROR_CODES = {
+    1001: "size out of range (num_experts, num_slots, n_ids or grid)",
+    1002: "bad policy code or negative decay",
+    1003: "null pointer",
+    1004: "gather pointer not 16-byte aligned",
+    1005: "per-expert slab not a positive multiple of 16 bytes",
+}
+
+
+class KernelError(RuntimeError):
+    """A kernel launch was refused or failed; the message names the code and its meaning."""
+
+
+def manage_smem_bytes(num_experts: int, num_slots: int) -> int:
+    """Dynamic shared memory of the manager (= EC_MANAGE_SMEM)."""
+    return (num_slots * 24 + 2 * THREADS * 4 + num_experts + 15) // 16 * 16
+
+
+def policy_code(policy: str | int | Policy) -> int:
+    """The kernel's code for an online policy; Belady needs the future and is CPU-only."""
+    p = Policy.parse(policy)
+    if p not in POLICY_CODES:
+        raise ValueError(
+            f"policy {p.name.lower()} cannot run on the device (it needs the future routing); "
+            "choose lru or lfu"
+        )
+    return POLICY_CODES[p]
+
+
+def check_manage_config(
+    num_experts: int, num_slots: int, decay: int, max_distinct: int, max_inserts: int
+) -> None:
+    """The manager's argument checks (what the C wrapper refuses with EC_ERR_*)."""
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"num_experts={num_experts} outside 1..{MAX_EXPERTS}")
+    if not 1 <= num_slots <= MAX_SLOTS:
+        raise ValueError(f"num_slots={num_slots} outside 1..{MAX_SLOTS}")
+    if decay < 0:
+        raise ValueError(f"decay={decay} must be >= 0")
+    if not 0 <= max_distinct < 2**31 or not 0 <= max_inserts < 2**31:
+        raise ValueError("max_distinct and max_inserts must be in 0..2**31-1")
+
+
+def check_slab(name: str, nbytes: int) -> None:
+    """A per-expert slab must be a positive multiple of 16 bytes: refused, never truncated."""
+    if nbytes <= 0 or nbytes % VEC_BYTES:
+        raise ValueError(
+            f"{name}: per-expert slab of {nbytes} bytes is not a positive multiple of "
+            f"{VEC_BYTES} bytes (the gather moves 16 bytes a lane and never truncates)"
+        )
+
+
+def check_aligned(name: str, ptr: int) -> None:
+    if ptr % VEC_BYTES:
+        raise ValueError(f"{name}: address {ptr:#x} is not 16-byte aligned")
+
+
+class GatherParams(ctypes.Structure):
+    """Mirror of ``struct EcGatherParams`` (the gather kernel's by-value argument)."""
+
+    _fields_ = [
+        ("src", ctypes.c_void_p * GATHER_MAX_TENSORS),
+        ("dst", ctypes.c_void_p * GATHER_MAX_TENSORS),
+        ("vecs", ctypes.c_longlong * GATHER_MAX_TENSORS),
+        ("per_miss", ctypes.c_longlong),
+        ("n_tensors", ctypes.c_int),
+        ("reserved", ctypes.c_int),
+    ]
+
+
+assert ctypes.sizeof(GatherParams) == 208
+
+
+# The manager's arguments, in order, with their C types (kernel and C wrapper alike; the
+# wrapper adds the stream last).
+MANAGE_ARGS: tuple[tuple[str, type], ...] = (
+    ("ids", ctypes.c_void_p),
+    ("n_ids", ctypes.c_int),
+    ("ids_is64", ctypes.c_int),
+    ("table", ctypes.c_void_p),
+    ("slot_expert", ctypes.c_void_p),
+    ("prio", ctypes.c_void_p),
+    ("step", ctypes.c_void_p),
+    ("miss_expert", ctypes.c_void_p),
+    ("miss_slot", ctypes.c_void_p),
+    ("miss_count", ctypes.c_void_p),
+    ("out_ids", ctypes.c_void_p),
+    ("stats", ctypes.c_void_p),
+    ("num_experts", ctypes.c_int),
+    ("num_slots", ctypes.c_int),
+    ("policy", ctypes.c_int),
+    ("decay", ctypes.c_int),
+    ("max_distinct", ctypes.c_int),
+    ("max_inserts", ctypes.c_int),
+)
+
+
+class Kernels:
+    """A loaded build of the kernels for one device; use `get_kernels`."""
+
+    backend = "?"
+    description = ""
+
+    def manage_launcher(self, **fixed: int) -> ManageLauncher:
+        return ManageLauncher(self, **fixed)
+
+
+class NvrtcKernels(Kernels):
+    """The kernels compiled by NVRTC (cached per user) and launched via the driver API."""
+
+    backend = "nvrtc"
+
+    def __init__(self, device_index: int) -> None:
+        import torch
+
+        from . import kernel_build
+
+        try:
+            from cuda.bindings import driver
+        except ImportError as exc:
+            raise kernel_build.KernelBuildError(
+                f"cuda-bindings is missing ({exc}): `pip install cuda-bindings`"
+            ) from None
+        self._driver = driver
+        major, minor = torch.cuda.get_device_capability(device_index)
+        self.image = kernel_build.cached_image(major * 10 + minor)
+        with torch.cuda.device(device_index):
+            torch.empty(1, device=f"cuda:{device_index}")  # make the primary context current
+            self._check(driver.cuInit(0)[0], "cuInit")
+            err, ctx = driver.cuCtxGetCurrent()
+            self._check(err, "cuCtxGetCurrent")
+            if int(ctx) == 0:
+                err, dev = driver.cuDeviceGet(device_index)
+                self._check(err, "cuDeviceGet")
+                err, ctx = driver.cuDevicePrimaryCtxRetain(dev)
+                self._check(err, "cuDevicePrimaryCtxRetain")
+                self._check(driver.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")
+            data = self.image.path.read_bytes()
+            if self.image.kind == "ptx" and not data.endswith(b"\0"):
+                data += b"\0"
+            err, self._module = driver.cuModuleLoadData(data)
+            self._check(err, f"loading {self.image.path}")
+            err, self.manage_fn = driver.cuModuleGetFunction(
+                self._module, b"expert_cache_manage_kernel"
+            )
+            self._check(err, "cuModuleGetFunction(expert_cache_manage_kernel)")
+            err, self.gather_fn = driver.cuModuleGetFunction(
+                self._module, b"expert_cache_gather_kernel"
+            )
+            self._check(err, "cuModuleGetFunction(expert_cache_gather_kernel)")
+        self.description = (
+            f"NVRTC {self.image.kind} for sm_{self.image.arch} ({self.image.path}"
+            f"{', cached' if self.image.cached else ', compiled now'})"
+        )
+
+    def _check(self, err, what: str) -> None:
+        if int(err) != 0:
+            _, name = self._driver.cuGetErrorName(err)
+            raise KernelError(f"{what} failed: {name.decode() if name else int(err)}")
+
+    def launch(self, fn, grid: int, smem: int, stream: int, params_addr: int) -> None:
+        (err,) = self._driver.cuLaunchKernel(
+            fn, grid, 1, 1, THREADS, 1, 1, smem, stream, params_addr, 0
+        )
+        if int(err) != 0:
+            self._check(err, "cuLaunchKernel")
+
+
+class LibraryKernels(Kernels):
+    """A shared library built by nvcc (``kernels/build.sh``), called through ctypes."""
+
+    backend = "library"
+
+    def __init__(self, path: str | Path) -> None:
+        from . import kernel_build
+
+        path = Path(path)
+        if not path.is_file():
+            raise kernel_build.KernelBuildError(
+                f"{kernel_build.LIB_ENV}={path}: no such file (build it with kernels/build.sh "
+                "or `expertcache build-kernels --library`)"
+            )
+        missing = kernel_build.missing_entry_points(
+            path.read_bytes(), kernel_build.LIBRARY_ENTRY_POINTS
+        )
+        if missing:
+            raise kernel_build.KernelBuildError(f"{path} does not export {', '.join(missing)}")
+        lib = ctypes.CDLL(str(path))
+        version = lib.expert_cache_abi_version() if hasattr(lib, "expert_cache_abi_version") else 0
+        if version != ABI_VERSION:
+            raise kernel_build.KernelBuildError(
+                f"{path} has kernel ABI {version}, this package needs {ABI_VERSION}: rebuild it"
+            )
+        lib.expert_cache_manage.restype = ctypes.c_int
+        lib.expert_cache_manage.argtypes = [t for _, t in MANAGE_ARGS] + [ctypes.c_void_p]
+        lib.expert_cache_gather.restype = ctypes.c_int
+        lib.expert_cache_gather.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+        ]
+        self.lib = lib
+        self.path = path
+        self.description = f"shared library {path}"
+
+
+def raise_for_code(code: int, what: str) -> None:
+    """Turn a C wrapper's return code into a `KernelError` (0 = success)."""
+    if code:
+        meaning = ERROR_CODES.get(code, "CUDA error")
+        raise KernelError(f"{what} returned {code}: {meaning}")
+
+
+class ManageLauncher:
+    """One cache's manager call: the state pointers fixed, the ids and output per call."""
+
+    def __init__(
+        self,
+        kernels: Kernels,
+        *,
+        table: int,
+        slot_expert: int,
+        prio: int,
+        step: int,
+        miss_expert: int,
+        miss_slot: int,
+        miss_count: int,
+        stats: int,
+        num_experts: int,
+        num_slots: int,
+        policy: int,
+        decay: int,
+        max_distinct: int,
+        max_inserts: int,
+    ) -> None:
+        check_manage_config(num_experts, num_slots, decay, max_distinct, max_inserts)
+        if policy not in POLICY_CODES.values():
+            raise ValueError(f"policy code {policy} is not LRU (0) or LFU (1)")
+        for name, ptr in (("table", table), ("slot_expert", slot_expert), ("prio", prio),
+                          ("step", step), ("miss_expert", miss_expert),
+                          ("miss_slot", miss_slot), ("miss_count", miss_count)):
+            if not ptr:
+                raise ValueError(f"manager state pointer {name} is null")
+        self.kernels = kernels
+        fixed = dict(
+            ids=0, n_ids=0, ids_is64=0, table=table, slot_expert=slot_expert, prio=prio,
+            step=step, miss_expert=miss_expert, miss_slot=miss_slot, miss_count=miss_count,
+            out_ids=0, stats=stats, num_experts=num_experts, num_slots=num_slots,
+            policy=policy, decay=decay, max_distinct=max_distinct, max_inserts=max_inserts,
+        )
+        self._vals = [ctype(fixed[name]) for name, ctype in MANAGE_ARGS]
+        self._ids, self._n, self._is64, self._out = (self._vals[0], self._vals[1],
+                                                     self._vals[2], self._vals[10])
+        self._params = (ctypes.c_void_p * len(self._vals))(
+            *[ctypes.addressof(v) for v in self._vals]
+        )
+        self._params_addr = ctypes.addressof(self._params)
+        self.smem = manage_smem_bytes(num_experts, num_slots)
+
+    def __call__(self, ids: int, n_ids: int, ids_is64: bool, out_ids: int, stream: int) -> None:
+        """Launch one manager step on ``stream`` (raw pointers; `SlotCache` checks tensors)."""
+        if n_ids < 0 or n_ids >= 2**31 or (n_ids and not ids):
+            raise ValueError(f"bad routing ids: n_ids={n_ids}, pointer={ids:#x}")
+        self._ids.value = ids or None
+        self._n.value = n_ids
+        self._is64.value = 1 if ids_is64 else 0
+        self._out.value = out_ids or None
+        k = self.kernels
+        if isinstance(k, NvrtcKernels):
+            k.launch(k.manage_fn, 1, self.smem, stream, self._params_addr)
+        else:
+            assert isinstance(k, LibraryKernels)
+            raise_for_code(k.lib.expert_cache_manage(*self._vals, stream), "expert_cache_manage")
+
+
+class GatherLauncher:
+    """One cache's gather: miss list and slot buffers fixed, source pointers per call."""
+
+    def __init__(
+        self,
+        kernels: Kernels,
+        *,
+        miss_expert: int,
+        miss_slot: int,
+        miss_count: int,
+        dsts: Sequence[int],
+        slab_bytes: Sequence[int],
+        grid: int,
+        names: Sequence[str] | None = None,
+    ) -> None:
+        n = len(dsts)
+        if n < 1 or len(slab_bytes) != n:
+            raise ValueError("gather needs at least one tensor and one slab size per tensor")
+        if grid < 1:
+            raise ValueError(f"gather grid {grid} must be >= 1")
+        self.names = list(names) if names is not None else [f"tensor{i}" for i in range(n)]
+        for name, d, b in zip(self.names, dsts, slab_bytes):
+            check_slab(name, int(b))
+            check_aligned(f"{name} slots", int(d))
+        self.kernels = kernels
+        self.grid = grid
+        self.n = n
+        self._miss = (ctypes.c_void_p(miss_expert), ctypes.c_void_p(miss_slot),
+                      ctypes.c_void_p(miss_count))
+        self._groups = []  # (first, count, GatherParams, params array address)
+        for first in range(0, n, GATHER_MAX_TENSORS):
+            cnt = min(GATHER_MAX_TENSORS, n - first)
+            p = GatherParams()
+            for t in range(cnt):
+                p.dst[t] = int(dsts[first + t])
+                p.vecs[t] = int(slab_bytes[first + t]) // VEC_BYTES
+            p.per_miss = sum(p.vecs[t] for t in range(cnt))
+            p.n_tensors = cnt
+            arr = (ctypes.c_void_p * 4)(*[ctypes.addressof(v) for v in self._miss],
+                                        ctypes.addressof(p))
+            self._groups.append((first, cnt, p, arr, ctypes.addressof(arr)))
+        # library path: plain arrays, as the C wrapper takes them
+        self._srcs = (ctypes.c_void_p * n)()
+        self._dsts = (ctypes.c_void_p * n)(*[int(d) for d in dsts])
+        self._bytes = (ctypes.c_longlong * n)(*[int(b) for b in slab_bytes])
+
+    def __call__(self, srcs: Sequence[int], stream: int) -> None:
+        """Launch the gather(s) on ``stream``; ``srcs`` are the [E, slab] source addresses."""
+        if len(srcs) != self.n:
+            raise ValueError(f"gather expects {self.n} source pointers, got {len(srcs)}")
+        for name, s in zip(self.names, srcs):
+            if not s:
+                raise ValueError(f"{name}: source pointer is null")
+            check_aligned(f"{name} source", int(s))
+        k = self.kernels
+        if isinstance(k, NvrtcKernels):
+            for first, cnt, p, _arr, addr in self._groups:
+                for t in range(cnt):
+                    p.src[t] = int(srcs[first + t])
+                k.launch(k.gather_fn, self.grid, 0, stream, addr)
+        else:
+            assert isinstance(k, LibraryKernels)
+            for i, s in enumerate(srcs):
+                self._srcs[i] = int(s)
+            raise_for_code(
+                k.lib.expert_cache_gather(*self._miss, self.n, self._srcs, self._dsts,
+                                          self._bytes, self.grid, stream),
+                "expert_cache_gather",
+            )
+
+
+def default_gather_grid(device_index: int) -> int:
+    """Blocks of the gather: 4 per SM keeps enough 16-byte reads in flight to fill the
+    host link, and stays fixed so the launch can be captured in a CUDA graph."""
+    import torch
+
+    return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_LOADED: dict[int, Kernels] = {}
+_LOCK = threading.Lock()
+
+
+def get_kernels(device_index: int) -> Kernels:
+    """The kernels for one device, loaded once per process.
+
+    ``EXPERT_CACHE_LIB=/path/libexpertcache.so`` selects a prebuilt library; otherwise the
+    source is compiled with NVRTC (or taken from the per-user cache).
+    """
+    with _LOCK:
+        k = _LOADED.get(device_index)
+        if k is None:
+            from .kernel_build import LIB_ENV
+
+            lib = os.environ.get(LIB_ENV)
+            k = LibraryKernels(lib) if lib else NvrtcKernels(device_index)
+            _LOADED[device_index] = k
+        return k

@@ -1,0 +1,209 @@
+"""One MoE layer's slot cache on the device: the object the vLLM plugin drives.
+
+A `SlotCache` owns the device state of DESIGN section 2 (table, slot_expert, prio, step),
+the miss list, two statistics counters and one slot buffer ``[S, *shape]`` per
+per-expert tensor (weights, scales, zero points, biases: every tensor indexed by the
+expert id, so that all of them are rebound together). `step` runs the manager and the
+gather on torch's current stream and returns the routing ids in slot space; it never
+synchronises with the device, and its pointers are stable for the object's life, so a
+vLLM CUDA graph can capture it. Sources are read fresh on every call, because vLLM's
+offloader moves the expert tensors to host memory after loading.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from . import binding
+from .policy import Policy
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SlotCache:
+    """Device-managed slot cache of one layer (see the module docstring).
+
+    ``specs`` maps a tensor name to its per-expert ``(shape, dtype)``; its slab must be a
+    multiple of 16 bytes. ``max_inserts`` (default: all misses) caps installs per step.
+    An empty ``specs`` gives a manager-only cache (no gather), used by replay.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        num_slots: int,
+        specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        *,
+        policy: str | Policy = "lru",
+        decay: int = 0,
+        max_inserts: int | None = None,
+        device: torch.device | int | None = None,
+        name: str = "",
+    ) -> None:
+        import torch
+
+        self.name = name
+        self.num_experts = int(num_experts)
+        self.num_slots = int(num_slots)
+        self.policy = Policy.parse(policy)
+        code = binding.policy_code(self.policy)
+        self.decay = int(decay)
+        self.max_inserts = self.num_slots if max_inserts is None else int(max_inserts)
+        binding.check_manage_config(
+            self.num_experts, self.num_slots, self.decay, self.num_slots, self.max_inserts
+        )
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif isinstance(device, int):
+            device = torch.device("cuda", device)
+        else:
+            device = torch.device(device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        if device.type != "cuda":
+            raise ValueError(f"{self._label()}SlotCache needs a CUDA device, got {device}")
+        self.device = device
+
+        self.specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        slab_bytes: list[int] = []
+        for key, (shape, dtype) in specs.items():
+            shape = tuple(int(x) for x in shape)
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            binding.check_slab(f"{self._label()}{key}", nbytes)
+            self.specs[key] = (shape, dtype)
+            slab_bytes.append(nbytes)
+        self.slab_bytes = dict(zip(self.specs, slab_bytes))
+
+        E, S, dev = self.num_experts, self.num_slots, device
+        self.table = torch.full((E,), -1, dtype=torch.int32, device=dev)
+        self.slot_expert = torch.full((S,), -1, dtype=torch.int32, device=dev)
+        self.prio = torch.zeros(S, dtype=torch.int64, device=dev)
+        self.step_count = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.miss_expert = torch.full((S,), -1, dtype=torch.int32, device=dev)
+        self.miss_slot = torch.full((S,), -1, dtype=torch.int32, device=dev)
+        self.miss_count = torch.zeros(1, dtype=torch.int32, device=dev)
+        #: device int64 [2]: distinct routed ids seen (requests), experts installed
+        self.stats = torch.zeros(2, dtype=torch.int64, device=dev)
+        #: name -> [S, *shape] slot buffer on the device; pointers stable for life
+        self.slots: dict[str, torch.Tensor] = {
+            key: torch.zeros((S, *shape), dtype=dtype, device=dev)
+            for key, (shape, dtype) in self.specs.items()
+        }
+
+        kernels = binding.get_kernels(dev.index)
+        self.backend = kernels.description
+        self._manage = binding.ManageLauncher(
+            kernels,
+            table=self.table.data_ptr(), slot_expert=self.slot_expert.data_ptr(),
+            prio=self.prio.data_ptr(), step=self.step_count.data_ptr(),
+            miss_expert=self.miss_expert.data_ptr(), miss_slot=self.miss_slot.data_ptr(),
+            miss_count=self.miss_count.data_ptr(), stats=self.stats.data_ptr(),
+            num_experts=E, num_slots=S, policy=code, decay=self.decay,
+            max_distinct=S, max_inserts=self.max_inserts,
+        )
+        self._gather = None
+        if self.specs:
+            self._gather = binding.GatherLauncher(
+                kernels,
+                miss_expert=self.miss_expert.data_ptr(), miss_slot=self.miss_slot.data_ptr(),
+                miss_count=self.miss_count.data_ptr(),
+                dsts=[t.data_ptr() for t in self.slots.values()],
+                slab_bytes=slab_bytes, grid=binding.default_gather_grid(dev.index),
+                names=[f"{self._label()}{k}" for k in self.specs],
+            )
+        self._checked: dict[str, tuple] = {}  # name -> signature of the last source seen
+
+    def _label(self) -> str:
+        return f"{self.name}: " if self.name else ""
+
+    def fits(self, num_ids: int) -> bool:
+        """The shape gate: a forward with more routing ids than slots reads through the
+        host copies instead (decided from shapes, no sync)."""
+        return num_ids <= self.num_slots
+
+    def _source_ptr(self, key: str, sources: Mapping[str, torch.Tensor]) -> int:
+        """Check one source tensor (cheaply when unchanged since last call); its address."""
+        try:
+            src = sources[key]
+        except KeyError:
+            raise ValueError(f"{self._label()}no source tensor for {key!r}") from None
+        shape, dtype = self.specs[key]
+        ptr = src.data_ptr()
+        sig = (ptr, tuple(src.shape), src.dtype, src.device)
+        if self._checked.get(key) == sig:
+            return ptr
+        want = (self.num_experts, *shape)
+        if tuple(src.shape) != want or src.dtype != dtype:
+            raise ValueError(
+                f"{self._label()}{key}: source is {tuple(src.shape)} {src.dtype}, "
+                f"expected {want} {dtype}"
+            )
+        if not src.is_contiguous():
+            raise ValueError(f"{self._label()}{key}: source must be contiguous")
+        if src.device.type == "cuda":
+            if src.device.index != self.device.index:
+                raise ValueError(
+                    f"{self._label()}{key}: source on {src.device}, cache on {self.device}"
+                )
+        elif src.device.type == "cpu":
+            if not src.is_pinned():
+                raise ValueError(
+                    f"{self._label()}{key}: a host source must be pinned (page-locked) memory "
+                    "so the device can read it in place"
+                )
+        else:
+            raise ValueError(f"{self._label()}{key}: source on unsupported device {src.device}")
+        binding.check_aligned(f"{self._label()}{key} source", ptr)
+        self._checked[key] = sig
+        return ptr
+
+    def check_sources(self, sources: Mapping[str, torch.Tensor]) -> None:
+        """Validate ``sources`` now. `step` re-checks only tensors whose address, shape or
+        dtype changed, so calling this before a CUDA graph capture keeps the host-side
+        queries (``is_pinned``) out of the captured region."""
+        for key in self.specs:
+            self._source_ptr(key, sources)
+
+    def step(self, topk_ids: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Manage + gather on torch's current stream; returns slot-space ids.
+
+        The result has the shape and dtype of ``topk_ids``; padding (< 0 or >= E) passes
+        through unchanged. No host synchronisation happens here.
+        """
+        import torch
+
+        if topk_ids.device != self.device:
+            raise ValueError(
+                f"{self._label()}topk_ids on {topk_ids.device}, cache on {self.device}"
+            )
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"{self._label()}topk_ids must be int32 or int64, not {topk_ids.dtype}"
+            )
+        srcs = [self._source_ptr(key, sources) for key in self.specs]
+        ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+        out = torch.empty_like(ids)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._manage(ids.data_ptr(), ids.numel(), ids.dtype == torch.int64, out.data_ptr(),
+                     stream)
+        if self._gather is not None:
+            self._gather(srcs, stream)
+        return out
+
+    def state(self) -> dict:
+        """Host copies of the state, the last miss list and the counters (syncs; tests)."""
+        n = int(self.miss_count.item())
+        me = self.miss_expert[:n].tolist()
+        ms = self.miss_slot[:n].tolist()
+        return {
+            "table": self.table.cpu().numpy(),
+            "slot_expert": self.slot_expert.cpu().numpy(),
+            "prio": self.prio.cpu().numpy(),
+            "step": int(self.step_count.item()),
+            "misses": list(zip(me, ms)),
+            "miss_count": n,
+            "stats": self.stats.cpu().tolist(),
+        }

@@ -1,0 +1,324 @@
+// expert_cache.cu: the device side of the expert slot cache (DESIGN section 2 and 3).
+//
+// Two kernels run per MoE layer per forward, on the caller's stream, with no host sync:
+//
+//   expert_cache_manage_kernel  one block of EC_THREADS threads. Marks the step's distinct
+//       routed experts, refreshes the resident ones, lists the misses in ascending expert
+//       order, picks victims among the slots this step does not need by the key
+//       (occupied, prio, slot), installs, writes the remapped (slot-space) routing ids and
+//       bumps two int64 counters. Only shared-memory block reductions and plain stores:
+//       no atomics, no warp-width assumption, so every rank that sees the same routing
+//       evolves the same state bit for bit (the tensor-parallel contract).
+//   expert_cache_gather_kernel  a fixed grid that copies every (expert, slot) of the miss
+//       list from host memory (UVA) into the slot buffers of up to EC_GATHER_MAX_TENSORS
+//       per-expert tensors, 16 bytes a lane. The miss count is read on the device, so the
+//       launch is the same whatever the misses are: CUDA-graph capturable. Blocks with no
+//       work return at once, which is what makes an all-hit step cheap.
+//
+// The file is compiled two ways: by NVRTC at first use (kernels only: the host wrappers
+// are kept out by EC_KERNELS_ONLY) and by nvcc into a shared library whose C entry points
+// expert_cache_manage / expert_cache_gather validate their arguments, return a nonzero
+// EC_ERR_* code instead of launching when something is wrong, and otherwise return the
+// launch error code. expertcache_cli/binding.py is the one Python module that mirrors
+// this ABI; change both together and bump EC_ABI_VERSION.
+#include "ec_compat.h"
+
+#define EC_ABI_VERSION 1
+#define EC_THREADS 256              // manager block size; the gather uses the same
+#define EC_MAX_EXPERTS 16384        // bounded by the manager's shared memory (one byte each)
+#define EC_MAX_SLOTS 1024           // bounded by the manager's shared memory (24 bytes each)
+#define EC_GATHER_MAX_TENSORS 8     // per launch; the host wrapper splits wider calls
+#define EC_GATHER_UNROLL 4          // independent 16-byte loads in flight per lane
+
+#define EC_POLICY_LRU 0             // = expertcache_cli.policy.Policy.LRU
+#define EC_POLICY_LFU 1             // = expertcache_cli.policy.Policy.LFU
+
+// Validation failures of the host wrappers (CUDA error codes are all below 1000).
+#define EC_ERR_SIZE 1001            // num_experts / num_slots / n_ids / grid out of range
+#define EC_ERR_POLICY 1002          // policy code is not LRU or LFU, or decay < 0
+#define EC_ERR_NULL 1003            // a required pointer is null
+#define EC_ERR_ALIGN 1004           // a gather pointer is not 16-byte aligned
+#define EC_ERR_SLAB 1005            // a per-expert slab is not a positive multiple of 16 bytes
+
+#define EC_KEY_NONE 0x7fffffffffffffffLL   // key of a slot that is not evictable this step
+#define EC_KEY_OCCUPIED (1LL << 62)        // occupied slots rank after every empty one
+
+// Dynamic shared memory of the manager, in bytes (binding.py computes the same).
+#define EC_MANAGE_SMEM(E, S) \
+    ((((long long)(S) * 24 + 2 * EC_THREADS * 4 + (long long)(E)) + 15) / 16 * 16)
+
+// Kernel argument of the gather, passed by value (binding.py mirrors it with ctypes).
+struct EcGatherParams {
+    const ec_vec16* src[EC_GATHER_MAX_TENSORS];  // [E, slab] per tensor, host (UVA) or device
+    ec_vec16* dst[EC_GATHER_MAX_TENSORS];        // [S, slab] per tensor, device
+    long long vecs[EC_GATHER_MAX_TENSORS];       // slab of one expert, in 16-byte units
+    long long per_miss;                          // sum of vecs: 16-byte units per miss
+    int n_tensors;
+    int reserved;
+};
+
+__device__ __forceinline__ long long ec_load_id(const void* ids, int i, int ids_is64) {
+    return ids_is64 ? ((const long long*)ids)[i] : (long long)((const int*)ids)[i];
+}
+
+__device__ __forceinline__ void ec_store_id(void* ids, int i, int ids_is64, long long v) {
+    if (ids_is64)
+        ((long long*)ids)[i] = v;
+    else
+        ((int*)ids)[i] = (int)v;
+}
+
+extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_kernel(
+    const void* __restrict__ ids,   // [n_ids] routing ids (int32 or int64), <0 or >=E = padding
+    int n_ids, int ids_is64,
+    int* __restrict__ table,        // [E] expert -> slot or -1
+    int* __restrict__ slot_expert,  // [S] slot -> expert or -1
+    long long* __restrict__ prio,   // [S]
+    long long* __restrict__ step,   // [1]
+    int* __restrict__ miss_expert,  // [S] out: installed experts, ascending
+    int* __restrict__ miss_slot,    // [S] out: their slots
+    int* __restrict__ miss_count,   // [1] out: installs this step
+    void* __restrict__ out_ids,     // [n_ids] out (same dtype as ids): slot-space ids, or null
+    long long* __restrict__ stats,  // [2] accumulated: distinct ids seen, installs; or null
+    int num_experts, int num_slots, int policy, int decay, int max_distinct, int max_inserts) {
+    extern __shared__ __align__(16) unsigned char ec_smem[];
+    const int E = num_experts;
+    const int S = num_slots;
+    const int tid = threadIdx.x;
+    long long* s_prio = (long long*)ec_smem;         // [S] working copy of prio
+    long long* s_key = s_prio + S;                   // [S] victim key, EC_KEY_NONE if pinned
+    int* s_sexp = (int*)(s_key + S);                 // [S] working copy of slot_expert
+    int* s_miss = s_sexp + S;                        // [S] missed experts, ascending
+    int* s_scan = s_miss + S;                        // [2][EC_THREADS] scan double buffer
+    unsigned char* s_mark = (unsigned char*)(s_scan + 2 * EC_THREADS);  // [E] in this step's R
+    __shared__ long long s_step;
+
+    // 0. Load the slot state, clear the marks, advance the step.
+    for (int s = tid; s < S; s += EC_THREADS) {
+        s_prio[s] = prio[s];
+        s_sexp[s] = slot_expert[s];
+    }
+    for (int e = tid; e < E; e += EC_THREADS) s_mark[e] = 0;
+    if (tid == 0) s_step = step[0] + 1;
+    __syncthreads();
+
+    // 1. Mark the distinct valid ids. Threads that hit the same expert store the same
+    //    byte, so the result does not depend on their order.
+    for (int i = tid; i < n_ids; i += EC_THREADS) {
+        const long long e = ec_load_id(ids, i, ids_is64);
+        if (e >= 0 && e < E) s_mark[e] = 1;
+    }
+    __syncthreads();
+
+    // 2. Each thread owns a contiguous chunk of expert ids, so an exclusive scan of the
+    //    per-chunk counts gives every miss its rank in ascending expert order. Counts of
+    //    R and of misses are packed in one int (both < 65536 because E <= EC_MAX_EXPERTS).
+    const int chunk = (E + EC_THREADS - 1) / EC_THREADS;
+    const int lo = min(tid * chunk, E);
+    const int hi = min(lo + chunk, E);
+    int mine = 0;
+    for (int e = lo; e < hi; ++e)
+        if (s_mark[e]) mine += (table[e] < 0) ? 0x10001 : 0x10000;
+    int* buf_in = s_scan;
+    int* buf_out = s_scan + EC_THREADS;
+    buf_in[tid] = mine;
+    __syncthreads();
+    for (int off = 1; off < EC_THREADS; off <<= 1) {  // Hillis-Steele, one sync per round
+        int v = buf_in[tid];
+        if (tid >= off) v += buf_in[tid - off];
+        buf_out[tid] = v;
+        __syncthreads();
+        int* t = buf_in;
+        buf_in = buf_out;
+        buf_out = t;
+    }
+    const int total = buf_in[EC_THREADS - 1];
+    const int before = buf_in[tid] - mine;  // exclusive prefix
+    const int n_distinct = total >> 16;
+    const int n_missing = total & 0xffff;
+    const long long now = s_step;
+    int installs = 0;
+
+    if (n_distinct <= max_distinct) {  // else: read-through step, nothing else changes
+        const int wanted = min(n_missing, max_inserts);
+        // 3. Refresh resident experts of R (each owns a distinct slot: no conflicts) and
+        //    list the first `wanted` misses in ascending expert order.
+        int rank = before & 0xffff;
+        for (int e = lo; e < hi; ++e) {
+            if (!s_mark[e]) continue;
+            const int s = table[e];
+            if (s >= 0) {
+                if (policy == EC_POLICY_LRU)
+                    s_prio[s] = now;
+                else
+                    s_prio[s] += 1;
+            } else {
+                if (rank < wanted) s_miss[rank] = e;
+                ++rank;
+            }
+        }
+        __syncthreads();
+        // 4. LFU decay, after the refreshes, over every slot (empty ones included).
+        if (policy == EC_POLICY_LFU && decay > 0 && now % decay == 0) {
+            for (int s = tid; s < S; s += EC_THREADS) s_prio[s] >>= 1;
+            __syncthreads();
+        }
+        // 5. Slots this step does not need are evictable; each resident expert of R pins
+        //    exactly one slot, so their number is known without another reduction.
+        const int evictable = S - (n_distinct - n_missing);
+        installs = min(wanted, evictable);
+        if (installs > 0) {
+            for (int s = tid; s < S; s += EC_THREADS) {
+                const int x = s_sexp[s];
+                s_key[s] = (x >= 0 && s_mark[x]) ? EC_KEY_NONE
+                                                 : ((x >= 0 ? EC_KEY_OCCUPIED : 0LL) | s_prio[s]);
+            }
+            __syncthreads();
+            // The k-th smallest (key, slot) is the victim of the k-th miss. Rank by
+            // counting smaller keys; stop as soon as the slot cannot be a victim.
+            for (int s = tid; s < S; s += EC_THREADS) {
+                const long long k = s_key[s];
+                if (k == EC_KEY_NONE) continue;
+                int r = 0;
+                for (int j = 0; j < S && r < installs; ++j) {
+                    const long long kj = s_key[j];
+                    r += (kj < k || (kj == k && j < s)) ? 1 : 0;
+                }
+                if (r >= installs) continue;
+                // 6. Install miss r in slot s (distinct experts and slots per thread).
+                const int e = s_miss[r];
+                const int old = s_sexp[s];
+                if (old >= 0) table[old] = -1;
+                table[e] = s;
+                slot_expert[s] = e;
+                s_prio[s] = (policy == EC_POLICY_LRU) ? now : 1LL;
+                miss_expert[r] = e;
+                miss_slot[r] = s;
+            }
+        }
+        __syncthreads();  // table and s_prio final for the whole block
+        for (int s = tid; s < S; s += EC_THREADS) prio[s] = s_prio[s];
+    }
+
+    // 7. Remap the routing ids to slot space through the updated table (fused, so the
+    //    layer needs no separate remap launch). Padding passes through unchanged.
+    if (out_ids != nullptr) {
+        for (int i = tid; i < n_ids; i += EC_THREADS) {
+            const long long e = ec_load_id(ids, i, ids_is64);
+            ec_store_id(out_ids, i, ids_is64, (e >= 0 && e < E) ? (long long)table[e] : e);
+        }
+    }
+    if (tid == 0) {
+        step[0] = now;
+        miss_count[0] = installs;
+        if (stats != nullptr) {
+            stats[0] += n_distinct;
+            stats[1] += installs;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_gather_kernel(
+    const int* __restrict__ miss_expert, const int* __restrict__ miss_slot,
+    const int* __restrict__ miss_count, EcGatherParams p) {
+    const long long total = (long long)miss_count[0] * p.per_miss;  // 16-byte units
+    long long idx = (long long)blockIdx.x * EC_THREADS + threadIdx.x;
+    if ((long long)blockIdx.x * EC_THREADS >= total) return;  // no work: leave at once
+    const long long stride = (long long)gridDim.x * EC_THREADS;
+    for (; idx < total; idx += stride * EC_GATHER_UNROLL) {
+        ec_vec16 v[EC_GATHER_UNROLL];
+        ec_vec16* d[EC_GATHER_UNROLL];
+#pragma unroll
+        for (int u = 0; u < EC_GATHER_UNROLL; ++u) {
+            const long long i = idx + u * stride;
+            d[u] = nullptr;
+            if (i < total) {
+                const long long k = i / p.per_miss;
+                long long r = i - k * p.per_miss;
+                const ec_vec16* sp = p.src[0];
+                ec_vec16* dp = p.dst[0];
+                long long n = p.vecs[0];
+#pragma unroll
+                for (int t = 1; t < EC_GATHER_MAX_TENSORS; ++t) {
+                    if (r >= n) {  // past this tensor's slab: move to the next one
+                        r -= n;
+                        sp = p.src[t];
+                        dp = p.dst[t];
+                        n = p.vecs[t];
+                    }
+                }
+                v[u] = sp[(long long)miss_expert[k] * n + r];
+                d[u] = dp + (long long)miss_slot[k] * n + r;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < EC_GATHER_UNROLL; ++u)
+            if (d[u] != nullptr) *d[u] = v[u];
+    }
+}
+
+#ifndef EC_KERNELS_ONLY
+// ---------------------------------------------------------------------------------------
+// Host entry points of the shared library (C linkage; bound by name through ctypes).
+
+extern "C" int expert_cache_abi_version(void) { return EC_ABI_VERSION; }
+
+extern "C" long long expert_cache_manage_smem(int num_experts, int num_slots) {
+    return EC_MANAGE_SMEM(num_experts, num_slots);
+}
+
+extern "C" int expert_cache_manage(const void* ids, int n_ids, int ids_is64, int* table,
+                                   int* slot_expert, long long* prio, long long* step,
+                                   int* miss_expert, int* miss_slot, int* miss_count,
+                                   void* out_ids, long long* stats, int num_experts,
+                                   int num_slots, int policy, int decay, int max_distinct,
+                                   int max_inserts, void* stream) {
+    if (num_experts < 1 || num_experts > EC_MAX_EXPERTS || num_slots < 1 ||
+        num_slots > EC_MAX_SLOTS || n_ids < 0 || max_distinct < 0 || max_inserts < 0)
+        return EC_ERR_SIZE;
+    if ((policy != EC_POLICY_LRU && policy != EC_POLICY_LFU) || decay < 0) return EC_ERR_POLICY;
+    if ((n_ids > 0 && ids == nullptr) || !table || !slot_expert || !prio || !step ||
+        !miss_expert || !miss_slot || !miss_count)
+        return EC_ERR_NULL;
+    if (ids_is64 != 0 && ids_is64 != 1) return EC_ERR_SIZE;
+    (void)ec_get_last_error();  // report this launch's error, not an older one
+    EC_LAUNCH(expert_cache_manage_kernel, 1, EC_THREADS,
+              (size_t)EC_MANAGE_SMEM(num_experts, num_slots), (ec_stream_t)stream, ids, n_ids,
+              ids_is64, table, slot_expert, prio, step, miss_expert, miss_slot, miss_count,
+              out_ids, stats, num_experts, num_slots, policy, decay, max_distinct, max_inserts);
+    return ec_get_last_error();
+}
+
+extern "C" int expert_cache_gather(const int* miss_expert, const int* miss_slot,
+                                   const int* miss_count, int n_tensors,
+                                   const void* const* srcs, void* const* dsts,
+                                   const long long* slab_bytes, int grid, void* stream) {
+    if (n_tensors < 1 || grid < 1) return EC_ERR_SIZE;
+    if (!miss_expert || !miss_slot || !miss_count || !srcs || !dsts || !slab_bytes)
+        return EC_ERR_NULL;
+    for (int t = 0; t < n_tensors; ++t) {
+        if (!srcs[t] || !dsts[t]) return EC_ERR_NULL;
+        if (slab_bytes[t] <= 0 || slab_bytes[t] % 16 != 0) return EC_ERR_SLAB;
+        if (((unsigned long long)srcs[t] | (unsigned long long)dsts[t]) % 16 != 0)
+            return EC_ERR_ALIGN;
+    }
+    (void)ec_get_last_error();
+    for (int first = 0; first < n_tensors; first += EC_GATHER_MAX_TENSORS) {
+        EcGatherParams p = {};
+        const int left = n_tensors - first;
+        const int n = left < EC_GATHER_MAX_TENSORS ? left : EC_GATHER_MAX_TENSORS;
+        for (int t = 0; t < n; ++t) {
+            p.src[t] = (const ec_vec16*)srcs[first + t];
+            p.dst[t] = (ec_vec16*)dsts[first + t];
+            p.vecs[t] = slab_bytes[first + t] / 16;
+            p.per_miss += p.vecs[t];
+        }
+        p.n_tensors = n;
+        EC_LAUNCH(expert_cache_gather_kernel, grid, EC_THREADS, 0, (ec_stream_t)stream,
+                  miss_expert, miss_slot, miss_count, p);
+        const int err = ec_get_last_error();
+        if (err != 0) return err;
+    }
+    return 0;
+}
+#endif  // EC_KERNELS_ONLY

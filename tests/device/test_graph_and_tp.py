@@ -1,0 +1,156 @@
+"""CUDA-graph capture of manage + gather + remap equals the eager run; two caches fed the
+same routing stay identical (the tensor-parallel contract); the nvcc-built library
+backend behaves like the NVRTC one; `device_replay` counts what the CPU reference counts."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from expertcache_cli.policy import LayerCache, Policy
+
+from .conftest import assert_same_state
+
+
+def _setup(torch, E=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    specs = {"w13": ((32, 16), torch.bfloat16), "w2": ((16, 16), torch.bfloat16),
+             "s13": ((32,), torch.float32), "s2": ((16,), torch.float32)}
+    sources = {}
+    for k, (shape, dt) in specs.items():
+        sources[k] = torch.randn((E, *shape), generator=g).to(dt).pin_memory()
+    return specs, sources
+
+
+def _routing(E, steps, tokens=4, top_k=4, seed=0):
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, E + 1) ** 1.1
+    p = p[rng.permutation(E)] / p.sum()
+    return [np.stack([rng.choice(E, top_k, replace=False, p=p) for _ in range(tokens)])
+            .astype(np.int32) for _ in range(steps)]
+
+
+def _assert_caches_equal(torch, a, b, ctx):
+    sa, sb = a.state(), b.state()
+    for key in ("table", "slot_expert", "prio"):
+        assert np.array_equal(sa[key], sb[key]), f"{ctx}: {key} differs"
+    for key in ("step", "misses", "miss_count", "stats"):
+        assert sa[key] == sb[key], f"{ctx}: {key} differs: {sa[key]} vs {sb[key]}"
+    for name in a.slots:
+        assert torch.equal(a.slots[name].view(torch.uint8), b.slots[name].view(torch.uint8)), (
+            f"{ctx}: slot buffer {name} differs"
+        )
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("policy,decay", [("lru", 0), ("lfu", 5)])
+def test_graph_replay_equals_eager(cuda, policy, decay):
+    torch = cuda
+    from expertcache_cli.slotcache import SlotCache
+
+    E, S = 64, 24
+    specs, sources = _setup(torch, E)
+    eager = SlotCache(E, S, specs, policy=policy, decay=decay, name="eager")
+    graphed = SlotCache(E, S, specs, policy=policy, decay=decay, name="graphed")
+    ref = LayerCache(E, S, Policy.parse(policy), decay)
+    static_ids = torch.zeros((4, 4), dtype=torch.int32, device="cuda")
+    graphed.check_sources(sources)
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+        static_out = graphed.step(static_ids, sources)
+    torch.cuda.current_stream().wait_stream(side)
+    assert graphed.state()["step"] == 0, "capture must not run the kernels"
+    for t, row in enumerate(_routing(E, 300)):
+        ids = torch.from_numpy(row).cuda()
+        out = eager.step(ids, sources)
+        static_ids.copy_(ids)
+        g.replay()
+        res = ref.step(row)
+        assert torch.equal(out, static_out), f"step {t}: graph remap differs from eager"
+        _assert_caches_equal(torch, eager, graphed, f"{policy} step {t}")
+        assert_same_state(graphed, ref, f"graph {policy} step {t}", row, static_out, res)
+
+
+@pytest.mark.device
+def test_two_caches_stay_identical(cuda):
+    torch = cuda
+    from expertcache_cli.slotcache import SlotCache
+
+    E, S = 128, 40
+    specs, sources = _setup(torch, E, seed=3)
+    a = SlotCache(E, S, specs, policy="lfu", decay=9, name="rank0")
+    b = SlotCache(E, S, specs, policy="lfu", decay=9, name="rank1")
+    for t, row in enumerate(_routing(E, 500, tokens=4, top_k=8, seed=7)):
+        oa = a.step(torch.from_numpy(row).cuda(), sources)
+        ob = b.step(torch.from_numpy(row).cuda(), sources)
+        assert torch.equal(oa, ob), f"step {t}: remapped ids differ"
+        if t % 25 == 0 or t > 480:
+            _assert_caches_equal(torch, a, b, f"step {t}")
+
+
+@pytest.mark.device
+def test_device_replay_matches_reference(cuda):
+    from expertcache_cli.device_replay import device_replay
+
+    rng = np.random.default_rng(11)
+    T, L, W, E, S = 400, 3, 24, 96, 16
+    ids = rng.integers(0, E, size=(T, L, W))
+    ids[rng.random(ids.shape) < 0.4] = -1  # padding: most steps pass the shape gate
+    ids[rng.random((T, L)) < 0.1] = rng.integers(0, E)  # a few all-one-id steps
+    for policy, decay, cap in (("lru", 0, None), ("lfu", 6, None), ("lru", 0, 2)):
+        got = device_replay(ids, E, policy, S, decay=decay, max_inserts=cap)
+        want = []
+        for layer in range(L):
+            ref = LayerCache(E, S, Policy.parse(policy), decay, max_inserts=cap)
+            want.append(sum(ref.forward(ids[t, layer]).miss_count for t in range(T)))
+        gated = int((((ids >= 0) & (ids < E)).sum(axis=2) > S).sum())
+        assert gated > 0, "the trace never exercised the shape gate"
+        assert got == want, f"{policy} cap={cap}: device {got} != reference {want}"
+
+
+@pytest.mark.device
+def test_library_backend(cuda, tmp_path, monkeypatch):
+    """The nvcc shared library (EXPERT_CACHE_LIB) gives the same results as the
+    reference, and its wrappers refuse bad arguments with a code instead of launching."""
+    torch = cuda
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH: the ahead-of-time library cannot be built here")
+    from expertcache_cli import binding, kernel_build
+    from expertcache_cli.slotcache import SlotCache
+
+    major, minor = torch.cuda.get_device_capability()
+    lib = kernel_build.build_shared_library(tmp_path / "libec.so", (major * 10 + minor,))
+    kernels = binding.LibraryKernels(lib)
+    monkeypatch.setitem(binding._LOADED, torch.cuda.current_device(), kernels)
+    E, S = 64, 24
+    specs, sources = _setup(torch, E, seed=5)
+    cache = SlotCache(E, S, specs, policy="lfu", decay=4)
+    assert cache.backend.startswith("shared library")
+    ref = LayerCache(E, S, Policy.LFU, 4)
+    for t, row in enumerate(_routing(E, 200, seed=9)):
+        out = cache.step(torch.from_numpy(row).cuda(), sources)
+        res = ref.step(row)
+        assert_same_state(cache, ref, f"library step {t}", row, out, res)
+    st = cache.state()
+    for name, buf in cache.slots.items():
+        for s, e in enumerate(st["slot_expert"]):
+            assert torch.equal(buf[s].cpu().view(torch.uint8), sources[name][e].view(torch.uint8))
+    # argument checks return a code, no launch
+    lib_h = kernels.lib
+    i32 = torch.zeros(4, dtype=torch.int32, device="cuda")
+    p = i32.data_ptr()
+    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 64, 0, 0, 0, 0, 0, 0)
+    assert code == 1001
+    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 64, 8, 7, 0, 8, 8, 0)
+    assert code == 1002
+    srcs = (binding.ctypes.c_void_p * 1)(p)
+    dsts = (binding.ctypes.c_void_p * 1)(p)
+    bad = (binding.ctypes.c_longlong * 1)(24)
+    assert lib_h.expert_cache_gather(p, p, p, 1, srcs, dsts, bad, 4, 0) == 1005
+    odd = (binding.ctypes.c_void_p * 1)(p + 4)
+    ok = (binding.ctypes.c_longlong * 1)(16)
+    assert lib_h.expert_cache_gather(p, p, p, 1, odd, dsts, ok, 4, 0) == 1004

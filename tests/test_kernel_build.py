@@ -1,0 +1,137 @@
+"""CPU/CI checks of the kernel build: nvcc (shared library for sm_90, export check) and
+NVRTC (cubin and PTX for sm_90, the per-user cache), plus the ABI constants that
+`binding.py` mirrors from `kernels/expert_cache.cu`. No GPU is needed for any of them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from expertcache_cli import binding, kernel_build
+from expertcache_cli.policy import Policy
+
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+
+
+def _needs_nvrtc():
+    pytest.importorskip("cuda.bindings", reason="cuda-bindings not installed (pip install "
+                        "cuda-bindings nvidia-cuda-nvrtc)")
+    try:
+        kernel_build.nvrtc_version()
+    except kernel_build.KernelBuildError as exc:
+        pytest.skip(f"NVRTC unavailable: {exc}")
+
+
+def _needs_nvcc() -> str:
+    nvcc = kernel_build.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found: the ahead-of-time build cannot be checked here")
+    return nvcc
+
+
+def test_nvrtc_cubin_sm90_has_both_kernels():
+    _needs_nvrtc()
+    image = kernel_build.nvrtc_compile(90, "cubin")
+    assert kernel_build.missing_entry_points(image, kernel_build.KERNEL_ENTRY_POINTS) == []
+    assert kernel_build.missing_entry_points(image, ("no_such_kernel",)) == ["no_such_kernel"]
+
+
+def test_nvrtc_ptx_sm90_has_both_kernels():
+    _needs_nvrtc()
+    ptx = kernel_build.nvrtc_compile(90, "ptx").decode(errors="replace")
+    for name in kernel_build.KERNEL_ENTRY_POINTS:
+        assert re.search(rf"\.entry\s+{name}\s*\(", ptx), f"{name} missing from the PTX"
+
+
+def test_nvrtc_cache_is_keyed_and_reused(tmp_path, monkeypatch):
+    _needs_nvrtc()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = kernel_build.cached_image(90)
+    assert not first.cached and first.kind == "cubin" and first.arch == 90
+    assert first.path.parent == tmp_path / "expertcache" / "kernels"
+    again = kernel_build.cached_image(90)
+    assert again.cached and again.path == first.path
+    # an edited source must not reuse the old binary
+    src = kernel_build.kernel_sources()
+    edited = dict(src, **{"expert_cache.cu": src["expert_cache.cu"] + "\n// edit\n"})
+    monkeypatch.setattr(kernel_build, "kernel_sources", lambda: edited)
+    assert kernel_build.cached_image(90).path != first.path
+
+
+def test_pick_target_falls_back_to_ptx():
+    _needs_nvrtc()
+    archs = kernel_build.nvrtc_supported_archs()
+    assert kernel_build.pick_target(90) == (90, "cubin")
+    newest = archs[-1]
+    assert kernel_build.pick_target(newest + 50) == (newest, "ptx")
+
+
+def test_nvcc_library_sm90_exports_both_entry_points(tmp_path):
+    _needs_nvcc()
+    lib = kernel_build.build_shared_library(tmp_path / "libexpertcache.so", (90,))
+    have = kernel_build.elf_symbols(lib.read_bytes())
+    for name in kernel_build.LIBRARY_ENTRY_POINTS:
+        assert name in have
+    assert "expert_cache_abi_version" in have
+
+
+def test_build_script_export_check(tmp_path):
+    _needs_nvcc()
+    out = tmp_path / "lib.so"
+    proc = subprocess.run(["bash", str(KERNELS / "build.sh"), str(out), "90"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "exports expert_cache_manage, expert_cache_gather" in proc.stdout
+    assert kernel_build.missing_entry_points(out.read_bytes(),
+                                             kernel_build.LIBRARY_ENTRY_POINTS) == []
+
+
+def test_nvcc_command_covers_every_aot_arch(tmp_path):
+    cmd = " ".join(kernel_build.nvcc_command(tmp_path / "x.so"))
+    for a in (80, 86, 89, 90, 100, 120):
+        assert f"code=sm_{a}" in cmd
+    assert "code=compute_120" in cmd
+
+
+def test_elf_reader_rejects_non_elf():
+    with pytest.raises(ValueError):
+        kernel_build.elf_symbols(b"not an elf file at all")
+
+
+def test_binding_constants_match_the_kernel_source():
+    src = (KERNELS / "expert_cache.cu").read_text()
+    defines = dict(re.findall(r"#define (EC_\w+) (-?\d+)", src))
+    assert int(defines["EC_ABI_VERSION"]) == binding.ABI_VERSION
+    assert int(defines["EC_THREADS"]) == binding.THREADS
+    assert int(defines["EC_MAX_EXPERTS"]) == binding.MAX_EXPERTS
+    assert int(defines["EC_MAX_SLOTS"]) == binding.MAX_SLOTS
+    assert int(defines["EC_GATHER_MAX_TENSORS"]) == binding.GATHER_MAX_TENSORS
+    assert int(defines["EC_POLICY_LRU"]) == int(Policy.LRU)
+    assert int(defines["EC_POLICY_LFU"]) == int(Policy.LFU)
+    for code in binding.ERROR_CODES:
+        assert str(code) in defines.values()
+    # manager arguments: same names, same order as the kernel signature
+    sig = re.search(r"expert_cache_manage_kernel\((.*?)\)\s*\{", src, re.S).group(1)
+    sig = re.sub(r"//[^\n]*", "", sig)
+    names = re.findall(r"(\w+)\s*(?:,|$)", sig.replace("\n", " ").strip())
+    assert names == [n for n, _ in binding.MANAGE_ARGS]
+
+
+def test_manager_shared_memory_fits_the_default_limit():
+    assert binding.manage_smem_bytes(binding.MAX_EXPERTS, binding.MAX_SLOTS) <= 48 * 1024
+
+
+def test_binding_checks():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        binding.check_slab("w13", 24)
+    binding.check_slab("w13", 48)
+    with pytest.raises(ValueError, match="cannot run on the device"):
+        binding.policy_code("opt")
+    assert binding.policy_code("LFU") == 1
+    with pytest.raises(ValueError, match="num_slots"):
+        binding.check_manage_config(128, binding.MAX_SLOTS + 1, 0, 8, 8)
+    with pytest.raises(ValueError, match="aligned"):
+        binding.check_aligned("src", 0x1008)
