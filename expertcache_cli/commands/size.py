@@ -1,0 +1,184 @@
+"""`expertcache size`: how many expert slots fit on a card, and the vLLM flags for it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .. import sizing
+from ..presets import DEFAULT_PRESET, PRESETS
+
+console = Console()
+
+
+def _gib(n: float) -> str:
+    return f"{n / sizing.GiB:.2f} GiB"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _model_table(m: sizing.ModelSize) -> Table:
+    t = Table(title=f"{m.name} ({m.quant}, from {m.source})", show_header=False, box=None)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("MoE layers", f"{m.num_moe_layers} of {m.num_layers}")
+    t.add_row("experts / top_k", f"{m.num_experts} / {m.top_k}")
+    t.add_row(
+        "one expert, one layer",
+        f"{m.bytes_per_expert:,} B ({_mb(m.bytes_per_expert)}): "
+        + " + ".join(f"{x.name} {x.nbytes:,}" for x in m.expert_tensors)
+        if m.source != "checkpoint"
+        else f"{m.bytes_per_expert:,} B ({_mb(m.bytes_per_expert)}), from safetensors",
+    )
+    t.add_row(
+        "one slot (all MoE layers)",
+        f"{m.bytes_per_slot:,} B ({_mb(m.bytes_per_slot)}, "
+        f"{m.bytes_per_slot / sizing.GiB:.3f} GiB)",
+    )
+    t.add_row("all experts", f"{_gib(m.expert_bytes)} ({m.expert_bytes:,} B)")
+    t.add_row("everything else", f"{_gib(m.non_expert_bytes)} ({m.non_expert_bytes:,} B)")
+    kv = f"{m.kv_bytes_per_token:,} B ({m.kv_kind})"
+    if m.kv_window_bytes_per_seq:
+        kv += f" + {m.kv_window_bytes_per_seq:,} B per sequence for the windows"
+    t.add_row("KV per token (bf16)", kv)
+    t.add_row("16-byte slabs", "yes" if m.aligned else "[red]NO: the cache refuses this model[/]")
+    return t
+
+
+def _plan_table(p: sizing.SizePlan) -> Table:
+    t = Table(title=f"on {p.vram_gib:g} GiB", show_header=False, box=None)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row(
+        "budget",
+        f"{_gib(p.budget_bytes)} = {p.vram_gib:g} GiB x {p.gpu_memory_utilization:g}",
+    )
+    t.add_row("  - non-expert weights", _gib(p.non_expert_bytes))
+    t.add_row(
+        "  - KV reserve",
+        f"{_gib(p.kv_reserved_bytes)} (one {p.max_model_len}-token sequence)",
+    )
+    t.add_row(
+        "  - runtime (estimate)",
+        f"{_gib(p.overhead_bytes)} (max_num_seqs {p.max_num_seqs}, "
+        f"batched tokens {p.max_num_batched_tokens})",
+    )
+    t.add_row("  = for expert slots", _gib(p.slot_budget_bytes))
+    colour = {"fits_outright": "green", "cache": "cyan", "offload_no_cache": "yellow",
+              "does_not_fit": "red"}[p.verdict]
+    t.add_row("verdict", f"[{colour}]{p.verdict_text}[/]")
+    if p.verdict in ("cache", "offload_no_cache"):
+        t.add_row("vLLM", "vllm serve MODEL " + " ".join(p.vllm_args()))
+    if p.verdict == "cache":
+        t.add_row("cache slots", f"{p.slots} per MoE layer ({_gib(p.slots * p.bytes_per_slot)})")
+    for n in p.notes:
+        style = "yellow" if n.startswith("sizing trap") else "dim"
+        t.add_row("note", f"[{style}]{n}[/]")
+    return t
+
+
+_SHORT = {
+    "fits_outright": "fits outright",
+    "cache": "cache",
+    "offload_no_cache": "offloaded, no room for a cache",
+    "does_not_fit": "does not fit",
+}
+
+
+def _cards_table(m: sizing.ModelSize, rows: list[tuple[str, sizing.SizePlan]]) -> Table:
+    t = Table(title=f"{m.name}: slot budget by card (vLLM defaults unless given)")
+    for col in ("card", "max-model-len", "slots", "verdict", "--cpu-offload-gb", "trap"):
+        t.add_column(col)
+    for label, p in rows:
+        t.add_row(
+            label,
+            str(p.max_model_len),
+            f"{p.slots} of {p.num_experts}",
+            _SHORT[p.verdict]
+            + (f" (at --gpu-memory-utilization {p.utilization_to_fit_outright:.2f}: fits)"
+               if p.verdict == "cache" and p.utilization_to_fit_outright else ""),
+            str(p.cpu_offload_gb) if p.cpu_offload_gb else "-",
+            f"{p.trap_ids} ids > {p.slots}" if p.trap else "-",
+        )
+    return t
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("size")
+    def size(
+        model: str = typer.Option(
+            DEFAULT_PRESET, "--model", "-m",
+            help="preset name (see --list), a config.json path, or a local model directory",
+        ),
+        quant: str = typer.Option(
+            None, "--quant",
+            help=f"weight format when the config does not say: {', '.join(sizing.QUANTS)}",
+        ),
+        vram: float = typer.Option(
+            None, "--vram", help="card memory in GiB; without it, a table of common cards",
+        ),
+        max_model_len: int = typer.Option(None, help="vLLM --max-model-len (default: the model's)"),
+        max_num_seqs: int = typer.Option(None, help="vLLM --max-num-seqs (default: vLLM's)"),
+        gpu_memory_utilization: float = typer.Option(
+            sizing.VLLM_DEFAULT_UTILIZATION, help="vLLM --gpu-memory-utilization"
+        ),
+        max_num_batched_tokens: int = typer.Option(None, help="vLLM --max-num-batched-tokens"),
+        kv_cache_dtype: str = typer.Option("auto", help="vLLM --kv-cache-dtype: auto or fp8"),
+        kv_tokens: int = typer.Option(
+            None, help="KV tokens to reserve (default: one max-model-len sequence)"
+        ),
+        overhead_gb: float = typer.Option(
+            None, help="runtime memory besides weights and KV, GiB (default: estimated)"
+        ),
+        slots: int = typer.Option(None, help="force this many slots and check that they fit"),
+        fraction: float = typer.Option(None, help="force this fraction of the experts as slots"),
+        as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+        list_models: bool = typer.Option(False, "--list", help="list the built-in presets"),
+    ) -> None:
+        """Slots that fit on a card, the --cpu-offload-gb for vLLM, and the sizing trap."""
+        if list_models:
+            if as_json:
+                print(json.dumps({n: {"hf_id": p.hf_id, "quant": p.quant}
+                                  for n, p in PRESETS.items()}, indent=2))
+                return
+            t = Table(title="built-in models")
+            for col in ("preset", "stands for", "format"):
+                t.add_column(col)
+            for n, p in PRESETS.items():
+                t.add_row(n + (" (default)" if n == DEFAULT_PRESET else ""), p.hf_id, p.quant)
+            console.print(t)
+            return
+        m = sizing.load_model(Path(model) if Path(model).exists() else model, quant)
+        common = dict(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=gpu_memory_utilization,
+            slots=slots,
+            fraction=fraction,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_tokens=kv_tokens,
+            overhead_gb=overhead_gb,
+        )
+        if vram is None:
+            rows = [(label, sizing.plan(m, v, **common)) for label, v in sizing.COMMON_CARDS]
+            if as_json:
+                out = m.to_json()
+                out["cards"] = [p.to_json() | {"card": label} for label, p in rows]
+                print(json.dumps(out, indent=2))
+                return
+            console.print(_model_table(m))
+            console.print(_cards_table(m, rows))
+            return
+        p = sizing.plan(m, vram, **common)
+        if as_json:
+            print(json.dumps(m.to_json() | p.to_json(), indent=2))
+            return
+        console.print(_model_table(m))
+        console.print(_plan_table(p))

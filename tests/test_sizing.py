@@ -1,0 +1,417 @@
+"""`expertcache size`: figures checked against hand arithmetic on real config.json files.
+
+Every expected number below is worked out in the comment beside it from the config's
+fields, not taken from the code under test. Where a model's published parameter count
+is known, the bf16 total (2 bytes a parameter) is checked against it too: that catches a
+forgotten norm or bias that a per-expert check would miss.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from expertcache_cli import sizing
+from expertcache_cli.errors import UserError
+from expertcache_cli.presets import DEFAULT_PRESET, PRESETS
+
+CONFIGS = Path(__file__).parent / "configs"
+GiB = 1024**3
+
+
+def cfg(name: str) -> Path:
+    return CONFIGS / name
+
+
+# --------------------------------------------------------------------------- the seed's model
+
+
+def test_default_is_qwen3_30b_w8a8_and_its_expert_bytes():
+    m = sizing.load_model()
+    assert m.name == DEFAULT_PRESET and m.quant == "w8a8"
+    assert (m.num_moe_layers, m.num_experts, m.top_k) == (48, 128, 8)
+    # w13: 2*768 x 2048 int8 = 3,145,728 + 1536 fp32 scales = 6,144
+    # w2 : 2048 x 768 int8 = 1,572,864 + 2048 fp32 scales = 8,192
+    assert m.bytes_per_expert == 3_145_728 + 6_144 + 1_572_864 + 8_192 == 4_732_928
+    assert m.bytes_per_slot == 4_732_928 * 48 == 227_180_544
+    assert m.expert_bytes == 227_180_544 * 128 == 29_079_109_632
+    # the seed: "~27 GB of experts (128 x ~212 MB)": its GB are GiB, 27.08 GiB / 128
+    assert 27.0 < m.expert_bytes / GiB < 27.2
+    assert 0.21 < m.bytes_per_slot / GiB < 0.213
+    # non-expert: embed + lm_head bf16 2*151936*2048*2 = 1,244,659,712
+    # per layer: q int8 4096*2048 + 4096*4, k/v 512*2048 + 512*4 each, o 2048*4096 + 2048*4
+    #   = 18,903,040; q/k norm 2*128*2 = 512; 2 norms 8,192; router 128*2048*2 = 524,288
+    #   = 19,436,032 x 48 = 932,929,536; final norm 4,096
+    assert m.non_expert_bytes == 1_244_659_712 + 932_929_536 + 4_096 == 2_177_593_344
+    # the seed's "~3 GB else" is the bf16-attention figure; W8A8 attention makes it ~2 GiB
+    assert 1.9 < m.non_expert_bytes / GiB < 3.1
+    # KV: 48 layers x 2 (K,V) x 4 heads x 128 x 2 B
+    assert m.kv_bytes_per_token == 48 * 2 * 4 * 128 * 2 == 98_304
+    assert m.aligned
+
+
+def test_seed_table_24_gib_gets_80_to_90_slots_with_a_short_context():
+    p = sizing.plan(None, 24, max_model_len=4096)
+    # 24 GiB x 0.9 = 21.6 GiB - 2.03 non-expert - 0.375 KV - ~0.99 runtime = 18.2 GiB
+    # 18.2 GiB / 0.2116 GiB a slot = 86
+    assert p.verdict == "cache" and 80 <= p.slots <= 90
+    assert not p.fits_outright
+    # every MoE layer's experts go to the host: ceil(27.08 + 0.5) = 28 GiB
+    assert p.cpu_offload_gb == 28
+    assert p.vllm_args()[-4:] == ["--cpu-offload-gb", "28", "--cpu-offload-params", "experts"]
+
+
+def test_seed_table_long_context_costs_slots_and_says_so():
+    p = sizing.plan(None, 24)  # vLLM default: the model's 40960 tokens
+    assert p.max_model_len == 40960
+    assert p.kv_reserved_bytes == 40960 * 98_304
+    short = sizing.plan(None, 24, max_model_len=8192)
+    assert p.slots < short.slots
+    assert any("--max-model-len 8192" in n and str(short.slots) in n for n in p.notes)
+
+
+def test_seed_table_40_gib_fits_outright():
+    p = sizing.plan(None, 40)
+    assert p.fits_outright and p.verdict == "fits_outright"
+    assert p.slots == 128 and p.cpu_offload_gb == 0
+    assert "--cpu-offload-gb" not in p.vllm_args()
+
+
+def test_seed_table_32_gib_fits_outright_once_utilisation_allows():
+    # weights 29.11 GiB + 0.99 runtime + 0.375 KV = 30.47 GiB: more than 32 x 0.90 = 28.8,
+    # less than 32 x 0.96 = 30.72. The seed's "fits outright" holds at 0.96, and the tool
+    # says so instead of pretending 0.9 is enough.
+    at_default = sizing.plan(None, 32, max_model_len=4096)
+    assert at_default.verdict == "cache" and at_default.slots < 128
+    assert at_default.utilization_to_fit_outright == 0.96
+    assert "0.96" in at_default.verdict_text
+    assert sizing.plan(None, 32, max_model_len=4096, gpu_memory_utilization=0.96).fits_outright
+
+
+# --------------------------------------------------------------------------- real configs
+
+
+def test_qwen3_30b_bf16_total_is_its_published_parameter_count():
+    m = sizing.load_model(cfg("qwen3-30b-a3b.json"))
+    assert m.quant == "bf16"  # the config says bfloat16 and no quantization
+    assert m.bytes_per_expert == 3 * 2048 * 768 * 2 == 9_437_184
+    assert m.total_bytes == 2 * 30_532_122_624  # Qwen3-30B-A3B: 30.53 B parameters
+
+
+def test_qwen3_30b_config_with_quant_w8a8_equals_the_default_preset():
+    a = sizing.load_model(cfg("qwen3-30b-a3b.json"), quant="w8a8")
+    b = sizing.load_model(DEFAULT_PRESET)
+    assert (a.bytes_per_expert, a.non_expert_bytes, a.kv_bytes_per_token) == (
+        b.bytes_per_expert, b.non_expert_bytes, b.kv_bytes_per_token)
+
+
+def test_qwen3_235b():
+    m = sizing.load_model(cfg("qwen3-235b-a22b.json"))
+    assert (m.num_moe_layers, m.num_experts, m.top_k) == (94, 128, 8)
+    assert m.bytes_per_expert == 3 * 4096 * 1536 * 2 == 37_748_736
+    assert m.kv_bytes_per_token == 94 * 2 * 4 * 128 * 2 == 192_512
+    assert m.total_bytes == 2 * 235_093_634_560  # 235.09 B parameters
+
+
+def test_mixtral_8x7b():
+    m = sizing.load_model(cfg("mixtral-8x7b.json"))
+    assert (m.num_moe_layers, m.num_experts, m.top_k) == (32, 8, 2)
+    assert m.bytes_per_expert == 3 * 4096 * 14336 * 2 == 352_321_536
+    # embed + lm_head 2*32000*4096*2 = 524,288,000; per layer attention
+    # (4096+1024+1024+4096)*4096*2 = 83,886,080 + norms 16,384 + router 8*4096*2 = 65,536
+    assert m.non_expert_bytes == 524_288_000 + 32 * (83_886_080 + 16_384 + 65_536) + 8_192
+    assert m.total_bytes == 2 * 46_702_792_704  # Mixtral-8x7B: 46.70 B parameters
+    assert m.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2
+
+
+def test_olmoe_qk_norms_over_the_whole_projection():
+    m = sizing.load_model(cfg("olmoe-1b-7b-0125-instruct.json"))
+    assert (m.num_moe_layers, m.num_experts, m.top_k) == (16, 64, 8)
+    assert m.bytes_per_expert == 3 * 2048 * 1024 * 2
+    assert m.total_bytes == 2 * 6_919_161_856  # OLMoE-1B-7B: 6.92 B parameters
+
+
+def test_deepseek_v2_lite_mla_shared_experts_and_dense_first_layer():
+    m = sizing.load_model(cfg("deepseek-v2-lite.json"))
+    # first_k_dense_replace = 1: layer 0 is a dense MLP, layers 1..26 are MoE
+    assert m.moe_layers == list(range(1, 27))
+    assert (m.num_experts, m.top_k) == (64, 6)
+    assert m.bytes_per_expert == 3 * 2048 * 1408 * 2 == 17_301_504
+    # MLA caches the 512-wide latent plus the 64-wide rope key, once per layer
+    assert m.kv_bytes_per_token == 27 * (512 + 64) * 2 == 31_104
+    # the checkpoint report lists 15,706,484,224 parameters (shared experts are non-expert)
+    assert m.total_bytes == 2 * 15_706_484_224
+
+
+def test_gpt_oss_20b_mxfp4_with_biases_and_sliding_windows():
+    m = sizing.load_model(cfg("gpt-oss-20b.json"))
+    assert m.quant == "mxfp4"  # from its quantization_config
+    assert (m.num_moe_layers, m.num_experts, m.top_k) == (24, 32, 4)
+    # w13 5760x2880 at 4 bits = 8,294,400 + e8m0 scale per 32 = 518,400 + bf16 bias 11,520
+    # w2  2880x2880 at 4 bits = 4,147,200 + 259,200 + bias 5,760
+    assert m.bytes_per_expert == 8_294_400 + 518_400 + 11_520 + 4_147_200 + 259_200 + 5_760
+    assert m.bytes_per_expert == 13_236_480
+    # 12 full-attention layers hold every token; 12 sliding ones only 128 tokens
+    assert m.kv_bytes_per_token == 12 * 2 * 8 * 64 * 2 == 24_576
+    assert m.kv_window_bytes_per_seq == 12 * 128 * 2 * 8 * 64 * 2
+    assert m.aligned
+
+
+def test_gpt_oss_120b_needs_quant_from_the_user_and_matches_the_preset():
+    plain = sizing.load_model(cfg("gpt-oss-120b.json"))
+    assert plain.quant == "bf16"  # this copy carries no quantization_config
+    m = sizing.load_model(cfg("gpt-oss-120b.json"), quant="mxfp4")
+    assert (m.num_moe_layers, m.num_experts, m.top_k) == (36, 128, 4)
+    assert m.bytes_per_expert == 13_236_480
+    assert m.expert_bytes == 13_236_480 * 36 * 128
+    p = sizing.load_model("gpt-oss-120b")
+    assert (p.bytes_per_expert, p.non_expert_bytes) == (m.bytes_per_expert, m.non_expert_bytes)
+
+
+@pytest.mark.parametrize(
+    "preset,config,quant",
+    [
+        ("qwen3-30b-a3b", "qwen3-30b-a3b.json", None),
+        ("qwen3-30b-a3b-fp8", "qwen3-30b-a3b.json", "fp8-block"),
+        ("qwen3-235b-a22b", "qwen3-235b-a22b.json", None),
+        ("mixtral-8x7b", "mixtral-8x7b.json", None),
+        ("mixtral-8x22b", "mixtral-8x22b.json", None),
+        ("deepseek-v2-lite", "deepseek-v2-lite.json", None),
+        ("olmoe-1b-7b", "olmoe-1b-7b-0125-instruct.json", None),
+        ("gpt-oss-20b", "gpt-oss-20b.json", None),
+    ],
+)
+def test_presets_agree_with_the_real_configs(preset, config, quant):
+    a = sizing.load_model(preset)
+    b = sizing.load_model(cfg(config), quant=quant)
+    assert a.to_json() | {"model": "", "source": ""} == b.to_json() | {"model": "", "source": ""}
+
+
+def test_every_preset_is_sized_and_aligned():
+    for name in PRESETS:
+        m = sizing.load_model(name)
+        assert m.bytes_per_expert > 0 and m.non_expert_bytes > 0, name
+        assert m.aligned, name
+
+
+def test_fp8_block_scales():
+    m = sizing.load_model("qwen3-30b-a3b-fp8")
+    # w13 1536x2048 fp8 + ceil(1536/128)*ceil(2048/128)=12*16 fp32 scales; w2 16*6 scales
+    assert m.bytes_per_expert == 1536 * 2048 + 12 * 16 * 4 + 2048 * 768 + 16 * 6 * 4
+
+
+# --------------------------------------------------------------------------- quantisation
+
+
+def _with_quant(base: str, qc: dict) -> dict:
+    d = json.loads(cfg(base).read_text())
+    d["quantization_config"] = qc
+    return d
+
+
+def test_quant_read_from_compressed_tensors_and_fp8_configs():
+    ct_int8 = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}}
+    m = sizing.model_from_config(_with_quant("qwen3-30b-a3b.json", ct_int8), "x")
+    assert m.quant == "w8a8" and m.bytes_per_expert == 4_732_928
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    m8 = sizing.model_from_config(_with_quant("qwen3-30b-a3b.json", fp8), "x")
+    assert m8.quant == "fp8-block"
+    w4 = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    m4 = sizing.model_from_config(_with_quant("qwen3-30b-a3b.json", w4), "x")
+    # int4 packs 2 a byte; one bf16 scale per 128 inputs: w13 1536*16*2, w2 2048*6*2
+    assert m4.quant == "w4a16"
+    assert m4.bytes_per_expert == (1536 * 2048 + 2048 * 768) // 2 + 1536 * 16 * 2 + 2048 * 6 * 2
+
+
+def test_unknown_quant_method_is_a_user_error_naming_it():
+    d = _with_quant("qwen3-30b-a3b.json", {"quant_method": "bitsandbytes"})
+    with pytest.raises(UserError, match="bitsandbytes"):
+        sizing.model_from_config(d, "x")
+    # ...and --quant gets past it
+    assert sizing.model_from_config(d, "x", quant="w4a16").quant == "w4a16"
+
+
+def test_bad_inputs_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="unknown model"):
+        sizing.load_model("no-such-model")
+    with pytest.raises(UserError, match="--quant"):
+        sizing.load_model(None, quant="int3")
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        sizing.load_model(bad)
+    dense = tmp_path / "dense.json"
+    dense.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 10}))
+    with pytest.raises(UserError, match="not a mixture-of-experts"):
+        sizing.load_model(dense)
+    with pytest.raises(UserError, match="--vram"):
+        sizing.plan(None, -1)
+    with pytest.raises(UserError, match="not both"):
+        sizing.plan(None, 24, slots=10, fraction=0.5)
+    with pytest.raises(UserError, match="--slots"):
+        sizing.plan(None, 24, slots=500)
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def test_trap_flagged_and_safe_max_num_seqs():
+    p = sizing.plan(None, 24, max_model_len=4096, max_num_seqs=4)
+    assert p.trap_ids == 32 and not p.trap  # 4 x 8 = 32 ids <= 86 slots
+    q = sizing.plan(None, 24, max_model_len=4096, max_num_seqs=16)
+    assert q.trap and q.trap_ids == 128
+    assert q.safe_max_num_seqs == q.slots // 8
+    assert any(n.startswith("sizing trap") for n in q.notes)
+
+
+def test_forced_slots_and_fraction():
+    p = sizing.plan(None, 24, max_model_len=4096, slots=64)
+    assert p.slots == 64 and p.verdict == "cache"
+    assert sizing.plan(None, 24, max_model_len=4096, fraction=0.25).slots == 32
+    over = sizing.plan(None, 24, max_model_len=4096, slots=120)
+    assert over.verdict == "does_not_fit" and "at most" in over.verdict_text
+
+
+def test_small_cards_offload_without_cache_or_do_not_fit():
+    # 4 GiB x 0.9 = 3.6 GiB - 2.03 - 0.375 - 0.99 = 0.2 GiB: less than one slot
+    p = sizing.plan(None, 4, max_model_len=4096)
+    assert p.verdict == "offload_no_cache" and p.slots == 0 and p.cpu_offload_gb == 28
+    q = sizing.plan(None, 2, max_model_len=4096)
+    assert q.verdict == "does_not_fit" and not q.fits_outright
+
+
+def test_fp8_kv_halves_the_reserve_and_overhead_override():
+    a = sizing.plan(None, 24, max_model_len=4096, overhead_gb=1.0)
+    b = sizing.plan(None, 24, max_model_len=4096, overhead_gb=1.0, kv_cache_dtype="fp8")
+    assert a.overhead_bytes == GiB
+    assert b.kv_reserved_bytes * 2 == a.kv_reserved_bytes
+    assert b.slots >= a.slots
+
+
+def test_big_cards_use_vllm_big_card_defaults():
+    assert sizing.plan("qwen3-235b-a22b", 141).max_num_seqs == 1024
+    assert sizing.plan("qwen3-235b-a22b", 24).max_num_seqs == 256
+
+
+def test_plan_json_has_the_documented_keys():
+    d = sizing.plan(None, 24, max_model_len=4096).to_json()
+    for k in ("model", "num_experts", "top_k", "slots", "fits_outright", "cpu_offload_gb",
+              "bytes_per_slot", "non_expert_bytes", "trap", "verdict", "vllm_args"):
+        assert k in d, k
+    json.dumps(d)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """A real safetensors file (zero-filled) with these tensors."""
+    size = {"BF16": 2, "F32": 4, "I8": 1, "U8": 1}
+    header, off = {}, 0
+    for name, (dt, shape) in tensors.items():
+        n = size[dt]
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(off))
+
+
+def test_checkpoint_directory_uses_safetensors_bytes(tmp_path):
+    conf = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 100,
+            "max_position_embeddings": 256, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    t: dict[str, tuple[str, list[int]]] = {"model.embed_tokens.weight": ("BF16", [100, 64])}
+    for layer in range(2):
+        for e in range(4):
+            p = f"model.layers.{layer}.mlp.experts.{e}."
+            t[p + "gate_proj.weight"] = ("I8", [32, 64])
+            t[p + "gate_proj.weight_scale"] = ("F32", [32, 1])
+            t[p + "up_proj.weight"] = ("I8", [32, 64])
+            t[p + "up_proj.weight_scale"] = ("F32", [32, 1])
+            t[p + "down_proj.weight"] = ("I8", [64, 32])
+            t[p + "down_proj.weight_scale"] = ("F32", [64, 1])
+        t[f"model.layers.{layer}.mlp.gate.weight"] = ("BF16", [4, 64])
+        t[f"model.layers.{layer}.mlp.shared_experts.up_proj.weight"] = ("BF16", [8, 64])
+    t["model.layers.2.mlp.experts.0.up_proj.weight"] = ("I8", [32, 64])  # past num_hidden_layers
+    _write_safetensors(tmp_path / "model-00001-of-00002.safetensors", dict(list(t.items())[:20]))
+    _write_safetensors(tmp_path / "model-00002-of-00002.safetensors", dict(list(t.items())[20:]))
+    m = sizing.load_model(tmp_path)
+    assert m.source == "checkpoint"
+    # per expert: 3 x 32x64 int8 = 6,144 + scales (32+32+64) x 4 = 512
+    assert m.bytes_per_expert == 6_144 + 512
+    assert m.moe_layers == [0, 1]
+    # non-expert: embeddings 12,800 + per layer router 512 + shared expert 1,024
+    assert m.non_expert_bytes == 100 * 64 * 2 + 2 * (4 * 64 * 2 + 8 * 64 * 2)
+    assert any("past num_hidden_layers" in n for n in m.notes)
+
+
+def test_checkpoint_directory_without_safetensors_falls_back_to_config(tmp_path):
+    (tmp_path / "config.json").write_text(cfg("olmoe-1b-7b-0125-instruct.json").read_text())
+    m = sizing.load_model(tmp_path)
+    assert m.bytes_per_expert == 3 * 2048 * 1024 * 2
+    assert any("no safetensors" in n for n in m.notes)
+
+
+def test_damaged_safetensors_header_is_a_user_error(tmp_path):
+    (tmp_path / "config.json").write_text(cfg("olmoe-1b-7b-0125-instruct.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 50) + b"{nope")
+    with pytest.raises(UserError, match="safetensors"):
+        sizing.load_model(tmp_path)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "expertcache_cli", "size", *args],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_cli_json_one_object():
+    r = _cli("--vram", "24", "--max-model-len", "4096", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["model"] == DEFAULT_PRESET and d["num_experts"] == 128 and d["top_k"] == 8
+    assert 80 <= d["slots"] <= 90 and d["fits_outright"] is False
+    assert d["bytes_per_slot"] == 227_180_544 and d["non_expert_bytes"] == 2_177_593_344
+    assert d["cpu_offload_gb"] == 28
+
+
+def test_cli_table_and_card_sweep():
+    r = _cli("--model", str(cfg("mixtral-8x7b.json")), "--vram", "48", "--max-model-len", "4096")
+    assert r.returncode == 0, r.stderr
+    assert "cache at" in r.stdout and "--cpu-offload-gb" in r.stdout
+    r = _cli("--json")
+    d = json.loads(r.stdout)
+    assert [c["vram_gib"] for c in d["cards"]] == [v for _, v in sizing.COMMON_CARDS]
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--model", "nope"], "unknown model"),
+        (["--vram", "-3"], "--vram"),
+        (["--quant", "int3"], "--quant"),
+        (["--model", "missing/config.json"], "no such file"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(args, msg):
+    r = _cli(*args)
+    assert r.returncode == 2
+    assert msg in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
