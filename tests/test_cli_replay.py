@@ -1,0 +1,200 @@
+"""`expertcache replay` and `expertcache trace` end to end, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from expertcache_cli.commands import DEMO_TRACE, demo_trace_path
+from expertcache_cli.trace import load
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "expertcache_cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "160"},
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def distinct_requests(path: Path) -> int:
+    ids = load(path).topk_ids
+    total = 0
+    for t in range(ids.shape[0]):
+        for layer in range(ids.shape[1]):
+            row = ids[t, layer]
+            total += len(set(row[row >= 0].tolist()))
+    return total
+
+
+def test_default_trace_is_bundled():
+    assert demo_trace_path().name == DEMO_TRACE
+    assert (TRACES / DEMO_TRACE).exists()
+
+
+def test_replay_default_prints_table():
+    out = cli("replay").stdout
+    assert DEMO_TRACE in out and "experts fetched" in out
+    for word in ("lru", "lfu", "opt", "reuse distance"):
+        assert word in out
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in TRACES.glob("*.npz")))
+def test_replay_json_on_every_demo_trace(name):
+    path = TRACES / name
+    obj = json.loads(cli("replay", str(path), "--slots", "16,32", "--json").stdout)
+    assert obj["trace"]["path"] == str(path)
+    rows = obj["results"]
+    assert {(r["policy"], r["slots"]) for r in rows} == {
+        (p, s) for p in ("lru", "lfu", "opt") for s in (16, 32)
+    }
+    requests = distinct_requests(path)
+    for r in rows:
+        assert r["requests"] == requests
+        assert isinstance(r["misses"], int) and 0 < r["misses"] <= requests
+        assert r["miss_rate"] == pytest.approx(r["misses"] / requests)
+        assert r["misses"] == r["installs"] + r["read_through_ids"]
+    by = {(r["policy"], r["slots"]): r for r in rows}
+    for s in (16, 32):
+        assert by[("opt", s)]["misses"] <= by[("lru", s)]["misses"]
+        assert by[("lru", s)]["vs_lru"] == 1.0 and by[("opt", s)]["vs_opt"] == 1.0
+
+
+def test_batched_trace_reports_read_through_below_width():
+    path = TRACES / "demo-qwen3-30b-a3b-batch4.npz"  # 32 ids a step
+    rows = json.loads(cli("replay", str(path), "--slots", "16,32", "--json").stdout)["results"]
+    by = {(r["policy"], r["slots"]): r for r in rows}
+    assert by[("lru", 16)]["read_through_steps"] == 1500 * 48 and by[("lru", 16)]["installs"] == 0
+    assert by[("lru", 32)]["read_through_steps"] == 0
+    text = cli("replay", str(path), "--slots", "16").stdout
+    assert "read through" in text
+
+
+def test_bytes_and_transfer_time(tmp_path):
+    obj = json.loads(cli("replay", "--slots", "32", "--link-gbps", "50", "--json").stdout)
+    r = next(r for r in obj["results"] if r["policy"] == "lru")
+    eb = obj["trace"]["expert_bytes"]
+    assert r["bytes_moved"] == r["misses"] * eb
+    assert r["bytes_per_token"] == pytest.approx(r["bytes_moved"] / obj["trace"]["tokens"])
+    assert r["transfer_ms_per_token"] == pytest.approx(r["bytes_per_token"] / 50e9 * 1e3)
+
+
+def test_per_layer_split_and_csv(tmp_path):
+    csv = tmp_path / "out.csv"
+    path = TRACES / "demo-olmoe-1b-7b-zipf.npz"
+    obj = json.loads(
+        cli(
+            "replay",
+            str(path),
+            "--slots",
+            "16",
+            "--policy",
+            "lru",
+            "--per-layer",
+            "--json",
+            "--csv",
+            str(csv),
+        ).stdout
+    )
+    assert len(obj["per_layer"]) == 16
+    (split,) = obj["split"]
+    assert sum(split["slots"]) <= 16 * 16 and split["misses"] <= split["uniform_misses"]
+    lru16 = obj["results"][0]
+    assert split["uniform_misses"] == lru16["misses"]
+    frame = pd.read_csv(csv)
+    assert len(frame) == 16 and frame["installs"].sum() == lru16["installs"]
+
+
+def test_decay_and_insert_cap_change_lfu():
+    base = json.loads(cli("replay", "--slots", "32", "--policy", "lfu", "--json").stdout)
+    decayed = json.loads(
+        cli("replay", "--slots", "32", "--policy", "lfu", "--decay", "8", "--json").stdout
+    )
+    capped = json.loads(
+        cli("replay", "--slots", "32", "--policy", "lfu", "--max-inserts", "1", "--json").stdout
+    )
+    m = [o["results"][0] for o in (base, decayed, capped)]
+    assert m[0]["misses"] != m[1]["misses"]
+    assert m[2]["dropped"] > 0 and m[0]["dropped"] == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("replay", "--slots", "abc"), "--slots wants comma-separated integers"),
+        (("replay", "--slots", "0"), "positive integers"),
+        (("replay", "--slots", "128"), "not below the trace's 128 experts"),
+        (("replay", "--policy", "mru"), "unknown policy 'mru'"),
+        (("replay", "--device", "tpu"), "--device must be cpu or cuda"),
+        (("trace", "synth", "/tmp/x.npz", "--kind", "nope"), "--kind must be one of"),
+        (("trace", "synth", "/tmp/x.npz", "--experts", "4", "--top-k", "8"), "exceeds experts"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(args, message):
+    proc = cli(*args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_trace_synth_and_info(tmp_path):
+    out = tmp_path / "b.npz"
+    cli(
+        "trace",
+        "synth",
+        str(out),
+        "--kind",
+        "batched",
+        "--batch",
+        "3",
+        "--steps",
+        "40",
+        "--layers",
+        "2",
+        "--experts",
+        "16",
+        "--top-k",
+        "2",
+        "--seed",
+        "7",
+    )
+    t = load(out)
+    assert t.topk_ids.shape == (40, 2, 6) and t.source.startswith("synthetic:batched")
+    assert t.tokens == 120
+    info = json.loads(cli("trace", "info", str(out), "--json").stdout)
+    assert info["width"] == 6 and info["ids_per_step_max"] == 6 and info["padding_fraction"] == 0
+    again = tmp_path / "c.npz"
+    cli(
+        "trace",
+        "synth",
+        str(again),
+        "--kind",
+        "batched",
+        "--batch",
+        "3",
+        "--steps",
+        "40",
+        "--layers",
+        "2",
+        "--experts",
+        "16",
+        "--top-k",
+        "2",
+        "--seed",
+        "7",
+    )
+    assert np.array_equal(load(again).topk_ids, t.topk_ids)  # seeded: reproducible
+    assert "num_experts" in cli("trace", "info", str(out)).stdout
