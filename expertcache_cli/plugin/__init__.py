@@ -1,0 +1,192 @@
+"""The vLLM plugin: a slot cache in front of every offloaded fused-MoE layer.
+
+vLLM calls `register()` through the ``vllm.general_plugins`` entry point in every
+process it starts (API server, engine core, workers), sometimes more than once, so it
+is cheap, idempotent and imports nothing heavy: it validates the environment (a bad
+value stops ``vllm serve`` with one line naming the variable), checks the vLLM version,
+and arranges for `Worker.load_model` to be wrapped when, and only if, the process
+imports vLLM's GPU worker. After the stock ``load_model`` returns (weights loaded,
+processed and offloaded; nothing compiled or captured yet) the worker's model is armed
+(`session.arm_model`). Everything that goes wrong after startup is logged and leaves the
+affected layer, or the whole model, on vLLM's stock path.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from .compat import layout_refusal, version_refusal
+from .config import CacheConfig, ConfigError, from_env
+
+log = logging.getLogger("vllm.expertcache")
+
+#: the module whose `Worker` class is wrapped (same path in vLLM 0.26 .. 0.33)
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+
+_registered = False
+_config: CacheConfig | None = None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs ``callback(module)`` right after the real loader executed the module."""
+
+    def __init__(self, inner: Any, callback: Callable[[ModuleType], None]) -> None:
+        self._inner = inner
+        self._callback = callback
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        self._callback(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for inspect
+        return getattr(self._inner, name)
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Patch a module when it is first imported, without importing it ourselves.
+
+    Importing vLLM's GPU worker from `register()` would drag CUDA-facing code into the
+    API server process; waiting for vLLM to import it costs nothing.
+    """
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader, self._fire)
+        return spec
+
+    def _fire(self, module: ModuleType) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        self.callback(module)
+
+
+def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
+    """Call ``callback(module)`` now if ``name`` is imported, else right after its import."""
+    module = sys.modules.get(name)
+    if module is not None:
+        callback(module)
+        return
+    sys.meta_path.insert(0, _PostImportHook(name, callback))
+
+
+def register() -> None:
+    """vLLM's ``general_plugins`` entry point (see the module docstring)."""
+    global _registered, _config
+    if _registered:
+        return
+    _registered = True
+    try:
+        cfg = from_env()
+    except ConfigError as exc:
+        # One line, no traceback, before vLLM starts anything.
+        raise SystemExit(f"expertcache: error: {exc}") from None
+    _config = cfg
+    if cfg.disabled:
+        log.info("expertcache: EXPERT_CACHE_DISABLE=1: no layer will be armed (stock path)")
+        return
+    try:
+        import vllm
+
+        version = getattr(vllm, "__version__", "unknown")
+    except Exception:  # pragma: no cover - the entry point is only called by vLLM
+        return
+    why = version_refusal(version)
+    if why:
+        log.warning("expertcache: %s; the cache is NOT armed, serving on the stock path", why)
+        return
+    when_imported(WORKER_MODULE, lambda m: _patch_worker(m, cfg, version))
+
+
+def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
+    """Wrap `Worker.load_model` (arm), `execute_model` (stats) and `shutdown` (flush)."""
+    worker_cls = getattr(module, "Worker", None)
+    if worker_cls is None or getattr(worker_cls, "_expertcache_patched", False):
+        return
+    missing = [m for m in ("load_model", "execute_model", "shutdown") if not hasattr(worker_cls, m)]
+    if missing:
+        log.warning("expertcache: vLLM Worker lacks %s; the cache is NOT armed", ", ".join(missing))
+        return
+    orig_load = worker_cls.load_model
+    orig_exec = worker_cls.execute_model
+    orig_shutdown = worker_cls.shutdown
+
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig_load(self, *args, **kwargs)
+        self._expertcache_session = _arm_worker(self, cfg, version)
+        return out
+
+    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig_exec(self, *args, **kwargs)
+        session = getattr(self, "_expertcache_session", None)
+        if session is not None:
+            session.after_step()
+        return out
+
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        session = getattr(self, "_expertcache_session", None)
+        if session is not None:
+            session.close()
+        return orig_shutdown(self, *args, **kwargs)
+
+    pairs = ((load_model, orig_load), (execute_model, orig_exec), (shutdown, orig_shutdown))
+    for fn, orig in pairs:
+        fn.__name__, fn.__qualname__, fn.__doc__ = orig.__name__, orig.__qualname__, orig.__doc__
+    worker_cls.load_model = load_model
+    worker_cls.execute_model = execute_model
+    worker_cls.shutdown = shutdown
+    worker_cls._expertcache_patched = True
+
+
+def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
+    """Arm the worker's freshly loaded model; on any failure log it and arm nothing."""
+    from .session import arm_model, register_session
+
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+        try:
+            from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+        except ImportError:
+            FusedMoEKernel = None  # noqa: N806
+        why = layout_refusal(RoutedExperts, FusedMoEKernel)
+    except ImportError as exc:
+        why = f"vLLM {version} has no RoutedExperts ({exc})"
+    if why:
+        log.warning("expertcache: %s; the cache is NOT armed, serving on the stock path", why)
+        return None
+    try:
+        vc = worker.vllm_config
+        model = worker.model_runner.get_model()
+        session = arm_model(
+            model, cfg, version,
+            max_num_seqs=getattr(vc.scheduler_config, "max_num_seqs", None),
+            model_name=str(getattr(vc.model_config, "model", "")) or None,
+        )
+    except Exception as exc:
+        log.exception("expertcache: arming failed (%s); serving on the stock path", exc)
+        return None
+    register_session(session)
+    return session

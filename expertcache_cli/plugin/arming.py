@@ -1,0 +1,250 @@
+"""Which MoE layers get a slot cache, decided from the layer objects alone.
+
+The decision is kept apart from the CUDA work for two reasons. It is where correctness
+is won or lost (a per-expert tensor left pointing at full storage means wrong tokens,
+silently), so it must be readable and tested; and it must run in CI, where there is no
+torch. So this module only reads attributes (``shape``, ``dtype``, ``is_contiguous()``,
+``element_size()``, the offloader's ``_vllm_is_uva_offloaded`` flag) and works on vLLM's
+real `RoutedExperts` as well as on the stand-ins the tests build.
+
+The rules, in order (the first that applies decides):
+
+1. expert parallelism (an expert map, or ``use_ep``): declined, the local ids are not
+   the global ids the cache would be indexed by;
+2. a monolithic quant method (routing inside the kernel): declined, there are no ids to
+   remap;
+3. no modular kernel, or an experts kernel not known to index weights purely by id:
+   declined;
+4. per-expert tensors are the layer's parameters with leading dimension ``E`` (vLLM's
+   own EPLB notion, minus its routing-state exceptions); an unknown per-expert buffer,
+   or a per-expert tensor held by the quant method or the kernel object instead of the
+   layer, is declined (it could not be rebound);
+5. none of them offloaded: not armed (skipped, nothing to gain);
+6. offloaded without UVA (parameters on the CPU device): declined, vLLM copies them in
+   per forward through ``functional_call`` and no pointer is stable;
+7. the budget must be below ``E``; every slab contiguous and a multiple of 16 bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any
+
+from .compat import KNOWN_EXPERTS, NON_EXPERT_TENSORS
+from .config import CacheConfig
+
+ARM, SKIP, DECLINE = "arm", "skip", "decline"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One per-expert tensor to mirror: its per-expert shape and dtype, as `SlotCache` takes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: Any
+    bytes_per_expert: int
+    offloaded: bool
+
+
+@dataclass
+class Decision:
+    """What happens to one MoE layer, and why (the reason is logged verbatim)."""
+
+    layer_name: str
+    action: str
+    reason: str = ""
+    num_experts: int = 0
+    num_slots: int = 0
+    top_k: int = 0
+    specs: list[TensorSpec] = field(default_factory=list)
+
+    @property
+    def armed(self) -> bool:
+        return self.action == ARM
+
+    @property
+    def slot_bytes(self) -> int:
+        """VRAM the slots of this layer take."""
+        return self.num_slots * sum(s.bytes_per_expert for s in self.specs)
+
+
+def is_tensor(obj: Any) -> bool:
+    """Duck-typed: a torch tensor (or a test stand-in) without importing torch."""
+    return (
+        hasattr(obj, "shape")
+        and hasattr(obj, "dtype")
+        and callable(getattr(obj, "data_ptr", None))
+    )
+
+
+def _leading(t: Any) -> int | None:
+    shape = tuple(t.shape)
+    return int(shape[0]) if len(shape) >= 1 else None
+
+
+def _per_expert_attrs(obj: Any, num_experts: int) -> list[str]:
+    """Tensor attributes of a plain object (quant method, kernel) with leading dim E."""
+    found = []
+    for key, value in vars(obj).items() if hasattr(obj, "__dict__") else []:
+        if key in ("_parameters", "_buffers", "_modules"):
+            # an nn.Module's registries: handled as parameters/buffers of that module
+            for sub_name, sub in (value or {}).items():
+                if is_tensor(sub) and _leading(sub) == num_experts:
+                    found.append(sub_name)
+            continue
+        if is_tensor(value) and _leading(value) == num_experts:
+            found.append(key)
+    return found
+
+
+def _named(layer: Any, what: str) -> Iterable[tuple[str, Any]]:
+    fn = getattr(layer, what, None)
+    if fn is None:
+        return []
+    return list(fn(recurse=False))
+
+
+def describe_dtype(dtype: Any) -> str:
+    text = str(dtype)
+    return text.removeprefix("torch.")
+
+
+def plan_layer(layer: Any, cfg: CacheConfig, name: str | None = None) -> Decision:
+    """Decide for one vLLM `RoutedExperts` (or stand-in); never raises on odd layers."""
+    lname = name or getattr(layer, "layer_name", None) or type(layer).__name__
+    try:
+        return _plan(layer, cfg, lname)
+    except Exception as exc:  # an unknown layout must decline, never crash serving
+        why = f"unrecognised layer layout ({exc.__class__.__name__}: {exc})"
+        return Decision(lname, DECLINE, why)
+
+
+def _plan(layer: Any, cfg: CacheConfig, lname: str) -> Decision:
+    num_experts = int(getattr(layer, "local_num_experts", 0) or 0)
+    global_experts = int(getattr(layer, "global_num_experts", num_experts) or 0)
+    top_k = int(getattr(layer, "top_k", 0) or 0)
+
+    def decline(reason: str) -> Decision:
+        return Decision(lname, DECLINE, reason, num_experts, 0, top_k)
+
+    if num_experts <= 0:
+        return decline("no expert count on the layer (unknown layout)")
+    moe_config = getattr(layer, "moe_config", None)
+    parallel = getattr(moe_config, "moe_parallel_config", None)
+    if getattr(layer, "expert_map", None) is not None or getattr(parallel, "use_ep", False):
+        return decline("expert parallelism: local expert ids are not the global ids")
+    if global_experts != num_experts:
+        return decline(f"{num_experts} local of {global_experts} global experts (sharded experts)")
+
+    qm = getattr(layer, "quant_method", None)
+    if qm is None:
+        return decline("no quant method on the layer (unknown layout)")
+    qm_name = type(qm).__name__
+    if getattr(qm, "is_monolithic", False):
+        return decline(f"{qm_name} routes inside the kernel (monolithic): no ids to remap")
+    kernel = getattr(qm, "moe_kernel", None)
+    if kernel is None:
+        return decline(f"{qm_name} has no modular kernel (moe_kernel is None)")
+    experts = getattr(kernel, "fused_experts", None)
+    experts_name = type(experts).__name__
+    if experts is None or experts_name not in KNOWN_EXPERTS:
+        return decline(
+            f"experts kernel {experts_name} is not known to index weights by id only "
+            f"(known: {', '.join(sorted(KNOWN_EXPERTS))})"
+        )
+    if not hasattr(experts, "quant_config"):
+        return decline(f"{experts_name} has no quant_config attribute (unknown layout)")
+
+    # Rule 4: the per-expert tensors, and nothing per-expert we could not rebind.
+    specs_src: list[tuple[str, Any]] = []
+    for pname, p in _named(layer, "named_parameters"):
+        if pname in NON_EXPERT_TENSORS or p is None:
+            continue
+        if _leading(p) == num_experts:
+            specs_src.append((pname, p))
+    for bname, b in _named(layer, "named_buffers"):
+        if bname in NON_EXPERT_TENSORS or b is None:
+            continue
+        if _leading(b) == num_experts:
+            return decline(f"per-expert buffer {bname} of an unknown role")
+    for owner, label in ((qm, qm_name), (experts, experts_name)):
+        held = _per_expert_attrs(owner, num_experts)
+        if held:
+            return decline(
+                f"{label} holds per-expert tensor(s) {', '.join(held)} outside the layer"
+            )
+    if not specs_src:
+        return decline("no per-expert parameters found (unknown layout)")
+
+    # Rule 5/6: where the weights live.
+    on_cpu = [n for n, p in specs_src if getattr(getattr(p, "device", None), "type", "") == "cpu"]
+    if on_cpu:
+        return decline(
+            f"{', '.join(on_cpu)} offloaded without UVA (copied in per forward): "
+            "unset VLLM_WEIGHT_OFFLOADING_DISABLE_UVA"
+        )
+    offloaded = {n for n, p in specs_src if getattr(p, "_vllm_is_uva_offloaded", False)}
+    if not offloaded:
+        why = "experts resident on the GPU (nothing to gain)"
+        return Decision(lname, SKIP, why, num_experts, 0, top_k)
+
+    # Rule 7: budget and slabs.
+    try:
+        slots = cfg.slots_for(num_experts)
+    except ValueError as exc:
+        return decline(str(exc))
+    specs: list[TensorSpec] = []
+    for pname, p in specs_src:
+        if not p.is_contiguous():
+            return decline(f"{pname} is not contiguous")
+        per_shape = tuple(int(d) for d in tuple(p.shape)[1:])
+        nbytes = prod(per_shape) * int(p.element_size())
+        if nbytes % 16:
+            return decline(
+                f"{pname}: {nbytes} bytes per expert is not a multiple of 16 (ragged slab)"
+            )
+        specs.append(TensorSpec(pname, per_shape, p.dtype, nbytes, pname in offloaded))
+    return Decision(lname, ARM, "", num_experts, slots, top_k, specs)
+
+
+def summary_line(
+    decisions: list[Decision], cfg: CacheConfig, vllm_version: str, max_num_seqs: int | None = None
+) -> str:
+    """The one startup line: what is armed, on how many layers, budget, policy, tensors."""
+    armed = [d for d in decisions if d.armed]
+    skipped = [d for d in decisions if d.action == SKIP]
+    declined = [d for d in decisions if d.action == DECLINE]
+    policy = cfg.policy.name.lower() + (f" decay={cfg.decay}" if cfg.decay else "")
+    head = f"expertcache: vLLM {vllm_version}: "
+    if not armed:
+        why = "; ".join(sorted({d.reason for d in declined + skipped})) or "no MoE layers found"
+        return head + f"armed 0 of {len(decisions)} MoE layers ({why}); serving on the stock path"
+    first = armed[0]
+    gib = sum(d.slot_bytes for d in armed) / 2**30
+    tensors = ", ".join(
+        f"{s.name}[{describe_dtype(s.dtype)} {'x'.join(map(str, s.shape)) or '1'}]"
+        for s in first.specs
+    )
+    parts = [
+        f"armed {len(armed)} of {len(decisions)} MoE layers",
+        f"{first.num_slots} of {first.num_experts} experts/layer as slots "
+        f"[{cfg.budget_text()}]",
+        f"{gib:.2f} GiB of slots",
+        f"policy {policy}",
+        f"mirrored {tensors}",
+    ]
+    if skipped:
+        parts.append(f"{len(skipped)} resident layer(s) not armed")
+    if declined:
+        parts.append(f"{len(declined)} declined (see warnings)")
+    if max_num_seqs is not None and first.top_k:
+        width = max_num_seqs * first.top_k
+        if width > first.num_slots:
+            parts.append(
+                f"TRAP: a full batch of {max_num_seqs} seqs x top-{first.top_k} = {width} ids "
+                f"> {first.num_slots} slots reads through (batched decode bypasses the cache)"
+            )
+    return head + "; ".join(parts)

@@ -1,0 +1,104 @@
+"""Which vLLM this is, and whether the plugin knows its MoE layout.
+
+The plugin reaches into vLLM internals that move between releases (the MoE layer was
+`FusedMoE` until 0.25; from 0.26 it is a `RoutedExperts` module driven by a `MoERunner`
+through the opaque `moe_forward` custom op). Guessing on an unknown layout could corrupt
+every token, so the rule is: recognise the release and the exact attributes we use, or
+refuse loudly and leave vLLM on its stock path. Both checks are plain functions of
+version strings and objects so that the refusals are tested without vLLM installed.
+
+What was read (vLLM 0.26.0 and 0.33.0 sources):
+
+- plugins: `vllm.general_plugins` entry points run in every process (API server,
+  engine core, each worker), possibly more than once; `register()` must be cheap and
+  idempotent and must not import CUDA code.
+- weights: `Worker.load_model` -> model runner -> loader; the UVA offloader moves the
+  selected parameters to pinned host memory while the model is built and re-offloads
+  any that `process_weights_after_loading` replaced, marking each with
+  ``_vllm_is_uva_offloaded``. So the model is final (loaded, processed, offloaded) when
+  `Worker.load_model` returns, before memory profiling, compilation and graph capture.
+- execution: `MoERunner._apply_quant_method` calls
+  ``routed_experts.forward_modular(x=, topk_weights=, topk_ids=, shared_experts=,
+  shared_experts_input=)`` by keyword after the router picked ``topk_ids``; monolithic
+  methods route inside the kernel (`forward_monolithic(router_logits)`), no ids to remap.
+  `forward_modular` calls ``quant_method.apply(layer=self, ...)``, which reads the weights
+  from the layer's attributes and the scales/biases from
+  ``quant_method.moe_kernel.fused_experts.quant_config`` (a plain attribute). 0.33 may
+  return an `UnfinalizedMoEOutput` (top-k reduction deferred): it carries no expert ids,
+  so it is safe to return as is.
+- 0.33 adds a host-resident path in the Triton experts keyed on the
+  ``_vllm_is_uva_offloaded`` flag of the weights; slot buffers do not carry it and take
+  the ordinary device path.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+#: inclusive (major, minor) range of vLLM releases whose layout was read and is handled
+SUPPORTED_MIN = (0, 26)
+SUPPORTED_MAX = (0, 33)
+
+#: experts kernels known to index the weight tensors by the routing ids and nothing else
+#: (no per-expert state built at load time): safe to feed slot-space ids and slot buffers
+KNOWN_EXPERTS = frozenset(
+    {
+        "TritonExperts",
+        "TritonWNA16Experts",
+    }
+)
+
+#: attributes of RoutedExperts that are routing state, not expert weights (vLLM's own
+#: EPLB list, plus the expert-map buffers)
+NON_EXPERT_TENSORS = frozenset(
+    {
+        "e_score_correction_bias",
+        "w13_input_scale",
+        "w2_input_scale",
+        "hash_indices_table",
+        "_expert_map",
+        "expert_mask",
+        "expert_global_to_physical",
+        "expert_physical_to_global",
+        "expert_local_to_global",
+    }
+)
+
+_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """'0.26.0', '0.33.1rc2.dev5+gabc' -> (0, 26, 0) / (0, 33, 1); None if unreadable."""
+    m = _VERSION_RE.match(text or "")
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def version_refusal(text: str) -> str | None:
+    """Why this vLLM version is refused, or None when its layout is known."""
+    v = parse_version(text)
+    if v is None:
+        return f"cannot read the vLLM version {text!r}"
+    lo = ".".join(map(str, SUPPORTED_MIN))
+    hi = ".".join(map(str, SUPPORTED_MAX))
+    if v[:2] < SUPPORTED_MIN or v[:2] > SUPPORTED_MAX:
+        return f"vLLM {text} is outside the releases whose MoE layout is known ({lo}-{hi}.x)"
+    return None
+
+
+def layout_refusal(routed_experts_cls: Any, kernel_cls: Any | None = None) -> str | None:
+    """Why the classes found at runtime do not match the layout read, or None.
+
+    ``routed_experts_cls`` is vLLM's `RoutedExperts`; ``kernel_cls`` its
+    `FusedMoEKernel` (modular kernel) when importable.
+    """
+    for attr in ("forward_modular", "forward_monolithic", "weight_loader"):
+        if not callable(getattr(routed_experts_cls, attr, None)):
+            return f"RoutedExperts has no {attr}() (unknown MoE layout)"
+    if kernel_cls is not None and not isinstance(
+        getattr(kernel_cls, "fused_experts", None), property
+    ):
+        return "FusedMoEKernel.fused_experts is not a property (unknown kernel layout)"
+    return None

@@ -1,0 +1,200 @@
+"""The armed layer at run time: the shape gate, the cache step, the rebinding.
+
+For every armed `RoutedExperts` the plugin replaces the instance's ``forward_modular``
+(the call the `MoERunner` makes after the router chose ``topk_ids``) with
+`ArmedLayer.forward_modular`:
+
+- a step carrying more ids than slots (``tokens x top_k > S``: prefill, big batches)
+  goes to the stock method untouched: it reads the host copies in place;
+- otherwise `SlotCache.step` installs the missing experts into slots and returns the
+  ids in slot space; for the duration of the stock call the layer's per-expert
+  parameters are the slot buffers and the kernel's quant config is the one the quant
+  method itself built from them (so scales, zero points and biases follow the weights),
+  then everything is put back.
+
+Nothing here reads a device value on the host, and every pointer handed to the kernels
+is fixed when the layer is armed, so vLLM's CUDA graphs capture the whole thing. Python
+runs only when vLLM runs eagerly or captures; a replayed graph repeats the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .arming import Decision
+
+log = logging.getLogger("vllm.expertcache")
+
+
+def iter_tensors(obj: Any, depth: int = 3) -> Iterable[Any]:
+    """Every tensor reachable from a quant config (dataclass fields, attributes, tuples)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    if depth <= 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_tensors(item, depth - 1)
+        return
+    if isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item, depth - 1)
+        return
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name, None), depth - 1)
+        return
+    if hasattr(obj, "__dict__") and not callable(obj):
+        for item in vars(obj).values():
+            yield from iter_tensors(item, depth - 1)
+
+
+class ArmError(RuntimeError):
+    """Arming one layer failed; the layer stays on the stock path (message is logged)."""
+
+
+class ArmedLayer:
+    """One `RoutedExperts` with a `SlotCache` in front of its offloaded experts."""
+
+    def __init__(
+        self,
+        layer: Any,
+        decision: Decision,
+        cache: Any,
+        *,
+        index: int,
+        recorder: Any | None = None,
+    ) -> None:
+        import torch
+
+        self.layer = layer
+        self.decision = decision
+        self.cache = cache
+        self.index = index
+        self.recorder = recorder
+        self.names = [s.name for s in decision.specs]
+        # Slot buffers wrapped once as Parameters: a registered parameter can only be
+        # replaced by a Parameter, and wrapping shares storage (same pointer forever).
+        self.slot_params = {
+            n: torch.nn.Parameter(cache.slots[n], requires_grad=False) for n in self.names
+        }
+        #: device counter of read-through steps (wide steps on the stock path)
+        dev = cache.slots[self.names[0]].device
+        self.read_through = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._stock: Callable[..., Any] = layer.forward_modular
+        self.slot_quant_config = self._build_slot_quant_config()
+        self._failed = False
+
+    # -- rebinding ---------------------------------------------------------------
+    def _swap_in(self) -> dict[str, Any]:
+        params = self.layer._parameters
+        saved = {n: params[n] for n in self.names}
+        for n in self.names:
+            params[n] = self.slot_params[n]
+        return saved
+
+    def _swap_out(self, saved: dict[str, Any]) -> None:
+        params = self.layer._parameters
+        for n, p in saved.items():
+            params[n] = p
+
+    def _experts(self) -> Any:
+        return self.layer.quant_method.moe_kernel.fused_experts
+
+    def _build_slot_quant_config(self) -> Any:
+        """The quant method's own config, rebuilt while the layer holds the slot buffers.
+
+        Refused when anything per-expert in it still points at full (host) storage:
+        that tensor would be indexed by slot ids and read the wrong expert.
+        """
+        qm = self.layer.quant_method
+        full_ptrs = {self.layer._parameters[n].data_ptr() for n in self.names}
+        slot_ptrs = {p.data_ptr() for p in self.slot_params.values()}
+        saved = self._swap_in()
+        try:
+            qc = qm.get_fused_moe_quant_config(self.layer)
+        except Exception as exc:
+            raise ArmError(
+                f"{type(qm).__name__}.get_fused_moe_quant_config failed on slot buffers "
+                f"({exc.__class__.__name__}: {exc})"
+            ) from exc
+        finally:
+            self._swap_out(saved)
+        if qc is None:
+            old = getattr(self._experts(), "quant_config", None)
+            if old is not None:
+                raise ArmError("quant method returned no quant config while the kernel has one")
+            return None
+        e = self.decision.num_experts
+        for t in iter_tensors(qc):
+            ptr = t.data_ptr()
+            if ptr in full_ptrs:
+                raise ArmError("the rebuilt quant config still points at full expert storage")
+            if t.dim() >= 1 and t.shape[0] == e and ptr not in slot_ptrs:
+                raise ArmError(
+                    f"the quant config holds a per-expert tensor {tuple(t.shape)} that is "
+                    "not mirrored"
+                )
+        return qc
+
+    # -- the hook ----------------------------------------------------------------
+    def install(self) -> None:
+        # An instance attribute shadows the class method; the runner looks it up per call.
+        self.layer.forward_modular = self.forward_modular
+
+    def uninstall(self) -> None:
+        if self.layer.__dict__.get("forward_modular") == self.forward_modular:
+            del self.layer.__dict__["forward_modular"]
+
+    def forward_modular(
+        self,
+        x: Any,
+        topk_weights: Any,
+        topk_ids: Any,
+        shared_experts: Any = None,
+        shared_experts_input: Any = None,
+    ) -> Any:
+        """vLLM's `RoutedExperts.forward_modular`, served from slots when the step fits."""
+        if self.recorder is not None:
+            self.recorder.record(self.index, topk_ids)
+        if self._failed or not self.cache.fits(topk_ids.numel()):
+            self.read_through.add_(1)
+            return self._stock(
+                x=x, topk_weights=topk_weights, topk_ids=topk_ids,
+                shared_experts=shared_experts, shared_experts_input=shared_experts_input,
+            )
+        params = self.layer._parameters
+        try:
+            slot_ids = self.cache.step(topk_ids, {n: params[n] for n in self.names})
+        except Exception as exc:  # refuse at the first call, never break serving
+            self._failed = True
+            log.error(
+                "expertcache: %s: cache step failed (%s: %s); layer back on the stock path",
+                self.decision.layer_name, exc.__class__.__name__, exc,
+            )
+            self.uninstall()
+            return self._stock(
+                x=x, topk_weights=topk_weights, topk_ids=topk_ids,
+                shared_experts=shared_experts, shared_experts_input=shared_experts_input,
+            )
+        qm = self.layer.quant_method
+        experts = self._experts()
+        old_qc, old_mqc = experts.quant_config, qm.moe_quant_config
+        saved = self._swap_in()
+        try:
+            if self.slot_quant_config is not None:
+                experts.quant_config = self.slot_quant_config
+                qm.moe_quant_config = self.slot_quant_config
+            return self._stock(
+                x=x, topk_weights=topk_weights, topk_ids=slot_ids,
+                shared_experts=shared_experts, shared_experts_input=shared_experts_input,
+            )
+        finally:
+            self._swap_out(saved)
+            experts.quant_config, qm.moe_quant_config = old_qc, old_mqc

@@ -1,0 +1,221 @@
+"""Arming a loaded model, per worker process, and what runs around the engine steps.
+
+`arm_model` walks the model for vLLM's `RoutedExperts` modules, asks `arming.plan_layer`
+about each, builds a `SlotCache` and an `ArmedLayer` for those it may arm, and logs one
+startup line plus one warning per declined layer. The `Session` it returns owns the
+optional trace recorder and the statistics: `after_step` is called once per engine step
+(from the worker's ``execute_model``) and is the only place that ever synchronises, and
+only when ``EXPERT_CACHE_STATS`` or ``EXPERT_CACHE_TRACE`` asked for it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from typing import Any
+
+from .arming import ARM, DECLINE, Decision, plan_layer, summary_line
+from .config import CacheConfig
+from .runtime import ArmedLayer, ArmError
+
+log = logging.getLogger("vllm.expertcache")
+
+
+def find_moe_layers(model: Any) -> list[tuple[str, Any]]:
+    """(name, module) of every `RoutedExperts` in the model, in model order."""
+    out = []
+    for name, module in model.named_modules():
+        if type(module).__name__ == "RoutedExperts" or (
+            hasattr(module, "forward_modular") and hasattr(module, "quant_method")
+        ):
+            out.append((getattr(module, "layer_name", None) or name, module))
+    return out
+
+
+def layer_index(name: str) -> int | None:
+    """'model.layers.17.mlp.experts' -> 17 (the trace's layer index)."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
+class Session:
+    """The armed layers of one worker process and their bookkeeping."""
+
+    def __init__(self, cfg: CacheConfig, decisions: list[Decision], armed: list[ArmedLayer],
+                 recorder: Any | None) -> None:
+        self.cfg = cfg
+        self.decisions = decisions
+        self.armed = armed
+        self.recorder = recorder
+        self.layer_steps = 0
+        self._next_report = cfg.stats_every
+        self._last = (0, 0)
+        self._closed = False
+
+    # -- counters ------------------------------------------------------------------
+    def totals(self) -> dict[str, Any]:
+        """Live counters summed over armed layers, and per layer (syncs)."""
+        import torch
+
+        if not self.armed:
+            return {"requests": 0, "installs": 0, "read_through_steps": 0, "layers": []}
+        stats = torch.stack([a.cache.stats for a in self.armed]).cpu().tolist()
+        rts = torch.cat([a.read_through for a in self.armed]).cpu().tolist()
+        layers = [
+            {"layer": a.decision.layer_name, "requests": s[0], "installs": s[1],
+             "read_through_steps": r}
+            for a, s, r in zip(self.armed, stats, rts)
+        ]
+        return {
+            "requests": sum(s[0] for s in stats),
+            "installs": sum(s[1] for s in stats),
+            "read_through_steps": sum(rts),
+            "slots": self.armed[0].decision.num_slots,
+            "num_experts": self.armed[0].decision.num_experts,
+            "policy": self.cfg.policy.name.lower(),
+            "decay": self.cfg.decay,
+            "layers": layers,
+        }
+
+    def report(self, final: bool = False) -> None:
+        t = self.totals()
+        req, ins = t["requests"], t["installs"]
+        d_req, d_ins = req - self._last[0], ins - self._last[1]
+        self._last = (req, ins)
+        hit = 100.0 * (1 - ins / req) if req else float("nan")
+        win = 100.0 * (1 - d_ins / d_req) if d_req else float("nan")
+        log.info(
+            "expertcache: %s hit rate %.2f%% since last report, %.2f%% overall "
+            "(requests=%d installs=%d read-through steps=%d over %d layers)",
+            "final" if final else "live", win, hit, req, ins, t["read_through_steps"],
+            len(self.armed),
+        )
+
+    def after_step(self) -> None:
+        """Once per engine step (host side): periodic stats and trace draining."""
+        if not self.armed:
+            return
+        self.layer_steps += len(self.armed)
+        if self.cfg.stats_every and self.layer_steps >= self._next_report:
+            self._next_report = self.layer_steps + self.cfg.stats_every
+            self.report()
+        if self.recorder is not None:
+            self.recorder.maybe_flush()
+
+    def close(self) -> None:
+        """At shutdown: final counters, and the trace file if one was asked for."""
+        if self._closed or not self.armed:
+            return
+        self._closed = True
+        try:
+            self.report(final=True)
+            if self.recorder is not None and self.cfg.trace_path:
+                path = self.recorder.save(self.cfg.trace_path, live=self.totals())
+                if path is not None:
+                    log.info("expertcache: routing trace written to %s", path)
+        except Exception as exc:  # at exit, say what failed and carry on shutting down
+            log.error("expertcache: could not write the final stats/trace: %s", exc)
+
+
+def _rank_suffix(path: str) -> str:
+    """Tensor-parallel ranks each write their own file: trace.npz -> trace.rank1.npz."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+    except Exception:
+        rank = 0
+    if rank == 0:
+        return path
+    return path[: -len(".npz")] + f".rank{rank}.npz"
+
+
+def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
+              max_num_seqs: int | None = None, model_name: str | None = None) -> Session:
+    """Plan, build and install the caches of one loaded model; never raises."""
+    layers = find_moe_layers(model)
+    decisions = [plan_layer(module, cfg, name) for name, module in layers]
+    armed: list[ArmedLayer] = []
+    recorder = None
+    to_arm = [(d, m) for d, (_, m) in zip(decisions, layers) if d.action == ARM]
+    if to_arm and cfg.trace_path:
+        try:
+            from .recorder import TraceRecorder
+
+            first = to_arm[0][0]
+            dev = to_arm[0][1]._parameters[first.specs[0].name].device
+            names = [layer_index(d.layer_name) for d, _ in to_arm]
+            recorder = TraceRecorder(
+                len(to_arm), first.num_experts, first.top_k, dev,
+                layer_names=names if all(n is not None for n in names) else None,
+                model=model_name,
+            )
+            cfg = _with_trace(cfg, _rank_suffix(cfg.trace_path))
+        except Exception as exc:
+            log.error("expertcache: trace recording disabled: %s", exc)
+            recorder = None
+    for decision, module in to_arm:
+        try:
+            armed.append(_arm_one(module, decision, cfg, len(armed), recorder))
+        except Exception as exc:
+            decision.action = DECLINE
+            decision.reason = f"arming failed: {exc.__class__.__name__}: {exc}"
+    if recorder is not None and len(armed) != len(to_arm):
+        # ring rows are per armed layer: rebuild the index map over the survivors
+        for i, a in enumerate(armed):
+            a.index = i
+        recorder.num_layers = len(armed)
+    for d in decisions:
+        if d.action == DECLINE:
+            log.warning("expertcache: %s not armed: %s", d.layer_name, d.reason)
+    log.info("%s", summary_line(decisions, cfg, vllm_version, max_num_seqs))
+    return Session(cfg, decisions, armed, recorder)
+
+
+def _with_trace(cfg: CacheConfig, path: str) -> CacheConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, trace_path=path)
+
+
+def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
+             recorder: Any | None) -> ArmedLayer:
+    from ..slotcache import SlotCache
+
+    dev = module._parameters[decision.specs[0].name].device
+    if getattr(dev, "type", "") == "cuda" and dev.index is None:
+        import torch
+
+        dev = torch.device("cuda", torch.cuda.current_device())
+    cache = SlotCache(
+        decision.num_experts,
+        decision.num_slots,
+        {s.name: (s.shape, s.dtype) for s in decision.specs},
+        policy=cfg.policy,
+        decay=cfg.decay,
+        device=dev,
+        name=decision.layer_name,
+    )
+    try:
+        armed = ArmedLayer(module, decision, cache, index=index, recorder=recorder)
+    except ArmError:
+        raise
+    armed.install()
+    return armed
+
+
+_SESSIONS: list[Session] = []
+
+
+def close_all() -> None:
+    for s in _SESSIONS:
+        s.close()
+
+
+def register_session(session: Session) -> None:
+    if not _SESSIONS:
+        atexit.register(close_all)
+    _SESSIONS.append(session)
+

@@ -1,0 +1,140 @@
+"""Arming decisions on stand-ins shaped like vLLM's RoutedExperts (no torch, no vLLM)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from plugin_standins import (
+    FakeModel,
+    FakeTensor,
+    RoutedExperts,
+    TritonExperts,
+    TrtLlmBf16ExpertsModular,
+    UnquantizedFusedMoEMethod,
+)
+
+from expertcache_cli.plugin.arming import ARM, DECLINE, SKIP, plan_layer, summary_line
+from expertcache_cli.plugin.config import CacheConfig, from_env
+from expertcache_cli.plugin.session import find_moe_layers, layer_index
+
+CFG = CacheConfig(slots=32)
+
+
+def test_offloaded_bf16_layer_is_armed_with_weights_mirrored():
+    d = plan_layer(RoutedExperts(), CFG)
+    assert d.action == ARM, d.reason
+    assert (d.num_experts, d.num_slots, d.top_k) == (128, 32, 8)
+    names = [s.name for s in d.specs]
+    assert names == ["w13_weight", "w2_weight"]  # routing bias [E] is not an expert tensor
+    assert d.specs[0].shape == (64, 64) and d.specs[0].bytes_per_expert == 64 * 64 * 2
+    assert d.slot_bytes == 32 * (64 * 64 * 2 + 64 * 32 * 2)
+
+
+def test_scales_zero_points_and_biases_are_mirrored_with_the_weights():
+    extra = {
+        "w13_weight_scale": FakeTensor((128, 64, 4), "float32", uva=True),
+        "w13_qzeros": FakeTensor((128, 16), "int8", uva=True),
+        "w2_bias": FakeTensor((128, 64), "bfloat16"),  # resident but per-expert: mirrored too
+        "w2_input_scale": FakeTensor((128,), "float32"),  # vLLM's non-expert list
+    }
+    d = plan_layer(RoutedExperts(extra_params=extra), CFG)
+    assert d.action == ARM, d.reason
+    got = {s.name: s.offloaded for s in d.specs}
+    assert got == {"w13_weight": True, "w2_weight": True, "w13_weight_scale": True,
+                   "w13_qzeros": True, "w2_bias": False}
+
+
+def test_resident_layer_is_not_armed():
+    d = plan_layer(RoutedExperts(uva=False), CFG)
+    assert d.action == SKIP and "resident" in d.reason
+
+
+@pytest.mark.parametrize(
+    "layer, needle",
+    [
+        (RoutedExperts(use_ep=True), "expert parallelism"),
+        (RoutedExperts(expert_map=FakeTensor((128,), "int32")), "expert parallelism"),
+        (RoutedExperts(quant_method=UnquantizedFusedMoEMethod(monolithic=True)), "monolithic"),
+        (RoutedExperts(quant_method=SimpleNamespace(is_monolithic=False, moe_kernel=None)),
+         "no modular kernel"),
+        (RoutedExperts(quant_method=UnquantizedFusedMoEMethod(TrtLlmBf16ExpertsModular())),
+         "TrtLlmBf16ExpertsModular is not known"),
+        (RoutedExperts(device="cpu"), "without UVA"),
+        (RoutedExperts(extra_params={"w13_weight_scale": FakeTensor((128,), "float32", uva=True)}),
+         "4 bytes per expert is not a multiple of 16"),
+        (RoutedExperts(extra_params={"w2_g": FakeTensor((128, 8, 8), "float32", uva=True,
+                                                         contiguous=False)}),
+         "not contiguous"),
+        (RoutedExperts(buffers={"w13_sort_idx": FakeTensor((128, 32), "int32")}),
+         "per-expert buffer w13_sort_idx"),
+        (RoutedExperts(num_experts=16), "not below the layer's 16 experts"),
+    ],
+)
+def test_unsupported_layers_are_declined_with_the_reason(layer, needle):
+    d = plan_layer(layer, CFG)
+    assert d.action == DECLINE
+    assert needle in d.reason
+
+
+def test_per_expert_tensor_held_by_the_quant_method_is_declined():
+    qm = UnquantizedFusedMoEMethod()
+    qm.w13_scale_cache = FakeTensor((128, 64), "float32")
+    d = plan_layer(RoutedExperts(quant_method=qm), CFG)
+    assert d.action == DECLINE and "w13_scale_cache" in d.reason
+
+
+def test_per_expert_tensor_held_by_the_kernel_is_declined():
+    experts = TritonExperts()
+    experts.expert_offsets = FakeTensor((128,), "int32")
+    d = plan_layer(RoutedExperts(quant_method=UnquantizedFusedMoEMethod(experts)), CFG)
+    assert d.action == DECLINE and "expert_offsets" in d.reason
+
+
+def test_a_layout_that_raises_is_declined_not_crashed():
+    class Broken(RoutedExperts):
+        def named_parameters(self, recurse=True):
+            raise RuntimeError("boom")
+
+    d = plan_layer(Broken(), CFG)
+    assert d.action == DECLINE and "boom" in d.reason
+
+
+def test_fraction_budget_rounds_per_layer():
+    cfg = from_env({"EXPERT_CACHE_FRACTION": "0.3"})
+    assert plan_layer(RoutedExperts(), cfg).num_slots == 38  # 0.3 * 128 = 38.4
+    assert plan_layer(RoutedExperts(num_experts=64), cfg).num_slots == 19
+
+
+def test_default_budget_is_a_quarter():
+    assert plan_layer(RoutedExperts(), CacheConfig()).num_slots == 32
+
+
+def test_summary_line_states_layers_budget_policy_tensors_and_the_trap():
+    layers = [RoutedExperts(name=f"model.layers.{i}.mlp.experts") for i in range(3)]
+    layers.append(RoutedExperts(uva=False, name="model.layers.3.mlp.experts"))
+    layers.append(RoutedExperts(use_ep=True, name="model.layers.4.mlp.experts"))
+    ds = [plan_layer(x, CFG) for x in layers]
+    line = summary_line(ds, CFG, "0.26.0", max_num_seqs=8)
+    assert "vLLM 0.26.0" in line
+    assert "armed 3 of 5 MoE layers" in line
+    assert "32 of 128 experts/layer" in line
+    assert "policy lru" in line
+    assert "w13_weight[bfloat16 64x64]" in line and "w2_weight[bfloat16 64x32]" in line
+    assert "1 resident layer(s) not armed" in line and "1 declined" in line
+    assert "TRAP" in line and "64 ids" in line  # 8 seqs x top-8 > 32 slots
+    assert "TRAP" not in summary_line(ds, CFG, "0.26.0", max_num_seqs=4)
+
+
+def test_summary_line_when_nothing_is_armed_says_why():
+    ds = [plan_layer(RoutedExperts(uva=False), CFG)]
+    line = summary_line(ds, CFG, "0.33.0")
+    assert "armed 0 of 1" in line and "resident" in line and "stock path" in line
+
+
+def test_find_moe_layers_and_layer_index():
+    model = FakeModel([RoutedExperts(name=f"model.layers.{i}.mlp.experts") for i in range(4)])
+    found = find_moe_layers(model)
+    assert [n for n, _ in found] == [f"model.layers.{i}.mlp.experts" for i in range(4)]
+    assert layer_index("model.layers.17.mlp.experts") == 17
+    assert layer_index("experts") is None
