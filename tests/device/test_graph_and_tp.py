@@ -8,10 +8,9 @@ import shutil
 
 import numpy as np
 import pytest
+from kernel_helpers import assert_same_state
 
 from expertcache_cli.policy import LayerCache, Policy
-
-from .conftest import assert_same_state
 
 
 def _setup(torch, E=64, seed=0):

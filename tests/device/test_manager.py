@@ -8,10 +8,9 @@ import zlib
 
 import numpy as np
 import pytest
+from kernel_helpers import assert_same_state
 
 from expertcache_cli.policy import LayerCache, Policy
-
-from .conftest import assert_same_state
 
 STEPS = 1800  # per (pattern, policy): 6 x 2 x 1800 = 21,600 steps
 

@@ -1,0 +1,115 @@
+"""`expertcache build-kernels`: compile the cache kernels now and say what was built.
+
+Without options it compiles with NVRTC for the GPU it finds (warming the per-user cache
+that the plugin would otherwise fill on first use) and runs a one-step self-test on it.
+``--arch 90`` compiles for named architectures with no GPU present; ``--library PATH``
+builds the ahead-of-time shared library with nvcc instead (select it at run time with
+``EXPERT_CACHE_LIB=PATH``). Every failure names what is missing.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from .. import kernel_build
+from ..errors import DeviceUnavailable, UserError
+from . import parse_int_list
+
+
+def _device_arch(device: int) -> tuple[int, str]:
+    try:
+        import torch
+    except ImportError:
+        raise DeviceUnavailable(
+            "torch is not installed, so no GPU can be detected: pass --arch (e.g. --arch 90) "
+            "to compile without one"
+        ) from None
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable(
+            "no CUDA device visible (torch.cuda.is_available() is False): pass --arch "
+            "(e.g. --arch 90) to compile without one"
+        )
+    if device >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor, torch.cuda.get_device_name(device)
+
+
+def _self_test(device: int) -> str:
+    """One manager + gather step on the device, checked against the reference."""
+    import numpy as np
+    import torch
+
+    from ..policy import LayerCache
+    from ..slotcache import SlotCache
+
+    src = torch.arange(16 * 8, dtype=torch.int16).reshape(16, 8).pin_memory()
+    cache = SlotCache(16, 4, {"w": ((8,), torch.int16)}, device=device, name="self-test")
+    ids = np.array([[3, 9], [9, -1]], dtype=np.int32)
+    out = cache.step(torch.from_numpy(ids).to(f"cuda:{device}"), {"w": src})
+    ref = LayerCache(16, 4)
+    res = ref.step(ids)
+    st = cache.state()
+    ok = (
+        st["misses"] == res.misses
+        and np.array_equal(out.cpu().numpy(), ref.remap(ids))
+        and all(torch.equal(cache.slots["w"][s].cpu(), src[e]) for e, s in res.misses)
+    )
+    if not ok:
+        raise UserError(f"self-test FAILED on cuda:{device}: kernels disagree with the reference")
+    return f"self-test passed on cuda:{device} ({cache.backend})"
+
+
+def build_kernels(
+    arch: str = typer.Option(
+        None, "--arch", help="compile for these SM archs (e.g. 90 or 80,90); no GPU needed"
+    ),
+    library: Path = typer.Option(
+        None, "--library", help="build the nvcc shared library at this path instead of NVRTC"
+    ),
+    archs: str = typer.Option(
+        ",".join(str(a) for a in kernel_build.AOT_ARCHS), "--archs",
+        help="with --library: SASS targets (PTX of the last is added)",
+    ),
+    device: int = typer.Option(0, "--device", help="CUDA device to detect the arch from"),
+    self_test: bool = typer.Option(
+        True, "--self-test/--no-self-test", help="run one checked cache step on the GPU"
+    ),
+) -> None:
+    """Compile the cache kernels (NVRTC, cached per user) or build the nvcc library."""
+    t0 = time.perf_counter()
+    if library is not None:
+        targets = tuple(parse_int_list(archs, "--archs"))
+        out = kernel_build.build_shared_library(library, targets)
+        print(
+            f"built {out} ({out.stat().st_size / 1e6:.1f} MB) with nvcc for "
+            f"{', '.join(f'sm_{a}' for a in targets)} + compute_{targets[-1]} PTX in "
+            f"{time.perf_counter() - t0:.1f} s; exports "
+            f"{', '.join(kernel_build.LIBRARY_ENTRY_POINTS)}"
+        )
+        print(f"use it with: export {kernel_build.LIB_ENV}={out.resolve()}")
+        return
+    if arch:
+        wanted = [(a, None) for a in parse_int_list(arch, "--arch")]
+    else:
+        wanted = [_device_arch(device)]
+    major, minor = kernel_build.nvrtc_version()
+    print(f"NVRTC {major}.{minor}, kernel source {kernel_build.source_hash()}, "
+          f"cache {kernel_build.cache_dir()}")
+    for a, name in wanted:
+        t1 = time.perf_counter()
+        img = kernel_build.cached_image(a)
+        how = "already cached" if img.cached else f"compiled in {time.perf_counter() - t1:.1f} s"
+        target = f"sm_{img.arch}" if img.kind == "cubin" else f"compute_{img.arch} PTX (JIT)"
+        on = f" for {name} (sm_{a})" if name else ""
+        print(f"{target}{on}: {img.path} ({img.path.stat().st_size:,} B, {how}); entry points "
+              f"{', '.join(kernel_build.KERNEL_ENTRY_POINTS)}")
+    if not arch and self_test:
+        print(_self_test(device))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("build-kernels")(build_kernels)

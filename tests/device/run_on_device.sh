@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device session for the kernels: build (NVRTC + nvcc), every device test, every
+# kernel benchmark; logs go to $OUT (or ./out). Usage on the GPU box, from the repo root:
+#   bash tests/device/run_on_device.sh [tests|bench|all]
+set -uo pipefail
+what="${1:-all}"
+OUT="${OUT:-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export XDG_CACHE_HOME="${XDG_CACHE_HOME:-/tmp/ec-cache}"
+python3 -c "import pytest" 2>/dev/null || pip install -q --no-index --find-links .whl pytest >/dev/null 2>&1
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cuda-bindings', cuda.bindings.__version__)"
+  pip list 2>/dev/null | grep -i -E "nvrtc|cuda-bindings|pytest"
+  nvcc --version | tail -1
+} > "$OUT/env.log" 2>&1
+cat "$OUT/env.log"
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  timeout 120 python3 -m expertcache_cli build-kernels 2>&1 | tee "$OUT/build_kernels.log"
+  timeout 60 python3 -m expertcache_cli build-kernels 2>&1 | tee -a "$OUT/build_kernels.log"
+  timeout 300 python3 -m pytest -q -ra -p no:cacheprovider tests/test_kernel_build.py tests/device \
+      --durations=8 2>&1 | tee "$OUT/tests.log" | tail -40
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  for b in bench_manager bench_layer_step bench_gather; do
+    echo "\$ python bench/$b.py" > "$OUT/$b.log"
+    timeout 150 python3 "bench/$b.py" >> "$OUT/$b.log" 2>&1
+    echo "exit $?" >> "$OUT/$b.log"
+    cat "$OUT/$b.log"
+  done
+fi
