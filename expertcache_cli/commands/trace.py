@@ -77,9 +77,14 @@ def describe(trace) -> dict:
     ids = trace.topk_ids
     valid = ids >= 0
     per_step = valid.sum(axis=2)
-    counts = np.bincount(ids[valid].ravel(), minlength=trace.num_experts)
-    share = np.sort(counts)[::-1] / max(1, counts.sum())
     top = max(1, trace.num_experts // 8)
+    used = np.zeros(trace.num_experts, bool)
+    shares = []
+    for layer in range(trace.num_layers):
+        col = ids[:, layer, :]
+        counts = np.bincount(col[col >= 0].ravel(), minlength=trace.num_experts)
+        used |= counts > 0
+        shares.append(np.sort(counts)[::-1][:top].sum() / max(1, counts.sum()))
     return {
         "steps": trace.steps,
         "layers": trace.num_layers,
@@ -91,8 +96,9 @@ def describe(trace) -> dict:
         "ids_per_step_min": int(per_step.min()),
         "ids_per_step_max": int(per_step.max()),
         "padding_fraction": float(1 - valid.mean()),
-        "experts_used": int(np.count_nonzero(counts)),
-        f"top_{top}_experts_share": float(share[:top].sum()),
+        "experts_used": int(np.count_nonzero(used)),
+        # how concentrated routing is: the hottest 1/8 of experts' share, layer mean
+        f"top_{top}_experts_share": float(np.mean(shares)),
         "expert_bytes": trace.expert_bytes,
         "model": trace.model,
         "source": trace.source,
