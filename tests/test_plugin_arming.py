@@ -60,7 +60,7 @@ def test_resident_layer_is_not_armed():
          "no modular kernel"),
         (RoutedExperts(quant_method=UnquantizedFusedMoEMethod(TrtLlmBf16ExpertsModular())),
          "TrtLlmBf16ExpertsModular is not known"),
-        (RoutedExperts(device="cpu"), "without UVA"),
+        (RoutedExperts(device="cpu", uva=False), "without UVA"),
         (RoutedExperts(extra_params={"w13_weight_scale": FakeTensor((128,), "float32", uva=True)}),
          "4 bytes per expert is not a multiple of 16"),
         (RoutedExperts(extra_params={"w2_g": FakeTensor((128, 8, 8), "float32", uva=True,

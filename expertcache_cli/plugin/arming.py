@@ -180,7 +180,12 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str) -> Decision:
         return decline("no per-expert parameters found (unknown layout)")
 
     # Rule 5/6: where the weights live.
-    on_cpu = [n for n, p in specs_src if getattr(getattr(p, "device", None), "type", "") == "cpu"]
+    # (the UVA offloader leaves its tensors on the accelerator device, flagged)
+    on_cpu = [
+        n for n, p in specs_src
+        if getattr(getattr(p, "device", None), "type", "") == "cpu"
+        and not getattr(p, "_vllm_is_uva_offloaded", False)
+    ]
     if on_cpu:
         return decline(
             f"{', '.join(on_cpu)} offloaded without UVA (copied in per forward): "

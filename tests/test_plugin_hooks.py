@@ -1,0 +1,130 @@
+"""The entry point and the worker hooks, on fake modules (no torch, no vLLM)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+import expertcache_cli.plugin as plugin
+
+
+@pytest.fixture()
+def fresh(monkeypatch):
+    """A plugin that has not registered yet, and an environment without EXPERT_CACHE_*."""
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(plugin, "_config", None)
+    for name in list(__import__("os").environ):
+        if name.startswith("EXPERT_CACHE_"):
+            monkeypatch.delenv(name)
+    before = list(sys.meta_path)
+    yield monkeypatch
+    sys.meta_path[:] = before
+
+
+def _fake_vllm(monkeypatch, version: str) -> types.ModuleType:
+    vllm = types.ModuleType("vllm")
+    vllm.__version__ = version
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    return vllm
+
+
+def _fake_worker_module(monkeypatch) -> type:
+    calls: list[str] = []
+
+    class Worker:
+        def __init__(self):
+            self.calls = calls
+
+        def load_model(self, *, load_dummy_weights=False):
+            calls.append("load")
+
+        def execute_model(self, scheduler_output):
+            calls.append(f"exec:{scheduler_output}")
+            return "out"
+
+        def shutdown(self):
+            calls.append("shutdown")
+
+    mod = types.ModuleType(plugin.WORKER_MODULE)
+    mod.Worker = Worker
+    monkeypatch.setitem(sys.modules, plugin.WORKER_MODULE, mod)
+    return Worker
+
+
+def test_bad_environment_stops_startup_with_one_line(fresh):
+    fresh.setenv("EXPERT_CACHE_POLICY", "fifo")
+    with pytest.raises(SystemExit) as info:
+        plugin.register()
+    assert str(info.value).startswith("expertcache: error: EXPERT_CACHE_POLICY='fifo'")
+
+
+def test_register_is_idempotent_and_disable_arms_nothing(fresh):
+    fresh.setenv("EXPERT_CACHE_DISABLE", "1")
+    _fake_vllm(fresh, "0.26.0")
+    worker_cls = _fake_worker_module(fresh)
+    plugin.register()
+    plugin.register()
+    assert not getattr(worker_cls, "_expertcache_patched", False)
+
+
+def test_unknown_version_leaves_vllm_alone(fresh, caplog):
+    _fake_vllm(fresh, "0.40.0")
+    worker_cls = _fake_worker_module(fresh)
+    with caplog.at_level("WARNING", logger="vllm.expertcache"):
+        plugin.register()
+    assert not getattr(worker_cls, "_expertcache_patched", False)
+    assert "outside the releases" in caplog.text and "NOT armed" in caplog.text
+
+
+def test_worker_is_wrapped_arms_after_load_and_reports_per_step(fresh):
+    _fake_vllm(fresh, "0.26.0")
+    worker_cls = _fake_worker_module(fresh)
+    events: list[str] = []
+
+    class Session:
+        def after_step(self):
+            events.append("after_step")
+
+        def close(self):
+            events.append("close")
+
+    def fake_arm(worker, cfg, version):
+        events.append(f"arm after {worker.calls[-1]} on {version}")
+        return Session()
+
+    fresh.setattr(plugin, "_arm_worker", fake_arm)
+    plugin.register()
+    assert worker_cls._expertcache_patched
+    w = worker_cls()
+    w.load_model(load_dummy_weights=True)
+    assert events == ["arm after load on 0.26.0"]
+    assert w.execute_model("s1") == "out"
+    w.shutdown()
+    assert events[1:] == ["after_step", "close"]
+    assert w.calls == ["load", "exec:s1", "shutdown"]
+    assert worker_cls.load_model.__name__ == "load_model"
+
+
+def test_when_imported_waits_for_the_import(fresh, tmp_path):
+    pkg = tmp_path / "ec_fake_target.py"
+    pkg.write_text("VALUE = 41\n")
+    fresh.syspath_prepend(str(tmp_path))
+    fresh.delitem(sys.modules, "ec_fake_target", raising=False)
+    seen: list[int] = []
+
+    def bump(module):
+        module.VALUE += 1
+        seen.append(module.VALUE)
+
+    plugin.when_imported("ec_fake_target", bump)
+    assert seen == []  # nothing imported by us
+    import ec_fake_target  # noqa: F401
+
+    assert seen == [42] and sys.modules["ec_fake_target"].VALUE == 42
+    # the loader proxy still serves inspect/linecache
+    assert sys.modules["ec_fake_target"].__spec__.loader.get_source("ec_fake_target")
+    # already imported: the callback runs at once
+    plugin.when_imported("ec_fake_target", bump)
+    assert seen == [42, 43]

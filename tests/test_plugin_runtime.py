@@ -1,0 +1,205 @@
+"""The armed layer and the trace recorder on CPU torch, with a reference slot cache.
+
+The real `SlotCache` runs CUDA kernels (its own device tests prove it bit-exact against
+`policy.LayerCache`). Here a host emulation of the same contract, built on that very
+reference, stands in for it, so what is tested is the plugin's part: the shape gate,
+the rebinding of every per-expert tensor and of the quant config for exactly the
+duration of the stock call, outputs equal to the stock path token for token, the
+refusal of a quant config that still points at full storage, and a recorded trace that
+replays to the live install count. Skipped (with the reason) where torch is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="no torch: the plugin runtime tests need torch")
+
+from expertcache_cli.plugin.arming import ARM, plan_layer  # noqa: E402
+from expertcache_cli.plugin.config import CacheConfig  # noqa: E402
+from expertcache_cli.plugin.runtime import ArmedLayer, ArmError  # noqa: E402
+from expertcache_cli.policy import LayerCache, Policy  # noqa: E402
+
+E, H, INTER, TOPK = 16, 8, 4, 2
+
+
+class RefSlotCache:
+    """`SlotCache`'s contract on the host, driven by the reference rules."""
+
+    def __init__(self, num_experts, num_slots, specs, *, policy="lru", decay=0, **_):
+        self.ref = LayerCache(num_experts, num_slots, Policy.parse(policy), decay)
+        self.num_slots = num_slots
+        self.slots = {
+            n: torch.zeros((num_slots, *shape), dtype=dt) for n, (shape, dt) in specs.items()
+        }
+        self.stats = torch.zeros(2, dtype=torch.int64)
+        self.steps = 0
+
+    def fits(self, n):
+        return n <= self.num_slots
+
+    def step(self, topk_ids, sources):
+        ids = topk_ids.numpy()
+        r = self.ref.step(ids)
+        for e, s in r.misses:
+            for n, buf in self.slots.items():
+                buf[s] = sources[n][e]
+        self.stats += torch.tensor([r.distinct, r.miss_count])
+        self.steps += 1
+        return torch.from_numpy(self.ref.remap(ids)).to(topk_ids.dtype)
+
+
+@dataclass
+class QuantConfig:
+    w13_bias: torch.Tensor | None
+    w2_bias: torch.Tensor | None
+
+
+class Method:
+    """An unquantized-style quant method with biases carried by its quant config."""
+
+    is_monolithic = False
+
+    def __init__(self, leak: bool = False):
+        self.leak = leak
+        self.moe_quant_config = None
+        self.moe_kernel = SimpleNamespace(fused_experts=type("TritonExperts", (), {})())
+
+    def get_fused_moe_quant_config(self, layer):
+        if self.leak:  # a method that caches the tensors it saw at load time
+            return QuantConfig(self._seen[0], layer.w2_bias)
+        return QuantConfig(layer.w13_bias, layer.w2_bias)
+
+
+class Experts(torch.nn.Module):
+    """A RoutedExperts-shaped module whose stock forward is a plain MoE in torch."""
+
+    def __init__(self, leak=False, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.layer_name = "model.layers.5.mlp.experts"
+        self.local_num_experts = self.global_num_experts = E
+        self.top_k = TOPK
+        self.expert_map = None
+        self.moe_config = SimpleNamespace(moe_parallel_config=SimpleNamespace(use_ep=False))
+        for name, shape in (("w13_weight", (E, 2 * INTER, H)), ("w2_weight", (E, H, INTER)),
+                            ("w13_bias", (E, 2 * INTER)), ("w2_bias", (E, H))):
+            p = torch.nn.Parameter(torch.randn(shape, generator=g), requires_grad=False)
+            self.register_parameter(name, p)
+            # host tensors standing for UVA views (on a GPU they sit on the cuda device)
+            p._vllm_is_uva_offloaded = True
+        self.quant_method = Method(leak)
+        self.quant_method._seen = [self.w13_bias]  # hidden in a list: past the planner
+        self.quant_method.moe_kernel.fused_experts.quant_config = (
+            self.quant_method.get_fused_moe_quant_config(self)
+        )
+        self.weights_seen: list[int] = []
+
+    def forward_modular(self, x, topk_weights, topk_ids, shared_experts=None,
+                        shared_experts_input=None):
+        qc = self.quant_method.moe_kernel.fused_experts.quant_config
+        self.weights_seen.append(self.w13_weight.data_ptr())
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for k in range(topk_ids.shape[1]):
+                e = int(topk_ids[t, k])
+                h = self.w13_weight[e] @ x[t] + qc.w13_bias[e]
+                a = torch.nn.functional.silu(h[:INTER]) * h[INTER:]
+                out[t] += topk_weights[t, k] * (self.w2_weight[e] @ a + qc.w2_bias[e])
+        return out
+
+
+def _arm(layer, slots=6, recorder=None):
+    d = plan_layer(layer, CacheConfig(slots=slots))
+    assert d.action == ARM, d.reason
+    cache = RefSlotCache(d.num_experts, d.num_slots,
+                         {s.name: (s.shape, s.dtype) for s in d.specs})
+    armed = ArmedLayer(layer, d, cache, index=0, recorder=recorder)
+    armed.install()
+    return armed
+
+
+def _routing(rng, tokens):
+    ids = np.stack([rng.choice(E, TOPK, replace=False) for _ in range(tokens)])
+    return torch.from_numpy(ids.astype(np.int32)), torch.rand(tokens, TOPK)
+
+
+def test_armed_layer_matches_the_stock_path_and_restores_everything():
+    stock, cached = Experts(seed=1), Experts(seed=1)
+    armed = _arm(cached, slots=6)
+    assert [s.name for s in armed.decision.specs] == ["w13_weight", "w2_weight", "w13_bias",
+                                                      "w2_bias"]
+    full_ptr = cached.w13_weight.data_ptr()
+    qc_before = cached.quant_method.moe_kernel.fused_experts.quant_config
+    rng = np.random.default_rng(0)
+    served = 0
+    for step in range(60):
+        tokens = 1 if step % 7 else 4  # 4 tokens x top-2 = 8 ids > 6 slots: read-through
+        x = torch.randn(tokens, H)
+        ids, w = _routing(rng, tokens)
+        want = stock.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+        got = cached.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        served += tokens * TOPK <= 6
+        # after every call: the layer is back on its full tensors and config
+        assert cached.w13_weight.data_ptr() == full_ptr
+        assert cached.quant_method.moe_kernel.fused_experts.quant_config is qc_before
+    slot_ptr = armed.cache.slots["w13_weight"].data_ptr()
+    assert cached.weights_seen.count(slot_ptr) == served == armed.cache.steps
+    assert cached.weights_seen.count(full_ptr) == 60 - served
+    assert int(armed.read_through) == 60 - served
+    assert armed.slot_quant_config.w13_bias.data_ptr() == armed.cache.slots["w13_bias"].data_ptr()
+
+
+def test_quant_config_still_pointing_at_full_storage_is_refused():
+    layer = Experts(leak=True)
+    with pytest.raises(ArmError, match="full expert storage"):
+        _arm(layer)
+
+
+def test_a_failing_cache_step_falls_back_to_the_stock_path_and_disarms(caplog):
+    layer = Experts(seed=2)
+    armed = _arm(layer)
+
+    def boom(*a, **k):
+        raise ValueError("per-expert slab of 12 bytes")
+
+    armed.cache.step = boom
+    x = torch.randn(1, H)
+    ids, w = _routing(np.random.default_rng(1), 1)
+    with caplog.at_level("ERROR", logger="vllm.expertcache"):
+        out = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    torch.testing.assert_close(out, Experts(seed=2).forward_modular(x=x, topk_weights=w,
+                                                                    topk_ids=ids))
+    assert "stock path" in caplog.text and "12 bytes" in caplog.text
+    assert "forward_modular" not in layer.__dict__  # the instance hook is gone
+
+
+def test_recorded_trace_replays_to_the_live_install_count(tmp_path):
+    from expertcache_cli.plugin.recorder import TraceRecorder
+    from expertcache_cli.policy import replay_layer_reference
+    from expertcache_cli.trace import load
+
+    layer = Experts(seed=3)
+    rec = TraceRecorder(1, E, TOPK, torch.device("cpu"), capacity=16, layer_names=[5],
+                        model="tiny")
+    armed = _arm(layer, slots=6, recorder=rec)
+    rng = np.random.default_rng(5)
+    for step in range(50):
+        tokens = [1, 1, 2, 3, 9][step % 5]  # 3 x 2 = 6 fits; 9 x 2 = 18 > E: not recorded
+        ids, w = _routing(rng, tokens)
+        layer.forward_modular(x=torch.randn(tokens, H), topk_weights=w, topk_ids=ids)
+        rec.maybe_flush()  # the ring of 16 rows drains every 8 engine steps
+    live_installs = int(armed.cache.stats[1])
+    path = rec.save(tmp_path / "live.npz", live={"installs": live_installs})
+    tr = load(path)
+    assert tr.num_experts == E and tr.top_k == TOPK and list(tr.layers) == [5]
+    assert tr.steps == 40 and tr.width == 6  # the 10 steps of 18 ids were left out
+    assert list(tr.step_tokens[:4]) == [1, 1, 2, 3]
+    replay = replay_layer_reference(tr.topk_ids[:, 0, :], E, 6, Policy.LRU)
+    assert sum(r.miss_count for r in replay) == live_installs > 0
+    assert (tmp_path / "live.live.json").read_text().strip().startswith("{")
