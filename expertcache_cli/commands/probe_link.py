@@ -1,0 +1,92 @@
+"""`expertcache probe-link`: host<->device bandwidth the ways the cache uses it, and a verdict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import UserError
+from ..presets import DEFAULT_PRESET
+
+console = Console()
+
+_LABELS = {
+    "h2d_pinned": "host->device, pinned (copy engine)",
+    "d2h_pinned": "device->host, pinned (copy engine)",
+    "h2d_pageable": "host->device, pageable (copy engine)",
+    "zero_copy_read": "SM zero-copy read of mapped pinned memory",
+    "d2d_copy": "device->device copy (HBM, one way)",
+}
+
+
+def _parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--sizes takes MiB counts like 1,64,1024, not {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise UserError("--sizes takes positive MiB counts like 1,64,1024")
+    return sizes
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("probe-link")
+    def probe_link(
+        device: int = typer.Option(0, "--device", "-d", help="CUDA device index"),
+        model: str = typer.Option(
+            DEFAULT_PRESET, "--model", "-m",
+            help="model whose expert slab the gather row uses (as in `size`)",
+        ),
+        quant: str = typer.Option(None, "--quant", help="weight format, as in `size`"),
+        sizes: str = typer.Option("1,4,16,64,256,1024", help="copy sizes in MiB"),
+        repeats: int = typer.Option(7, help="timed samples per figure (the median is shown)"),
+        warmup: int = typer.Option(2, help="untimed runs before each figure"),
+        pin: bool = typer.Option(True, "--pin/--no-pin", help="pin to the GPU's NUMA node"),
+        as_json: bool = typer.Option(False, "--json", help="print every number as JSON"),
+        save: Path = typer.Option(None, "--save", help="also write the JSON to this file"),
+    ) -> None:
+        """Measure the host link (copy engine, zero-copy, the cache's gather) and conclude."""
+        from .. import probe
+
+        size_list = _parse_sizes(sizes)
+        mdl = str(model) if not Path(model).exists() else Path(model)
+        rep = probe.probe_link(device=device, model=mdl, quant=quant, sizes_mib=size_list,
+                               repeats=repeats, warmup=warmup, pin=pin)
+        data = rep.to_json()
+        if save is not None:
+            save.write_text(json.dumps(data, indent=2) + "\n")
+        if as_json:
+            print(json.dumps(data, indent=2))
+            return
+        console.print(
+            f"[bold]{rep.device_name}[/] (cuda:{rep.device_index}, PCI {rep.pci_bus_id or '?'}"
+            + (f", {rep.pcie_link}" if rep.pcie_link else "") + f"); {rep.numa}"
+        )
+        t = Table(title=f"host link (median of {repeats}, CUDA events)")
+        for col in ("path", "size", "GB/s", "time", "spread"):
+            t.add_column(col, justify="right" if col != "path" else "left")
+        for r in rep.rates:
+            t.add_row(_LABELS.get(r.path, r.path), probe.fmt_bytes(r.nbytes), f"{r.gbps:.1f}",
+                      f"{r.seconds * 1e6:.0f} us", f"{100 * r.spread:.1f}%")
+        console.print(t)
+        if rep.gather:
+            g = Table(title=f"gather at {rep.model['name']}'s expert slab: {rep.gather_impl}")
+            for col in ("experts a step", "bytes a step", "GB/s", "time a step", "spread"):
+                g.add_column(col, justify="right")
+            for r in rep.gather:
+                g.add_row(r.path.split("_")[1], probe.fmt_bytes(r.nbytes), f"{r.gbps:.1f}",
+                          f"{r.seconds * 1e6:.0f} us", f"{100 * r.spread:.1f}%")
+            console.print(g)
+        if rep.latency_us:
+            lat = rep.latency_us
+            console.print(
+                f"one 4 KiB host->device copy: {lat['h2d_4KiB_device_us']:.1f} us on the device "
+                f"(back to back), {lat['h2d_4KiB_roundtrip_us']:.1f} us enqueue-to-synchronised"
+            )
+        for line in probe.summary_lines(rep):
+            style = "red" if "failed" in line or "FALLBACK" in line else "bold"
+            console.print(f"[{style}]{line}[/]")

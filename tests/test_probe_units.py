@@ -1,0 +1,150 @@
+"""probe-link's conclusions and plumbing, without a GPU: link classes, NUMA pinning from a
+fake sysfs, the decode ceilings by hand, the gather's all-miss rotation, and the one-line
+refusal where there is no CUDA device."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from expertcache_cli import probe, sizing
+from expertcache_cli.policy import LayerCache, Policy
+
+
+@pytest.mark.parametrize(
+    "gbps,want",
+    [
+        (6.5, "narrower than PCIe Gen3"),
+        (12.3, "PCIe Gen3 x16"),
+        (26.0, "PCIe Gen4 x16"),
+        (55.5, "PCIe Gen5 x16"),
+        (90.0, "faster than PCIe Gen5"),
+        (400.0, "coherent C2C"),
+    ],
+)
+def test_link_classes(gbps, want):
+    assert probe.classify_link(gbps).startswith(want)
+
+
+def test_integrated_gpu_is_named_as_such():
+    assert "integrated" in probe.classify_link(55.0, integrated=True)
+
+
+def test_cpulist_parsing_and_compression():
+    assert probe.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert probe.parse_cpulist("") == []
+    assert probe._compress([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
+
+
+def _fake_sysfs(tmp_path, bdf: str, node: str, cpus: str, speed: str = "32.0 GT/s PCIe"):
+    d = tmp_path / bdf
+    d.mkdir(parents=True)
+    (d / "numa_node").write_text(node + "\n")
+    (d / "local_cpulist").write_text(cpus + "\n")
+    (d / "current_link_speed").write_text(speed + "\n")
+    (d / "current_link_width").write_text("16\n")
+    (d / "max_link_speed").write_text("32.0 GT/s PCIe\n")
+    (d / "max_link_width").write_text("16\n")
+    return tmp_path
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_pin_near_gpu_uses_the_local_cpus_we_are_allowed(tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
+    mine = allowed[:1]
+    sysfs = _fake_sysfs(tmp_path, "0000:1b:00.0", "1", ",".join(map(str, mine)))
+    try:
+        node, text, cpus = probe.pin_near_gpu("0000:1b:00.0", sysfs)
+        assert node == 1 and cpus == mine
+        assert "pinned to NUMA node 1" in text
+        assert sorted(os.sched_getaffinity(0)) == mine
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def test_pin_near_gpu_explains_why_not(tmp_path):
+    sysfs = _fake_sysfs(tmp_path, "0000:01:00.0", "-1", "")
+    node, text, cpus = probe.pin_near_gpu("0000:01:00.0", sysfs)
+    assert node == -1 and cpus == [] and "no NUMA node" in text
+    assert "unknown" in probe.pin_near_gpu("", sysfs)[1]
+    # a node whose CPUs are all outside our allowed set
+    sysfs2 = _fake_sysfs(tmp_path / "b", "0000:02:00.0", "0", "100000")
+    if hasattr(os, "sched_getaffinity"):
+        assert "none of its CPUs" in probe.pin_near_gpu("0000:02:00.0", sysfs2)[1]
+
+
+def test_pcie_link_text(tmp_path):
+    sysfs = _fake_sysfs(tmp_path, "0000:1b:00.0", "0", "0", speed="16.0 GT/s PCIe")
+    assert probe.pcie_link("0000:1b:00.0", sysfs) == "16.0 GT/s PCIe x16 (max 32.0 GT/s PCIe x16)"
+    assert probe.pcie_link("0000:ff:00.0", sysfs) == ""
+
+
+def test_decode_ceilings_by_hand():
+    m = sizing.load_model()  # Qwen3-30B-A3B W8A8
+    d = probe.decode_ceilings(m, gather_gbps=50.0, hbm_gbps=4000.0)
+    host = 8 * 227_180_544  # top_k x bytes per slot = 1,817,444,352 B a token
+    assert d["host_bytes_per_token"] == host
+    assert d["resident_bytes_per_token"] == host + 2_177_593_344
+    t_res = (host + 2_177_593_344) / 4000e9
+    t_off = 2_177_593_344 / 4000e9 + host / 50e9
+    assert d["resident_tok_s"] == pytest.approx(1 / t_res)
+    assert d["offload_tok_s"] == pytest.approx(1 / t_off)  # ~27 tok/s: the seed-scale penalty
+    assert 25 < d["offload_tok_s"] < 28
+    assert d["offload_penalty"] == pytest.approx(t_off / t_res)
+    t90 = 2_177_593_344 / 4000e9 + host * 0.9 / 4000e9 + host * 0.1 / 50e9
+    assert d["cache_tok_s"]["0.90"] == pytest.approx(1 / t90)
+    assert d["offload_tok_s"] < d["cache_tok_s"]["0.50"] < d["cache_tok_s"]["0.99"]
+
+
+def test_gather_rotation_makes_every_id_a_miss():
+    """The probe's id schedule, run through the reference cache: n misses every step."""
+    for num_experts in (8, 64, 128, 256):
+        e, s, ns = probe.gather_counts(num_experts)
+        assert e >= 2 * s
+        for n in ns:
+            steps = e * 2
+            ref = LayerCache(e, s, Policy.LRU)
+            for t in range(3 * steps):
+                row = t % steps
+                res = ref.step([(row * n + j) % e for j in range(n)])
+                assert res.miss_count == n, (num_experts, n, t)
+
+
+def test_gather_counts():
+    assert probe.gather_counts(128) == (64, 32, [1, 8, 32])
+    assert probe.gather_counts(8) == (8, 4, [1, 4])
+    assert probe.gather_counts(32) == (32, 16, [1, 8, 16])
+
+
+def test_fmt_bytes():
+    assert probe.fmt_bytes(1 << 20) == "1 MiB"
+    assert probe.fmt_bytes(4_732_928) == "4.51 MiB"
+    assert probe.fmt_bytes(4096) == "4 KiB"
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.skipif(_has_cuda(), reason="a CUDA device is present: the refusal path is moot")
+def test_no_cuda_is_one_line_and_exit_2():
+    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "probe-link"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "CUDA device" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bad_options_are_user_errors():
+    for args in (["--sizes", "0"], ["--sizes", "a,b"], ["--model", "nope"]):
+        r = subprocess.run([sys.executable, "-m", "expertcache_cli", "probe-link", *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, args
+        assert "Traceback" not in r.stderr
