@@ -168,21 +168,29 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
         const int evictable = S - (n_distinct - n_missing);
         installs = min(wanted, evictable);
         if (installs > 0) {
+            // Victim key (occupied, prio, slot) packed in one int64 so that ranking is a
+            // single compare: occupied at bit 62, prio in bits 10..61 (prio <= step, and
+            // 2^52 steps never happen), slot in bits 0..9 (S <= EC_MAX_SLOTS = 1024).
+            // Keys are unique; slots this step needs get EC_KEY_NONE (ranked last).
             for (int s = tid; s < S; s += EC_THREADS) {
                 const int x = s_sexp[s];
-                s_key[s] = (x >= 0 && s_mark[x]) ? EC_KEY_NONE
-                                                 : ((x >= 0 ? EC_KEY_OCCUPIED : 0LL) | s_prio[s]);
+                s_key[s] = (x >= 0 && s_mark[x])
+                               ? EC_KEY_NONE
+                               : ((x >= 0 ? EC_KEY_OCCUPIED : 0LL) | (s_prio[s] << 10) | s);
             }
             __syncthreads();
-            // The k-th smallest (key, slot) is the victim of the k-th miss. Rank by
-            // counting smaller keys; stop as soon as the slot cannot be a victim.
+            // The k-th smallest key is the victim of the k-th miss. Rank by counting
+            // smaller keys, 8 at a time; stop as soon as the slot cannot be a victim.
             for (int s = tid; s < S; s += EC_THREADS) {
                 const long long k = s_key[s];
                 if (k == EC_KEY_NONE) continue;
                 int r = 0;
-                for (int j = 0; j < S && r < installs; ++j) {
-                    const long long kj = s_key[j];
-                    r += (kj < k || (kj == k && j < s)) ? 1 : 0;
+                for (int j0 = 0; j0 < S && r < installs; j0 += 8) {
+#pragma unroll
+                    for (int u = 0; u < 8; ++u) {
+                        const int j = j0 + u;
+                        if (j < S) r += (s_key[j] < k) ? 1 : 0;
+                    }
                 }
                 if (r >= installs) continue;
                 // 6. Install miss r in slot s (distinct experts and slots per thread).

@@ -12,15 +12,19 @@ python3 -c "import pytest" 2>/dev/null || pip install -q --no-index --find-links
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cuda-bindings', cuda.bindings.__version__)"
-  pip list 2>/dev/null | grep -i -E "nvrtc|cuda-bindings|pytest"
+  python3 -m pip list 2>/dev/null | grep -i -E "nvrtc|cuda-bindings|pytest|packaging"
+  python3 -c "import pytest, torch; print('import pytest then torch: ok', pytest.__version__)" 2>&1 | tail -1
   nvcc --version | tail -1
 } > "$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 if [ "$what" = all ] || [ "$what" = tests ]; then
   timeout 120 python3 -m expertcache_cli build-kernels 2>&1 | tee "$OUT/build_kernels.log"
   timeout 60 python3 -m expertcache_cli build-kernels 2>&1 | tee -a "$OUT/build_kernels.log"
-  timeout 300 python3 -m pytest -q -ra -p no:cacheprovider tests/test_kernel_build.py tests/device \
-      --durations=8 2>&1 | tee "$OUT/tests.log" | tail -40
+  # torch is imported before pytest starts: importing it inside a pytest session failed
+  # on the H200 image (torch 2.11 custom_op schema parse error in torch/utils/_debug_mode).
+  timeout 300 python3 -c "import sys, torch, pytest; sys.exit(pytest.main(sys.argv[1:]))" \
+      -q -ra -p no:cacheprovider tests/test_kernel_build.py tests/device --durations=8 \
+      2>&1 | tee "$OUT/tests.log" | tail -40
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   for b in bench_manager bench_layer_step bench_gather; do
