@@ -25,23 +25,12 @@ register_all(app)
 
 
 def main() -> None:
-    """Console entry point: user errors become one line on stderr and exit code 2."""
+    """Console entry point: user errors become one line on stderr and exit code 2.
+
+    Usage errors (unknown option, bad value) are handled by typer itself and exit with 2.
+    """
     try:
-        app(standalone_mode=False)
+        app()
     except UserError as exc:
         print(f"expertcache: error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        print("expertcache: interrupted", file=sys.stderr)
-        sys.exit(130)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except Exception as exc:  # click usage errors and aborts arrive here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(1)
-        raise
