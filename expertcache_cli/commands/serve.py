@@ -1,0 +1,69 @@
+"""`expertcache serve`: size the cache for a card and launch `vllm serve` with it armed."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+from rich.console import Console
+
+from ..plugin.launch import make_plan, plugin_installed
+
+console = Console(stderr=True)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        epilog="Everything after `--` goes to `vllm serve` unchanged.",
+    )
+    def serve(
+        ctx: typer.Context,
+        model: str = typer.Argument(..., help="the model to serve (HF id or local directory)"),
+        vram: float = typer.Option(..., help="GiB of VRAM on the card to size for"),
+        slots: int = typer.Option(None, help="force this many slots per MoE layer"),
+        fraction: float = typer.Option(None, help="force this fraction of the experts as slots"),
+        policy: str = typer.Option("lru", help="replacement policy: lru or lfu"),
+        decay: int = typer.Option(0, help="LFU: halve priorities every N steps (0 = never)"),
+        size_from: str = typer.Option(
+            None, help="size from this config.json / model dir / preset instead of MODEL"
+        ),
+        allow_trap: bool = typer.Option(
+            False, help="serve even when a full batch would bypass the cache (sizing trap)"
+        ),
+        dry_run: bool = typer.Option(False, help="print the plan and the command, run nothing"),
+    ) -> None:
+        """Launch `vllm serve MODEL` with experts offloaded and the slot cache sized and armed."""
+        plan = make_plan(
+            model, vram, slots=slots, fraction=fraction, policy=policy, decay=decay,
+            size_from=size_from, allow_trap=allow_trap, vllm_args=list(ctx.args),
+        )
+        s = plan.size
+        console.print(f"[bold]expertcache serve[/]: {s.model} on {s.vram_gib:g} GiB: "
+                      f"{s.verdict_text}")
+        if s.verdict == "cache":
+            console.print(
+                f"  slots {s.slots} of {s.num_experts} per MoE layer x {s.num_moe_layers} "
+                f"layers = {s.slots * s.bytes_per_slot / 2**30:.2f} GiB; experts offloaded "
+                f"with --cpu-offload-gb {s.cpu_offload_gb}; policy {policy}; "
+                f"max_num_seqs {s.max_num_seqs} x top_k {s.top_k} = {s.trap_ids} ids per "
+                "batched decode step"
+            )
+        for note in plan.notes:
+            console.print(f"  note: {note}")
+        if not plugin_installed():
+            console.print("  [yellow]warning: the expertcache vLLM plugin is not installed in "
+                          "this environment (pip install expertcache), nothing will arm[/]")
+        if dry_run:
+            print(plan.shell())
+            return
+        console.print(f"  running: {plan.shell()}")
+        sys.stderr.flush()
+        env = {**os.environ, **plan.env}
+        try:
+            os.execvpe(plan.argv[0], plan.argv, env)
+        except OSError as exc:
+            from ..errors import UserError
+
+            raise UserError(f"cannot start {plan.argv[0]}: {exc.strerror}") from None

@@ -1,0 +1,175 @@
+"""`expertcache serve`: turn a card size into a sized `vllm serve` command with the cache.
+
+The plan is pure (no torch, no vLLM, nothing launched) so that it is tested in CI: read
+the vLLM flags the user passed after ``--`` that change the sizing (max-num-seqs,
+max-model-len, memory utilisation, batched tokens, KV dtype), ask `sizing.plan` for the
+slot budget and the ``--cpu-offload-gb`` that moves every expert to host memory, then
+compose the environment (``EXPERT_CACHE_*``) and the argument vector. The sizing trap
+(a full batch of ``max_num_seqs x top_k`` ids wider than the slots reads through,
+silently) is refused unless the user accepts it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+from ..policy import Policy
+
+#: vLLM flags that `sizing.plan` takes into account, and how to read their value
+_SIZING_FLAGS = {
+    "--max-num-seqs": ("max_num_seqs", int),
+    "--max-model-len": ("max_model_len", int),
+    "--gpu-memory-utilization": ("gpu_memory_utilization", float),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", int),
+    "--kv-cache-dtype": ("kv_cache_dtype", str),
+}
+#: flags serve sets itself; given by the user, the user's value wins (noted in the plan)
+_OWNED_FLAGS = ("--cpu-offload-gb", "--cpu-offload-params", "--gpu-memory-utilization",
+                "--max-model-len", "--max-num-seqs")
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of ``--flag V`` or ``--flag=V`` in ``args`` (last one wins), else None."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag:
+            if i + 1 >= len(args):
+                raise UserError(f"vLLM argument {flag} has no value")
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def sizing_overrides(vllm_args: Sequence[str]) -> dict[str, object]:
+    """The keyword arguments for `sizing.plan` found among the user's vLLM flags."""
+    out: dict[str, object] = {}
+    for flag, (key, kind) in _SIZING_FLAGS.items():
+        raw = flag_value(vllm_args, flag)
+        if raw is None:
+            continue
+        try:
+            out[key] = kind(raw)
+        except ValueError:
+            raise UserError(
+                f"vLLM argument {flag} {raw!r} is not a valid {kind.__name__}"
+            ) from None
+    return out
+
+
+def vllm_command() -> list[str]:
+    """How to start vLLM here: the ``vllm`` script, else its module (no script on PATH)."""
+    exe = shutil.which("vllm")
+    if exe:
+        return [exe]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+@dataclass
+class ServePlan:
+    """What `serve` will run: the sizing, the environment it adds, the command."""
+
+    model: str
+    size: object  # sizing.SizePlan
+    env: dict[str, str]
+    argv: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    def shell(self) -> str:
+        """The plan as one shell line (``--dry-run`` prints it)."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+
+def make_plan(
+    model: str,
+    vram_gb: float,
+    *,
+    slots: int | None = None,
+    fraction: float | None = None,
+    policy: str = "lru",
+    decay: int = 0,
+    size_from: str | None = None,
+    allow_trap: bool = False,
+    vllm_args: Sequence[str] = (),
+    launcher: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServePlan:
+    """Size the cache for ``model`` on ``vram_gb`` GiB and compose the `vllm serve` call."""
+    from .. import sizing
+
+    environ = os.environ if environ is None else environ
+    try:
+        pol = Policy.parse(policy)
+    except ValueError:
+        pol = None  # type: ignore[assignment]
+    if pol not in (Policy.LRU, Policy.LFU):
+        raise UserError(f"--policy {policy!r}: choose lru or lfu")
+    if decay < 0:
+        raise UserError(f"--decay must be >= 0, got {decay}")
+    if decay and pol is not Policy.LFU:
+        raise UserError("--decay applies to --policy lfu only")
+    if slots is not None and fraction is not None:
+        raise UserError("give --slots or --fraction, not both")
+    if fraction is not None and not 0 < fraction < 1:
+        raise UserError(f"--fraction must be between 0 and 1 (exclusive), got {fraction}")
+    args = list(vllm_args)
+    if args and args[0] == "--":
+        args = args[1:]
+    size = sizing.plan(
+        size_from or model, vram_gb, slots=slots, fraction=fraction, **sizing_overrides(args)
+    )
+    notes = list(size.notes)
+    env: dict[str, str] = {}
+    own: list[str] = []
+    if size.verdict == "does_not_fit":
+        raise UserError(f"{size.model} on {vram_gb:g} GiB: {size.verdict_text}")
+    if size.verdict == "fits_outright":
+        notes.append("every expert fits in VRAM: serving without offload, the cache stays off")
+        env["EXPERT_CACHE_DISABLE"] = "1"
+    elif size.verdict == "offload_no_cache":
+        notes.append("too little VRAM for even top_k slots: experts offloaded, the cache off")
+        env["EXPERT_CACHE_DISABLE"] = "1"
+    else:
+        if size.trap and not allow_trap:
+            raise UserError(
+                f"sizing trap: --max-num-seqs {size.max_num_seqs} x top_k {size.top_k} = "
+                f"{size.trap_ids} ids > {size.slots} slots, so batched decode would bypass "
+                f"the cache silently; pass -- --max-num-seqs {size.safe_max_num_seqs} "
+                "(or more VRAM / slots), or --allow-trap to serve anyway"
+            )
+        env["EXPERT_CACHE_SLOTS"] = str(size.slots)
+        env["EXPERT_CACHE_POLICY"] = pol.name.lower()
+        if decay:
+            env["EXPERT_CACHE_DECAY"] = str(decay)
+    for flag_i in range(0, len(size.vllm_args()), 2):
+        flag, value = size.vllm_args()[flag_i : flag_i + 2]
+        if flag in _OWNED_FLAGS and flag_value(args, flag) is not None:
+            if flag not in _SIZING_FLAGS:
+                notes.append(f"{flag} {flag_value(args, flag)} given by you replaces the "
+                             f"planned {value}")
+            continue
+        own += [flag, value]
+    if "EXPERT_CACHE_SLOTS" in env and environ.get("EXPERT_CACHE_FRACTION", "").strip():
+        env["EXPERT_CACHE_FRACTION"] = ""  # one budget only: the plan's slots win
+        notes.append("EXPERT_CACHE_FRACTION from your environment is replaced by the planned slots")
+    if "EXPERT_CACHE_DISABLE" not in env and environ.get("EXPERT_CACHE_DISABLE", "").strip() in (
+        "1", "true", "yes", "on"
+    ):
+        notes.append("EXPERT_CACHE_DISABLE=1 in your environment: the cache will not arm "
+                     "(the control run)")
+    argv = [*(launcher or vllm_command()), "serve", model, *own, *args]
+    return ServePlan(model=model, size=size, env=env, argv=argv, notes=notes)
+
+
+def plugin_installed() -> bool:
+    """Whether vLLM will find the plugin (the package's entry point metadata is installed)."""
+    from importlib.metadata import entry_points
+
+    return any(ep.name == "expertcache" for ep in entry_points(group="vllm.general_plugins"))

@@ -1,0 +1,141 @@
+"""`expertcache serve`: the plan (sizing -> environment + vllm argv) and the CLI dry run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from expertcache_cli.errors import UserError
+from expertcache_cli.plugin.launch import flag_value, make_plan, sizing_overrides
+
+MODEL = "Qwen/Qwen3-30B-A3B"  # bf16 preset: 128 experts, top-8, 48 MoE layers
+VLLM = ["vllm"]
+
+
+def _plan(**kw):
+    kw.setdefault("launcher", VLLM)
+    kw.setdefault("environ", {})
+    return make_plan(MODEL, kw.pop("vram", 24), **kw)
+
+
+def test_cache_plan_sets_the_environment_and_offloads_the_experts():
+    p = _plan(vllm_args=["--", "--max-num-seqs", "4", "--max-model-len", "8192", "--port", "9"])
+    s = p.size
+    assert s.verdict == "cache" and 0 < s.slots < 128 and not s.trap
+    assert p.env == {"EXPERT_CACHE_SLOTS": str(s.slots), "EXPERT_CACHE_POLICY": "lru"}
+    assert p.argv[:3] == ["vllm", "serve", MODEL]
+    a = p.argv
+    assert a[a.index("--cpu-offload-gb") + 1] == str(s.cpu_offload_gb) and s.cpu_offload_gb > 0
+    assert a[a.index("--cpu-offload-params") + 1] == "experts"
+    # the user's flags are passed unchanged, once, after the planned ones
+    assert a[-6:] == ["--max-num-seqs", "4", "--max-model-len", "8192", "--port", "9"]
+    assert a.count("--max-num-seqs") == 1 and a.count("--max-model-len") == 1
+    # and they fed the sizing
+    assert (s.max_num_seqs, s.max_model_len) == (4, 8192)
+
+
+def test_more_slots_on_a_bigger_card():
+    args = ["--max-num-seqs", "4", "--max-model-len", "8192"]
+    small = _plan(vram=24, vllm_args=args).size.slots
+    big = _plan(vram=48, vllm_args=args).size.slots
+    assert big == 128 or big > small
+
+
+def test_sizing_trap_is_refused_unless_accepted():
+    with pytest.raises(UserError) as info:
+        _plan(vllm_args=["--max-num-seqs", "64", "--max-model-len", "8192"])
+    msg = str(info.value)
+    assert "sizing trap" in msg and "64 x top_k 8 = 512 ids" in msg and "--allow-trap" in msg
+    p = _plan(vllm_args=["--max-num-seqs", "64", "--max-model-len", "8192"], allow_trap=True)
+    assert p.size.trap and "EXPERT_CACHE_SLOTS" in p.env
+
+
+def test_model_that_fits_outright_runs_without_offload_and_cache_off():
+    p = _plan(vram=141, vllm_args=["--max-model-len", "8192"])
+    assert p.size.verdict == "fits_outright"
+    assert p.env == {"EXPERT_CACHE_DISABLE": "1"}
+    assert "--cpu-offload-gb" not in p.argv
+    assert any("without offload" in n for n in p.notes)
+
+
+def test_does_not_fit_is_an_error():
+    with pytest.raises(UserError, match="does not fit"):
+        _plan(vram=2)
+
+
+def test_forced_budget_policy_and_decay():
+    p = _plan(slots=24, policy="lfu", decay=32,
+              vllm_args=["--max-num-seqs", "2", "--max-model-len", "8192"])
+    assert p.env == {"EXPERT_CACHE_SLOTS": "24", "EXPERT_CACHE_POLICY": "lfu",
+                     "EXPERT_CACHE_DECAY": "32"}
+    p = _plan(fraction=0.25, vllm_args=["--max-num-seqs", "2", "--max-model-len", "8192"])
+    assert p.env["EXPERT_CACHE_SLOTS"] == "32"
+
+
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        ({"policy": "opt"}, "choose lru or lfu"),
+        ({"decay": 8}, "lfu only"),
+        ({"decay": -1, "policy": "lfu"}, ">= 0"),
+        ({"slots": 8, "fraction": 0.5}, "not both"),
+        ({"fraction": 1.0}, "between 0 and 1"),
+        ({"vllm_args": ["--max-num-seqs", "many"]}, "--max-num-seqs 'many'"),
+        ({"vllm_args": ["--max-num-seqs"]}, "has no value"),
+    ],
+)
+def test_bad_options_are_user_errors(kw, needle):
+    with pytest.raises(UserError) as info:
+        _plan(**kw)
+    assert needle in str(info.value)
+
+
+def test_user_offload_flag_wins_with_a_note():
+    p = _plan(vllm_args=["--max-num-seqs", "4", "--max-model-len", "8192",
+                         "--cpu-offload-gb=60"])
+    assert p.argv.count("--cpu-offload-gb") == 0 and "--cpu-offload-gb=60" in p.argv
+    assert any("--cpu-offload-gb 60 given by you" in n for n in p.notes)
+
+
+def test_environment_fraction_is_replaced_by_the_planned_slots():
+    p = _plan(vllm_args=["--max-num-seqs", "4", "--max-model-len", "8192"],
+              environ={"EXPERT_CACHE_FRACTION": "0.5", "EXPERT_CACHE_DISABLE": "1"})
+    assert p.env["EXPERT_CACHE_FRACTION"] == ""  # the plugin reads '' as unset
+    assert any("control run" in n for n in p.notes)
+    from expertcache_cli.plugin.config import from_env
+
+    cfg = from_env({"EXPERT_CACHE_FRACTION": "0.5", **p.env})
+    assert cfg.slots == p.size.slots and cfg.fraction is None
+
+
+def test_flag_parsing_helpers():
+    args = ["--max-num-seqs", "8", "--gpu-memory-utilization=0.8", "--kv-cache-dtype", "fp8"]
+    assert flag_value(args, "--max-num-seqs") == "8"
+    assert flag_value(args, "--max-model-len") is None
+    assert sizing_overrides(args) == {"max_num_seqs": 8, "gpu_memory_utilization": 0.8,
+                                      "kv_cache_dtype": "fp8"}
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "expertcache_cli", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_dry_run_prints_the_command():
+    r = _cli("serve", MODEL, "--vram", "24", "--dry-run", "--",
+             "--max-num-seqs", "4", "--max-model-len", "8192")
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith("EXPERT_CACHE_SLOTS=") and " serve Qwen/Qwen3-30B-A3B " in line
+    assert "--cpu-offload-params experts" in line
+    assert "cache at" in r.stderr
+
+
+def test_cli_bad_input_is_one_line_and_exit_2():
+    r = _cli("serve", MODEL, "--vram", "24", "--dry-run", "--policy", "fifo")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "expertcache: error: --policy 'fifo': choose lru or lfu"
+    r = _cli("serve", MODEL, "--vram", "24", "--dry-run")  # vLLM's 256 seqs: the trap
+    assert r.returncode == 2 and "sizing trap" in r.stderr and "Traceback" not in r.stderr
