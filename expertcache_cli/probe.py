@@ -171,6 +171,7 @@ def pin_near_gpu(
     local = parse_cpulist(_read(sysfs / bdf / "local_cpulist"))
     if node < 0 and not local:
         return -1, "not pinned: the system reports no NUMA node for the GPU (single node?)", []
+    where = f"NUMA node {node}" if node >= 0 else "the GPU's local CPUs"
     try:
         allowed = os.sched_getaffinity(0)
     except (AttributeError, OSError):
@@ -182,7 +183,10 @@ def pin_near_gpu(
         os.sched_setaffinity(0, cpus)
     except OSError as exc:
         return node, f"NUMA node {node}; not pinned: {exc.strerror}", []
-    return node, f"pinned to NUMA node {node} ({len(cpus)} CPUs: {_compress(cpus)})", cpus
+    text = f"pinned to {where}: {len(cpus)} CPUs {_compress(cpus)}"
+    if node < 0:
+        text += " (the system reports no NUMA node: one node)"
+    return node, text, cpus
 
 
 def _compress(cpus: Sequence[int]) -> str:
@@ -203,13 +207,16 @@ def _compress(cpus: Sequence[int]) -> str:
 
 
 def _time_per_call(torch, fn: Callable[[], None], iters: int, repeats: int, warmup: int,
-                   stream) -> list[float]:
+                   stream, on_warm: Callable[[], None] | None = None) -> list[float]:
     """Seconds per call of ``fn``: ``repeats`` samples of ``iters`` back-to-back calls,
-    each bracketed by CUDA events on ``stream`` (the stream the calls enqueue on)."""
+    each bracketed by CUDA events on ``stream`` (the stream the calls enqueue on).
+    ``on_warm`` runs once after the warm-up, before the first timed call."""
     with torch.cuda.stream(stream):
         for _ in range(warmup):
             fn()
         stream.synchronize()
+        if on_warm is not None:
+            on_warm()
         samples = []
         for _ in range(repeats):
             a = torch.cuda.Event(enable_timing=True)
@@ -386,12 +393,10 @@ def measure_gather(torch, device: int, tensors: Sequence[tuple[str, int]], num_e
     try:
         from .slotcache import SlotCache
 
-        with torch.cuda.device(dev):
-            cache = SlotCache(e, s, {k: ((v.shape[1],), torch.uint8) for k, v in srcs.items()},
-                              policy="lru", device=dev, name="probe")
-        impl = f"expertcache SlotCache.step (manager + gather; {cache.backend})"
+        specs = {k: ((v.shape[1],), torch.uint8) for k, v in srcs.items()}
+        impl = ""
 
-        def make_step(n: int, steps: int):
+        def make_step(cache, n: int, steps: int):
             ids = torch.tensor([[(t * n + j) % e for j in range(n)] for t in range(steps)],
                                dtype=torch.int32, device=dev)
             state = {"t": 0}
@@ -403,13 +408,20 @@ def measure_gather(torch, device: int, tensors: Sequence[tuple[str, int]], num_e
             return step
 
         for n in ns:
+            # a fresh cache per count: experts left resident by the previous count would
+            # turn the first steps into hits
+            with torch.cuda.device(dev):
+                cache = SlotCache(e, s, specs, policy="lru", device=dev, name="probe")
+            impl = ("expertcache SlotCache.step (manager + gather, "
+                    f"{cache.backend.split(' (')[0]})")
             it = _iters_for(n * per_expert, 256 * MiB)
             steps = e * max(2, -(-it // e))  # a whole number of turns through the ids
-            fn = make_step(n, steps)
-            before = cache.stats.tolist()
-            samples = _time_per_call(torch, fn, it, repeats, warmup, stream)
+            fn = make_step(cache, n, steps)
+            before: list[int] = []
+            samples = _time_per_call(torch, fn, it, repeats, warmup, stream,
+                                     on_warm=lambda c=cache, b=before: b.extend(c.stats.tolist()))
             after = cache.stats.tolist()
-            calls = it * repeats + warmup
+            calls = it * repeats  # the timed calls only: installs are counted after warm-up
             installed = after[1] - before[1]
             r = _rate(f"gather_{n}", n * per_expert, samples,
                       note=f"{n} expert(s) x {per_expert:,} B a step")

@@ -59,7 +59,7 @@ def test_pin_near_gpu_uses_the_local_cpus_we_are_allowed(tmp_path):
     try:
         node, text, cpus = probe.pin_near_gpu("0000:1b:00.0", sysfs)
         assert node == 1 and cpus == mine
-        assert "pinned to NUMA node 1" in text
+        assert "pinned to NUMA node 1:" in text
         assert sorted(os.sched_getaffinity(0)) == mine
     finally:
         os.sched_setaffinity(0, allowed)
