@@ -29,6 +29,7 @@
 #define EC_MAX_SLOTS 1024           // bounded by the manager's shared memory (24 bytes each)
 #define EC_GATHER_MAX_TENSORS 8     // per launch; the host wrapper splits wider calls
 #define EC_GATHER_UNROLL 4          // independent 16-byte loads in flight per lane
+#define EC_TAB_REGS 4               // table entries per manager thread held in registers
 
 #define EC_POLICY_LRU 0             // = expertcache_cli.policy.Policy.LRU
 #define EC_POLICY_LFU 1             // = expertcache_cli.policy.Policy.LFU
@@ -68,6 +69,21 @@ __device__ __forceinline__ void ec_store_id(void* ids, int i, int ids_is64, long
         ((int*)ids)[i] = (int)v;
 }
 
+// Step 3 for one expert of R: refresh its slot, or append it to the miss list.
+__device__ __forceinline__ void ec_refresh_or_list(int e, int slot, int policy, long long now,
+                                                   long long* s_prio, int* s_miss, int wanted,
+                                                   int& rank) {
+    if (slot >= 0) {
+        if (policy == EC_POLICY_LRU)
+            s_prio[slot] = now;
+        else
+            s_prio[slot] += 1;
+    } else {
+        if (rank < wanted) s_miss[rank] = e;
+        ++rank;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_kernel(
     const void* __restrict__ ids,   // [n_ids] routing ids (int32 or int64), <0 or >=E = padding
     int n_ids, int ids_is64,
@@ -93,7 +109,19 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     unsigned char* s_mark = (unsigned char*)(s_scan + 2 * EC_THREADS);  // [E] in this step's R
     __shared__ long long s_step;
 
+    // Each thread owns a contiguous chunk of expert ids (ascending order falls out of a
+    // scan over chunks). The first EC_TAB_REGS table entries of the chunk are loaded into
+    // registers up front, with the state and the thread's first routing id, so that the
+    // global-memory latencies overlap instead of following one another.
+    const int chunk = (E + EC_THREADS - 1) / EC_THREADS;
+    const int lo = min(tid * chunk, E);
+    const int hi = min(lo + chunk, E);
+
     // 0. Load the slot state, clear the marks, advance the step.
+    int tab_reg[EC_TAB_REGS];
+#pragma unroll
+    for (int u = 0; u < EC_TAB_REGS; ++u) tab_reg[u] = (lo + u < hi) ? table[lo + u] : -1;
+    const long long my_id = (tid < n_ids) ? ec_load_id(ids, tid, ids_is64) : -1;
     for (int s = tid; s < S; s += EC_THREADS) {
         s_prio[s] = prio[s];
         s_sexp[s] = slot_expert[s];
@@ -104,20 +132,21 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
 
     // 1. Mark the distinct valid ids. Threads that hit the same expert store the same
     //    byte, so the result does not depend on their order.
-    for (int i = tid; i < n_ids; i += EC_THREADS) {
+    if (my_id >= 0 && my_id < E) s_mark[my_id] = 1;
+    for (int i = tid + EC_THREADS; i < n_ids; i += EC_THREADS) {
         const long long e = ec_load_id(ids, i, ids_is64);
         if (e >= 0 && e < E) s_mark[e] = 1;
     }
     __syncthreads();
 
-    // 2. Each thread owns a contiguous chunk of expert ids, so an exclusive scan of the
-    //    per-chunk counts gives every miss its rank in ascending expert order. Counts of
-    //    R and of misses are packed in one int (both < 65536 because E <= EC_MAX_EXPERTS).
-    const int chunk = (E + EC_THREADS - 1) / EC_THREADS;
-    const int lo = min(tid * chunk, E);
-    const int hi = min(lo + chunk, E);
+    // 2. An exclusive scan of the per-chunk counts gives every miss its rank in ascending
+    //    expert order. Counts of R and of misses are packed in one int (both < 65536
+    //    because E <= EC_MAX_EXPERTS).
     int mine = 0;
-    for (int e = lo; e < hi; ++e)
+#pragma unroll
+    for (int u = 0; u < EC_TAB_REGS; ++u)
+        if (lo + u < hi && s_mark[lo + u]) mine += (tab_reg[u] < 0) ? 0x10001 : 0x10000;
+    for (int e = lo + EC_TAB_REGS; e < hi; ++e)
         if (s_mark[e]) mine += (table[e] < 0) ? 0x10001 : 0x10000;
     int* buf_in = s_scan;
     int* buf_out = s_scan + EC_THREADS;
@@ -144,19 +173,13 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
         // 3. Refresh resident experts of R (each owns a distinct slot: no conflicts) and
         //    list the first `wanted` misses in ascending expert order.
         int rank = before & 0xffff;
-        for (int e = lo; e < hi; ++e) {
-            if (!s_mark[e]) continue;
-            const int s = table[e];
-            if (s >= 0) {
-                if (policy == EC_POLICY_LRU)
-                    s_prio[s] = now;
-                else
-                    s_prio[s] += 1;
-            } else {
-                if (rank < wanted) s_miss[rank] = e;
-                ++rank;
-            }
-        }
+#pragma unroll
+        for (int u = 0; u < EC_TAB_REGS; ++u)
+            if (lo + u < hi && s_mark[lo + u])
+                ec_refresh_or_list(lo + u, tab_reg[u], policy, now, s_prio, s_miss, wanted, rank);
+        for (int e = lo + EC_TAB_REGS; e < hi; ++e)
+            if (s_mark[e])
+                ec_refresh_or_list(e, table[e], policy, now, s_prio, s_miss, wanted, rank);
         __syncthreads();
         // 4. LFU decay, after the refreshes, over every slot (empty ones included).
         if (policy == EC_POLICY_LFU && decay > 0 && now % decay == 0) {
@@ -211,7 +234,10 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     // 7. Remap the routing ids to slot space through the updated table (fused, so the
     //    layer needs no separate remap launch). Padding passes through unchanged.
     if (out_ids != nullptr) {
-        for (int i = tid; i < n_ids; i += EC_THREADS) {
+        if (tid < n_ids)
+            ec_store_id(out_ids, tid, ids_is64,
+                        (my_id >= 0 && my_id < E) ? (long long)table[my_id] : my_id);
+        for (int i = tid + EC_THREADS; i < n_ids; i += EC_THREADS) {
             const long long e = ec_load_id(ids, i, ids_is64);
             ec_store_id(out_ids, i, ids_is64, (e >= 0 && e < E) ? (long long)table[e] : e);
         }

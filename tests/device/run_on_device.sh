@@ -20,6 +20,18 @@ cat "$OUT/env.log"
 if [ "$what" = all ] || [ "$what" = tests ]; then
   timeout 120 python3 -m expertcache_cli build-kernels 2>&1 | tee "$OUT/build_kernels.log"
   timeout 60 python3 -m expertcache_cli build-kernels 2>&1 | tee -a "$OUT/build_kernels.log"
+  { echo '$ expertcache build-kernels --library /tmp/libexpertcache.so --archs 90'
+    timeout 120 python3 -m expertcache_cli build-kernels --library /tmp/libexpertcache.so --archs 90
+    echo '$ EXPERT_CACHE_LIB=/tmp/libexpertcache.so expertcache build-kernels'
+    EXPERT_CACHE_LIB=/tmp/libexpertcache.so timeout 60 python3 -m expertcache_cli build-kernels
+  } 2>&1 | tee -a "$OUT/build_kernels.log"
+  for tr in demo-qwen3-30b-a3b-tasks demo-qwen3-30b-a3b-batch4; do
+    echo "\$ expertcache replay traces/$tr.npz --device cuda" >> "$OUT/replay_cuda.log"
+    ( time timeout 200 python3 -m expertcache_cli replay "traces/$tr.npz" --device cuda ) \
+        >> "$OUT/replay_cuda.log" 2>&1
+    echo "exit $?" >> "$OUT/replay_cuda.log"
+  done
+  tail -30 "$OUT/replay_cuda.log"
   # torch is imported before pytest starts: importing it inside a pytest session failed
   # on the H200 image (torch 2.11 custom_op schema parse error in torch/utils/_debug_mode).
   timeout 300 python3 -c "import sys, torch, pytest; sys.exit(pytest.main(sys.argv[1:]))" \

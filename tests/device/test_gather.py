@@ -16,7 +16,7 @@ MIXED = [
     ((24, 8), "int32"),          # zero points
     ((96,), "bfloat16"),         # bias (192 bytes)
     ((8,), "float16"),           # 16 bytes: the smallest slab
-    ((1000,), "uint8"),          # 1000 bytes
+    ((1008,), "uint8"),          # 1008 bytes
     ((5, 16), "int8"),
     ((3, 32), "float16"),
 ]
