@@ -101,7 +101,7 @@ def _cards_table(m: sizing.ModelSize, rows: list[tuple[str, sizing.SizePlan]]) -
             str(p.max_model_len),
             f"{p.slots} of {p.num_experts}",
             _SHORT[p.verdict]
-            + (f" (at --gpu-memory-utilization {p.utilization_to_fit_outright:.2f}: fits)"
+            + (f"; fits at utilization {p.utilization_to_fit_outright:.2f}"
                if p.verdict == "cache" and p.utilization_to_fit_outright else ""),
             str(p.cpu_offload_gb) if p.cpu_offload_gb else "-",
             f"{p.trap_ids} ids > {p.slots}" if p.trap else "-",
