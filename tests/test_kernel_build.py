@@ -135,3 +135,29 @@ def test_binding_checks():
         binding.check_manage_config(128, binding.MAX_SLOTS + 1, 0, 8, 8)
     with pytest.raises(ValueError, match="aligned"):
         binding.check_aligned("src", 0x1008)
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "expertcache_cli", *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})})
+
+
+def test_build_kernels_command_for_named_arch(tmp_path):
+    _needs_nvrtc()
+    proc = _cli("build-kernels", "--arch", "90", env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert "sm_90" in proc.stdout and "compiled in" in proc.stdout
+    assert "expert_cache_manage_kernel, expert_cache_gather_kernel" in proc.stdout
+    again = _cli("build-kernels", "--arch", "90", env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert "already cached" in again.stdout
+
+
+def test_build_kernels_command_errors_are_one_line():
+    proc = _cli("build-kernels", "--arch", "nine")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "--arch" in proc.stderr
+    proc = _cli("build-kernels", env={"EXPERT_CACHE_LIB": "/no/such/libexpertcache.so"})
+    assert proc.returncode == 2 and "no such file" in proc.stderr

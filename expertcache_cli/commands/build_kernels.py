@@ -4,11 +4,13 @@ Without options it compiles with NVRTC for the GPU it finds (warming the per-use
 that the plugin would otherwise fill on first use) and runs a one-step self-test on it.
 ``--arch 90`` compiles for named architectures with no GPU present; ``--library PATH``
 builds the ahead-of-time shared library with nvcc instead (select it at run time with
-``EXPERT_CACHE_LIB=PATH``). Every failure names what is missing.
+``EXPERT_CACHE_LIB=PATH``; while that is set, this command checks that library and
+self-tests it instead of NVRTC). Every failure names what is missing.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -91,6 +93,23 @@ def build_kernels(
             f"{', '.join(kernel_build.LIBRARY_ENTRY_POINTS)}"
         )
         print(f"use it with: export {kernel_build.LIB_ENV}={out.resolve()}")
+        return
+    lib_env = os.environ.get(kernel_build.LIB_ENV)
+    if lib_env and not arch:
+        # The runtime will use this library, not NVRTC: check that one instead.
+        from ..binding import ABI_VERSION, LibraryKernels
+
+        LibraryKernels(lib_env)  # checks the file, its exports and its ABI version
+        print(f"{kernel_build.LIB_ENV}={lib_env}: exports "
+              f"{', '.join(kernel_build.LIBRARY_ENTRY_POINTS)}, kernel ABI {ABI_VERSION} "
+              "(NVRTC is not used while it is set)")
+        if self_test:
+            try:
+                _device_arch(device)
+            except DeviceUnavailable as exc:
+                print(f"self-test skipped: {exc}")
+                return
+            print(_self_test(device))
         return
     if arch:
         wanted = [(a, None) for a in parse_int_list(arch, "--arch")]
