@@ -105,7 +105,7 @@ def register() -> None:
         raise SystemExit(f"expertcache: error: {exc}") from None
     _config = cfg
     if cfg.disabled:
-        log.info("expertcache: EXPERT_CACHE_DISABLE=1: no layer will be armed (stock path)")
+        log.warning("expertcache: EXPERT_CACHE_DISABLE=1: no layer will be armed (stock path)")
         return
     try:
         import vllm

@@ -209,7 +209,13 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
 _SESSIONS: list[Session] = []
 
 
+def sessions() -> list[Session]:
+    """The sessions armed in this process (one per worker; read by in-process benches)."""
+    return list(_SESSIONS)
+
+
 def close_all() -> None:
+    """Final stats line and trace file of every session (atexit; idempotent)."""
     for s in _SESSIONS:
         s.close()
 
