@@ -76,7 +76,11 @@ def _plan_table(p: sizing.SizePlan) -> Table:
     if p.verdict in ("cache", "offload_no_cache"):
         t.add_row("vLLM", "vllm serve MODEL " + " ".join(p.vllm_args()))
     if p.verdict == "cache":
-        t.add_row("cache slots", f"{p.slots} per MoE layer ({_gib(p.slots * p.bytes_per_slot)})")
+        t.add_row(
+            "cache slots",
+            f"{p.slots} per MoE layer ({_gib(p.slots * p.bytes_per_slot)}): "
+            f"EXPERT_CACHE_SLOTS={p.slots} (`expertcache serve` sets it)",
+        )
     for n in p.notes:
         style = "yellow" if n.startswith("sizing trap") else "dim"
         t.add_row("note", f"[{style}]{n}[/]")
