@@ -42,7 +42,8 @@ VLLM_DEFAULT_UTILIZATION = 0.9
 _BIG_CARD_GIB = 70
 
 #: Fixed part of the runtime overhead estimate: cuBLAS/NCCL workspaces, the CUDA-graph
-#: memory pool and allocator slack. Measured vLLM startups land between 0.3 and 1 GiB.
+#: memory pool and allocator slack. An estimate, not a measurement: --overhead-gb replaces
+#: the whole runtime figure with what vLLM's startup log reports on the user's machine.
 FIXED_OVERHEAD_BYTES = GiB // 2
 
 _DTYPE_BYTES = {
