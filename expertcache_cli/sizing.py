@@ -527,8 +527,8 @@ def load_model(spec: str | Path | None = None, quant: str | None = None) -> Mode
         return model_from_config(_read_config(path), name, quant)
     preset = find_preset(str(spec))
     if preset is None:
-        if str(spec).endswith(".json") or "/" in str(spec) and path.suffix:
-            raise UserError(f"{spec}: no such file")
+        if str(spec).endswith(".json") or str(spec).startswith(("/", ".", "~")):
+            raise UserError(f"{spec}: no such file or directory")
         raise UserError(
             f"unknown model {spec!r}: give a config.json, a model directory or one of "
             f"{', '.join(PRESETS)}"
