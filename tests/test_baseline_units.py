@@ -84,8 +84,20 @@ def test_build_command_template_substitution():
         arm_args=["--cpu-offload-gb", "4"],
         vllm_args=["--max-model-len", "512"],
     )
-    assert argv == [sys.executable, "-m", "srv", "--model", "/m dir", "--port", "123",
-                    "--cpu-offload-gb", "4", "--x", "--max-model-len", "512"]  # fmt: skip
+    assert argv == [
+        sys.executable,
+        "-m",
+        "srv",
+        "--model",
+        "/m dir",
+        "--port",
+        "123",
+        "--cpu-offload-gb",
+        "4",
+        "--x",
+        "--max-model-len",
+        "512",
+    ]
 
 
 def test_build_command_appends_missing_multiword_placeholders():

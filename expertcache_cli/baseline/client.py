@@ -72,6 +72,7 @@ async def _stream_one(client, url: str, body: dict[str, object]) -> StreamResult
     chunks = 0
     usage_tokens = None
     finish = None
+    done = False
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
@@ -82,6 +83,7 @@ async def _stream_one(client, url: str, body: dict[str, object]) -> StreamResult
                     continue
                 payload = line[5:].strip()
                 if payload == "[DONE]":
+                    done = True
                     break
                 now = time.perf_counter()
                 try:
@@ -93,16 +95,19 @@ async def _stream_one(client, url: str, body: dict[str, object]) -> StreamResult
                 usage = event.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
+                # Every event with a choice carries a token (its text may be empty, e.g. a
+                # special token); the closing usage event has no choices.
                 for choice in event.get("choices") or []:
                     if choice.get("finish_reason"):
                         finish = choice["finish_reason"]
-                    if choice.get("text"):
-                        chunks += 1
-                        if t_first is None:
-                            t_first = now
-                        t_last = now
+                    chunks += 1
+                    if t_first is None:
+                        t_first = now
+                    t_last = now
     except httpx.HTTPError as exc:
         raise RequestFailed(f"{type(exc).__name__}: {exc}") from None
+    if not done:
+        raise RequestFailed(f"the stream ended without [DONE] after {chunks} token(s)")
     if t_first is None or t_last is None:
         raise RequestFailed("the stream carried no tokens")
     return StreamResult(
@@ -141,8 +146,9 @@ def measure_run(
     for s in streams:
         if s.tokens < max_tokens:
             raise RequestFailed(
-                f"got {s.tokens} of {max_tokens} tokens (finish_reason={s.finish_reason}); "
-                "the server ignored ignore_eos or max_tokens, so runs would not be comparable"
+                f"got {s.tokens} of {max_tokens} tokens (finish_reason={s.finish_reason}): "
+                "the prompt plus --max-tokens may exceed the server's --max-model-len, or it "
+                "ignored ignore_eos; runs of different lengths would not be comparable"
             )
     return summarise_streams(streams, wall)
 

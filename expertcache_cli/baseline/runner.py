@@ -187,6 +187,12 @@ def run_baseline(cfg: BaselineConfig, say: Callable[[str], None] = lambda s: Non
             for i, (restart, arm) in enumerate(todo):
                 say(f"[{i + 1}/{len(todo)}] restart {restart}, arm {arm.name}")
                 _run_block(cfg, template, st, restart, arm, say)
+    except KeyboardInterrupt:
+        say(
+            f"interrupted: the server was stopped and everything measured is in {cfg.out}; "
+            "run the same command with --resume to continue"
+        )
+        raise
     finally:
         st.close()
     return cfg.out
@@ -217,12 +223,10 @@ def _run_block(
     server = Server(argv=argv, env=env, log_path=log_path, host=cfg.host, port=port, server_id=sid)
     started_at = now_iso()
     base = {"arm": arm.name, "restart": restart, "server_id": server.server_id}
-    phase = "start"
     try:
         server.start()
-        phase = "health"
         start_s = server.wait_healthy(cfg.start_timeout_s)
-        say(f"  server healthy after {start_s:.1f} s (pid {server.proc.pid}, port {port})")
+        say(f"  server healthy after {start_s:.1f} s (port {port}, log {server.log_path})")
         st.append(
             {
                 **base,
@@ -234,6 +238,7 @@ def _run_block(
                 "log": str(server.log_path),
                 "model_id": server.model_id,
                 "port": port,
+                "pid": server.proc.pid if server.proc else None,
                 "env": {k: v for k, v in arm.env(cfg.stats_every).items() if v is not None},
             }
         )
@@ -251,6 +256,7 @@ def _run_block(
                 )
             except RequestFailed as exc:
                 why = str(exc)
+                server.wait_exit(2.0)  # a dying server closes its sockets just before it exits
                 if not server.alive():
                     why = f"server {server.exit_reason()} ({why})"
                 raise ServerFailed(phase, why) from None
@@ -287,6 +293,7 @@ def _run_block(
                 "argv": argv,
                 "log": str(server.log_path),
                 "log_tail": tail(server.log_path),
+                "pid": server.proc.pid if server.proc else None,
                 "failed_at": now_iso(),
             }
         )

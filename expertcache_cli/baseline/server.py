@@ -168,6 +168,16 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def wait_exit(self, timeout_s: float) -> bool:
+        """Give a process that is going down a moment to finish; True once it has exited."""
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def exit_reason(self) -> str:
         assert self.proc is not None
         rc = self.proc.returncode
@@ -227,9 +237,10 @@ class Server:
         if self.proc is None:
             return
         pgid = self.proc.pid  # leader of its own session: pgid == pid
+        term_s = max(1.0, min(10.0, grace_s))
         for sig, wait_s in (
             (signal.SIGINT, grace_s),
-            (signal.SIGTERM, 10.0),
+            (signal.SIGTERM, term_s),
             (signal.SIGKILL, 10.0),
         ):
             if not _group_alive(pgid) and self.proc.poll() is not None:

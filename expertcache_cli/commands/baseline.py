@@ -127,6 +127,9 @@ def run_cmd(
     port: int = typer.Option(0, help="Server port (0: a free port for every server)."),
     start_timeout: float = typer.Option(1800.0, help="Seconds a server may take to be healthy."),
     request_timeout: float = typer.Option(600.0, help="Seconds one request may take."),
+    stop_grace: float = typer.Option(
+        30.0, help="Seconds a server gets to exit on SIGINT before SIGTERM, then SIGKILL."
+    ),
     stats: int | None = typer.Option(
         None, help="Set EXPERT_CACHE_STATS=N on cache arms (the plugin logs its counters)."
     ),
@@ -162,6 +165,7 @@ def run_cmd(
         port=port,
         start_timeout_s=start_timeout,
         request_timeout_s=request_timeout,
+        stop_grace_s=stop_grace,
         stats_every=stats,
         log_dir=log_dir,
         retry_failed=retry_failed,

@@ -1,0 +1,360 @@
+"""Server lifecycle of `baseline` against a small stand-in server process (no vLLM needed):
+crash at start, never healthy, death in the middle of a run, process-group cleanup
+(including a child that ignores polite signals), and an interrupt followed by --resume.
+
+The stand-in speaks the three endpoints baseline uses (/health, /v1/models, streaming
+/v1/completions). The same flows against a real vLLM server are in test_baseline_vllm.py;
+these run everywhere in seconds and pin the failure handling exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from expertcache_cli.baseline import store
+from expertcache_cli.baseline.arms import parse_arms
+from expertcache_cli.baseline.runner import BaselineConfig, load_summary, run_baseline
+
+STUB = r"""
+import json, os, signal, subprocess, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+arm, port, pidfile, modes = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+with open(modes) as fh:
+    mode = json.load(fh).get(arm, "ok")
+delay = float(os.environ.get("STUB_TOKEN_DELAY", "0.001"))
+# A child in the server's process group, like vLLM's engine core; it ignores SIGINT and
+# SIGTERM, so only a SIGKILL to the whole group ends it.
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+with open(pidfile, "a") as fh:
+    fh.write(f"{os.getpid()} {child.pid}\n")
+print(f"stub {mode} starting on {port}", flush=True)
+if mode == "crash":
+    print("stub: RuntimeError: cannot load the model", flush=True)
+    sys.exit(3)
+if mode == "hang":
+    time.sleep(600)
+posts = 0
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        if self.path == "/health":
+            body = b""
+        elif self.path == "/v1/models":
+            body = json.dumps({"data": [{"id": "stub-model"}]}).encode()
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        global posts
+        posts += 1
+        req = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        assert req["stream"] and req["ignore_eos"] and req["temperature"] == 0, req
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        n = req["max_tokens"]
+        for i in range(n):
+            if mode == "die" and posts == 2 and i == 3:
+                print("stub: segfault in the middle of a run", flush=True)
+                os._exit(7)
+            ev = {"choices": [{"index": 0, "text": "x",
+                               "finish_reason": "length" if i == n - 1 else None}]}
+            self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(delay)
+        print(f"expert-cache stats: hits={posts * 10} misses={posts} hit_rate=0.9", flush=True)
+        ev = {"choices": [], "usage": {"completion_tokens": n}}
+        self.wfile.write(f"data: {json.dumps(ev)}\n\ndata: [DONE]\n\n".encode())
+
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _pids(pidfile: Path) -> list[int]:
+    if not pidfile.exists():
+        return []
+    return [int(p) for line in pidfile.read_text().split("\n") for p in line.split()]
+
+
+def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        live = [p for p in pids if _alive(p)]
+        if not live:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.fixture
+def stub(tmp_path):
+    path = tmp_path / "stub_server.py"
+    path.write_text(STUB)
+    pidfile = tmp_path / "pids.txt"
+    yield path, pidfile
+    for pid in _pids(pidfile):  # never leave a stray process behind, even on failure
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _template(stub_path: Path, pidfile: Path, mode_by_arm: dict[str, str]) -> str:
+    """A --server-cmd whose behaviour depends on the arm ({arm} is filled in by baseline)."""
+    modes = pidfile.parent / "modes.json"
+    modes.write_text(json.dumps(mode_by_arm))
+    return f"{sys.executable} {stub_path} {{arm}} {{port}} {pidfile} {modes}"
+
+
+def _cfg(tmp_path, stub_path, pidfile, modes, **kw) -> BaselineConfig:
+    base = dict(
+        model="stub-model",
+        arms=parse_arms(kw.pop("arms", "resident,offload")),
+        out=tmp_path / "results.jsonl",
+        restarts=2,
+        runs=2,
+        max_tokens=16,
+        cpu_offload_gb=1,
+        server_cmd=_template(stub_path, pidfile, modes),
+        start_timeout_s=20,
+        request_timeout_s=20,
+        stop_grace_s=0.5,
+    )
+    base.update(kw)
+    return BaselineConfig(**base)
+
+
+def test_full_flow_and_process_groups(tmp_path, stub):
+    stub_path, pidfile = stub
+    cfg = _cfg(tmp_path, stub_path, pidfile, {}, arms="resident,offload,cache:4", stats_every=5)
+    run_baseline(cfg)
+    meta, recs = store.load(cfg.out)
+    assert meta["arms"] == ["resident", "offload", "cache:4"]
+    runs = [r for r in recs if r["kind"] == "run"]
+    assert len(runs) == 3 * 2 * 2
+    assert len([r for r in recs if r["kind"] == "warmup"]) == 3 * 2
+    order = [(r["restart"], r["arm"]) for r in recs if r["kind"] == "server"]
+    assert order == [
+        (0, "resident"),
+        (0, "offload"),
+        (0, "cache:4"),
+        (1, "offload"),
+        (1, "cache:4"),
+        (1, "resident"),
+    ]
+    for r in runs:
+        assert r["tokens"] == 16 and r["tok_s"] > 0 and r["ttft_s"] >= 0
+        assert r["counters"]["hit_rate"] == pytest.approx(0.9)
+        assert r["server_start_s"] > 0
+    servers = [r for r in recs if r["kind"] == "server"]
+    assert servers[0]["env"]["EXPERT_CACHE_DISABLE"] == "1"
+    cache_srv = next(s for s in servers if s["arm"] == "cache:4")
+    assert cache_srv["env"] == {"EXPERT_CACHE_SLOTS": "4", "EXPERT_CACHE_STATS": "5"}
+    assert "--cpu-offload-params" in cache_srv["argv"]
+    assert "--cpu-offload-params" not in servers[0]["argv"]
+    # six servers, each with a child that ignored SIGINT/SIGTERM: all gone
+    pids = _pids(pidfile)
+    assert len(pids) == 12
+    assert _wait_dead(pids) == []
+    summary, _ = load_summary(cfg.out)
+    assert {a.arm for a in summary.arms if a.restarts == 2} == {"resident", "offload", "cache:4"}
+
+
+def test_crash_never_healthy_and_death_mid_run_are_recorded(tmp_path, stub):
+    stub_path, pidfile = stub
+    modes = {"offload": "crash", "cache:4": "hang", "cache:8": "die"}
+    cfg = _cfg(
+        tmp_path,
+        stub_path,
+        pidfile,
+        modes,
+        arms="resident,offload,cache:4,cache:8",
+        restarts=1,
+        start_timeout_s=4,
+    )
+    run_baseline(cfg)
+    _, recs = store.load(cfg.out)
+    failed = {r["arm"]: r for r in recs if r["kind"] == "server" and r["status"] == "failed"}
+    assert set(failed) == {"offload", "cache:4", "cache:8"}
+    assert failed["offload"]["phase"] == "health"
+    assert "exited with code 3" in failed["offload"]["reason"]
+    assert "cannot load the model" in failed["offload"]["log_tail"]
+    assert failed["cache:4"]["phase"] == "health"
+    assert "not healthy within 4 s" in failed["cache:4"]["reason"]
+    assert failed["cache:8"]["phase"] == "run"
+    assert "exited with code 7" in failed["cache:8"]["reason"]
+    assert "segfault in the middle" in failed["cache:8"]["log_tail"]
+    # the arm after each failure still ran: resident is complete
+    assert len([r for r in recs if r["kind"] == "run" and r["arm"] == "resident"]) == 2
+    assert _wait_dead(_pids(pidfile)) == []
+    summary, _ = load_summary(cfg.out)
+    assert len(summary.failures) == 3
+    assert any("3 server(s) failed" in w for w in summary.warnings)
+
+
+def test_server_command_that_does_not_exist(tmp_path):
+    cfg = BaselineConfig(
+        model="m",
+        arms=parse_arms("resident"),
+        out=tmp_path / "r.jsonl",
+        restarts=1,
+        runs=1,
+        server_cmd="/nonexistent/vllm serve {model}",
+    )
+    run_baseline(cfg)
+    _, recs = store.load(cfg.out)
+    (fail,) = [r for r in recs if r["kind"] == "server"]
+    assert fail["status"] == "failed" and fail["phase"] == "start"
+    assert "cannot run" in fail["reason"]
+
+
+def _cli_args(cfg: BaselineConfig) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "expertcache_cli",
+        "baseline",
+        cfg.model,
+        "--arms",
+        ",".join(a.name for a in cfg.arms),
+        "--restarts",
+        str(cfg.restarts),
+        "--runs",
+        str(cfg.runs),
+        "--max-tokens",
+        str(cfg.max_tokens),
+        "--cpu-offload-gb",
+        "1",
+        "--out",
+        str(cfg.out),
+        "--server-cmd",
+        cfg.server_cmd or "",
+        "--stop-grace",
+        "0.5",
+        "--start-timeout",
+        "20",
+    ]
+
+
+def _wait_for(path: Path, pred, timeout: float = 60.0) -> list[dict]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists():
+            try:
+                recs = list(store.iter_records(path))
+            except Exception:  # noqa: BLE001 - a half-written line; look again
+                recs = []
+            if pred(recs):
+                return recs
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting on {path}")
+
+
+def test_interrupt_mid_run_then_resume(tmp_path, stub):
+    stub_path, pidfile = stub
+    cfg = _cfg(tmp_path, stub_path, pidfile, {}, max_tokens=100)
+    slow = {**os.environ, "STUB_TOKEN_DELAY": "0.01"}  # 1 s a run: a wide window to interrupt
+    proc = subprocess.Popen(
+        _cli_args(cfg), env=slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        # interrupt while the second block ("offload", restart 0) is in its second run
+        recs = _wait_for(
+            cfg.out, lambda rs: any(r["kind"] == "run" and r["arm"] == "offload" for r in rs)
+        )
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted: the server was stopped" in err and "Traceback" not in err
+    assert _wait_dead(_pids(pidfile)) == []  # the interrupted server's group is gone
+    _, recs = store.load(cfg.out)
+    runs = [r for r in recs if r["kind"] == "run"]
+    assert [(r["arm"], r["run"]) for r in runs] == [
+        ("resident", 0),
+        ("resident", 1),
+        ("offload", 0),
+    ]
+    partial_sid = runs[-1]["server_id"]
+
+    p = subprocess.run(
+        _cli_args(cfg) + ["--resume", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    assert "resuming: 1 block(s) already done, 3 to run" in p.stderr
+    _, recs = store.load(cfg.out)
+    kept = [r for r in recs if r["kind"] == "run" and r["server_id"] != partial_sid]
+    assert sorted((r["restart"], r["arm"], r["run"]) for r in kept) == sorted(
+        (rs, arm, i) for rs in (0, 1) for arm in ("resident", "offload") for i in (0, 1)
+    )
+    assert [r["kind"] for r in recs].count("resume") == 1
+    summary = json.loads(p.stdout)
+    assert summary["superseded_runs"] == 1
+    by = {a["arm"]: a for a in summary["arms"]}
+    assert by["offload"]["runs"] == 4 and by["resident"]["runs"] == 4
+    assert _wait_dead(_pids(pidfile)) == []
+
+    again = subprocess.run(
+        _cli_args(cfg) + ["--resume"], capture_output=True, text=True, timeout=60
+    )
+    assert again.returncode == 0 and "0 to run" in again.stderr
+
+
+def test_sigterm_while_a_server_starts_stops_its_group(tmp_path, stub):
+    stub_path, pidfile = stub
+    cfg = _cfg(tmp_path, stub_path, pidfile, {"resident": "hang"}, arms="resident")
+    proc = subprocess.Popen(
+        _cli_args(cfg), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        end = time.monotonic() + 30
+        while len(_pids(pidfile)) < 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "--resume" in err
+    assert len(_pids(pidfile)) == 2 and _wait_dead(_pids(pidfile)) == []
+    _, recs = store.load(cfg.out)
+    assert recs == []  # an interrupt is not a server failure: nothing to resume past
