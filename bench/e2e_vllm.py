@@ -58,6 +58,10 @@ ARMS: dict[str, tuple[bool, dict[str, str]]] = {
     "cache48trace": (True, {"EXPERT_CACHE_SLOTS": "48", "EXPERT_CACHE_STATS": "4000"}),
     "resident": (False, {}),
     "cache64": (True, {"EXPERT_CACHE_SLOTS": "64"}),
+    # all-hit arms: the router only ever picks among the first 32 experts (bench-only
+    # re-seed), so 32 slots hold every routed expert after warm-up: the cache's pure cost
+    "hot_resident": (False, {"EC_E2E_HOT": "32"}),
+    "hot_cache32": (True, {"EXPERT_CACHE_SLOTS": "32", "EC_E2E_HOT": "32"}),
 }
 
 
@@ -118,7 +122,12 @@ def write_model(d: Path, layers: int) -> Path:
 
 
 def reseed(model) -> int:
-    """Bench-only: distinct random router weights per layer and a random LM head."""
+    """Bench-only: distinct random router weights per layer and a random LM head.
+
+    With ``EC_E2E_HOT=H`` the router rows of experts >= H are zeroed: their logits are 0
+    while the H others are random of either sign, so top-k lands among the first H
+    experts unless fewer than k of them come out positive (rare for H=32, k=8).
+    """
     import torch
 
     from expertcache_cli.plugin.session import layer_index
@@ -135,13 +144,18 @@ def reseed(model) -> int:
         else:
             continue
         g = torch.Generator().manual_seed(seed)
-        w.data.copy_(torch.randn(tuple(w.shape), generator=g).to(w.dtype))
+        new = torch.randn(tuple(w.shape), generator=g)
+        hot = int(os.environ.get("EC_E2E_HOT", "0"))
+        if hot and name.endswith("mlp.gate"):
+            new[hot:] = 0
+        w.data.copy_(new.to(w.dtype))
         n += 1
     return n
 
 
 # ----------------------------------------------------------------------------- one arm
-def run_arm(name: str, model_dir: Path, out: Path, tokens: int, layers: int) -> dict:
+def run_arm(name: str, model_dir: Path, out: Path, tokens: int, layers: int,
+            reps: int = 3) -> dict:
     """Inside the arm's own process: serve, warm up, time, count. Returns the record."""
     offload, env = ARMS[name]
     if "trace" in name:
@@ -193,7 +207,7 @@ def run_arm(name: str, model_dir: Path, out: Path, tokens: int, layers: int) -> 
     gen(1)
     before = s.totals() if s else None
     rates, ids = [], None
-    for _ in range(3):
+    for _ in range(reps):
         t1, _ = gen(1)
         tn, ids = gen(tokens)
         rates.append((tokens - 1) / (tn - t1))
@@ -208,7 +222,7 @@ def run_arm(name: str, model_dir: Path, out: Path, tokens: int, layers: int) -> 
                          "read_through_steps": after["read_through_steps"]
                          - before["read_through_steps"],
                          "hit_rate": round(1 - d_ins / d_req, 4) if d_req else None,
-                         "installs_per_token": round(d_ins / (3 * (tokens - 1)), 3)}
+                         "installs_per_token": round(d_ins / (reps * (tokens - 1)), 3)}
         rec["slots"] = s.armed[0].decision.num_slots if s.armed else 0
         s.close()  # final line; writes the trace and its .live.json for the trace arm
         rec["live_total"] = {k: v for k, v in s.totals().items() if k != "layers"}
@@ -226,7 +240,8 @@ def replay_check(out: Path, name: str) -> dict:
     live = json.loads((out / f"trace_{name}.live.json").read_text())
     counts = sweep(tr.topk_ids, tr.num_experts, [Policy.LRU], [live["slots"]])
     replay_installs = sum(c.installs for c in counts)
-    replay_requests = sum(c.requests for c in counts)
+    # the replay counts distinct ids on read-through steps too; the live counter does not
+    replay_requests = sum(c.requests - c.read_through_ids for c in counts)
     return {"steps": tr.steps, "layers": tr.num_layers, "width": tr.width,
             "live_installs": live["installs"], "replay_installs": replay_installs,
             "live_requests": live["requests"], "replay_requests": replay_requests,
@@ -235,7 +250,7 @@ def replay_check(out: Path, name: str) -> dict:
 
 def summarise(out: Path, recs: dict[str, dict], layers: int, tokens: int) -> dict:
     summ: dict = {"layers": layers, "tokens": tokens, "arms": {}}
-    res = recs.get("resident", {}).get("tok_s")
+    res = recs.get("resident", {}).get("tok_s") or recs.get("hot_resident", {}).get("tok_s")
     off = recs.get("offload", {}).get("tok_s")
     # the link rate the uncached floor implies: every routed expert read over it per token
     link = off * layers * TOP_K * EXPERT_BYTES if off else None
@@ -280,6 +295,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per arm (median)")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--budget-s", type=float, default=540,
                     help="start no new arm after this many seconds")
@@ -290,7 +306,7 @@ def main() -> int:
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if a.arm:
-        rec = run_arm(a.arm, Path(a.model_dir), out, a.tokens, a.layers)
+        rec = run_arm(a.arm, Path(a.model_dir), out, a.tokens, a.layers, a.reps)
         (out / f"arm_{a.arm}.json").write_text(json.dumps(rec, indent=1))
         return 0
     t_start = time.time()
@@ -309,7 +325,8 @@ def main() -> int:
             continue
         log = out / f"arm_{name}.log"
         cmd = [sys.executable, __file__, "--arm", name, "--model-dir", str(model_dir),
-               "--out", str(out), "--tokens", str(a.tokens), "--layers", str(a.layers)]
+               "--out", str(out), "--tokens", str(a.tokens), "--layers", str(a.layers),
+               "--reps", str(a.reps)]
         t = time.time()
         with open(log, "w") as f:
             try:

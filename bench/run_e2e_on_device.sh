@@ -26,3 +26,6 @@ python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch._
 LEFT=$(( ${E2E_SECONDS:-560} - (SECONDS - T0) ))
 timeout "$LEFT" python3 bench/e2e_vllm.py --out "$OUT" --budget-s $((LEFT - 40)) \
   --arm-timeout-s "${ARM_TIMEOUT:-240}" "$@" 2>&1 | tail -80
+# few files come back from the device: everything else travels in one archive
+tar czf /tmp/e2e.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name summary.md -delete \
+  && mv /tmp/e2e.tgz "$OUT/"
