@@ -18,7 +18,7 @@ fi
 echo "install: $((SECONDS - T0)) s"
 export PYTHONPATH="/tmp/site:$PWD" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
 export XDG_CACHE_HOME=/tmp/ec-cache
-pip install --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 \
+python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 \
   || echo "pip install -e . failed (the bench registers the plugin by hand)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.txt"
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" \

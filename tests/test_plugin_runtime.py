@@ -21,10 +21,24 @@ torch = pytest.importorskip("torch", reason="no torch: the plugin runtime tests 
 
 from expertcache_cli.plugin.arming import ARM, plan_layer  # noqa: E402
 from expertcache_cli.plugin.config import CacheConfig  # noqa: E402
-from expertcache_cli.plugin.runtime import ArmedLayer, ArmError  # noqa: E402
+from expertcache_cli.plugin.runtime import ArmedLayer, ArmError, patch_tile_lookup  # noqa: E402
 from expertcache_cli.policy import LayerCache, Policy  # noqa: E402
 
 E, H, INTER, TOPK = 16, 8, 4, 2
+
+
+class TileLookup:
+    """Stands for vLLM's triton_moe module: records the expert count tiles are sized for."""
+
+    seen: list[int] = []
+
+    @staticmethod
+    def try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, M, block_shape=None):
+        TileLookup.seen.append(w2_shape[0])
+        return {"BLOCK_SIZE_M": 16}
+
+
+patch_tile_lookup(TileLookup)
 
 
 class RefSlotCache:
@@ -103,6 +117,8 @@ class Experts(torch.nn.Module):
                         shared_experts_input=None):
         qc = self.quant_method.moe_kernel.fused_experts.quant_config
         self.weights_seen.append(self.w13_weight.data_ptr())
+        TileLookup.try_get_optimal_moe_config(self.w13_weight.shape, self.w2_weight.shape,
+                                              TOPK, None, x.shape[0])
         out = torch.zeros_like(x)
         for t in range(x.shape[0]):
             for k in range(topk_ids.shape[1]):
@@ -130,6 +146,7 @@ def _routing(rng, tokens):
 
 def test_armed_layer_matches_the_stock_path_and_restores_everything():
     stock, cached = Experts(seed=1), Experts(seed=1)
+    TileLookup.seen.clear()
     armed = _arm(cached, slots=6)
     assert [s.name for s in armed.decision.specs] == ["w13_weight", "w2_weight", "w13_bias",
                                                       "w2_bias"]
@@ -148,6 +165,9 @@ def test_armed_layer_matches_the_stock_path_and_restores_everything():
         # after every call: the layer is back on its full tensors and config
         assert cached.w13_weight.data_ptr() == full_ptr
         assert cached.quant_method.moe_kernel.fused_experts.quant_config is qc_before
+    # the stock kernel sized its tiles for the 16 real experts, never for the 6 slots
+    assert set(TileLookup.seen) == {E} and len(TileLookup.seen) == 120
+    assert cached.w13_weight.shape[0] == E and armed.slot_params["w13_weight"].shape[0] == 6
     slot_ptr = armed.cache.slots["w13_weight"].data_ptr()
     assert cached.weights_seen.count(slot_ptr) == served == armed.cache.steps
     assert cached.weights_seen.count(full_ptr) == 60 - served
@@ -203,3 +223,25 @@ def test_recorded_trace_replays_to_the_live_install_count(tmp_path):
     replay = replay_layer_reference(tr.topk_ids[:, 0, :], E, 6, Policy.LRU)
     assert sum(r.miss_count for r in replay) == live_installs > 0
     assert (tmp_path / "live.live.json").read_text().strip().startswith("{")
+
+
+def test_tile_lookup_sees_the_full_expert_count_only_inside_a_slot_bound_call():
+    from expertcache_cli.plugin import runtime
+
+    calls = []
+
+    class Mod:
+        @staticmethod
+        def try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, M, block_shape=None):
+            calls.append((w1_shape[0], w2_shape[0], tuple(w1_shape[1:]), M))
+
+    assert patch_tile_lookup(Mod) and patch_tile_lookup(Mod)  # idempotent
+    assert Mod.try_get_optimal_moe_config.__wrapped__.__name__ == "try_get_optimal_moe_config"
+    Mod.try_get_optimal_moe_config((32, 8, 4), (32, 4, 4), 2, None, 1)
+    runtime._TILE_EXPERTS.value = 128
+    try:
+        Mod.try_get_optimal_moe_config(torch.Size((32, 8, 4)), (32, 4, 4), 2, None, M=3)
+    finally:
+        runtime._TILE_EXPERTS.value = None
+    assert calls == [(32, 32, (8, 4), 1), (128, 128, (8, 4), 3)]
+    assert not patch_tile_lookup(object())

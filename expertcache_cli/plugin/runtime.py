@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -53,6 +54,47 @@ def iter_tensors(obj: Any, depth: int = 3) -> Iterable[Any]:
     if hasattr(obj, "__dict__") and not callable(obj):
         for item in vars(obj).values():
             yield from iter_tensors(item, depth - 1)
+
+
+#: the expert count the stock kernels should size their tiles for while a slot-bound call
+#: runs (thread-local: set and cleared around the stock call in `ArmedLayer`)
+_TILE_EXPERTS = threading.local()
+
+#: module whose ``try_get_optimal_moe_config`` the known experts kernels call by name
+TRITON_EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.triton_moe"
+
+
+def full_expert_tiles(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap vLLM's Triton tile lookup so a slot-bound call gets the model's own tiles.
+
+    vLLM picks the fused-MoE tiles from tuned files keyed by the leading dimension of the
+    weight tensors. Bound to slots, that dimension is ``S``, for which no tuned file
+    exists (vLLM ships ``E=128,N=768,...H200.json`` but no ``E=32``), so the stock call
+    would fall back to generic tiles. The work is the same tokens on the same number of
+    distinct experts whichever way they are numbered, so the tiles tuned for the real
+    expert count are the right ones: while `ArmedLayer` serves from slots the lookup sees
+    ``E``. Outside that window (every other layer, read-through steps) nothing changes.
+    """
+
+    def try_get_optimal_moe_config(w1_shape: Any, w2_shape: Any, *args: Any, **kwargs: Any):
+        e = getattr(_TILE_EXPERTS, "value", None)
+        if e is not None:
+            w1_shape = (e, *tuple(w1_shape)[1:])
+            w2_shape = (e, *tuple(w2_shape)[1:])
+        return orig(w1_shape, w2_shape, *args, **kwargs)
+
+    try_get_optimal_moe_config.__wrapped__ = orig  # type: ignore[attr-defined]
+    return try_get_optimal_moe_config
+
+
+def patch_tile_lookup(module: Any) -> bool:
+    """Install `full_expert_tiles` on ``module`` once; False when it has no such lookup."""
+    orig = getattr(module, "try_get_optimal_moe_config", None)
+    if not callable(orig):
+        return False
+    if getattr(orig, "__wrapped__", None) is None:
+        module.try_get_optimal_moe_config = full_expert_tiles(orig)
+    return True
 
 
 class ArmError(RuntimeError):
@@ -187,6 +229,7 @@ class ArmedLayer:
         experts = self._experts()
         old_qc, old_mqc = experts.quant_config, qm.moe_quant_config
         saved = self._swap_in()
+        _TILE_EXPERTS.value = self.decision.num_experts
         try:
             if self.slot_quant_config is not None:
                 experts.quant_config = self.slot_quant_config
@@ -196,5 +239,6 @@ class ArmedLayer:
                 shared_experts=shared_experts, shared_experts_input=shared_experts_input,
             )
         finally:
+            _TILE_EXPERTS.value = None
             self._swap_out(saved)
             experts.quant_config, qm.moe_quant_config = old_qc, old_mqc

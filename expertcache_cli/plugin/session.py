@@ -167,11 +167,28 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
         for i, a in enumerate(armed):
             a.index = i
         recorder.num_layers = len(armed)
+    if armed:
+        _patch_tiles()
     for d in decisions:
         if d.action == DECLINE:
             log.warning("expertcache: %s not armed: %s", d.layer_name, d.reason)
     log.info("%s", summary_line(decisions, cfg, vllm_version, max_num_seqs))
     return Session(cfg, decisions, armed, recorder)
+
+
+def _patch_tiles() -> None:
+    """Slot-bound fused-MoE calls use the tiles tuned for the real expert count."""
+    import importlib
+
+    from .runtime import TRITON_EXPERTS_MODULE, patch_tile_lookup
+
+    try:
+        ok = patch_tile_lookup(importlib.import_module(TRITON_EXPERTS_MODULE))
+    except ImportError:
+        ok = False
+    if not ok:
+        log.info("expertcache: no Triton tile lookup to patch; slot-bound calls use "
+                 "vLLM's tiles for the slot count")
 
 
 def _with_trace(cfg: CacheConfig, path: str) -> CacheConfig:
