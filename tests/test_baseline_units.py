@@ -420,3 +420,25 @@ def test_no_torch_or_vllm_at_import():
         [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ}, timeout=60
     )
     assert p.stdout.strip() == "[]", p.stderr
+
+
+def test_bursty_streams_are_flagged():
+    steady = StreamResult(256, 256, 0.0, 0.05, 2.0, "length", coalesced=200)
+    burst = StreamResult(256, 256, 0.0, 1.46, 1.473, "length", coalesced=255)
+    r = summarise_streams([steady], 2.0)
+    assert not r.bursty  # tokens flushed in pairs are normal; the window is what matters
+    assert r.e2e_tok_s == pytest.approx(256 / 2.0)
+    b = summarise_streams([burst], 1.5)
+    assert b.bursty and b.tok_s > 10000
+    assert b.e2e_tok_s == pytest.approx(256 / 1.473)
+
+
+def test_summary_leaves_out_bursty_runs_and_says_so():
+    recs = _runs("resident", [[100.0, 102.0], [101.0, 103.0]])
+    recs[1]["tok_s"], recs[1]["bursty"] = 19072.0, True
+    s = summarise(recs, {"arms": ["resident"], "runs": 2})
+    a = s.arm("resident")
+    assert a.runs == 3 and a.restart_means == [100.0, 102.0]
+    assert s.bursty_runs == {"resident": 1}
+    assert _warn(s, "left out 1 run(s) (1 of resident)")
+    assert not _warn(s, "the file is incomplete")

@@ -13,6 +13,14 @@ import json
 import time
 from dataclasses import dataclass
 
+#: Two token events closer than this arrived together (diagnostic: some servers flush
+#: several tokens at once as a matter of course, so this alone proves nothing).
+COALESCED_GAP_S = 0.0002
+#: A run whose first-to-last-token window is under this share of the whole request, with
+#: the rest spent waiting for the first token, received its tokens in one burst: the
+#: server's API process (or this client) was starved, and the decode rate timed delivery.
+BURST_WINDOW_SHARE = 0.2
+
 
 class RequestFailed(Exception):
     """A request that errored, was cut short, or returned fewer tokens than asked."""
@@ -28,6 +36,7 @@ class StreamResult:
     t_first: float
     t_last: float
     finish_reason: str | None
+    coalesced: int = 0  # gaps between consecutive token events below COALESCED_GAP_S
 
     @property
     def ttft_s(self) -> float:
@@ -50,6 +59,20 @@ class RunResult:
     wall_s: float
     chunks: int
     streams: int
+    coalesced_share: float = 0.0
+
+    e2e_s: float = 0.0  # first request sent to last token received
+
+    @property
+    def e2e_tok_s(self) -> float:
+        """Tokens over the whole request, prefill included: immune to burst delivery."""
+        return self.tokens / self.e2e_s if self.e2e_s > 0 else float("nan")
+
+    @property
+    def bursty(self) -> bool:
+        """The tokens arrived in one burst after a long wait: the decode window is too
+        short to be a decode. The summary leaves such runs out, and says so."""
+        return self.e2e_s > 0 and self.decode_s < BURST_WINDOW_SHARE * self.e2e_s
 
 
 def request_body(model_id: str, prompt: str, max_tokens: int) -> dict[str, object]:
@@ -73,6 +96,7 @@ async def _stream_one(client, url: str, body: dict[str, object]) -> StreamResult
     usage_tokens = None
     finish = None
     done = False
+    coalesced = 0
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
@@ -103,6 +127,8 @@ async def _stream_one(client, url: str, body: dict[str, object]) -> StreamResult
                     chunks += 1
                     if t_first is None:
                         t_first = now
+                    elif now - t_last < COALESCED_GAP_S:
+                        coalesced += 1
                     t_last = now
     except httpx.HTTPError as exc:
         raise RequestFailed(f"{type(exc).__name__}: {exc}") from None
@@ -117,6 +143,7 @@ async def _stream_one(client, url: str, body: dict[str, object]) -> StreamResult
         t_first=t_first,
         t_last=t_last,
         finish_reason=finish,
+        coalesced=coalesced,
     )
 
 
@@ -159,6 +186,8 @@ def summarise_streams(streams: list[StreamResult], wall_s: float) -> RunResult:
     last = max(s.t_last for s in streams)
     decode_tokens = sum(max(0, s.tokens - 1) for s in streams)
     decode_s = last - first
+    gaps = sum(max(0, s.chunks - 1) for s in streams)
+    coalesced = sum(s.coalesced for s in streams)
     tok_s = decode_tokens / decode_s if decode_s > 0 else float("nan")
     return RunResult(
         tok_s=tok_s,
@@ -168,4 +197,6 @@ def summarise_streams(streams: list[StreamResult], wall_s: float) -> RunResult:
         wall_s=wall_s,
         chunks=sum(s.chunks for s in streams),
         streams=len(streams),
+        coalesced_share=coalesced / gaps if gaps else 0.0,
+        e2e_s=last - min(s.t_sent for s in streams),
     )

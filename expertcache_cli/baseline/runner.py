@@ -271,11 +271,19 @@ def _run_block(
                 "decode_s": res.decode_s,
                 "wall_s": res.wall_s,
                 "concurrency": res.streams,
+                "coalesced_share": res.coalesced_share,
+                "e2e_tok_s": res.e2e_tok_s,
+                "bursty": res.bursty,
                 "finished_at": now_iso(),
                 "counters": latest_counters(server.log_path),
             }
             st.append(rec)
             label = "warm-up" if run < 0 else f"run {run + 1}/{cfg.runs}"
+            if res.bursty:
+                label += (
+                    f" [bursty: all tokens came within {res.decode_s * 1000:.0f} ms after a "
+                    f"{res.ttft_s:.2f} s wait; left out of the summary]"
+                )
             say(
                 f"  {label}: {res.tok_s:.2f} tok/s, TTFT {res.ttft_s * 1000:.0f} ms, "
                 f"{res.tokens} tokens"

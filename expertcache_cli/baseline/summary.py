@@ -94,6 +94,7 @@ class Summary:
     warnings: list[str]
     failures: list[dict[str, Any]]
     superseded_runs: int = 0
+    bursty_runs: dict[str, int] = field(default_factory=dict)
     meta: dict[str, Any] | None = None
 
     def arm(self, name: str) -> ArmSummary | None:
@@ -115,15 +116,18 @@ class Summary:
                 "warnings": self.warnings,
                 "failures": self.failures,
                 "superseded_runs": self.superseded_runs,
+                "bursty_runs": self.bursty_runs,
             }
         )
 
 
-def measured_runs(records: list[dict[str, Any]]):
+def measured_runs(records: list[dict[str, Any]], drop_bursty: bool = True):
     """The runs the summary uses, as a DataFrame, and how many were superseded.
 
     For each (arm, restart) only the latest server's runs count: a block interrupted and
-    run again on resume must not mix two server processes.
+    run again on resume must not mix two server processes. Runs whose tokens arrived in
+    bursts (``bursty``) timed the delivery, not the decode, and are left out unless
+    ``drop_bursty`` is False; the caller counts them from the ``bursty`` column.
     """
     import pandas as pd
 
@@ -132,16 +136,21 @@ def measured_runs(records: list[dict[str, Any]]):
     for r in runs:
         latest[(r.get("arm"), r.get("restart"))] = r.get("server_id")
     kept = [r for r in runs if latest[(r.get("arm"), r.get("restart"))] == r.get("server_id")]
-    cols = ["arm", "restart", "run", "server_id", "tok_s", "ttft_s", "tokens"]
+    cols = ["arm", "restart", "run", "server_id", "tok_s", "ttft_s", "tokens", "bursty"]
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in kept], columns=cols)
     df["tok_s"] = pd.to_numeric(df["tok_s"], errors="coerce")
     df["ttft_s"] = pd.to_numeric(df["ttft_s"], errors="coerce")
+    df["bursty"] = df["bursty"].fillna(False).astype(bool)
+    if drop_bursty:
+        df = df[~df["bursty"]]
     return df, len(runs) - len(kept)
 
 
 def summarise(records: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> Summary:
     """Per-arm statistics, ratios and the warnings a careful reader would raise."""
     df, superseded = measured_runs(records)
+    all_df, _ = measured_runs(records, drop_bursty=False)
+    bursty = {str(k): int(v) for k, v in all_df[all_df["bursty"]].groupby("arm").size().items()}
     arm_order: list[str] = list((meta or {}).get("arms") or [])
     for name in df["arm"].tolist():
         if name not in arm_order:
@@ -214,7 +223,12 @@ def summarise(records: list[dict[str, Any]], meta: dict[str, Any] | None = None)
                 a.recovered = (a.mean_tok_s - off.mean_tok_s) / gap
 
     summary = Summary(
-        arms=arms, warnings=[], failures=failures, superseded_runs=superseded, meta=meta
+        arms=arms,
+        warnings=[],
+        failures=failures,
+        superseded_runs=superseded,
+        bursty_runs=bursty,
+        meta=meta,
     )
     summary.warnings = _warnings(summary, meta)
     return summary
@@ -284,7 +298,9 @@ def _warnings(s: Summary, meta: dict[str, Any] | None) -> list[str]:
             )
     runs_wanted = (meta or {}).get("runs")
     if runs_wanted:
-        df_short = [a for a in measured if a.runs < a.restarts * runs_wanted]
+        df_short = [
+            a for a in measured if a.runs + s.bursty_runs.get(a.arm, 0) < a.restarts * runs_wanted
+        ]
         for a in df_short:
             out.append(
                 f"{a.arm}: {a.runs} runs over {a.restarts} restart(s), fewer than "
@@ -294,6 +310,13 @@ def _warnings(s: Summary, meta: dict[str, Any] | None) -> list[str]:
         out.append(
             f"{len(s.failures)} server(s) failed (see 'failures' and their log tails); "
             "their arms have fewer restarts than asked"
+        )
+    if s.bursty_runs:
+        detail = ", ".join(f"{n} of {arm}" for arm, n in s.bursty_runs.items())
+        out.append(
+            f"left out {sum(s.bursty_runs.values())} run(s) ({detail}) whose tokens arrived in "
+            "bursts: the server's API process or this client was starved of CPU, so their "
+            "rate timed delivery, not decoding; give the machine spare cores"
         )
     if s.superseded_runs:
         out.append(
