@@ -83,7 +83,9 @@ class H(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())
             self.wfile.flush()
             time.sleep(delay)
-        print(f"expert-cache stats: hits={posts * 10} misses={posts} hit_rate=0.9", flush=True)
+        print("INFO [session.py:89] expertcache: live hit rate 80.00% since last report, "
+              f"90.00% overall (requests={posts * 10} installs={posts} read-through steps=0 "
+              "over 2 layers)", flush=True)
         ev = {"choices": [], "usage": {"completion_tokens": n}}
         self.wfile.write(f"data: {json.dumps(ev)}\n\ndata: [DONE]\n\n".encode())
 
@@ -181,7 +183,10 @@ def test_full_flow_and_process_groups(tmp_path, stub):
     for r in runs:
         assert r["tokens"] == 16 and r["tok_s"] > 0 and r["ttft_s"] >= 0
         assert r["counters"]["hit_rate"] == pytest.approx(0.9)
+        assert r["counters"]["requests"] == 10 * (r["run"] + 2)  # warm-up was request 1
         assert r["server_start_s"] > 0
+    finals = [r for r in recs if r["kind"] == "counters"]
+    assert len(finals) == 6 and all(r["counters"]["requests"] == 30 for r in finals)
     servers = [r for r in recs if r["kind"] == "server"]
     assert servers[0]["env"]["EXPERT_CACHE_DISABLE"] == "1"
     cache_srv = next(s for s in servers if s["arm"] == "cache:4")

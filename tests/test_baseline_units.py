@@ -318,33 +318,36 @@ def test_summary_to_dict_is_json_clean():
 
 
 def test_stats_line_parsing(tmp_path):
+    # the plugin's line (expertcache_cli/plugin/session.py, Session.report), as vLLM logs it
     line = (
-        "INFO 11-30 02:00:01 [plugin.py:88] expert-cache stats: "
-        "layer_steps=4800 hits=30112 misses=6304 hit_rate=0.8269"
+        "(EngineCore pid=5) INFO 11-30 02:00:01 [session.py:89] expertcache: live hit rate "
+        "48.91% since last report, 49.02% overall (requests=51648 installs=26330 "
+        "read-through steps=12 over 8 layers)"
     )
-    assert parse_stats_line(line) == {
-        "layer_steps": 4800,
-        "hits": 30112,
-        "misses": 6304,
-        "hit_rate": pytest.approx(0.8269),
+    got = parse_stats_line(line)
+    assert got == {
+        "hit_rate": pytest.approx(0.4902),
+        "hit_rate_window": pytest.approx(0.4891),
+        "requests": 51648,
+        "installs": 26330,
+        "read_through_steps": 12,
+        "layers": 8,
+        "final": False,
     }
-    assert parse_stats_line("expert_cache STATS hit_rate=82.5%") == {"hit_rate": 82.5}
+    first = (
+        "expertcache: live hit rate nan% since last report, nan% overall (requests=0 "
+        "installs=0 read-through steps=0 over 8 layers)"
+    )
+    assert parse_stats_line(first)["hit_rate"] is None
     assert parse_stats_line("INFO: 127.0.0.1 GET /health 200") is None
-    assert parse_stats_line("expert-cache armed on 48 layers, slots=64") is None
+    assert parse_stats_line("expertcache: armed 8 of 8 MoE layers, 32 slots") is None
     log = tmp_path / "s.log"
     log.write_text(
         "\n".join(
-            [
-                "boot",
-                "expert-cache stats: hits=1 misses=9",
-                "noise",
-                "expert-cache stats: hits=5 misses=9",
-                "bye",
-                "",
-            ]
+            ["boot", line, "noise", line.replace("requests=51648", "requests=60000"), "bye", ""]
         )
     )
-    assert latest_counters(log) == {"hits": 5, "misses": 9}
+    assert latest_counters(log)["requests"] == 60000
     assert latest_counters(tmp_path / "missing.log") is None
 
 

