@@ -11,6 +11,7 @@ replays to the live install count. Skipped (with the reason) where torch is miss
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -245,3 +246,46 @@ def test_tile_lookup_sees_the_full_expert_count_only_inside_a_slot_bound_call():
         runtime._TILE_EXPERTS.value = None
     assert calls == [(32, 32, (8, 4), 1), (128, 128, (8, 4), 3)]
     assert not patch_tile_lookup(object())
+
+
+def test_arm_model_arms_declines_and_records_a_trace(tmp_path, monkeypatch, caplog):
+    """The whole per-worker flow: plan, build, install, record, and close at shutdown."""
+    import expertcache_cli.slotcache as slotcache_mod
+    from expertcache_cli.plugin.session import arm_model
+    from expertcache_cli.trace import load
+
+    monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList()
+            for i, leak in enumerate([False, True, False]):
+                block = torch.nn.Module()
+                block.experts = Experts(leak=leak, seed=i)
+                block.experts.layer_name = f"model.layers.{i}.mlp.experts"
+                self.layers.append(block)
+
+    model = Model()
+    cfg = CacheConfig(slots=6, trace_path=str(tmp_path / "t.npz"))
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    sess = arm_model(model, cfg, "0.26.0", max_num_seqs=2, model_name="tiny")
+    assert [a.decision.layer_name for a in sess.armed] == ["model.layers.0.mlp.experts",
+                                                           "model.layers.2.mlp.experts"]
+    bad = sess.decisions[1]
+    assert bad.action == "decline" and "arming failed" in bad.reason
+    assert "armed 2 of 3 MoE layers" in caplog.text and "full expert storage" in caplog.text
+    assert [a.index for a in sess.armed] == [0, 1] and sess.recorder.num_layers == 2
+    rng = np.random.default_rng(9)
+    for _ in range(12):
+        ids, w = _routing(rng, 1)
+        x = torch.randn(1, H)
+        for i in (0, 1, 2):
+            model.layers[i].experts.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+        sess.after_step()
+    sess.close()
+    tr = load(tmp_path / "t.npz")
+    assert tr.steps == 12 and list(tr.layers) == [0, 2]
+    live = json.loads((tmp_path / "t.live.json").read_text())
+    assert live["installs"] == sum(int(a.cache.stats[1]) for a in sess.armed) > 0
+    assert "final hit rate" in caplog.text and "routing trace written" in caplog.text

@@ -138,35 +138,20 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     layers = find_moe_layers(model)
     decisions = [plan_layer(module, cfg, name) for name, module in layers]
     armed: list[ArmedLayer] = []
-    recorder = None
-    to_arm = [(d, m) for d, (_, m) in zip(decisions, layers) if d.action == ARM]
-    if to_arm and cfg.trace_path:
+    for decision, module in ((d, m) for d, (_, m) in zip(decisions, layers) if d.action == ARM):
         try:
-            from .recorder import TraceRecorder
-
-            first = to_arm[0][0]
-            dev = to_arm[0][1]._parameters[first.specs[0].name].device
-            names = [layer_index(d.layer_name) for d, _ in to_arm]
-            recorder = TraceRecorder(
-                len(to_arm), first.num_experts, first.top_k, dev,
-                layer_names=names if all(n is not None for n in names) else None,
-                model=model_name,
-            )
+            armed.append(_arm_one(module, decision, cfg, len(armed), None))
+        except Exception as exc:
+            decision.action = DECLINE
+            decision.reason = f"arming failed: {exc.__class__.__name__}: {exc}"
+    recorder = None
+    if armed and cfg.trace_path:
+        try:
+            recorder = _make_recorder(armed, model_name)
             cfg = _with_trace(cfg, _rank_suffix(cfg.trace_path))
         except Exception as exc:
             log.error("expertcache: trace recording disabled: %s", exc)
             recorder = None
-    for decision, module in to_arm:
-        try:
-            armed.append(_arm_one(module, decision, cfg, len(armed), recorder))
-        except Exception as exc:
-            decision.action = DECLINE
-            decision.reason = f"arming failed: {exc.__class__.__name__}: {exc}"
-    if recorder is not None and len(armed) != len(to_arm):
-        # ring rows are per armed layer: rebuild the index map over the survivors
-        for i, a in enumerate(armed):
-            a.index = i
-        recorder.num_layers = len(armed)
     if armed:
         _patch_tiles()
     for d in decisions:
@@ -174,6 +159,25 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
             log.warning("expertcache: %s not armed: %s", d.layer_name, d.reason)
     log.info("%s", summary_line(decisions, cfg, vllm_version, max_num_seqs))
     return Session(cfg, decisions, armed, recorder)
+
+
+def _make_recorder(armed: list[ArmedLayer], model_name: str | None) -> Any:
+    """One device ring with a row per armed layer, attached to each of them."""
+    from .recorder import TraceRecorder
+
+    first = armed[0].decision
+    shapes = {(a.decision.num_experts, a.decision.top_k) for a in armed}
+    if len(shapes) != 1:
+        raise ValueError(f"armed layers differ in (experts, top_k): {sorted(shapes)}")
+    names = [layer_index(a.decision.layer_name) for a in armed]
+    recorder = TraceRecorder(
+        len(armed), first.num_experts, first.top_k, armed[0].read_through.device,
+        layer_names=names if all(n is not None for n in names) else None,
+        model=model_name,
+    )
+    for i, a in enumerate(armed):
+        a.index, a.recorder = i, recorder
+    return recorder
 
 
 def _patch_tiles() -> None:
