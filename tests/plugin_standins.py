@@ -66,6 +66,7 @@ class RoutedExperts:
                  dtype: str = "bfloat16", uva: bool = True, device: str = "cuda",
                  top_k: int = 8, name: str = "model.layers.3.mlp.experts",
                  quant_method: Any = None, use_ep: bool = False, expert_map: Any = None,
+                 lora: bool = False,
                  extra_params: dict[str, FakeTensor] | None = None,
                  buffers: dict[str, FakeTensor] | None = None) -> None:
         self.layer_name = name
@@ -73,7 +74,8 @@ class RoutedExperts:
         self.global_num_experts = num_experts
         self.top_k = top_k
         self.expert_map = expert_map
-        self.moe_config = SimpleNamespace(moe_parallel_config=SimpleNamespace(use_ep=use_ep))
+        self.moe_config = SimpleNamespace(moe_parallel_config=SimpleNamespace(use_ep=use_ep),
+                                          is_lora_enabled=lora)
         self.quant_method = quant_method or UnquantizedFusedMoEMethod()
         where = {"uva": uva, "device": device}
         self._params = {

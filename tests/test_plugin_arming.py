@@ -54,6 +54,7 @@ def test_resident_layer_is_not_armed():
     "layer, needle",
     [
         (RoutedExperts(use_ep=True), "expert parallelism"),
+        (RoutedExperts(lora=True), "LoRA on the experts"),
         (RoutedExperts(expert_map=FakeTensor((128,), "int32")), "expert parallelism"),
         (RoutedExperts(quant_method=UnquantizedFusedMoEMethod(monolithic=True)), "monolithic"),
         (RoutedExperts(quant_method=SimpleNamespace(is_monolithic=False, moe_kernel=None)),

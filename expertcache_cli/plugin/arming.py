@@ -11,6 +11,7 @@ The rules, in order (the first that applies decides):
 
 1. expert parallelism (an expert map, or ``use_ep``): declined, the local ids are not
    the global ids the cache would be indexed by;
+   MoE LoRA (adapter tensors indexed by expert id outside the layer): declined too;
 2. a monolithic quant method (routing inside the kernel): declined, there are no ids to
    remap;
 3. no modular kernel, or an experts kernel not known to index weights purely by id:
@@ -136,6 +137,8 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str) -> Decision:
     parallel = getattr(moe_config, "moe_parallel_config", None)
     if getattr(layer, "expert_map", None) is not None or getattr(parallel, "use_ep", False):
         return decline("expert parallelism: local expert ids are not the global ids")
+    if getattr(moe_config, "is_lora_enabled", False):
+        return decline("LoRA on the experts: adapter weights are indexed by expert id elsewhere")
     if global_experts != num_experts:
         return decline(f"{num_experts} local of {global_experts} global experts (sharded experts)")
 
