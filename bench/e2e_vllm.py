@@ -215,6 +215,14 @@ def run_arm(name: str, model_dir: Path, out: Path, tokens: int, layers: int,
     rec["tok_s"] = round(statistics.median(rates), 2)
     rec["tok_s_runs"] = [round(r, 2) for r in rates]
     rec["token_ids"] = ids
+    if cuda and os.environ.get("EC_E2E_PROFILE") == "1":
+        # where the GPU time of a decode goes, per kernel (bench-only diagnosis)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            gen(32)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        (out / f"profile_{name}.txt").write_text(table)
     if s:
         d_req = after["requests"] - before["requests"]
         d_ins = after["installs"] - before["installs"]
