@@ -445,3 +445,26 @@ def test_summary_leaves_out_bursty_runs_and_says_so():
     assert s.bursty_runs == {"resident": 1}
     assert _warn(s, "left out 1 run(s) (1 of resident)")
     assert not _warn(s, "the file is incomplete")
+
+
+def test_held_back_runs_are_left_out():
+    # a starved server: the first token waits 0.67 s, then 127 tokens arrive in 0.21 s
+    recs = _runs("resident", [[120.0, 140.0, 604.0], [130.0, 135.0, 128.0]])
+    for r, (ttft, dec) in zip(recs, [(0.05, 1.06), (0.03, 0.9), (0.67, 0.21), (0.05, 0.98),
+                                     (0.04, 0.94), (0.04, 0.99)]):  # fmt: skip
+        r["ttft_s"], r["decode_s"] = ttft, dec
+    s = summarise(recs, {"arms": ["resident"], "runs": 3})
+    assert s.bursty_runs == {"resident": 1}
+    assert s.arm("resident").restart_means[0] == pytest.approx(130.0)
+    # a long prompt slows every first token of a server alike: nothing is left out
+    for r in recs:
+        r["ttft_s"] = 2.0
+    assert summarise(recs, {"runs": 3}).bursty_runs == {}
+
+
+def test_recovered_share_needs_a_penalty_to_recover():
+    recs = _runs("resident", [[20, 20], [21, 21], [19, 19]])
+    recs += _runs("offload", [[20, 20], [21, 21], [19, 19]])
+    recs += _runs("cache:8", [[20.5, 20.5], [21.5, 21.5], [19.5, 19.5]])
+    s = summarise(recs, {"runs": 2})
+    assert math.isnan(s.arm("cache:8").recovered)

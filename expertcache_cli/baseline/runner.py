@@ -273,6 +273,7 @@ def _run_block(
                 "concurrency": res.streams,
                 "coalesced_share": res.coalesced_share,
                 "e2e_tok_s": res.e2e_tok_s,
+                "e2e_s": res.e2e_s,
                 "bursty": res.bursty,
                 "finished_at": now_iso(),
                 "counters": latest_counters(server.log_path),

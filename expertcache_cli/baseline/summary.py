@@ -136,14 +136,40 @@ def measured_runs(records: list[dict[str, Any]], drop_bursty: bool = True):
     for r in runs:
         latest[(r.get("arm"), r.get("restart"))] = r.get("server_id")
     kept = [r for r in runs if latest[(r.get("arm"), r.get("restart"))] == r.get("server_id")]
-    cols = ["arm", "restart", "run", "server_id", "tok_s", "ttft_s", "tokens", "bursty"]
+    cols = ["arm", "restart", "run", "server_id", "tok_s", "ttft_s", "tokens", "bursty",
+            "decode_s", "e2e_s"]  # fmt: skip
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in kept], columns=cols)
-    df["tok_s"] = pd.to_numeric(df["tok_s"], errors="coerce")
-    df["ttft_s"] = pd.to_numeric(df["ttft_s"], errors="coerce")
-    df["bursty"] = df["bursty"].fillna(False).astype(bool)
+    for c in ("tok_s", "ttft_s", "decode_s", "e2e_s"):
+        df[c] = pd.to_numeric(df[c], errors="coerce")
+    df["bursty"] = df["bursty"].fillna(False).astype(bool) | _held_back(df, records)
     if drop_bursty:
         df = df[~df["bursty"]]
     return df, len(runs) - len(kept)
+
+
+#: A run is "held back" when most of its request went on waiting for the first token ...
+HELD_WINDOW_SHARE = 0.5
+#: ... and that wait was this many times its server's quickest first token.
+HELD_TTFT_FACTOR = 3.0
+
+
+def _held_back(df, records: list[dict[str, Any]]):
+    """Runs whose tokens were held back and then delivered in a rush.
+
+    A starved API process (or client) delays the first token and then hands over the
+    backlog at once: TTFT jumps and the first-to-last window shrinks, so the decode rate
+    soars. Flag a run when its decode window is under half its request time and its TTFT
+    is several times the quickest of the same server (warm-up included). A long prompt
+    slows every TTFT of a server alike and is not flagged.
+    """
+    quickest: dict[Any, float] = {}
+    for r in records:
+        if r.get("kind") in ("run", "warmup") and isinstance(r.get("ttft_s"), (int, float)):
+            sid = r.get("server_id")
+            quickest[sid] = min(quickest.get(sid, math.inf), float(r["ttft_s"]))
+    floor = df["server_id"].map(quickest).astype(float)
+    share = df["decode_s"] / (df["ttft_s"] + df["decode_s"])
+    return ((share < HELD_WINDOW_SHARE) & (df["ttft_s"] > HELD_TTFT_FACTOR * floor)).fillna(False)
 
 
 def summarise(records: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> Summary:
@@ -219,7 +245,8 @@ def summarise(records: list[dict[str, Any]], meta: dict[str, Any] | None = None)
             a.ratio_resident = a.mean_tok_s / res.mean_tok_s
         if off and off.mean_tok_s > 0:
             a.ratio_offload = a.mean_tok_s / off.mean_tok_s
-        if a.arm not in ("resident", "offload") and res and off:
+        # A share of a penalty that the data cannot tell from zero would be noise.
+        if a.arm not in ("resident", "offload") and res and off and not indistinguishable(res, off):
             gap = res.mean_tok_s - off.mean_tok_s
             if gap > 0:
                 a.recovered = (a.mean_tok_s - off.mean_tok_s) / gap
@@ -335,6 +362,7 @@ def _fmt(v: float, spec: str = ".4g") -> str:
 def render(s: Summary, console=None) -> None:
     """A rich table of the summary, then the warnings and failures."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = console or Console()
@@ -365,9 +393,9 @@ def render(s: Summary, console=None) -> None:
         )
     console.print(t)
     for f in s.failures:
-        console.print(
-            f"[red]failed[/red] {f['arm']} restart {f['restart']} ({f['phase']}): {f['reason']}"
-            + (f"  log: {f['log']}" if f.get("log") else "")
-        )
+        text = f"{f['arm']} restart {f['restart']} ({f['phase']}): {f['reason']}"
+        if f.get("log"):
+            text += f"  log: {f['log']}"
+        console.print("[red]failed[/red] " + escape(text))
     for w in s.warnings:
-        console.print(f"[yellow]warning:[/yellow] {w}")
+        console.print("[yellow]warning:[/yellow] " + escape(w))

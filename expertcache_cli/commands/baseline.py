@@ -69,6 +69,27 @@ def _vram_offload(model: str, vram: float, vllm_args: list[str], arms: list, con
     return p.cpu_offload_gb
 
 
+def _plugin_warnings(arms: list, server_cmd: str | None) -> list[str]:
+    """Reasons the cache arms might silently run without the plugin, checked up front."""
+    import os
+    from importlib.metadata import entry_points
+
+    if not any(a.kind == "cache" for a in arms):
+        return []
+    out = []
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if plugins is not None and "expertcache" not in [p.strip() for p in plugins.split(",")]:
+        out.append(f"VLLM_PLUGINS={plugins!r} does not name expertcache: cache arms run uncached")
+    if server_cmd is None and not any(
+        ep.name == "expertcache" for ep in entry_points(group="vllm.general_plugins")
+    ):
+        out.append(
+            "the expertcache vLLM plugin is not installed in this python (pip install -e .): "
+            "cache arms would run uncached"
+        )
+    return out
+
+
 def _print_summary(path: Path, plot: Path | None, as_json: bool) -> None:
     from ..baseline.runner import load_summary
     from ..baseline.summary import render
@@ -172,7 +193,9 @@ def run_cmd(
     )
     if retry_failed and not resume:
         raise UserError("--retry-failed only makes sense with --resume")
-    run_baseline(cfg, say=lambda s: err.print(s))
+    for w in _plugin_warnings(arm_list, server_cmd):
+        err.print(f"[yellow]warning:[/yellow] {w}")
+    run_baseline(cfg, say=lambda s: err.print(s, markup=False))
     err.print(f"results in {out}")
     _print_summary(out, plot, json_out)
 
