@@ -214,7 +214,8 @@ def test_two_arms_two_restarts_interrupt_and_resume(vllm_python, tiny_model, tmp
     bursty = summary["bursty_runs"]
     assert by["resident"]["runs"] + bursty.get("resident", 0) == 4
     assert by["offload"]["runs"] + bursty.get("offload", 0) == 4
-    assert by["resident"]["restarts"] == 2 and by["offload"]["restarts"] == 2
+    # (a restart whose every run was held back drops out of the statistics, visibly)
+    assert 1 <= by["resident"]["restarts"] <= 2 and 1 <= by["offload"]["restarts"] <= 2
     assert by["resident"]["ratio_resident"] == pytest.approx(1.0)
     assert by["offload"]["ratio_offload"] == pytest.approx(1.0)
     assert summary["superseded_runs"] == 1
