@@ -156,7 +156,7 @@ def test_two_arms_two_restarts_interrupt_and_resume(vllm_python, tiny_model, tmp
     )  # fmt: skip
     try:
         # Interrupt during the second block, once its first measured run is on disk: a 256-
-        # token run takes seconds here, so the second run is in flight when SIGINT lands.
+        # token run takes seconds here, so the second run is usually in flight.
         end = time.monotonic() + 400
         while time.monotonic() < end and proc.poll() is None:
             recs = list(store.iter_records(out)) if out.exists() else []
@@ -174,38 +174,43 @@ def test_two_arms_two_restarts_interrupt_and_resume(vllm_python, tiny_model, tmp
     _, recs = store.load(out)
     healthy = [r for r in recs if r["kind"] == "server" and r["status"] == "healthy"]
     _assert_groups_gone([r["pid"] for r in healthy])
+    # Where exactly SIGINT lands depends on the machine (on two busy cores the client can
+    # be seconds late); whatever it hit, the file holds a prefix of the planned sequence.
+    # The stand-in server tests pin the partial-block case exactly.
+    plan = [("resident", 0), ("offload", 0), ("offload", 1), ("resident", 1)]
+    order = [(a, r, i) for a, r in plan for i in (0, 1)]
     runs = [r for r in recs if r["kind"] == "run"]
-    assert [(r["arm"], r["restart"], r["run"]) for r in runs] == [
-        ("resident", 0, 0), ("resident", 0, 1), ("offload", 0, 0)
-    ]  # fmt: skip
-    partial = runs[-1]["server_id"]
+    got = [(r["arm"], r["restart"], r["run"]) for r in runs]
+    assert 3 <= len(got) < len(order) and got == order[: len(got)], got
+    blocks_done = len(got) // 2
+    partial = runs[-1]["server_id"] if len(got) % 2 else None
 
     done = subprocess.run(
         _cli(vllm_python, tiny_model, out, "--resume", "--json"), env=env,
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resuming: 1 block(s) already done, 3 to run" in done.stderr
+    assert f"resuming: {blocks_done} block(s) already done, {4 - blocks_done} to run" in done.stderr
     meta, recs = store.load(out)
     assert meta["arms"] == ["resident", "offload"] and meta["runs"] == 2
     servers = [r for r in recs if r["kind"] == "server"]
     assert all(s["status"] == "healthy" for s in servers), servers
-    # rotated order per round: resident first in round 0, offload first in round 1
-    assert [(s["restart"], s["arm"]) for s in servers] == [
-        (0, "resident"), (0, "offload"), (0, "offload"), (1, "offload"), (1, "resident")
-    ]  # fmt: skip
+    # rotated order per round: resident first in round 0, offload first in round 1; the
+    # block that was cut short is started again from a fresh server
+    before = [(r["restart"], r["arm"]) for r in healthy]
+    assert before[:blocks_done] == [(r, a) for a, r in plan[:blocks_done]]
+    expected = before + [(r, a) for a, r in plan[blocks_done:]]
+    assert [(s["restart"], s["arm"]) for s in servers] == expected
     assert "--cpu-offload-params" in servers[1]["argv"]
     assert "--cpu-offload-params" not in servers[0]["argv"]
     assert servers[1]["env"]["EXPERT_CACHE_DISABLE"] == "1"
     kept = [r for r in recs if r["kind"] == "run" and r["server_id"] != partial]
-    assert sorted((r["arm"], r["restart"], r["run"]) for r in kept) == sorted(
-        (a, rs, i) for a in ("resident", "offload") for rs in (0, 1) for i in (0, 1)
-    )
+    assert sorted((r["arm"], r["restart"], r["run"]) for r in kept) == sorted(order)
     for r in kept:
         assert r["tokens"] == 256 and 0 < r["chunks"] <= 256, r  # a late event may carry two
         assert r["tok_s"] > 0 and r["decode_s"] > 0 and r["ttft_s"] > 0
         assert r["server_start_s"] > 0
-    assert len([r for r in recs if r["kind"] == "warmup"]) == 5
+    assert len([r for r in recs if r["kind"] == "warmup"]) == len(servers)
     _assert_groups_gone([s["pid"] for s in servers])
 
     summary = json.loads(done.stdout)
@@ -218,7 +223,7 @@ def test_two_arms_two_restarts_interrupt_and_resume(vllm_python, tiny_model, tmp
     assert 1 <= by["resident"]["restarts"] <= 2 and 1 <= by["offload"]["restarts"] <= 2
     assert by["resident"]["ratio_resident"] == pytest.approx(1.0)
     assert by["offload"]["ratio_offload"] == pytest.approx(1.0)
-    assert summary["superseded_runs"] == 1
+    assert summary["superseded_runs"] == (1 if partial else 0)
     assert any("only 2 restart(s)" in w for w in summary["warnings"])
 
     report = subprocess.run(

@@ -130,6 +130,25 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM while a server is being stopped; they act right after.
+
+    A second Ctrl-C in the middle of stopping would otherwise leave the server's process
+    group running, which is exactly what stopping it by group is there to prevent.
+    """
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    except (AttributeError, ValueError, OSError):  # not POSIX, or not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+
+
 def plan_blocks(cfg: BaselineConfig, done: set[tuple[str, int]]) -> list[tuple[int, Arm]]:
     """The (restart, arm) blocks still to run, in the order they will run."""
     by_name = {a.name: a for a in cfg.arms}
@@ -180,7 +199,7 @@ def run_baseline(cfg: BaselineConfig, say: Callable[[str], None] = lambda s: Non
     template = cfg.server_cmd or default_template()
     st, done = open_results(cfg)
     todo = plan_blocks(cfg, done)
-    if done:
+    if cfg.resume:
         say(f"resuming: {len(done)} block(s) already done, {len(todo)} to run")
     try:
         with _sigterm_as_interrupt():
@@ -290,7 +309,8 @@ def _run_block(
                 f"{res.tokens} tokens"
             )
     except ServerFailed as exc:
-        server.stop(cfg.stop_grace_s)
+        with _signals_deferred():
+            server.stop(cfg.stop_grace_s)
         st.append(
             {
                 **base,
@@ -309,7 +329,8 @@ def _run_block(
         say(f"  server failed ({exc.phase}): {exc.reason}; continuing with the next arm")
         return
     finally:
-        server.stop(cfg.stop_grace_s)
+        with _signals_deferred():
+            server.stop(cfg.stop_grace_s)
     # The plugin logs its final counters as the server shuts down: the whole server's
     # hit rate, available even when periodic stats (EXPERT_CACHE_STATS) were off.
     final = latest_counters(server.log_path)

@@ -142,7 +142,7 @@ def run_cmd(
         None, help="--cpu-offload-gb for the offload and cache arms."
     ),
     vram: float | None = typer.Option(
-        None, help="Card VRAM in GB: let `size` choose --cpu-offload-gb."
+        None, help="Card VRAM in GiB: let `size` choose --cpu-offload-gb."
     ),
     host: str = typer.Option("127.0.0.1", help="Address the servers listen on."),
     port: int = typer.Option(0, help="Server port (0: a free port for every server)."),
