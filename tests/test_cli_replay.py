@@ -152,49 +152,14 @@ def test_usage_errors_are_one_line_exit_2(args, message):
 
 def test_trace_synth_and_info(tmp_path):
     out = tmp_path / "b.npz"
-    cli(
-        "trace",
-        "synth",
-        str(out),
-        "--kind",
-        "batched",
-        "--batch",
-        "3",
-        "--steps",
-        "40",
-        "--layers",
-        "2",
-        "--experts",
-        "16",
-        "--top-k",
-        "2",
-        "--seed",
-        "7",
-    )
+    knobs = "--kind batched --batch 3 --steps 40 --layers 2 --experts 16 --top-k 2 --seed 7"
+    cli("trace", "synth", str(out), *knobs.split())
     t = load(out)
     assert t.topk_ids.shape == (40, 2, 6) and t.source.startswith("synthetic:batched")
     assert t.tokens == 120
     info = json.loads(cli("trace", "info", str(out), "--json").stdout)
     assert info["width"] == 6 and info["ids_per_step_max"] == 6 and info["padding_fraction"] == 0
     again = tmp_path / "c.npz"
-    cli(
-        "trace",
-        "synth",
-        str(again),
-        "--kind",
-        "batched",
-        "--batch",
-        "3",
-        "--steps",
-        "40",
-        "--layers",
-        "2",
-        "--experts",
-        "16",
-        "--top-k",
-        "2",
-        "--seed",
-        "7",
-    )
+    cli("trace", "synth", str(again), *knobs.split())
     assert np.array_equal(load(again).topk_ids, t.topk_ids)  # seeded: reproducible
     assert "num_experts" in cli("trace", "info", str(out)).stdout
