@@ -91,7 +91,8 @@ def main() -> None:
                     res = replay_layer_reference(seq, 64, s, Policy.parse(pol))
                     base_installs += sum(r.miss_count for r in res)
         base = (time.perf_counter() - start) * trace.steps / n
-        how = "measured" if n == trace.steps else f"measured on {n} steps, scaled x{trace.steps / n:.1f}"
+        scale = trace.steps / n
+        how = "measured" if n == trace.steps else f"measured on {n} steps, scaled x{scale:.1f}"
         print(f"plain per-step Python reference: {base:8.1f} s ({how})")
         if n == trace.steps:
             assert base_installs == installs, (base_installs, installs)
