@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import click
 import typer
 from rich.console import Console
 from typer.core import TyperGroup
@@ -24,7 +23,7 @@ err = Console(stderr=True, highlight=False)
 class _DefaultRunGroup(TyperGroup):
     """`baseline MODEL ...` means `baseline run MODEL ...`; `baseline report FILE` stays."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
             args = ["run", *args]
         return super().parse_args(ctx, args)
