@@ -200,17 +200,20 @@ def nvrtc_compile(arch: int, kind: str = "cubin") -> bytes:
         target = f"sm_{arch}" if kind == "cubin" else f"compute_{arch}"
         opts = [f"--gpu-architecture={target}".encode(), *(o.encode() for o in NVRTC_OPTIONS)]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        # Output buffers must be fresh, mutable memory: `b" " * n` for n <= 1 is CPython's
+        # shared one-byte object, and NVRTC writing into it corrupts every b" " in the process.
         _, log_size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * log_size
+        log = bytearray(log_size)
         nvrtc.nvrtcGetProgramLog(prog, log)
-        _nvrtc_check(nvrtc, err, f"compile for {target}", log.decode(errors="replace").strip())
+        text = log.decode(errors="replace").strip("\x00 \n")
+        _nvrtc_check(nvrtc, err, f"compile for {target}", text)
         if kind == "cubin":
             _, size = nvrtc.nvrtcGetCUBINSize(prog)
-            out = b" " * size
+            out = bytearray(size)
             (err,) = nvrtc.nvrtcGetCUBIN(prog, out)
         else:
             _, size = nvrtc.nvrtcGetPTXSize(prog)
-            out = b" " * size
+            out = bytearray(size)
             (err,) = nvrtc.nvrtcGetPTX(prog, out)
         _nvrtc_check(nvrtc, err, f"fetching the {kind}")
         return bytes(out)

@@ -46,6 +46,15 @@ def test_nvrtc_ptx_sm90_has_both_kernels():
         assert re.search(rf"\.entry\s+{name}\s*\(", ptx), f"{name} missing from the PTX"
 
 
+def test_nvrtc_compile_leaves_shared_bytes_objects_alone():
+    # NVRTC fills caller-provided buffers; handing it CPython's shared one-byte object
+    # (what `b" " * 1` is) once turned every b" " in the process into b"\x00".
+    _needs_nvrtc()
+    kernel_build.nvrtc_compile(90, "cubin")
+    kernel_build.nvrtc_compile(90, "ptx")
+    assert (b" " * 1)[0] == 32 and bytes([32])[0] == 32
+
+
 def test_nvrtc_cache_is_keyed_and_reused(tmp_path, monkeypatch):
     _needs_nvrtc()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
