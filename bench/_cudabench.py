@@ -45,8 +45,9 @@ class Baselines:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         assert int(err) == 0, "baseline kernels failed to compile"
         _, size = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * size
+        cubin = bytearray(size)  # NVRTC writes into it: never an immutable bytes object
         nvrtc.nvrtcGetCUBIN(prog, cubin)
+        cubin = bytes(cubin)
         torch.empty(1, device="cuda")
         err, self.module = driver.cuModuleLoadData(cubin)
         assert int(err) == 0
