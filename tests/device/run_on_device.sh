@@ -32,10 +32,8 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     echo "exit $?" >> "$OUT/replay_cuda.log"
   done
   tail -30 "$OUT/replay_cuda.log"
-  # torch is imported before pytest starts: importing it inside a pytest session failed
-  # on the H200 image (torch 2.11 custom_op schema parse error in torch/utils/_debug_mode).
-  timeout 300 python3 -c "import sys, torch, pytest; sys.exit(pytest.main(sys.argv[1:]))" \
-      -q -ra -p no:cacheprovider tests/test_kernel_build.py tests/device --durations=8 \
+  timeout 300 python3 -m pytest -q -ra -p no:cacheprovider tests/test_kernel_build.py tests/device \
+      --durations=8 \
       2>&1 | tee "$OUT/tests.log" | tail -40
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
