@@ -18,49 +18,18 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .. import sizing
 from ..errors import UserError
 from ..policy import Policy
 
-#: vLLM flags that `sizing.plan` takes into account, and how to read their value
-_SIZING_FLAGS = {
-    "--max-num-seqs": ("max_num_seqs", int),
-    "--max-model-len": ("max_model_len", int),
-    "--gpu-memory-utilization": ("gpu_memory_utilization", float),
-    "--max-num-batched-tokens": ("max_num_batched_tokens", int),
-    "--kv-cache-dtype": ("kv_cache_dtype", str),
-}
 #: flags serve sets itself; given by the user, the user's value wins (noted in the plan)
 _OWNED_FLAGS = ("--cpu-offload-gb", "--cpu-offload-params", "--gpu-memory-utilization",
                 "--max-model-len", "--max-num-seqs")
 
 
-def flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The value of ``--flag V`` or ``--flag=V`` in ``args`` (last one wins), else None."""
-    value = None
-    for i, a in enumerate(args):
-        if a == flag:
-            if i + 1 >= len(args):
-                raise UserError(f"vLLM argument {flag} has no value")
-            value = args[i + 1]
-        elif a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-    return value
-
-
-def sizing_overrides(vllm_args: Sequence[str]) -> dict[str, object]:
-    """The keyword arguments for `sizing.plan` found among the user's vLLM flags."""
-    out: dict[str, object] = {}
-    for flag, (key, kind) in _SIZING_FLAGS.items():
-        raw = flag_value(vllm_args, flag)
-        if raw is None:
-            continue
-        try:
-            out[key] = kind(raw)
-        except ValueError:
-            raise UserError(
-                f"vLLM argument {flag} {raw!r} is not a valid {kind.__name__}"
-            ) from None
-    return out
+# One reader of the user's vLLM flags, shared with `baseline`: it lives with `sizing.plan`.
+flag_value = sizing.vllm_flag_value
+sizing_overrides = sizing.plan_kwargs_from_vllm_args
 
 
 def vllm_command() -> list[str]:
@@ -102,7 +71,6 @@ def make_plan(
     environ: Mapping[str, str] | None = None,
 ) -> ServePlan:
     """Size the cache for ``model`` on ``vram_gb`` GiB and compose the `vllm serve` call."""
-    from .. import sizing
 
     environ = os.environ if environ is None else environ
     try:
@@ -151,7 +119,7 @@ def make_plan(
     for flag_i in range(0, len(size.vllm_args()), 2):
         flag, value = size.vllm_args()[flag_i : flag_i + 2]
         if flag in _OWNED_FLAGS and flag_value(args, flag) is not None:
-            if flag not in _SIZING_FLAGS:
+            if flag not in sizing.VLLM_PLAN_FLAGS:
                 notes.append(f"{flag} {flag_value(args, flag)} given by you replaces the "
                              f"planned {value}")
             continue
