@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from pathlib import Path
+
+from .server import read_end
 
 STATS_LINE_RE = re.compile(
     r"expertcache: (?P<when>live|final) hit rate (?P<window>nan|[-\d.]+)% since last report, "
@@ -51,13 +52,8 @@ def parse_stats_line(line: str) -> dict[str, float | int | str | None] | None:
 
 def latest_counters(log_path: str | os.PathLike[str]) -> dict | None:
     """The last stats line's counters in a server log, or None if it printed none."""
-    p = Path(log_path)
     try:
-        with open(p, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - _TAIL_BYTES))
-            text = fh.read().decode("utf-8", errors="replace")
+        text = read_end(log_path, _TAIL_BYTES)
     except OSError:
         return None
     for line in reversed(text.splitlines()):

@@ -102,14 +102,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def read_end(path: str | os.PathLike[str], max_bytes: int) -> str:
+    """The last ``max_bytes`` of a (possibly huge, still growing) log as text."""
+    with open(path, "rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        fh.seek(max(0, fh.tell() - max_bytes))
+        return fh.read().decode("utf-8", errors="replace")
+
+
 def tail(path: str | os.PathLike[str], lines: int = 40, max_bytes: int = 64 * 1024) -> str:
     """The last lines of a log, for a failure record a human will read."""
     try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - max_bytes))
-            text = fh.read().decode("utf-8", errors="replace")
+        text = read_end(path, max_bytes)
     except OSError as exc:
         return f"(no log: {exc})"
     return "\n".join(text.splitlines()[-lines:])
