@@ -224,7 +224,8 @@ def test_two_arms_two_restarts_interrupt_and_resume(vllm_python, tiny_model, tmp
     assert by["resident"]["ratio_resident"] == pytest.approx(1.0)
     assert by["offload"]["ratio_offload"] == pytest.approx(1.0)
     assert summary["superseded_runs"] == (1 if partial else 0)
-    assert any("only 2 restart(s)" in w for w in summary["warnings"])
+    fewest = min(by["resident"]["restarts"], by["offload"]["restarts"])  # 2, or 1 if one dropped
+    assert any(f"only {fewest} restart(s)" in w for w in summary["warnings"])
 
     report = subprocess.run(
         [sys.executable, "-m", "expertcache_cli", "baseline", "report", str(out)],
