@@ -90,14 +90,11 @@ def replay(
     totals = _derive(totals, tokens, eb, link_gbps)
     per_layer = _derive(per_layer, tokens, eb, link_gbps)
     base = totals.set_index(["policy", "slots"])["misses"]
-    totals["vs_lru"] = [
-        m / base[("lru", s)] if base[("lru", s)] else 1.0
-        for m, s in zip(totals["misses"], totals["slots"])
-    ]
-    totals["vs_opt"] = [
-        m / base[("opt", s)] if base[("opt", s)] else 1.0
-        for m, s in zip(totals["misses"], totals["slots"])
-    ]
+    for ref in ("lru", "opt"):  # misses against LRU and against Belady at the same slots
+        totals[f"vs_{ref}"] = [
+            m / base[(ref, s)] if base[(ref, s)] else 1.0
+            for m, s in zip(totals["misses"], totals["slots"])
+        ]
     names = [p.name.lower() for p in wanted]
     totals = totals[totals["policy"].isin(names)].reset_index(drop=True)
     per_layer = per_layer[per_layer["policy"].isin(names)].reset_index(drop=True)
