@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# `expertcache baseline` on the GPU box: resident vs offload vs the cache at two budgets,
+# 3 restarts, on an 8-layer Qwen3-30B-A3B-shaped random-weight checkpoint.
+#
+# One device command lasts at most 10 minutes and 12 server starts take longer, so this
+# script is re-entrant: run it again (same machine, still warm) and it goes on with
+# `--resume` from the results file in /tmp/bl. Each call: write the checkpoint if absent,
+# install the vLLM bundle if absent (parts p0..p3 copied to /tmp/parts by earlier calls or
+# carried with this one, see ../shared/device), run baseline until BL_SECONDS, stop it
+# with SIGINT (it stops its server and keeps every finished run), copy results to $OUT.
+set -uo pipefail
+OUT="${OUT:-out}"
+mkdir -p "$OUT" /tmp/bl
+T0=$SECONDS
+export PYTHONPATH="/tmp/site:$PWD" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
+export XDG_CACHE_HOME=/tmp/ec-cache
+
+if [ ! -f /tmp/model/model.safetensors.index.json ]; then
+  python3 bench/write_checkpoint.py /tmp/model --layers "${LAYERS:-8}" 2>&1 | tail -3 \
+    | tee "$OUT/checkpoint.txt"
+fi
+[ -n "${CKPT_ONLY:-}" ] && exit 0
+
+if [ ! -f /tmp/site/vllm/__init__.py ]; then
+  mkdir -p /tmp/parts
+  for p in .devbundle/p*; do cp "$p"/* /tmp/parts/ 2>/dev/null; done
+  if ! (cd /tmp/parts && SKIP_SMOKE=1 bash install.sh) > "$OUT/install.log" 2>&1; then
+    tail -30 "$OUT/install.log"; exit 1
+  fi
+  python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 \
+    || { echo "pip install -e . failed: vLLM would not find the plugin"; exit 1; }
+fi
+echo "setup: $((SECONDS - T0)) s"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.txt"
+python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" \
+  2>&1 | tail -1 | tee -a "$OUT/env.txt"
+
+RESUME=()
+[ -s /tmp/bl/h200.jsonl ] && RESUME=(--resume)
+LEFT=$(( ${BL_SECONDS:-550} - (SECONDS - T0) ))
+timeout -s INT -k 60 "$LEFT" python3 -m expertcache_cli baseline run /tmp/model \
+  --arms resident,offload,cache:32,cache:64 --restarts 3 --runs 5 --max-tokens 200 \
+  --cpu-offload-gb 10 --stats 2000 --start-timeout 400 --stop-grace 20 \
+  --out /tmp/bl/h200.jsonl "${RESUME[@]}" \
+  -- --attention-backend TRITON_ATTN --max-num-seqs 4 --max-model-len 1024 --seed 0 \
+  2>&1 | tail -60
+echo "rc=${PIPESTATUS[0]} after $((SECONDS - T0)) s"
+cp /tmp/bl/h200.jsonl "$OUT/"
+tar czf "$OUT/logs.tgz" -C /tmp/bl h200-logs 2>/dev/null || true
