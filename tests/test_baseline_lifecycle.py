@@ -193,6 +193,7 @@ def test_full_flow_and_process_groups(tmp_path, stub):
     assert cache_srv["env"] == {"EXPERT_CACHE_SLOTS": "4", "EXPERT_CACHE_STATS": "5"}
     assert "--cpu-offload-params" in cache_srv["argv"]
     assert "--cpu-offload-params" not in servers[0]["argv"]
+    assert all("--shutdown-timeout" in s["argv"] for s in servers)  # final counters kept
     # six servers, each with a child that ignored SIGINT/SIGTERM: all gone
     pids = _pids(pidfile)
     assert len(pids) == 12

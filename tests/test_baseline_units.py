@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from expertcache_cli.baseline import store
-from expertcache_cli.baseline.arms import parse_arm, parse_arms, round_order
+from expertcache_cli.baseline.arms import parse_arm, parse_arms, round_order, shutdown_args
 from expertcache_cli.baseline.client import StreamResult, summarise_streams
 from expertcache_cli.baseline.counters import latest_counters, parse_stats_line
 from expertcache_cli.baseline.runner import BaselineConfig, plan_blocks
@@ -49,6 +49,13 @@ def test_parse_arms_rejects(bad):
 def test_offload_arm_needs_a_size():
     with pytest.raises(UserError, match="--cpu-offload-gb"):
         parse_arm("offload").server_args(None)
+
+
+def test_servers_drain_on_stop_unless_the_user_chose_a_shutdown_timeout():
+    # vLLM's default shutdown SIGKILLs the engine at once, racing the final counters line
+    assert shutdown_args(["--max-num-seqs", "4"]) == ["--shutdown-timeout", "10"]
+    assert shutdown_args(["--shutdown-timeout", "0"]) == []
+    assert shutdown_args(["--shutdown-timeout=3"]) == []
 
 
 def test_round_order_rotates_every_arm_through_every_position():
@@ -460,6 +467,17 @@ def test_held_back_runs_are_left_out():
     for r in recs:
         r["ttft_s"] = 2.0
     assert summarise(recs, {"runs": 3}).bursty_runs == {}
+
+
+def test_a_slow_first_token_then_a_usual_decode_is_kept():
+    # H200, fresh machine: the first measured request waited 0.72 s for a Triton compile,
+    # then decoded at its server's usual rate; it measured the decode and must count
+    recs = _runs("resident", [[585.2, 601.0, 583.1], [539.0, 544.8, 540.5]])
+    for r, ttft in zip(recs, [0.724, 0.022, 0.022, 0.037, 0.023, 0.024]):
+        r["ttft_s"], r["decode_s"] = ttft, 199 / r["tok_s"]
+    s = summarise(recs, {"arms": ["resident"], "runs": 3})
+    assert s.bursty_runs == {}
+    assert s.arm("resident").runs == 6
 
 
 def test_recovered_share_needs_a_penalty_to_recover():

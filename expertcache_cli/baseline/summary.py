@@ -151,6 +151,8 @@ def measured_runs(records: list[dict[str, Any]], drop_bursty: bool = True):
 HELD_WINDOW_SHARE = 0.5
 #: ... and that wait was this many times its server's quickest first token.
 HELD_TTFT_FACTOR = 3.0
+#: ... and its decode rate beat its server's median run by this factor (the rush).
+HELD_RATE_FACTOR = 1.5
 
 
 def _held_back(df, records: list[dict[str, Any]]):
@@ -159,8 +161,11 @@ def _held_back(df, records: list[dict[str, Any]]):
     A starved API process (or client) delays the first token and then hands over the
     backlog at once: TTFT jumps and the first-to-last window shrinks, so the decode rate
     soars. Flag a run when its decode window is under half its request time and its TTFT
-    is several times the quickest of the same server (warm-up included). A long prompt
-    slows every TTFT of a server alike and is not flagged.
+    is several times the quickest of the same server (warm-up included), and its rate beats
+    the server's median run by half again. A long prompt slows every TTFT of a server alike
+    and is not flagged; nor is a one-off slow first token followed by a steady decode at
+    the server's usual rate (on the H200, vLLM compiling a Triton kernel for the first
+    prefix-cached prefill of a fresh machine: TTFT 0.72 s, then 585 tok/s like its peers).
     """
     quickest: dict[Any, float] = {}
     for r in records:
@@ -169,7 +174,12 @@ def _held_back(df, records: list[dict[str, Any]]):
             quickest[sid] = min(quickest.get(sid, math.inf), float(r["ttft_s"]))
     floor = df["server_id"].map(quickest).astype(float)
     share = df["decode_s"] / (df["ttft_s"] + df["decode_s"])
-    return ((share < HELD_WINDOW_SHARE) & (df["ttft_s"] > HELD_TTFT_FACTOR * floor)).fillna(False)
+    usual = df.groupby("server_id")["tok_s"].transform("median")
+    return (
+        (share < HELD_WINDOW_SHARE)
+        & (df["ttft_s"] > HELD_TTFT_FACTOR * floor)
+        & (df["tok_s"] > HELD_RATE_FACTOR * usual)
+    ).fillna(False)
 
 
 def summarise(records: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> Summary:
