@@ -364,3 +364,52 @@ def test_sigterm_while_a_server_starts_stops_its_group(tmp_path, stub):
     assert len(_pids(pidfile)) == 2 and _wait_dead(_pids(pidfile)) == []
     _, recs = store.load(cfg.out)
     assert recs == []  # an interrupt is not a server failure: nothing to resume past
+
+
+LEADER = r"""
+import signal, subprocess, sys, time
+# like vLLM's API server: on SIGINT it stops its engine child with one SIGTERM and waits
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+try:
+    time.sleep(600)
+except KeyboardInterrupt:
+    child.terminate()
+    child.wait(20)
+"""
+
+ENGINE = r"""
+import signal, sys, time
+log = open(sys.argv[1], "a", buffering=1)
+got = []
+def on_signal(signum, frame):
+    got.append(signal.Signals(signum).name)
+    log.write(f"signal {got[-1]}\n")
+signal.signal(signal.SIGINT, on_signal)
+signal.signal(signal.SIGTERM, on_signal)
+log.write("ready\n")
+while not got:
+    time.sleep(0.01)
+# like vLLM's engine: default handlers back, then a slow shutdown that a second signal kills
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+time.sleep(0.5)
+log.write("final counters\n")
+"""
+
+
+def test_stop_lets_the_leader_stop_its_engine_so_its_shutdown_completes(tmp_path):
+    # Signalling the whole group gave vLLM's engine two signals; the second, landing after
+    # it restored the default handlers, killed it before the plugin's final counters line.
+    from expertcache_cli.baseline.server import Server
+
+    log = tmp_path / "engine.log"
+    srv = Server(
+        argv=[sys.executable, "-c", LEADER, ENGINE, str(log)],
+        env=dict(os.environ), log_path=tmp_path / "server.log", host="127.0.0.1", port=0,
+    )
+    srv.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (log.exists() and log.read_text()):
+        time.sleep(0.05)  # until the engine has its handlers installed
+    srv.stop(grace_s=20)
+    assert log.read_text().splitlines() == ["ready", "signal SIGTERM", "final counters"]

@@ -69,9 +69,10 @@ class Arm:
 
 
 #: Seconds vLLM's API server gives its engine process to exit when the baseline stops a
-#: server. vLLM's default (0, "abort") SIGKILLs the engine within milliseconds, which
-#: races the plugin's final counters line (seen on the H200: 2 of 6 cache servers lost
-#: it). The server is idle when it is stopped, so a drain costs nothing measured.
+#: server. vLLM's default (0, "abort") SIGKILLs the engine right after its SIGTERM, before
+#: the engine's shutdown logs the plugin's final counters (seen on the H200: 2 of 6 cache
+#: servers lost the line). The server is idle when stopped, so a drain costs nothing
+#: measured. (`server.Server.stop` does the other half: only the leader gets SIGINT.)
 SHUTDOWN_TIMEOUT_S = 10
 
 

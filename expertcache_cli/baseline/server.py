@@ -4,8 +4,9 @@ group, wait for health, and stop it together with every child it spawned.
 Why a process group of its own: vLLM forks engine-core and worker processes. Stopping
 only the parent can leave a child holding the GPU (and the port) into the next arm's
 measurement; a Ctrl-C at the terminal must not reach the server before we stop it in
-order. ``start_new_session`` gives the server its own session and group, and we signal
-the whole group.
+order. ``start_new_session`` gives the server its own session and group; stopping asks
+the leader first (it stops its own children in order) and then ends whatever of the group
+is left.
 """
 
 from __future__ import annotations
@@ -233,20 +234,27 @@ class Server:
         return self.start_s
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGINT the group (vLLM shuts down cleanly on it), then SIGTERM, then SIGKILL.
+        """SIGINT the leader, then SIGTERM and SIGKILL the whole group.
 
-        Waits until no process of the group is left, so the next arm starts on a quiet
-        machine with its port and memory free.
+        The leader alone gets the polite signal: vLLM's API server then stops its engine
+        process itself with one SIGTERM, which the engine handles (drains, runs its
+        shutdown, where the plugin logs its final counters). Signalling the whole group
+        gives the engine a second signal that can land after vLLM restored the default
+        handlers, killing it mid-shutdown (seen on the H200: 2 of 3 servers lost the final
+        line). Waits until no process of the group is left, so the next arm starts on a
+        quiet machine with its port and memory free.
         """
         if self.proc is None:
             return
         pgid = self.proc.pid  # leader of its own session: pgid == pid
+        if self.proc.poll() is None:
+            try:
+                os.kill(pgid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+            self._wait_quiet(pgid, grace_s, leader_gone_s=min(grace_s, ORPHAN_WAIT_S))
         term_s = max(1.0, min(10.0, grace_s))
-        for sig, wait_s in (
-            (signal.SIGINT, grace_s),
-            (signal.SIGTERM, term_s),
-            (signal.SIGKILL, 10.0),
-        ):
+        for sig, wait_s in ((signal.SIGTERM, term_s), (signal.SIGKILL, 10.0)):
             if not _group_alive(pgid) and self.proc.poll() is not None:
                 break
             try:
@@ -255,16 +263,27 @@ class Server:
                 pass
             except PermissionError:
                 break
-            end = time.monotonic() + wait_s
-            while time.monotonic() < end:
-                self.proc.poll()
-                if not _group_alive(pgid):
-                    break
-                time.sleep(0.1)
+            self._wait_quiet(pgid, wait_s)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+
+    def _wait_quiet(self, pgid: int, wait_s: float, leader_gone_s: float | None = None) -> None:
+        """Until the group is gone or ``wait_s`` passes; once the leader has exited, the
+        rest get only ``leader_gone_s`` more (orphans that outlive it will not go alone)."""
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None and leader_gone_s is not None:
+                end = min(end, time.monotonic() + leader_gone_s)
+                leader_gone_s = None
+            if not _group_alive(pgid):
+                return
+            time.sleep(0.1)
+
+
+#: After the leader exits, how long the rest of its group may take before SIGTERM.
+ORPHAN_WAIT_S = 5.0
 
 
 def _group_alive(pgid: int) -> bool:
