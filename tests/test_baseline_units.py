@@ -478,6 +478,12 @@ def test_a_slow_first_token_then_a_usual_decode_is_kept():
     s = summarise(recs, {"arms": ["resident"], "runs": 3})
     assert s.bursty_runs == {}
     assert s.arm("resident").runs == 6
+    # the client's own burst flag (whole answer in the last 20% of the request) is judged
+    # the same way: at the arm's usual rate it counts, at a rush it is left out
+    recs[3]["bursty"] = True
+    assert summarise(recs, {"runs": 3}).bursty_runs == {}
+    recs[3]["tok_s"] = 5000.0
+    assert summarise(recs, {"runs": 3}).bursty_runs == {"resident": 1}
 
 
 def test_recovered_share_needs_a_penalty_to_recover():

@@ -302,7 +302,7 @@ def _run_block(
             if res.bursty:
                 label += (
                     f" [bursty: all tokens came within {res.decode_s * 1000:.0f} ms after a "
-                    f"{res.ttft_s:.2f} s wait; left out of the summary]"
+                    f"{res.ttft_s:.2f} s wait]"
                 )
             say(
                 f"  {label}: {res.tok_s:.2f} tok/s, TTFT {res.ttft_s * 1000:.0f} ms, "
