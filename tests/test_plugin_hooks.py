@@ -107,6 +107,46 @@ def test_worker_is_wrapped_arms_after_load_and_reports_per_step(fresh):
     assert worker_cls.load_model.__name__ == "load_model"
 
 
+def test_engine_loop_end_logs_the_final_counters_before_vllm_tears_down(fresh):
+    # After its busy loop vLLM restores default signal handlers; a second Ctrl-C signal in
+    # the teardown kills the engine, so the final line is logged as the loop ends.
+    _fake_vllm(fresh, "0.26.0")
+    closed: list[str] = []
+    from expertcache_cli.plugin import session
+
+    fresh.setattr(session, "close_all", lambda: closed.append("close_all"))
+
+    class EngineCoreProc:
+        def run_busy_loop(self, how="return"):
+            if how == "exit":
+                raise SystemExit(0)
+            if how == "crash":
+                raise RuntimeError("engine died")
+            return "done"
+
+    class DPEngineCoreProc(EngineCoreProc):
+        def run_busy_loop(self, how="return"):
+            return "dp " + super().run_busy_loop(how)
+
+    mod = types.ModuleType(plugin.ENGINE_CORE_MODULE)
+    mod.EngineCoreProc, mod.DPEngineCoreProc = EngineCoreProc, DPEngineCoreProc
+    fresh.setitem(sys.modules, plugin.ENGINE_CORE_MODULE, mod)
+    plugin.register()
+    assert EngineCoreProc().run_busy_loop() == "done" and closed == ["close_all"]
+    with pytest.raises(SystemExit):
+        EngineCoreProc().run_busy_loop("exit")
+    assert closed == ["close_all"] * 2
+    with pytest.raises(RuntimeError):  # a failing engine is left to vLLM's own handling
+        EngineCoreProc().run_busy_loop("crash")
+    assert closed == ["close_all"] * 2
+    assert DPEngineCoreProc().run_busy_loop() == "dp done"  # subclass and base both report
+    assert closed == ["close_all"] * 4
+    assert EngineCoreProc.run_busy_loop.__name__ == "run_busy_loop"
+    plugin._patch_engine_loop(mod)  # a second registration does not wrap twice
+    EngineCoreProc().run_busy_loop()
+    assert closed == ["close_all"] * 5
+
+
 def test_when_imported_waits_for_the_import(fresh, tmp_path):
     pkg = tmp_path / "ec_fake_target.py"
     pkg.write_text("VALUE = 41\n")

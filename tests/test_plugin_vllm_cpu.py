@@ -60,7 +60,11 @@ llm = LLM(model=str(d), load_format="dummy", dtype="bfloat16", max_model_len=256
 out = llm.generate(["w5 w6 w7"], SamplingParams(max_tokens=4, temperature=0.0,
                                                 ignore_eos=True), use_tqdm=False)
 ss = session.sessions()
+import vllm.v1.engine.core as core
 print("RESULT " + json.dumps({
+    "loop_wrapped": [getattr(core.__dict__[c].__dict__.get("run_busy_loop"),
+                             "_expertcache_wrapped", False)
+                     for c in ("EngineCoreProc", "DPEngineCoreProc")],
     "entry_point": entry_point,
     "sessions": len(ss),
     "decisions": [[d.layer_name, d.action, d.reason] for s in ss for d in s.decisions],
@@ -97,4 +101,6 @@ def test_plugin_declines_the_cpu_kernel_and_serving_goes_on(tmp_path):
     for _, action, reason in res["decisions"]:
         assert action in ("decline", "skip") and reason
     assert len(res["tokens"]) == 4  # serving went on, on the stock path
+    # the final counters are logged as the engine loop ends: the hook found vLLM's loops
+    assert res["loop_wrapped"] == [True, True]
     assert "expertcache: vLLM " in out and "armed 0 of 2 MoE layers" in out

@@ -7,8 +7,10 @@ value stops ``vllm serve`` with one line naming the variable), checks the vLLM v
 and arranges for `Worker.load_model` to be wrapped when, and only if, the process
 imports vLLM's GPU worker. After the stock ``load_model`` returns (weights loaded,
 processed and offloaded; nothing compiled or captured yet) the worker's model is armed
-(`session.arm_model`). Everything that goes wrong after startup is logged and leaves the
-affected layer, or the whole model, on vLLM's stock path.
+(`session.arm_model`). The final counters line is logged when the engine's busy loop
+ends (`_patch_engine_loop`) or, failing that, at worker shutdown or exit. Everything that
+goes wrong after startup is logged and leaves the affected layer, or the whole model, on
+vLLM's stock path.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ log = logging.getLogger("vllm.expertcache")
 
 #: the module whose `Worker` class is wrapped (same path in vLLM 0.26 .. 0.33)
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+#: Where vLLM's engine-core process runs its loop (the final counters are logged as it ends).
+ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 
 _registered = False
 _config: CacheConfig | None = None
@@ -118,6 +122,41 @@ def register() -> None:
         log.warning("expertcache: %s; the cache is NOT armed, serving on the stock path", why)
         return
     when_imported(WORKER_MODULE, lambda m: _patch_worker(m, cfg, version))
+    when_imported(ENGINE_CORE_MODULE, _patch_engine_loop)
+
+
+def _patch_engine_loop(module: ModuleType) -> None:
+    """Log the final counters as the engine's busy loop ends, not only at worker shutdown.
+
+    Why: after the loop vLLM restores the default SIGINT/SIGTERM handlers and then tears
+    down; a Ctrl-C at a terminal signals the whole process group, so the engine's second
+    signal (its API server's SIGTERM) can land in that teardown and kill it before
+    `Worker.shutdown` logs the final line. Right after the loop vLLM's own handlers are
+    still in place. Only a normal end or SystemExit (the shutdown path) reports; an engine
+    failing with an exception is left to vLLM untouched. Sessions live in the process that
+    runs the model, so where the workers are other processes this logs nothing here.
+    """
+    from .session import close_all
+
+    for cls_name in ("EngineCoreProc", "DPEngineCoreProc"):
+        cls = getattr(module, cls_name, None)
+        orig = cls.__dict__.get("run_busy_loop") if cls is not None else None
+        if orig is None or getattr(orig, "_expertcache_wrapped", False):
+            continue
+
+        def run_busy_loop(self: Any, *args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+            try:
+                out = _orig(self, *args, **kwargs)
+            except SystemExit:
+                close_all()
+                raise
+            close_all()
+            return out
+
+        run_busy_loop.__name__, run_busy_loop.__qualname__ = orig.__name__, orig.__qualname__
+        run_busy_loop.__doc__ = orig.__doc__
+        run_busy_loop._expertcache_wrapped = True  # type: ignore[attr-defined]
+        cls.run_busy_loop = run_busy_loop
 
 
 def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
