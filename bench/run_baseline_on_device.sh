@@ -8,6 +8,9 @@
 # install the vLLM bundle if absent (parts p0..p3 copied to /tmp/parts by earlier calls or
 # carried with this one, see ../shared/device), run baseline until BL_SECONDS, stop it
 # with SIGINT (it stops its server and keeps every finished run), copy results to $OUT.
+# BL_NAME (default h200) names the results file; BL_PLAN replaces the arms/rounds, e.g. the
+# shutdown check in bench/RESULTS.md:
+#   BL_NAME=stopcheck BL_PLAN="--arms cache:32 --restarts 3 --runs 1 --max-tokens 50"
 set -uo pipefail
 OUT="${OUT:-out}"
 mkdir -p "$OUT" /tmp/bl
@@ -35,15 +38,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" \
   2>&1 | tail -1 | tee -a "$OUT/env.txt"
 
+NAME="${BL_NAME:-h200}"
+read -r -a PLAN <<< "${BL_PLAN:---arms resident,offload,cache:32,cache:64 --restarts 3 --runs 5 --max-tokens 200}"
 RESUME=()
-[ -s /tmp/bl/h200.jsonl ] && RESUME=(--resume)
+[ -s "/tmp/bl/$NAME.jsonl" ] && RESUME=(--resume)
 LEFT=$(( ${BL_SECONDS:-550} - (SECONDS - T0) ))
 timeout -s INT -k 60 "$LEFT" python3 -m expertcache_cli baseline run /tmp/model \
-  --arms resident,offload,cache:32,cache:64 --restarts 3 --runs 5 --max-tokens 200 \
-  --cpu-offload-gb 10 --stats 2000 --start-timeout 400 --stop-grace 20 \
-  --out /tmp/bl/h200.jsonl "${RESUME[@]}" \
+  "${PLAN[@]}" --cpu-offload-gb 10 --stats 2000 --start-timeout 400 --stop-grace 20 \
+  --out "/tmp/bl/$NAME.jsonl" "${RESUME[@]}" \
   -- --attention-backend TRITON_ATTN --max-num-seqs 4 --max-model-len 1024 --seed 0 \
   2>&1 | tail -60
 echo "rc=${PIPESTATUS[0]} after $((SECONDS - T0)) s"
-cp /tmp/bl/h200.jsonl "$OUT/"
-tar czf "$OUT/logs.tgz" -C /tmp/bl h200-logs 2>/dev/null || true
+cp "/tmp/bl/$NAME.jsonl" "$OUT/"
+tar czf "$OUT/logs.tgz" -C /tmp/bl "$NAME-logs" 2>/dev/null || true
