@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from expertcache_cli.baseline import store
-from expertcache_cli.baseline.arms import parse_arm, parse_arms, round_order, shutdown_args
+from expertcache_cli.baseline.arms import parse_arm, parse_arms, round_order
 from expertcache_cli.baseline.client import StreamResult, summarise_streams
 from expertcache_cli.baseline.counters import latest_counters, parse_stats_line
 from expertcache_cli.baseline.runner import BaselineConfig, plan_blocks
@@ -51,11 +51,13 @@ def test_offload_arm_needs_a_size():
         parse_arm("offload").server_args(None)
 
 
-def test_servers_drain_on_stop_unless_the_user_chose_a_shutdown_timeout():
+def test_cache_servers_drain_on_stop_unless_the_user_chose_a_shutdown_timeout():
     # vLLM's default shutdown SIGKILLs the engine at once, racing the final counters line
-    assert shutdown_args(["--max-num-seqs", "4"]) == ["--shutdown-timeout", "10"]
-    assert shutdown_args(["--shutdown-timeout", "0"]) == []
-    assert shutdown_args(["--shutdown-timeout=3"]) == []
+    cache, off = parse_arm("cache:8"), parse_arm("offload")
+    assert cache.server_args(4, ["--max-num-seqs", "4"])[-2:] == ["--shutdown-timeout", "10"]
+    assert "--shutdown-timeout" not in cache.server_args(4, ["--shutdown-timeout", "0"])
+    assert "--shutdown-timeout" not in cache.server_args(4, ["--shutdown-timeout=3"])
+    assert "--shutdown-timeout" not in off.server_args(4)  # the stock arms stay stock
 
 
 def test_round_order_rotates_every_arm_through_every_position():

@@ -269,3 +269,30 @@ def test_server_that_never_becomes_healthy_is_stopped(vllm_python, tiny_model, t
     assert fail["status"] == "failed" and fail["phase"] == "health"
     assert "not healthy within 3 s" in fail["reason"]
     _assert_groups_gone([fail["pid"]])
+
+
+PARSE_ARGS = r"""
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+EngineArgs.add_cli_args(parser)
+out = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    ns = parser.parse_args(argv)
+    out[name] = [ns.cpu_offload_gb, sorted(ns.cpu_offload_params or []), ns.shutdown_timeout]
+print("PARSED " + json.dumps(out))
+"""
+
+
+def test_every_flag_an_arm_adds_is_one_this_vllm_parses(vllm_python):
+    # a renamed flag in a new vLLM would fail every server of the arm at start: catch it here
+    arms = parse_arms("resident,offload,cache:8")
+    argvs = {a.name: a.server_args(10, ["--max-num-seqs", "4"]) for a in arms}
+    r = subprocess.run([vllm_python, "-c", PARSE_ARGS, json.dumps(argvs)], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, **SERVER_ENV})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    parsed = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("PARSED "))[7:])
+    assert parsed["resident"] == [0, [], 0]  # vLLM's defaults: the stock server
+    assert parsed["offload"] == [10, ["experts"], 0]
+    assert parsed["cache:8"] == [10, ["experts"], 10]

@@ -57,30 +57,33 @@ class Arm:
             env[ENV_DISABLE] = "1"
         return env
 
-    def server_args(self, cpu_offload_gb: float | None) -> list[str]:
-        """vLLM arguments this arm adds: the expert offload for every arm but resident."""
+    def server_args(
+        self, cpu_offload_gb: float | None, vllm_args: list[str] | tuple[str, ...] = ()
+    ) -> list[str]:
+        """vLLM arguments this arm adds: the expert offload for every arm but resident, and
+        a drain on shutdown for cache arms (unless ``vllm_args``, the user's, set one)."""
         if not self.offloaded:
             return []
         if cpu_offload_gb is None:
             raise UserError(
                 f"arm {self.name!r} offloads experts: pass --cpu-offload-gb GB or --vram GB"
             )
-        return ["--cpu-offload-gb", _fmt_gb(cpu_offload_gb), "--cpu-offload-params", "experts"]
+        args = ["--cpu-offload-gb", _fmt_gb(cpu_offload_gb), "--cpu-offload-params", "experts"]
+        if self.kind == "cache" and not any(
+            a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in vllm_args
+        ):
+            args += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+        return args
 
 
 #: Seconds vLLM's API server gives its engine process to exit when the baseline stops a
-#: server. vLLM's default (0, "abort") SIGKILLs the engine right after its SIGTERM, before
-#: the engine's shutdown logs the plugin's final counters (seen on the H200: 2 of 6 cache
-#: servers lost the line). The server is idle when stopped, so a drain costs nothing
-#: measured. (`server.Server.stop` does the other half: only the leader gets SIGINT.)
+#: cache arm's server. vLLM's default (0, "abort") SIGKILLs the engine right after its
+#: SIGTERM, before the engine's shutdown logs the plugin's final counters (seen on the
+#: H200: 2 of 6 cache servers lost the line). The server is idle when stopped, so a drain
+#: costs nothing measured; only cache arms get it (they alone log counters, and a vLLM too
+#: old for the flag is too old for the plugin), so resident and offload stay stock.
+#: (`server.Server.stop` does the other half: only the leader gets SIGINT.)
 SHUTDOWN_TIMEOUT_S = 10
-
-
-def shutdown_args(vllm_args: list[str]) -> list[str]:
-    """``--shutdown-timeout`` for every server, unless the user set it among VLLM ARGS."""
-    if any(a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in vllm_args):
-        return []
-    return ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
 
 
 def _fmt_gb(value: float) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import UserError
 from . import store as _store
-from .arms import Arm, round_order, shutdown_args
+from .arms import Arm, round_order
 from .client import RequestFailed, measure_run
 from .counters import latest_counters
 from .server import (
@@ -232,7 +232,7 @@ def _run_block(
         host=cfg.host,
         port=port,
         arm=arm.name,
-        arm_args=arm.server_args(cfg.cpu_offload_gb) + shutdown_args(cfg.vllm_args),
+        arm_args=arm.server_args(cfg.cpu_offload_gb, cfg.vllm_args),
         vllm_args=cfg.vllm_args,
     )
     env = server_env(arm.env(cfg.stats_every))
