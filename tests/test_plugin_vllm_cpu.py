@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_moe import MAKE_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,24 +30,6 @@ import json, os, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 d = Path(sys.argv[1])
-d.mkdir(parents=True, exist_ok=True)
-from tokenizers import Tokenizer, models, pre_tokenizers
-vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
-tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-tok.save(str(d / "tokenizer.json"))
-(d / "tokenizer_config.json").write_text(json.dumps({
-    "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-    "unk_token": "<unk>", "model_max_length": 256}))
-(d / "config.json").write_text(json.dumps({
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-    "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "head_dim": 64, "num_experts": 16, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "norm_topk_prob": True, "max_position_embeddings": 256,
-    "vocab_size": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
-    "eos_token_id": 2, "hidden_act": "silu"}))
 os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", EXPERT_CACHE_SLOTS="4",
                   VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
 from expertcache_cli.plugin import launch, session
@@ -57,7 +40,7 @@ if not entry_point:
 from vllm import LLM, SamplingParams
 llm = LLM(model=str(d), load_format="dummy", dtype="bfloat16", max_model_len=256,
           max_num_seqs=2, cpu_offload_gb=1, cpu_offload_params={"experts"})
-out = llm.generate(["w5 w6 w7"], SamplingParams(max_tokens=4, temperature=0.0,
+out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0,
                                                 ignore_eos=True), use_tqdm=False)
 ss = session.sessions()
 import vllm.v1.engine.core as core
@@ -89,7 +72,9 @@ def test_plugin_declines_the_cpu_kernel_and_serving_goes_on(tmp_path):
                     "(`export EXPERTCACHE_VLLM_PYTHON=$(bash .ci/vllm_cpu_env.sh)`)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXPERT_CACHE_")}
     env["PYTHONPATH"] = str(ROOT)
-    r = subprocess.run([py, "-c", SCRIPT, str(tmp_path / "model"), str(ROOT)],
+    model = tmp_path / "model"
+    subprocess.run([py, "-c", MAKE_MODEL, str(model)], check=True, timeout=120, env=env)
+    r = subprocess.run([py, "-c", SCRIPT, str(model), str(ROOT)],
                        capture_output=True, text=True, timeout=600, env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
