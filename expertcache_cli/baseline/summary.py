@@ -194,9 +194,9 @@ def _rushed(df, suspect):
 
 def summarise(records: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> Summary:
     """Per-arm statistics, ratios and the warnings a careful reader would raise."""
-    df, superseded = measured_runs(records)
-    all_df, _ = measured_runs(records, drop_bursty=False)
+    all_df, superseded = measured_runs(records, drop_bursty=False)
     bursty = {str(k): int(v) for k, v in all_df[all_df["bursty"]].groupby("arm").size().items()}
+    df = all_df[~all_df["bursty"]]
     arm_order: list[str] = list((meta or {}).get("arms") or [])
     for name in df["arm"].tolist():
         if name not in arm_order:
