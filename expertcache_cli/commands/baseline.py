@@ -71,7 +71,8 @@ def _vram_offload(model: str, vram: float, vllm_args: list[str], arms: list, con
 def _plugin_warnings(arms: list, server_cmd: str | None) -> list[str]:
     """Reasons the cache arms might silently run without the plugin, checked up front."""
     import os
-    from importlib.metadata import entry_points
+
+    from ..plugin.launch import plugin_installed
 
     if not any(a.kind == "cache" for a in arms):
         return []
@@ -79,9 +80,7 @@ def _plugin_warnings(arms: list, server_cmd: str | None) -> list[str]:
     plugins = os.environ.get("VLLM_PLUGINS")
     if plugins is not None and "expertcache" not in [p.strip() for p in plugins.split(",")]:
         out.append(f"VLLM_PLUGINS={plugins!r} does not name expertcache: cache arms run uncached")
-    if server_cmd is None and not any(
-        ep.name == "expertcache" for ep in entry_points(group="vllm.general_plugins")
-    ):
+    if server_cmd is None and not plugin_installed():
         out.append(
             "the expertcache vLLM plugin is not installed in this python (pip install -e .): "
             "cache arms would run uncached"
