@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -32,17 +31,16 @@ PLACEHOLDERS = ("model", "host", "port", "python", "arm", "arm_args", "vllm_args
 
 
 def default_template() -> str:
-    """``vllm serve`` where the script exists, else the same CLI through this python.
+    """``vllm serve`` started the way `expertcache serve` starts it, as a template.
 
-    Some installs (the project's device bundle, some CPU builds) have no working
-    ``vllm`` script, but ``python -m vllm.entrypoints.cli.main`` is the same program.
+    `plugin.launch.vllm_command` is the one place that decides: the ``vllm`` script where
+    it exists, else the same CLI through this python (the project's device bundle and some
+    CPU builds have no working script). Braces in its paths are escaped for the template.
     """
-    if shutil.which("vllm"):
-        return "vllm serve {model} --host {host} --port {port} {arm_args} {vllm_args}"
-    return (
-        "{python} -m vllm.entrypoints.cli.main serve {model} --host {host} --port {port} "
-        "{arm_args} {vllm_args}"
-    )
+    from ..plugin.launch import vllm_command
+
+    launcher = shlex.join(vllm_command()).replace("{", "{{").replace("}", "}}")
+    return launcher + " serve {model} --host {host} --port {port} {arm_args} {vllm_args}"
 
 
 def build_command(
