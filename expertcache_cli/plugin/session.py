@@ -16,7 +16,7 @@ from typing import Any
 
 from .arming import ARM, DECLINE, Decision, plan_layer, summary_line
 from .config import CacheConfig
-from .runtime import ArmedLayer, ArmError
+from .runtime import ArmedLayer
 
 log = logging.getLogger("vllm.expertcache")
 
@@ -140,7 +140,7 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     armed: list[ArmedLayer] = []
     for decision, module in ((d, m) for d, (_, m) in zip(decisions, layers) if d.action == ARM):
         try:
-            armed.append(_arm_one(module, decision, cfg, len(armed), None))
+            armed.append(_arm_one(module, decision, cfg, len(armed)))
         except Exception as exc:
             decision.action = DECLINE
             decision.reason = f"arming failed: {exc.__class__.__name__}: {exc}"
@@ -201,28 +201,20 @@ def _with_trace(cfg: CacheConfig, path: str) -> CacheConfig:
     return dataclasses.replace(cfg, trace_path=path)
 
 
-def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
-             recorder: Any | None) -> ArmedLayer:
+def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int) -> ArmedLayer:
     from ..slotcache import SlotCache
 
-    dev = module._parameters[decision.specs[0].name].device
-    if getattr(dev, "type", "") == "cuda" and dev.index is None:
-        import torch
-
-        dev = torch.device("cuda", torch.cuda.current_device())
+    # a bare "cuda" device (no index) is resolved to the current one by SlotCache
     cache = SlotCache(
         decision.num_experts,
         decision.num_slots,
         {s.name: (s.shape, s.dtype) for s in decision.specs},
         policy=cfg.policy,
         decay=cfg.decay,
-        device=dev,
+        device=module._parameters[decision.specs[0].name].device,
         name=decision.layer_name,
     )
-    try:
-        armed = ArmedLayer(module, decision, cache, index=index, recorder=recorder)
-    except ArmError:
-        raise
+    armed = ArmedLayer(module, decision, cache, index=index)
     armed.install()
     return armed
 
