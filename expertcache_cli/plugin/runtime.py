@@ -203,14 +203,18 @@ class ArmedLayer:
         shared_experts_input: Any = None,
     ) -> Any:
         """vLLM's `RoutedExperts.forward_modular`, served from slots when the step fits."""
+
+        def stock(ids: Any) -> Any:
+            return self._stock(
+                x=x, topk_weights=topk_weights, topk_ids=ids,
+                shared_experts=shared_experts, shared_experts_input=shared_experts_input,
+            )
+
         if self.recorder is not None:
             self.recorder.record(self.index, topk_ids)
         if self._failed or not self.cache.fits(topk_ids.numel()):
             self.read_through.add_(1)
-            return self._stock(
-                x=x, topk_weights=topk_weights, topk_ids=topk_ids,
-                shared_experts=shared_experts, shared_experts_input=shared_experts_input,
-            )
+            return stock(topk_ids)
         params = self.layer._parameters
         try:
             slot_ids = self.cache.step(topk_ids, {n: params[n] for n in self.names})
@@ -221,10 +225,7 @@ class ArmedLayer:
                 self.decision.layer_name, exc.__class__.__name__, exc,
             )
             self.uninstall()
-            return self._stock(
-                x=x, topk_weights=topk_weights, topk_ids=topk_ids,
-                shared_experts=shared_experts, shared_experts_input=shared_experts_input,
-            )
+            return stock(topk_ids)
         qm = self.layer.quant_method
         experts = self._experts()
         old_qc, old_mqc = experts.quant_config, qm.moe_quant_config
@@ -234,10 +235,7 @@ class ArmedLayer:
             if self.slot_quant_config is not None:
                 experts.quant_config = self.slot_quant_config
                 qm.moe_quant_config = self.slot_quant_config
-            return self._stock(
-                x=x, topk_weights=topk_weights, topk_ids=slot_ids,
-                shared_experts=shared_experts, shared_experts_input=shared_experts_input,
-            )
+            return stock(slot_ids)
         finally:
             _TILE_EXPERTS.value = None
             self._swap_out(saved)
