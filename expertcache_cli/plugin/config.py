@@ -33,7 +33,8 @@ ENV_VARS: dict[str, str] = {
 #: slots as a fraction of the experts when neither SLOTS nor FRACTION is given
 DEFAULT_FRACTION = 0.25
 
-_TRUE = {"1", "true", "yes", "on"}
+#: the values that turn a boolean variable on (any case); launch.make_plan reads them too
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE = {"", "0", "false", "no", "off"}
 
 
@@ -101,7 +102,7 @@ def _int(env: Mapping[str, str], name: str, lo: int) -> int | None:
 
 def _bool(env: Mapping[str, str], name: str) -> bool:
     raw = env.get(name, "").strip().lower()
-    if raw in _TRUE:
+    if raw in TRUE_WORDS:
         return True
     if raw in _FALSE:
         return False

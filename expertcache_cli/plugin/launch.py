@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from .. import sizing
 from ..errors import UserError
 from ..policy import Policy
+from .config import TRUE_WORDS
 
 #: flags serve sets itself; given by the user, the user's value wins (noted in the plan)
 _OWNED_FLAGS = ("--cpu-offload-gb", "--cpu-offload-params", "--gpu-memory-utilization",
@@ -116,19 +117,20 @@ def make_plan(
         env["EXPERT_CACHE_POLICY"] = pol.name.lower()
         if decay:
             env["EXPERT_CACHE_DECAY"] = str(decay)
-    for flag_i in range(0, len(size.vllm_args()), 2):
-        flag, value = size.vllm_args()[flag_i : flag_i + 2]
-        if flag in _OWNED_FLAGS and flag_value(args, flag) is not None:
+    planned = size.vllm_args()
+    for flag, value in zip(planned[::2], planned[1::2]):
+        given = flag_value(args, flag) if flag in _OWNED_FLAGS else None
+        if given is not None:
             if flag not in sizing.VLLM_PLAN_FLAGS:
-                notes.append(f"{flag} {flag_value(args, flag)} given by you replaces the "
-                             f"planned {value}")
+                notes.append(f"{flag} {given} given by you replaces the planned {value}")
             continue
         own += [flag, value]
     if "EXPERT_CACHE_SLOTS" in env and environ.get("EXPERT_CACHE_FRACTION", "").strip():
         env["EXPERT_CACHE_FRACTION"] = ""  # one budget only: the plan's slots win
         notes.append("EXPERT_CACHE_FRACTION from your environment is replaced by the planned slots")
-    if "EXPERT_CACHE_DISABLE" not in env and environ.get("EXPERT_CACHE_DISABLE", "").strip() in (
-        "1", "true", "yes", "on"
+    if (
+        "EXPERT_CACHE_DISABLE" not in env
+        and environ.get("EXPERT_CACHE_DISABLE", "").strip().lower() in TRUE_WORDS
     ):
         notes.append("EXPERT_CACHE_DISABLE=1 in your environment: the cache will not arm "
                      "(the control run)")
