@@ -293,6 +293,18 @@ def _wait_for(path: Path, pred, timeout: float = 60.0) -> list[dict]:
     raise AssertionError(f"timed out waiting on {path}")
 
 
+def _signal_and_wait(proc: subprocess.Popen, sig: int, ready=lambda: None) -> str:
+    """Wait for ``ready()``, send ``sig`` to the CLI, return its stderr; never leak it."""
+    try:
+        ready()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return err
+
+
 def test_interrupt_mid_run_then_resume(tmp_path, stub):
     stub_path, pidfile = stub
     cfg = _cfg(tmp_path, stub_path, pidfile, {}, max_tokens=100)
@@ -300,16 +312,10 @@ def test_interrupt_mid_run_then_resume(tmp_path, stub):
     proc = subprocess.Popen(
         _cli_args(cfg), env=slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    try:
-        # interrupt while the second block ("offload", restart 0) is in its second run
-        recs = _wait_for(
-            cfg.out, lambda rs: any(r["kind"] == "run" and r["arm"] == "offload" for r in rs)
-        )
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # interrupt while the second block ("offload", restart 0) is in its second run
+    err = _signal_and_wait(proc, signal.SIGINT, lambda: _wait_for(
+        cfg.out, lambda rs: any(r["kind"] == "run" and r["arm"] == "offload" for r in rs)
+    ))
     assert proc.returncode == 130, err
     assert "interrupted: the server was stopped" in err and "Traceback" not in err
     assert _wait_dead(_pids(pidfile)) == []  # the interrupted server's group is gone
@@ -351,15 +357,13 @@ def test_sigterm_while_a_server_starts_stops_its_group(tmp_path, stub):
     proc = subprocess.Popen(
         _cli_args(cfg), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    try:
+
+    def server_up() -> None:
         end = time.monotonic() + 30
         while len(_pids(pidfile)) < 2 and time.monotonic() < end:
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+
+    err = _signal_and_wait(proc, signal.SIGTERM, server_up)
     assert proc.returncode == 130, err
     assert "--resume" in err
     assert len(_pids(pidfile)) == 2 and _wait_dead(_pids(pidfile)) == []
