@@ -15,8 +15,7 @@ set -uo pipefail
 OUT="${OUT:-out}"
 mkdir -p "$OUT" /tmp/bl
 T0=$SECONDS
-export PYTHONPATH="/tmp/site:$PWD" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
-export XDG_CACHE_HOME=/tmp/ec-cache
+source bench/_device_vllm.sh
 
 if [ ! -f /tmp/model/model.safetensors.index.json ]; then
   python3 bench/write_checkpoint.py /tmp/model --layers "${LAYERS:-8}" 2>&1 | tail -3 \
@@ -24,19 +23,11 @@ if [ ! -f /tmp/model/model.safetensors.index.json ]; then
 fi
 [ -n "${CKPT_ONLY:-}" ] && exit 0
 
-if [ ! -f /tmp/site/vllm/__init__.py ]; then
-  mkdir -p /tmp/parts
-  for p in .devbundle/p*; do cp "$p"/* /tmp/parts/ 2>/dev/null; done
-  if ! (cd /tmp/parts && SKIP_SMOKE=1 bash install.sh) > "$OUT/install.log" 2>&1; then
-    tail -30 "$OUT/install.log"; exit 1
-  fi
-  python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 \
-    || { echo "pip install -e . failed: vLLM would not find the plugin"; exit 1; }
-fi
-echo "setup: $((SECONDS - T0)) s"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.txt"
-python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" \
-  2>&1 | tail -1 | tee -a "$OUT/env.txt"
+device_vllm_setup
+case $? in
+  1) exit 1 ;;
+  2) echo "pip install -e . failed: vLLM would not find the plugin"; exit 1 ;;
+esac
 
 NAME="${BL_NAME:-h200}"
 read -r -a PLAN <<< "${BL_PLAN:---arms resident,offload,cache:32,cache:64 --restarts 3 --runs 5 --max-tokens 200}"

@@ -7,22 +7,12 @@ set -uo pipefail
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
 T0=$SECONDS
-if [ ! -f /tmp/site/vllm/__init__.py ]; then
-  mkdir -p /tmp/parts
-  for p in .devbundle/p*; do cp "$p"/* /tmp/parts/ 2>/dev/null; done
-  ls -la /tmp/parts > "$OUT/parts.txt"
-  if ! (cd /tmp/parts && SKIP_SMOKE=1 bash install.sh) > "$OUT/install.log" 2>&1; then
-    tail -30 "$OUT/install.log"; exit 1
-  fi
-fi
-echo "install: $((SECONDS - T0)) s"
-export PYTHONPATH="/tmp/site:$PWD" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
-export XDG_CACHE_HOME=/tmp/ec-cache
-python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 \
-  || echo "pip install -e . failed (the bench registers the plugin by hand)"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.txt"
-python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" \
-  2>&1 | tail -1 | tee -a "$OUT/env.txt"
+source bench/_device_vllm.sh
+device_vllm_setup
+case $? in
+  1) exit 1 ;;
+  2) echo "pip install -e . failed (the bench registers the plugin by hand)" ;;
+esac
 LEFT=$(( ${E2E_SECONDS:-560} - (SECONDS - T0) ))
 timeout "$LEFT" python3 bench/e2e_vllm.py --out "$OUT" --budget-s $((LEFT - 40)) \
   --arm-timeout-s "${ARM_TIMEOUT:-240}" "$@" 2>&1 | tail -80

@@ -1,0 +1,31 @@
+# Sourced by the bench runners on the GPU box (bench/run_*_on_device.sh): the environment
+# vLLM runs in there, and `device_vllm_setup`, which installs the slim vLLM bundle
+# (../shared/device; its parts copied to /tmp/parts by earlier commands or carried in
+# .devbundle/) when absent, then this package so that vLLM finds the plugin's entry point,
+# and records the machine in $OUT/env.txt. Returns 1 when the bundle will not install, 2
+# when only this package did not (the caller decides whether it can go on without it).
+export PYTHONPATH="/tmp/site:$PWD" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
+export XDG_CACHE_HOME=/tmp/ec-cache
+
+device_vllm_setup() {
+  local t0=$SECONDS rc=0
+  if [ ! -f /tmp/site/vllm/__init__.py ]; then
+    mkdir -p /tmp/parts
+    for p in .devbundle/p*; do cp "$p"/* /tmp/parts/ 2>/dev/null; done
+    ls -la /tmp/parts > "$OUT/parts.txt"
+    if ! (cd /tmp/parts && SKIP_SMOKE=1 bash install.sh) > "$OUT/install.log" 2>&1; then
+      tail -30 "$OUT/install.log"
+      return 1
+    fi
+  fi
+  if ! python3 -c "from expertcache_cli.plugin.launch import plugin_installed as p; \
+exit(not p())" 2>/dev/null; then
+    python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || rc=2
+  fi
+  echo "setup: $((SECONDS - t0)) s"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+    | tee "$OUT/env.txt"
+  python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" \
+    2>&1 | tail -1 | tee -a "$OUT/env.txt"
+  return $rc
+}
