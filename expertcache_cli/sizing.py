@@ -583,6 +583,15 @@ def plan_kwargs_from_vllm_args(args: Sequence[str]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the plan
 
 
+def slots_from_fraction(fraction: float, num_experts: int) -> int:
+    """Slots for ``fraction`` of ``num_experts``, rounded half up, at least 1.
+
+    The one rule for a fractional budget: `size --fraction`, `serve --fraction` and the
+    plugin's ``EXPERT_CACHE_FRACTION`` all count slots with it, so they agree.
+    """
+    return max(1, int(math.floor(fraction * num_experts + 0.5)))
+
+
 def vllm_defaults(vram_gib: float) -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) that `vllm serve` picks on a card this big."""
     return (1024, 8192) if vram_gib >= _BIG_CARD_GIB else (256, 2048)
@@ -723,7 +732,7 @@ def plan(
 
     forced = slots is not None or fraction is not None
     if fraction is not None:
-        slots = max(1, int(round(fraction * model.num_experts)))
+        slots = slots_from_fraction(fraction, model.num_experts)
     planned = int(slots) if forced else max_slots
     notes = list(model.notes)
     E, k = model.num_experts, model.top_k

@@ -279,6 +279,14 @@ def test_forced_slots_and_fraction():
     assert over.verdict == "does_not_fit" and "at most" in over.verdict_text
 
 
+def test_a_fraction_counts_the_same_slots_in_size_and_in_the_plugin():
+    from expertcache_cli.plugin.config import CacheConfig
+
+    f = 20.5 / 128  # exactly half a slot: rounded up by both (round() would give 20)
+    assert sizing.plan(None, 24, max_model_len=4096, fraction=f).slots == 21
+    assert CacheConfig(fraction=f).slots_for(128) == 21
+
+
 def test_small_cards_offload_without_cache_or_do_not_fit():
     # 4 GiB x 0.9 = 3.6 GiB - 2.03 - 0.375 - 0.99 = 0.2 GiB: less than one slot
     p = sizing.plan(None, 4, max_model_len=4096)

@@ -69,8 +69,10 @@ class CacheConfig:
         if self.slots is not None:
             s = self.slots
         else:
+            from ..sizing import slots_from_fraction  # here: not on every process's import
+
             frac = DEFAULT_FRACTION if self.fraction is None else self.fraction
-            s = max(1, int(math.floor(frac * num_experts + 0.5)))
+            s = slots_from_fraction(frac, num_experts)
         if s >= num_experts:
             raise ValueError(
                 f"slot budget {s} is not below the layer's {num_experts} experts "
