@@ -84,8 +84,7 @@ def make_plan(
         raise UserError(f"--decay must be >= 0, got {decay}")
     if decay and pol is not Policy.LFU:
         raise UserError("--decay applies to --policy lfu only")
-    if slots is not None and fraction is not None:
-        raise UserError("give --slots or --fraction, not both")
+    # (--slots with --fraction is refused by sizing.plan, with the same words)
     if fraction is not None and not 0 < fraction < 1:
         raise UserError(f"--fraction must be between 0 and 1 (exclusive), got {fraction}")
     args = list(vllm_args)
