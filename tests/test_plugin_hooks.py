@@ -47,6 +47,10 @@ def _fake_worker_module(monkeypatch) -> type:
         def shutdown(self):
             calls.append("shutdown")
 
+        def determine_available_memory(self):
+            calls.append("memory")
+            return 7 * 2**30
+
     mod = types.ModuleType(plugin.WORKER_MODULE)
     mod.Worker = Worker
     monkeypatch.setitem(sys.modules, plugin.WORKER_MODULE, mod)
@@ -105,6 +109,29 @@ def test_worker_is_wrapped_arms_after_load_and_reports_per_step(fresh):
     assert events[1:] == ["after_step", "close"]
     assert w.calls == ["load", "exec:s1", "shutdown"]
     assert worker_cls.load_model.__name__ == "load_model"
+
+
+def test_the_kv_size_vllm_chose_is_logged_beside_the_slot_bytes(fresh, caplog):
+    _fake_vllm(fresh, "0.26.0")
+    worker_cls = _fake_worker_module(fresh)
+
+    class Session:
+        armed = ["a layer"]
+        slot_bytes = 5 * 2**30
+        weights_bytes = 6 * 2**30
+
+    fresh.setattr(plugin, "_arm_worker", lambda worker, cfg, version: Session())
+    plugin.register()
+    w = worker_cls()
+    w.cache_config = types.SimpleNamespace(kv_cache_memory_bytes=None)
+    with caplog.at_level("INFO", logger="vllm.expertcache"):
+        assert w.determine_available_memory() == 7 * 2**30  # before arming: nothing logged
+        assert "memory plan" not in caplog.text
+        w.load_model()
+        assert w.determine_available_memory() == 7 * 2**30
+    assert w.calls == ["memory", "load", "memory"]
+    assert ("memory plan: 5.00 GiB of slots counted as weights (6.00 GiB in all); "
+            "vLLM chose 7.00 GiB of KV cache") in caplog.text
 
 
 def test_engine_loop_end_logs_the_final_counters_before_vllm_tears_down(fresh):

@@ -289,3 +289,107 @@ def test_arm_model_arms_declines_and_records_a_trace(tmp_path, monkeypatch, capl
     live = json.loads((tmp_path / "t.live.json").read_text())
     assert live["installs"] == sum(int(a.cache.stats[1]) for a in sess.armed) > 0
     assert "final hit rate" in caplog.text and "routing trace written" in caplog.text
+
+
+def _fake_vllm_layout(monkeypatch):
+    """Just enough of vLLM's module tree for `_arm_worker`'s layout check."""
+    import sys
+    import types
+
+    class RoutedExperts:
+        def forward_modular(self, x, topk_weights, topk_ids, shared_experts,
+                            shared_experts_input):  # pragma: no cover - signature only
+            pass
+
+        def forward_monolithic(self):  # pragma: no cover
+            pass
+
+        def weight_loader(self):  # pragma: no cover
+            pass
+
+    names = ["vllm", "vllm.model_executor", "vllm.model_executor.layers",
+             "vllm.model_executor.layers.fused_moe",
+             "vllm.model_executor.layers.fused_moe.routed_experts"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[names[-1]].RoutedExperts = RoutedExperts
+
+
+def _worker(model, weights=1000, runner_attr=True, kv_cache_memory_bytes=None):
+    runner = SimpleNamespace(get_model=lambda: model)
+    if runner_attr:
+        runner.model_memory_usage = weights
+    vc = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=2),
+                         model_config=SimpleNamespace(model="tiny"))
+    return SimpleNamespace(model_runner=runner, vllm_config=vc,
+                           cache_config=SimpleNamespace(
+                               kv_cache_memory_bytes=kv_cache_memory_bytes))
+
+
+class _ThreeLayers(torch.nn.Module):
+    """Three MoE layers; the middle one's quant method leaks full storage (declined)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList()
+        for i, leak in enumerate([False, True, False]):
+            block = torch.nn.Module()
+            block.experts = Experts(leak=leak, seed=i)
+            block.experts.layer_name = f"model.layers.{i}.mlp.experts"
+            self.layers.append(block)
+
+
+def test_slot_bytes_join_the_weights_vllm_plans_its_kv_cache_around(monkeypatch, caplog):
+    """Issue 10: vLLM's KV sizing reads model_runner.model_memory_usage as the weights; the
+    slots must be in it (else the KV cache takes their memory), exactly their bytes, and a
+    declined layer adds nothing."""
+    import expertcache_cli.plugin as plugin
+    import expertcache_cli.slotcache as slotcache_mod
+    from expertcache_cli.plugin import session as session_mod
+
+    monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
+    monkeypatch.setattr(session_mod, "_SESSIONS", [])
+    _fake_vllm_layout(monkeypatch)
+    worker = _worker(_ThreeLayers(), weights=1000)
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    sess = plugin._arm_worker(worker, CacheConfig(slots=6), "0.26.0")
+    assert [a.decision.layer_name for a in sess.armed] == ["model.layers.0.mlp.experts",
+                                                           "model.layers.2.mlp.experts"]
+    # per expert: w13 8x8 + w2 8x4 + biases 8 + 8, float32 = 448 B; 6 slots; 2 armed layers
+    per_expert = (2 * INTER * H + H * INTER + 2 * INTER + H) * 4
+    assert sess.slot_bytes == 2 * 6 * per_expert == 5376
+    real = sum(buf.numel() * buf.element_size() for a in sess.armed
+               for buf in a.cache.slots.values())
+    assert sess.slot_bytes == real
+    assert worker.model_runner.model_memory_usage == 1000 + 5376 == sess.weights_bytes
+
+    plugin._log_memory_plan(worker, sess, 3 * 2**30)
+    assert "GiB of slots counted as weights" in caplog.text
+    assert "vLLM chose 3.00 GiB of KV cache" in caplog.text
+    worker.cache_config.kv_cache_memory_bytes = 2**30
+    plugin._log_memory_plan(worker, sess, 2**30)
+    assert "--kv-cache-memory fixes the KV cache at 1.00 GiB" in caplog.text
+
+
+def test_a_runner_that_cannot_count_slots_is_not_armed(monkeypatch, caplog):
+    """No model_memory_usage: the slots could not enter vLLM's plan, so nothing is
+    allocated and the model serves on the stock path, with the reason logged."""
+    import expertcache_cli.plugin as plugin
+    import expertcache_cli.slotcache as slotcache_mod
+
+    made: list[int] = []
+
+    class Counting(RefSlotCache):
+        def __init__(self, *a, **k):
+            made.append(1)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(slotcache_mod, "SlotCache", Counting)
+    _fake_vllm_layout(monkeypatch)
+    model = _ThreeLayers()
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    assert plugin._arm_worker(_worker(model, runner_attr=False), CacheConfig(slots=6),
+                              "0.26.0") is None
+    assert made == [] and "model_memory_usage is not a byte count" in caplog.text
+    assert "NOT armed" in caplog.text
+    assert "forward_modular" not in vars(model.layers[0].experts)

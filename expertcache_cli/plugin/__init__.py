@@ -7,7 +7,9 @@ value stops ``vllm serve`` with one line naming the variable), checks the vLLM v
 and arranges for `Worker.load_model` to be wrapped when, and only if, the process
 imports vLLM's GPU worker. After the stock ``load_model`` returns (weights loaded,
 processed and offloaded; nothing compiled or captured yet) the worker's model is armed
-(`session.arm_model`). The final counters line is logged when the engine's busy loop
+(`session.arm_model`) and the slot bytes join the weights vLLM plans its KV cache
+around (`memory`); once vLLM has sized the KV cache, one line says what it chose. The
+final counters line is logged when the engine's busy loop
 ends (`_patch_engine_loop`) or, failing that, at worker shutdown or exit. Everything that
 goes wrong after startup is logged and leaves the affected layer, or the whole model, on
 vLLM's stock path.
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from . import memory
 from .compat import layout_refusal, version_refusal
 from .config import CacheConfig, ConfigError, from_env
 
@@ -160,7 +163,8 @@ def _patch_engine_loop(module: ModuleType) -> None:
 
 
 def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
-    """Wrap `Worker.load_model` (arm), `execute_model` (stats) and `shutdown` (flush)."""
+    """Wrap `Worker.load_model` (arm), `execute_model` (stats), `shutdown` (flush) and,
+    where present, `determine_available_memory` (the memory-plan line)."""
     worker_cls = getattr(module, "Worker", None)
     if worker_cls is None or getattr(worker_cls, "_expertcache_patched", False):
         return
@@ -190,12 +194,21 @@ def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
             session.close()
         return orig_shutdown(self, *args, **kwargs)
 
-    pairs = ((load_model, orig_load), (execute_model, orig_exec), (shutdown, orig_shutdown))
+    pairs = [(load_model, orig_load), (execute_model, orig_exec), (shutdown, orig_shutdown)]
+    orig_memory = getattr(worker_cls, "determine_available_memory", None)
+    if callable(orig_memory):
+
+        def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = orig_memory(self, *args, **kwargs)
+            session = getattr(self, "_expertcache_session", None)
+            if session is not None:
+                _log_memory_plan(self, session, out)
+            return out
+
+        pairs.append((determine_available_memory, orig_memory))
     for fn, orig in pairs:
         fn.__name__, fn.__qualname__, fn.__doc__ = orig.__name__, orig.__qualname__, orig.__doc__
-    worker_cls.load_model = load_model
-    worker_cls.execute_model = execute_model
-    worker_cls.shutdown = shutdown
+        setattr(worker_cls, orig.__name__, fn)
     worker_cls._expertcache_patched = True
 
 
@@ -213,6 +226,7 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
         why = layout_refusal(RoutedExperts, FusedMoEKernel)
     except ImportError as exc:
         why = f"vLLM {version} has no RoutedExperts ({exc})"
+    why = why or memory.accounting_refusal(worker)
     if why:
         log.warning("expertcache: %s; the cache is NOT armed, serving on the stock path", why)
         return None
@@ -227,5 +241,17 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
     except Exception as exc:
         log.exception("expertcache: arming failed (%s); serving on the stock path", exc)
         return None
+    session.weights_bytes = memory.count_as_weights(worker, session.slot_bytes)
     register_session(session)
     return session
+
+
+def _log_memory_plan(worker: Any, session: Any, kv_bytes: Any) -> None:
+    """Once vLLM sized its KV cache: the slot GiB it planned around and the KV it chose."""
+    if not session.armed:
+        return
+    explicit = memory.explicit_kv_bytes(worker)
+    kv = kv_bytes if isinstance(kv_bytes, int) and not isinstance(kv_bytes, bool) else None
+    if kv is None:
+        kv = getattr(worker, "available_kv_cache_memory_bytes", None)
+    log.info("%s", memory.kv_line(session.slot_bytes, session.weights_bytes, kv, bool(explicit)))

@@ -50,9 +50,16 @@ class Session:
         self.armed = armed
         self.recorder = recorder
         self.layer_steps = 0
+        #: the weight bytes vLLM plans around once the slots were added (`memory`)
+        self.weights_bytes = 0
         self._next_report = cfg.stats_every
         self._last = (0, 0)
         self._closed = False
+
+    @property
+    def slot_bytes(self) -> int:
+        """VRAM the slot buffers of the armed layers take (declined layers take none)."""
+        return sum(a.decision.slot_bytes for a in self.armed)
 
     # -- counters ------------------------------------------------------------------
     def totals(self) -> dict[str, Any]:

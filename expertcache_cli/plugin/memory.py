@@ -1,0 +1,72 @@
+"""Slot memory in vLLM's memory plan: the slots are weights, so the KV cache shrinks.
+
+Why this exists: vLLM sizes its KV cache as ``requested - non-KV`` where the non-KV part
+is the weights it measured while loading (``model_runner.model_memory_usage``) plus what
+its profile run adds on top of a snapshot taken *after* loading. The plugin allocates
+the slot buffers right after ``Worker.load_model`` returns, between those two
+measurements, so neither sees them: at ``--gpu-memory-utilization 0.3`` on the H200 the
+KV cache took the same 41 GiB with 8.4 GiB of slots as without, the server overshot its
+budget by the slot bytes, and on an emulated 24 GiB card it ran out of memory at start.
+
+The fix is one addition: the slot bytes join ``model_memory_usage`` (the same attribute
+in the V1 and V2 model runners of vLLM 0.26 and 0.33), so the profile's weight term
+counts them and the KV cache vLLM chooses is smaller by exactly that much. The check
+comes before any slot is allocated: a runner without the attribute cannot account for
+slots, and arming there would silently overshoot, so the model is not armed.
+
+`kv_line` words what vLLM then chose, logged once `determine_available_memory` returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GiB = 1024**3
+
+#: the model runner attribute vLLM's KV sizing reads as the weights' bytes
+WEIGHTS_ATTR = "model_memory_usage"
+
+
+def accounting_refusal(worker: Any) -> str | None:
+    """Why slot memory could not enter this worker's memory plan, or None."""
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        return "the vLLM worker has no model_runner (unknown layout)"
+    value = getattr(runner, WEIGHTS_ATTR, None)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return (
+            f"{type(runner).__name__}.{WEIGHTS_ATTR} is not a byte count, so the slots could "
+            "not be counted in vLLM's memory plan (the KV cache would take their memory)"
+        )
+    return None
+
+
+def count_as_weights(worker: Any, slot_bytes: int) -> int:
+    """Add ``slot_bytes`` to the weights vLLM plans around; returns the new weight bytes."""
+    runner = worker.model_runner
+    total = int(getattr(runner, WEIGHTS_ATTR)) + int(slot_bytes)
+    setattr(runner, WEIGHTS_ATTR, total)
+    return total
+
+
+def explicit_kv_bytes(worker: Any) -> int | None:
+    """``--kv-cache-memory`` when the user set it: vLLM then skips its plan altogether."""
+    cache_config = getattr(worker, "cache_config", None)
+    value = getattr(cache_config, "kv_cache_memory_bytes", None)
+    return int(value) if value else None
+
+
+def kv_line(slot_bytes: int, weights_bytes: int, kv_bytes: int | None, explicit: bool) -> str:
+    """The memory line after vLLM sized its KV cache: slots, weights, and the KV it chose."""
+    head = (
+        f"expertcache: memory plan: {slot_bytes / GiB:.2f} GiB of slots counted as weights "
+        f"({weights_bytes / GiB:.2f} GiB in all)"
+    )
+    if kv_bytes is None:
+        return head + "; vLLM reported no KV cache size"
+    if explicit:
+        return (
+            head + f"; --kv-cache-memory fixes the KV cache at {kv_bytes / GiB:.2f} GiB, so "
+            "vLLM does not plan from --gpu-memory-utilization: the slots come on top of it"
+        )
+    return head + f"; vLLM chose {kv_bytes / GiB:.2f} GiB of KV cache"
