@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import capture
 from .errors import UserError
 from .presets import DEFAULT_PRESET, PRESETS, find_preset
 
@@ -565,8 +566,9 @@ def vllm_flag_value(args: Sequence[str], flag: str) -> str | None:
 
 
 def plan_kwargs_from_vllm_args(args: Sequence[str]) -> dict[str, Any]:
-    """The keyword arguments for `plan` found among a user's vLLM flags."""
-    out: dict[str, Any] = {}
+    """The keyword arguments for `plan` found among a user's vLLM flags (the CUDA-graph
+    settings always: they decide how a decode batch is padded)."""
+    out: dict[str, Any] = {"graphs": capture.settings_from_vllm_args(args)}
     for flag, (key, kind) in VLLM_PLAN_FLAGS.items():
         raw = vllm_flag_value(args, flag)
         if raw is None:
@@ -641,19 +643,34 @@ class SizePlan:
     verdict_text: str
     cpu_offload_gb: int
     trap: bool
-    trap_ids: int  # max_num_seqs x top_k: routing ids of one batched decode step
+    trap_ids: int  # padded_batch x top_k: routing ids of the widest batched decode step
     safe_max_num_seqs: int  # the largest max_num_seqs that keeps decode on the cache
+    padded_batch: int  # tokens of a full decode batch once vLLM pads it to a CUDA graph
+    graphs: str  # where the capture sizes came from (flags, defaults, eager)
+    device_total_gib: float  # the GPU vLLM runs on (= vram_gib unless told otherwise)
     utilization_to_fit_outright: float | None
     aligned: bool
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def shares_device(self) -> bool:
+        """The card is a share of a bigger GPU (another tenant, or an emulated small card)."""
+        return self.device_total_gib > self.vram_gib
+
     def vllm_args(self) -> list[str]:
-        """The flags to pass to `vllm serve` for this plan."""
+        """The flags to pass to `vllm serve` for this plan.
+
+        On a share of a bigger GPU, vLLM would pick its batch defaults for that GPU
+        (8192 batched tokens on >= 70 GiB) and profile a wider step than planned, so the
+        card's default is passed too.
+        """
         args = [
             "--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}",
             "--max-model-len", str(self.max_model_len),
             "--max-num-seqs", str(self.max_num_seqs),
         ]
+        if self.shares_device:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if not self.fits_outright and self.verdict in ("cache", "offload_no_cache"):
             args += ["--cpu-offload-gb", str(self.cpu_offload_gb)]
             args += ["--cpu-offload-params", "experts"]
@@ -670,7 +687,7 @@ def plan(
     vram_gb: float = 24.0,
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
-    gpu_memory_utilization: float = VLLM_DEFAULT_UTILIZATION,
+    gpu_memory_utilization: float | None = None,
     slots: int | None = None,
     fraction: float | None = None,
     *,
@@ -679,6 +696,8 @@ def plan(
     kv_cache_dtype: str = "auto",
     kv_tokens: int | None = None,
     overhead_gb: float | None = None,
+    graphs: capture.GraphSettings | None = None,
+    device_total_gib: float | None = None,
 ) -> SizePlan:
     """Size the cache for ``model_spec`` on a card of ``vram_gb`` GiB (DESIGN section 5).
 
@@ -688,12 +707,44 @@ def plan(
     sequence vLLM insists on before it starts) at the model's KV bytes per token.
     ``slots`` or ``fraction`` (of the experts) force the slot count instead of the largest
     that fits; the verdict then says whether that forced count fits.
+
+    ``device_total_gib`` is the GPU vLLM will run on, when it is known and is not the
+    card itself (``serve`` and ``baseline`` read it from the GPU): vLLM's
+    ``--gpu-memory-utilization`` is a fraction of that GPU, so on a bigger one the card
+    is a share of it. Then the planned utilisation (0.9 of the card by default) becomes
+    ``0.9 x vram / device`` for vLLM, and a utilisation the user gave is taken as vLLM
+    takes it, of the device. A GPU smaller than ``vram_gb`` is sized as what it is.
+    ``graphs`` are the CUDA-graph settings (default: vLLM's, for the installed release):
+    a decode batch is padded to the next capture size, and the trap counts padded ids.
     """
     model = model_spec if isinstance(model_spec, ModelSize) else load_model(model_spec, quant)
     if not vram_gb or vram_gb <= 0:
         raise UserError(f"--vram must be positive GiB, got {vram_gb}")
-    if not 0 < gpu_memory_utilization <= 1:
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
         raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    notes_device: list[str] = []
+    device = float(device_total_gib) if device_total_gib else float(vram_gb)
+    if device < vram_gb:
+        notes_device.append(f"this GPU has {device:.2f} GiB, less than --vram {vram_gb:g}: "
+                            f"sized for {device:.2f} GiB")
+        vram_gb = device
+    if gpu_memory_utilization is None:
+        budget = int(vram_gb * GiB * VLLM_DEFAULT_UTILIZATION)
+        gpu_memory_utilization = math.floor(budget / (device * GiB) * 1e4) / 1e4
+    else:
+        budget = int(device * GiB * gpu_memory_utilization)
+        if budget > vram_gb * GiB * (1 + 1e-9):
+            raise UserError(
+                f"--gpu-memory-utilization {gpu_memory_utilization:g} of this {device:.2f} GiB "
+                f"GPU is {budget / GiB:.2f} GiB, more than --vram {vram_gb:g}: leave the "
+                "utilization out and it is planned for the card"
+            )
+    if device > vram_gb:
+        notes_device.append(
+            f"a {vram_gb:g} GiB share of a {device:.2f} GiB GPU: vLLM gets "
+            f"--gpu-memory-utilization {gpu_memory_utilization:g} ({budget / GiB:.2f} GiB)"
+        )
+    graphs = graphs if graphs is not None else capture.settings_from_vllm_args([])
     if slots is not None and fraction is not None:
         raise UserError("give --slots or --fraction, not both")
     if fraction is not None and not 0 < fraction <= 1:
@@ -721,20 +772,19 @@ def plan(
         if overhead_gb is not None
         else runtime_overhead_bytes(model, max_num_seqs, max_num_batched_tokens)
     )
-    budget = int(vram_gb * GiB * gpu_memory_utilization)
     resident_need = model.non_expert_bytes + kv_reserved + overhead
     slot_budget = budget - resident_need
     per_slot = model.bytes_per_slot
     max_slots = max(0, min(model.num_experts, slot_budget // per_slot)) if slot_budget > 0 else 0
     fits_outright = slot_budget >= model.expert_bytes
-    need_util = (resident_need + model.expert_bytes) / (vram_gb * GiB)
+    need_util = (resident_need + model.expert_bytes) / (device * GiB)
     util_fit = round(math.ceil(need_util * 100) / 100, 2) if need_util <= 0.99 else None
 
     forced = slots is not None or fraction is not None
     if fraction is not None:
         slots = slots_from_fraction(fraction, model.num_experts)
     planned = int(slots) if forced else max_slots
-    notes = list(model.notes)
+    notes = list(model.notes) + notes_device
     E, k = model.num_experts, model.top_k
     if forced and planned == E:
         fits_outright = slot_budget >= model.expert_bytes
@@ -776,15 +826,13 @@ def plan(
         if util_fit is not None and util_fit > gpu_memory_utilization and not forced:
             text += f"; fits outright with --gpu-memory-utilization {util_fit:.2f}"
 
-    trap_ids = max_num_seqs * k
+    widest = capture.padded_batch(max_num_seqs, max_num_batched_tokens, graphs)
+    trap_ids = widest * k
     trap = verdict == "cache" and trap_ids > planned
-    safe = planned // k if verdict == "cache" else 0
+    safe = (capture.safe_max_num_seqs(planned, k, max_num_batched_tokens, graphs)
+            if verdict == "cache" else 0)
     if trap:
-        notes.append(
-            f"sizing trap: max_num_seqs {max_num_seqs} x top_k {k} = {trap_ids} ids > {planned} "
-            f"slots: batched decode steps bypass the cache silently; --max-num-seqs {safe} "
-            "keeps every decode step on it"
-        )
+        notes.append(trap_text(max_num_seqs, widest, k, planned, safe, graphs.source))
     if not model.aligned:
         bad = [t.name for t in model.expert_tensors if not t.aligned]
         notes.append(f"per-expert tensors not a multiple of 16 bytes ({', '.join(bad)}): "
@@ -793,7 +841,8 @@ def plan(
             and kv_tokens == max_model_len and kv_reserved > budget // 10):
         short = plan(model, vram_gb, 8192, max_num_seqs, gpu_memory_utilization,
                      max_num_batched_tokens=max_num_batched_tokens,
-                     kv_cache_dtype=kv_cache_dtype, overhead_gb=overhead_gb)
+                     kv_cache_dtype=kv_cache_dtype, overhead_gb=overhead_gb, graphs=graphs,
+                     device_total_gib=device)
         notes.append(
             f"KV for one {max_model_len}-token sequence takes {gib(kv_reserved):.2f} GiB; "
             f"--max-model-len 8192 leaves room for {short.slots} slots ({short.verdict})"
@@ -830,9 +879,24 @@ def plan(
         trap=trap,
         trap_ids=trap_ids,
         safe_max_num_seqs=safe,
+        padded_batch=widest,
+        graphs=graphs.source,
+        device_total_gib=device,
         utilization_to_fit_outright=util_fit,
         aligned=model.aligned,
         notes=notes,
+    )
+
+
+def trap_text(max_num_seqs: int, padded: int, top_k: int, slots: int, safe: int,
+              graphs: str) -> str:
+    """The one wording of the sizing trap (size, serve and the plugin's startup line)."""
+    batch = (f"a full batch of {max_num_seqs} seqs runs as {padded} (CUDA-graph padding, "
+             f"{graphs})" if padded != max_num_seqs else f"a full batch of {max_num_seqs} seqs")
+    return (
+        f"sizing trap: {batch} x top_k {top_k} = {padded * top_k} ids > {slots} slots: "
+        f"batched decode steps bypass the cache silently; --max-num-seqs {safe} keeps every "
+        "decode step on it"
     )
 
 

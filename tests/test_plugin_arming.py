@@ -125,6 +125,12 @@ def test_summary_line_states_layers_budget_policy_tensors_and_the_trap():
     assert "1 resident layer(s) not armed" in line and "1 declined" in line
     assert "TRAP" in line and "64 ids" in line  # 8 seqs x top-8 > 32 slots
     assert "TRAP" not in summary_line(ds, CFG, "0.26.0", max_num_seqs=4)
+    # CUDA graphs pad a full batch of 3 to the 4-graph: 4 x 8 = 32 ids still fit 32 slots,
+    # but with graphs of 1, 2 and 8 the batch runs as 8: 64 ids read through
+    assert "TRAP" not in summary_line(ds, CFG, "0.26.0", 3, capture_sizes=[1, 2, 4, 8])
+    padded = summary_line(ds, CFG, "0.26.0", 3, capture_sizes=[1, 2, 8])
+    assert "TRAP: a full batch of 3 seqs runs as 8 (CUDA-graph padding" in padded
+    assert "64 ids > 32 slots" in padded and "--max-num-seqs 2" in padded
 
 
 def test_summary_line_when_nothing_is_armed_says_why():

@@ -114,8 +114,9 @@ def test_flag_parsing_helpers():
     args = ["--max-num-seqs", "8", "--gpu-memory-utilization=0.8", "--kv-cache-dtype", "fp8"]
     assert flag_value(args, "--max-num-seqs") == "8"
     assert flag_value(args, "--max-model-len") is None
-    assert sizing_overrides(args) == {"max_num_seqs": 8, "gpu_memory_utilization": 0.8,
-                                      "kv_cache_dtype": "fp8"}
+    kw = sizing_overrides(args)
+    assert kw.pop("graphs").source.startswith("vLLM's defaults")
+    assert kw == {"max_num_seqs": 8, "gpu_memory_utilization": 0.8, "kv_cache_dtype": "fp8"}
 
 
 def _cli(*args):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from expertcache_cli import sizing
+from expertcache_cli import capture, sizing
 from expertcache_cli.errors import UserError
 from expertcache_cli.presets import DEFAULT_PRESET, PRESETS
 
@@ -263,12 +263,59 @@ def test_bad_inputs_are_user_errors(tmp_path):
 
 
 def test_trap_flagged_and_safe_max_num_seqs():
-    p = sizing.plan(None, 24, max_model_len=4096, max_num_seqs=4)
+    old = capture.settings_from_vllm_args([], version=(0, 26))
+    p = sizing.plan(None, 24, max_model_len=4096, max_num_seqs=4, graphs=old)
     assert p.trap_ids == 32 and not p.trap  # 4 x 8 = 32 ids <= 86 slots
-    q = sizing.plan(None, 24, max_model_len=4096, max_num_seqs=16)
-    assert q.trap and q.trap_ids == 128
-    assert q.safe_max_num_seqs == q.slots // 8
+    q = sizing.plan(None, 24, max_model_len=4096, max_num_seqs=16, graphs=old)
+    assert q.trap and q.trap_ids == 128 and 64 < q.slots < 128
+    # 10 seqs x 8 = 80 ids would fit, but vLLM 0.26 pads a batch of 10 to its 16 graph
+    assert q.safe_max_num_seqs == 8
     assert any(n.startswith("sizing trap") for n in q.notes)
+
+
+def test_the_trap_counts_the_batch_vllm_pads_to_a_cuda_graph():
+    """Issue 10: 84 slots, top-8: 10 sequences pad to 16 in 0.26 (128 ids > 84), not in
+    0.31+ (which captures max_num_seqs itself) and not when vLLM runs eagerly."""
+    model = sizing.load_model(None)
+    kw = dict(max_model_len=8192, max_num_seqs=10, slots=84)
+    old = sizing.plan(model, 24, graphs=capture.settings_from_vllm_args([], (0, 26)), **kw)
+    assert old.padded_batch == 16 and old.trap and old.trap_ids == 128
+    assert old.safe_max_num_seqs == 8
+    note = next(n for n in old.notes if n.startswith("sizing trap"))
+    assert "runs as 16 (CUDA-graph padding" in note and "--max-num-seqs 8" in note
+    new = sizing.plan(model, 24, graphs=capture.settings_from_vllm_args([], (0, 33)), **kw)
+    assert new.padded_batch == 10 and not new.trap and new.safe_max_num_seqs == 10
+    eager = sizing.plan(model, 24, **kw, **sizing.plan_kwargs_from_vllm_args(
+        ["--enforce-eager"]))
+    assert eager.padded_batch == 10 and not eager.trap and eager.graphs == "--enforce-eager"
+    explicit = sizing.plan(model, 24, **kw, **sizing.plan_kwargs_from_vllm_args(
+        ["--cudagraph-capture-sizes", "1", "2", "12"]))
+    assert explicit.padded_batch == 12 and explicit.trap  # 96 ids > 84
+    assert explicit.safe_max_num_seqs == 2  # 3..10 pad to 12
+
+
+def test_a_gpu_bigger_than_the_card_gets_the_cards_share():
+    """An emulated 24 GiB card on the H200 (139.8 GiB as torch reports it): vLLM's
+    utilization is a fraction of the GPU, so 0.9 x 24 GiB becomes 0.1545 of it; the plan
+    itself is the 24 GiB card's."""
+    card = sizing.plan(None, 24, max_model_len=8192, max_num_seqs=8)
+    share = sizing.plan(None, 24, max_model_len=8192, max_num_seqs=8, device_total_gib=139.8)
+    assert share.slots == card.slots and share.budget_bytes == card.budget_bytes
+    assert share.gpu_memory_utilization == 0.1545  # floor(0.9 x 24 / 139.8, 4 places)
+    assert share.gpu_memory_utilization * 139.8 <= 0.9 * 24
+    args = share.vllm_args()
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.1545"
+    assert args[args.index("--max-num-batched-tokens") + 1] == "2048"  # the card's default
+    assert "--max-num-batched-tokens" not in card.vllm_args()
+    assert any("share of a 139.80 GiB GPU" in n for n in share.notes)
+    # a utilization the user gives is vLLM's: of the GPU
+    given = sizing.plan(None, 24, max_model_len=8192, max_num_seqs=8,
+                        gpu_memory_utilization=0.1, device_total_gib=139.8)
+    assert given.budget_bytes == int(139.8 * 0.1 * sizing.GiB)
+    with pytest.raises(UserError, match="more than --vram 24"):
+        sizing.plan(None, 24, gpu_memory_utilization=0.9, device_total_gib=139.8)
+    small = sizing.plan(None, 24, max_model_len=8192, max_num_seqs=8, device_total_gib=16)
+    assert small.vram_gib == 16 and any("less than --vram 24" in n for n in small.notes)
 
 
 def test_forced_slots_and_fraction():

