@@ -494,3 +494,21 @@ def test_recovered_share_needs_a_penalty_to_recover():
     recs += _runs("cache:8", [[20.5, 20.5], [21.5, 21.5], [19.5, 19.5]])
     s = summarise(recs, {"runs": 2})
     assert math.isnan(s.arm("cache:8").recovered)
+
+
+def test_vram_on_a_bigger_gpu_gives_every_arm_the_cards_share():
+    """Issue 10: `baseline --vram 24` on the H200 runs every arm as the 24 GiB card would
+    (vLLM's utilization is of the whole GPU); flags the user gave are left alone."""
+    from expertcache_cli import sizing
+    from expertcache_cli.baseline.sizing_bridge import offload_from_vram
+
+    args = ["--max-num-seqs", "4", "--max-model-len", "8192"]
+    card = offload_from_vram(sizing, "qwen3-30b-a3b-w8a8", 24, args)
+    assert card.share_args == []
+    share = offload_from_vram(sizing, "qwen3-30b-a3b-w8a8", 24, args, device_total_gib=139.8)
+    assert share.share_args == ["--gpu-memory-utilization", "0.1545",
+                                "--max-num-batched-tokens", "2048"]
+    assert share.cpu_offload_gb == card.cpu_offload_gb
+    mine = offload_from_vram(sizing, "qwen3-30b-a3b-w8a8", 24,
+                             [*args, "--max-num-batched-tokens", "512"], device_total_gib=139.8)
+    assert mine.share_args == ["--gpu-memory-utilization", "0.1545"]

@@ -47,7 +47,8 @@ def test_sizing_trap_is_refused_unless_accepted():
     with pytest.raises(UserError) as info:
         _plan(vllm_args=["--max-num-seqs", "64", "--max-model-len", "8192"])
     msg = str(info.value)
-    assert "sizing trap" in msg and "64 x top_k 8 = 512 ids" in msg and "--allow-trap" in msg
+    assert "sizing trap" in msg and "64 seqs x top_k 8 = 512 ids" in msg
+    assert "--allow-trap" in msg
     p = _plan(vllm_args=["--max-num-seqs", "64", "--max-model-len", "8192"], allow_trap=True)
     assert p.size.trap and "EXPERT_CACHE_SLOTS" in p.env
 
@@ -140,3 +141,45 @@ def test_cli_bad_input_is_one_line_and_exit_2():
     assert r.stderr.strip() == "expertcache: error: --policy 'fifo': choose lru or lfu"
     r = _cli("serve", MODEL, "--vram", "24", "--dry-run")  # vLLM's 256 seqs: the trap
     assert r.returncode == 2 and "sizing trap" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_card_emulated_on_a_bigger_gpu_gets_its_share_of_it():
+    """Issue 10: `serve --vram 24` on the H200 (139.8 GiB): vLLM's utilization is of the
+    whole GPU, so the plan passes the card's 0.9 x 24 GiB as 0.1545, and the small card's
+    batch default (2048 tokens) instead of the one vLLM would pick for an H200 (8192)."""
+    args = ["--max-num-seqs", "4", "--max-model-len", "8192"]
+    p = _plan(vllm_args=args, device_total_gib=139.8)
+    card = _plan(vllm_args=args)
+    a = p.argv
+    assert p.size.slots == card.size.slots
+    assert a[a.index("--gpu-memory-utilization") + 1] == "0.1545"
+    assert a[a.index("--max-num-batched-tokens") + 1] == "2048"
+    assert any("share of a 139.80 GiB GPU" in n for n in p.notes)
+    with pytest.raises(UserError, match="more than --vram 24"):
+        _plan(vllm_args=[*args, "--gpu-memory-utilization", "0.5"], device_total_gib=139.8)
+    mine = _plan(vllm_args=[*args, "--max-num-batched-tokens", "1024"], device_total_gib=139.8)
+    assert mine.argv.count("--max-num-batched-tokens") == 1
+
+
+def _fake_smi(tmp_path, body: str):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + body)
+    smi.chmod(0o755)
+    return {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+
+
+def test_gpu_total_is_what_vllm_sees_total_minus_reserved(tmp_path, monkeypatch):
+    from expertcache_cli import gpu_info
+
+    env = _fake_smi(tmp_path, 'echo "$@" >> "$(dirname "$0")/args"\necho "143771, 615"\n')
+    monkeypatch.setenv("PATH", env["PATH"])
+    got = gpu_info.device_total_gib({"CUDA_VISIBLE_DEVICES": "3,1"})
+    assert got == pytest.approx((143771 - 615) / 1024)
+    assert "-i 3" in (tmp_path / "args").read_text()
+    assert gpu_info.device_total_gib({"CUDA_VISIBLE_DEVICES": ""}) is None
+    _fake_smi(tmp_path, 'case "$1" in *reserved*) exit 6;; esac\necho "24564"\n')
+    assert gpu_info.device_total_gib({}) == pytest.approx(24564 / 1024)
+    _fake_smi(tmp_path, "exit 9\n")
+    assert gpu_info.device_total_gib({}) is None
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert gpu_info.device_total_gib({}) is None

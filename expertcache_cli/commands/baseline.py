@@ -42,12 +42,16 @@ baseline_app = typer.Typer(
 
 
 def _vram_offload(model: str, vram: float, vllm_args: list[str], arms: list, concurrency: int):
-    """--cpu-offload-gb from the sizing library, and warnings on the sizing trap."""
+    """--cpu-offload-gb from the sizing library, warnings on the sizing trap, and (on a GPU
+    bigger than the card) the flags that make every arm's server budget as the card."""
     from .. import sizing
     from ..baseline.sizing_bridge import offload_from_vram
+    from ..gpu_info import device_total_gib
 
-    p = offload_from_vram(sizing, model, vram, vllm_args)
+    p = offload_from_vram(sizing, model, vram, vllm_args, device_total_gib())
     err.print(f"--vram {vram:g}: {p.text}; offload arms get --cpu-offload-gb {p.cpu_offload_gb:g}")
+    if p.share_args:
+        err.print(f"--vram {vram:g} is a share of this GPU: every arm gets {' '.join(p.share_args)}")
     for arm in arms:
         if arm.kind != "cache":
             continue
@@ -65,7 +69,7 @@ def _vram_offload(model: str, vram: float, vllm_args: list[str], arms: list, con
                 f"{p.trap_ids}: batched traffic beyond {arm.slots // p.top_k} sequences "
                 "bypasses the cache (this single-stream-per-run test will not show it)"
             )
-    return p.cpu_offload_gb
+    return p.cpu_offload_gb, p.share_args
 
 
 def _plugin_warnings(arms: list, server_cmd: str | None) -> list[str]:
@@ -166,7 +170,8 @@ def run_cmd(
     if vram is not None:
         if vram <= 0:
             raise UserError("--vram must be positive")
-        cpu_offload_gb = _vram_offload(model, vram, vllm_args, arm_list, concurrency)
+        cpu_offload_gb, share = _vram_offload(model, vram, vllm_args, arm_list, concurrency)
+        vllm_args += share
     cfg = BaselineConfig(
         model=model,
         arms=arm_list,

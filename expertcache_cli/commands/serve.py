@@ -35,19 +35,23 @@ def register(app: typer.Typer) -> None:
         dry_run: bool = typer.Option(False, help="print the plan and the command, run nothing"),
     ) -> None:
         """Launch `vllm serve MODEL` with experts offloaded and the slot cache sized and armed."""
+        from ..gpu_info import device_total_gib
+
         plan = make_plan(
             model, vram, slots=slots, fraction=fraction, policy=policy, decay=decay,
             size_from=size_from, allow_trap=allow_trap, vllm_args=list(ctx.args),
+            device_total_gib=device_total_gib(),
         )
         s = plan.size
         console.print(f"[bold]expertcache serve[/]: {s.model} on {s.vram_gib:g} GiB: "
                       f"{s.verdict_text}")
         if s.verdict == "cache":
+            pad = f" (a CUDA graph of {s.padded_batch})" if s.padded_batch != s.max_num_seqs else ""
             console.print(
                 f"  slots {s.slots} of {s.num_experts} per MoE layer x {s.num_moe_layers} "
                 f"layers = {s.slots * s.bytes_per_slot / 2**30:.2f} GiB; experts offloaded "
                 f"with --cpu-offload-gb {s.cpu_offload_gb}; policy {policy}; "
-                f"max_num_seqs {s.max_num_seqs} x top_k {s.top_k} = {s.trap_ids} ids per "
+                f"max_num_seqs {s.max_num_seqs}{pad} x top_k {s.top_k} = {s.trap_ids} ids per "
                 "batched decode step"
             )
         for note in plan.notes:

@@ -25,7 +25,7 @@ from .config import TRUE_WORDS
 
 #: flags serve sets itself; given by the user, the user's value wins (noted in the plan)
 _OWNED_FLAGS = ("--cpu-offload-gb", "--cpu-offload-params", "--gpu-memory-utilization",
-                "--max-model-len", "--max-num-seqs")
+                "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens")
 
 
 # One reader of the user's vLLM flags, shared with `baseline`: it lives with `sizing.plan`.
@@ -70,8 +70,13 @@ def make_plan(
     vllm_args: Sequence[str] = (),
     launcher: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
+    device_total_gib: float | None = None,
 ) -> ServePlan:
-    """Size the cache for ``model`` on ``vram_gb`` GiB and compose the `vllm serve` call."""
+    """Size the cache for ``model`` on ``vram_gb`` GiB and compose the `vllm serve` call.
+
+    ``device_total_gib``: the GPU vLLM will run on (`gpu_info.device_total_gib`); on a
+    bigger GPU than the card, vLLM gets the card's share of it (see `sizing.plan`).
+    """
 
     environ = os.environ if environ is None else environ
     try:
@@ -91,7 +96,8 @@ def make_plan(
     if args and args[0] == "--":
         args = args[1:]
     size = sizing.plan(
-        size_from or model, vram_gb, slots=slots, fraction=fraction, **sizing_overrides(args)
+        size_from or model, vram_gb, slots=slots, fraction=fraction,
+        device_total_gib=device_total_gib, **sizing_overrides(args)
     )
     notes = list(size.notes)
     env: dict[str, str] = {}
@@ -107,10 +113,11 @@ def make_plan(
     else:
         if size.trap and not allow_trap:
             raise UserError(
-                f"sizing trap: --max-num-seqs {size.max_num_seqs} x top_k {size.top_k} = "
-                f"{size.trap_ids} ids > {size.slots} slots, so batched decode would bypass "
-                f"the cache silently; pass -- --max-num-seqs {size.safe_max_num_seqs} "
-                "(or more VRAM / slots), or --allow-trap to serve anyway"
+                sizing.trap_text(size.max_num_seqs, size.padded_batch, size.top_k, size.slots,
+                                 size.safe_max_num_seqs, size.graphs).replace(
+                    "keeps every decode step on it",
+                    "keeps every decode step on it (pass it after --), or --allow-trap to "
+                    "serve anyway")
             )
         env["EXPERT_CACHE_SLOTS"] = str(size.slots)
         env["EXPERT_CACHE_POLICY"] = pol.name.lower()
