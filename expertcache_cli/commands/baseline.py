@@ -51,7 +51,8 @@ def _vram_offload(model: str, vram: float, vllm_args: list[str], arms: list, con
     p = offload_from_vram(sizing, model, vram, vllm_args, device_total_gib())
     err.print(f"--vram {vram:g}: {p.text}; offload arms get --cpu-offload-gb {p.cpu_offload_gb:g}")
     if p.share_args:
-        err.print(f"--vram {vram:g} is a share of this GPU: every arm gets {' '.join(p.share_args)}")
+        share = " ".join(p.share_args)
+        err.print(f"--vram {vram:g} is a share of this GPU: every arm gets {share}")
     for arm in arms:
         if arm.kind != "cache":
             continue
