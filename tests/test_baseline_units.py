@@ -340,9 +340,12 @@ def test_stats_line_parsing(tmp_path):
         "requests": 51648,
         "installs": 26330,
         "read_through_steps": 12,
+        "read_through_decode_steps": None,  # a plugin from before issue 10
         "layers": 8,
         "final": False,
     }
+    now = parse_stats_line(line.replace("steps=12 over", "steps=12 (decode-width 3) over"))
+    assert now["read_through_steps"] == 12 and now["read_through_decode_steps"] == 3
     first = (
         "expertcache: live hit rate nan% since last report, nan% overall (requests=0 "
         "installs=0 read-through steps=0 over 8 layers)"

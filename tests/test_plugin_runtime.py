@@ -393,3 +393,27 @@ def test_a_runner_that_cannot_count_slots_is_not_armed(monkeypatch, caplog):
     assert made == [] and "model_memory_usage is not a byte count" in caplog.text
     assert "NOT armed" in caplog.text
     assert "forward_modular" not in vars(model.layers[0].experts)
+
+
+def test_read_through_decode_steps_are_counted_apart_and_the_line_parses(caplog):
+    """A decode-width step (no wider than the padded full batch) that reads through is what
+    the sizing trap is about; prefill reads through by design. The final line carries both
+    counts, in the shape `baseline` parses (one format, pinned across the two modules)."""
+    from expertcache_cli.baseline.counters import parse_stats_line
+    from expertcache_cli.plugin.session import Session
+
+    layer = Experts()
+    d = plan_layer(layer, CacheConfig(slots=6))
+    cache = RefSlotCache(d.num_experts, d.num_slots, {s.name: (s.shape, s.dtype) for s in d.specs})
+    armed = ArmedLayer(layer, d, cache, index=0, decode_tokens=4)
+    armed.install()
+    rng = np.random.default_rng(2)
+    for tokens in (1, 3, 4, 9):  # 3 x 2 = 6 ids fit 6 slots; 4 x 2 = 8 do not
+        ids, w = _routing(rng, tokens)
+        layer.forward_modular(x=torch.randn(tokens, H), topk_weights=w, topk_ids=ids)
+    assert int(armed.read_through) == 2 and int(armed.read_through_decode) == 1
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    Session(CacheConfig(slots=6), [d], [armed], None).report(final=True)
+    got = parse_stats_line(caplog.text)
+    assert got["final"] and got["read_through_steps"] == 2
+    assert got["read_through_decode_steps"] == 1 and got["layers"] == 1

@@ -4,7 +4,10 @@ The plugin logs its counters when ``EXPERT_CACHE_STATS=N`` is set (every N layer
 and once more at shutdown (`expertcache_cli/plugin/session.py`, ``Session.report``):
 
     expertcache: live hit rate 48.91% since last report, 49.02% overall (requests=51648
-    installs=26330 read-through steps=12 over 8 layers)
+    installs=26330 read-through steps=12 (decode-width 0) over 8 layers)
+
+(the decode-width count, read-through steps no wider than a full decode batch, is new in
+the plugin of issue 10; lines without it still parse, with that count None)
 
 This module is the one place that knows that line's shape, so a change of format is one
 edit here (tests/test_baseline_units.py pins it). The latest line in a log is the
@@ -22,7 +25,8 @@ from .server import read_end
 STATS_LINE_RE = re.compile(
     r"expertcache: (?P<when>live|final) hit rate (?P<window>nan|[-\d.]+)% since last report, "
     r"(?P<overall>nan|[-\d.]+)% overall \(requests=(?P<requests>\d+) installs=(?P<installs>\d+)"
-    r" read-through steps=(?P<read_through>\d+) over (?P<layers>\d+) layers\)"
+    r" read-through steps=(?P<read_through>\d+)(?: \(decode-width (?P<decode>\d+)\))?"
+    r" over (?P<layers>\d+) layers\)"
 )
 
 #: How far back from the end of a log to look; stats lines are frequent and short.
@@ -45,6 +49,7 @@ def parse_stats_line(line: str) -> dict[str, float | int | str | None] | None:
         "requests": int(m.group("requests")),
         "installs": int(m.group("installs")),
         "read_through_steps": int(m.group("read_through")),
+        "read_through_decode_steps": None if m.group("decode") is None else int(m.group("decode")),
         "layers": int(m.group("layers")),
         "final": m.group("when") == "final",
     }

@@ -112,6 +112,7 @@ class ArmedLayer:
         *,
         index: int,
         recorder: Any | None = None,
+        decode_tokens: int | None = None,
     ) -> None:
         import torch
 
@@ -129,6 +130,11 @@ class ArmedLayer:
         #: device counter of read-through steps (wide steps on the stock path)
         dev = cache.slots[self.names[0]].device
         self.read_through = torch.zeros(1, dtype=torch.int64, device=dev)
+        #: tokens of the widest decode batch (max_num_seqs, padded to its CUDA graph):
+        #: a read-through step no wider is a decode step the sizing trap let through,
+        #: counted apart from prefill (which reads through by design)
+        self.decode_tokens = decode_tokens
+        self.read_through_decode = torch.zeros(1, dtype=torch.int64, device=dev)
         self._stock: Callable[..., Any] = layer.forward_modular
         self.slot_quant_config = self._build_slot_quant_config()
         self._failed = False
@@ -214,6 +220,8 @@ class ArmedLayer:
             self.recorder.record(self.index, topk_ids)
         if self._failed or not self.cache.fits(topk_ids.numel()):
             self.read_through.add_(1)
+            if self.decode_tokens is not None and topk_ids.shape[0] <= self.decode_tokens:
+                self.read_through_decode.add_(1)
             return stock(topk_ids)
         params = self.layer._parameters
         try:

@@ -67,18 +67,21 @@ class Session:
         import torch
 
         if not self.armed:
-            return {"requests": 0, "installs": 0, "read_through_steps": 0, "layers": []}
+            return {"requests": 0, "installs": 0, "read_through_steps": 0,
+                    "read_through_decode_steps": 0, "layers": []}
         stats = torch.stack([a.cache.stats for a in self.armed]).cpu().tolist()
         rts = torch.cat([a.read_through for a in self.armed]).cpu().tolist()
+        rtd = torch.cat([a.read_through_decode for a in self.armed]).cpu().tolist()
         layers = [
             {"layer": a.decision.layer_name, "requests": s[0], "installs": s[1],
-             "read_through_steps": r}
-            for a, s, r in zip(self.armed, stats, rts)
+             "read_through_steps": r, "read_through_decode_steps": d}
+            for a, s, r, d in zip(self.armed, stats, rts, rtd)
         ]
         return {
             "requests": sum(s[0] for s in stats),
             "installs": sum(s[1] for s in stats),
             "read_through_steps": sum(rts),
+            "read_through_decode_steps": sum(rtd),
             "slots": self.armed[0].decision.num_slots,
             "num_experts": self.armed[0].decision.num_experts,
             "policy": self.cfg.policy.name.lower(),
@@ -95,9 +98,9 @@ class Session:
         win = 100.0 * (1 - d_ins / d_req) if d_req else float("nan")
         log.info(
             "expertcache: %s hit rate %.2f%% since last report, %.2f%% overall "
-            "(requests=%d installs=%d read-through steps=%d over %d layers)",
+            "(requests=%d installs=%d read-through steps=%d (decode-width %d) over %d layers)",
             "final" if final else "live", win, hit, req, ins, t["read_through_steps"],
-            len(self.armed),
+            t["read_through_decode_steps"], len(self.armed),
         )
 
     def after_step(self) -> None:
@@ -143,12 +146,15 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
               max_num_seqs: int | None = None, model_name: str | None = None,
               capture_sizes: list[int] | None = None) -> Session:
     """Plan, build and install the caches of one loaded model; never raises."""
+    from ..capture import padded
+
     layers = find_moe_layers(model)
     decisions = [plan_layer(module, cfg, name) for name, module in layers]
+    decode_tokens = padded(max_num_seqs, capture_sizes or []) if max_num_seqs else None
     armed: list[ArmedLayer] = []
     for decision, module in ((d, m) for d, (_, m) in zip(decisions, layers) if d.action == ARM):
         try:
-            armed.append(_arm_one(module, decision, cfg, len(armed)))
+            armed.append(_arm_one(module, decision, cfg, len(armed), decode_tokens))
         except Exception as exc:
             decision.action = DECLINE
             decision.reason = f"arming failed: {exc.__class__.__name__}: {exc}"
@@ -209,7 +215,8 @@ def _with_trace(cfg: CacheConfig, path: str) -> CacheConfig:
     return dataclasses.replace(cfg, trace_path=path)
 
 
-def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int) -> ArmedLayer:
+def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
+             decode_tokens: int | None = None) -> ArmedLayer:
     from ..slotcache import SlotCache
 
     # a bare "cuda" device (no index) is resolved to the current one by SlotCache
@@ -222,7 +229,7 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int) -> A
         device=module._parameters[decision.specs[0].name].device,
         name=decision.layer_name,
     )
-    armed = ArmedLayer(module, decision, cache, index=index)
+    armed = ArmedLayer(module, decision, cache, index=index, decode_tokens=decode_tokens)
     armed.install()
     return armed
 
