@@ -728,7 +728,9 @@ def plan(
         notes_device.append(f"this GPU has {device:.2f} GiB, less than --vram {vram_gb:g}: "
                             f"sized for {device:.2f} GiB")
         vram_gb = device
-    if gpu_memory_utilization is None:
+    if gpu_memory_utilization is None and device == vram_gb:
+        gpu_memory_utilization = VLLM_DEFAULT_UTILIZATION
+    if gpu_memory_utilization is None:  # the card's 0.9, as a fraction of the bigger GPU
         budget = int(vram_gb * GiB * VLLM_DEFAULT_UTILIZATION)
         gpu_memory_utilization = math.floor(budget / (device * GiB) * 1e4) / 1e4
     else:

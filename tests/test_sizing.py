@@ -447,6 +447,21 @@ def test_cli_json_one_object():
     assert d["cpu_offload_gb"] == 28
 
 
+def test_cli_reads_vllm_flags_after_the_double_dash_as_serve_does():
+    """`size ... -- VLLM ARGS` plans as `serve` would for the same flags (issue 10: the
+    slot count `serve` arms is the one `size` printed), CUDA-graph padding included."""
+    from expertcache_cli.plugin.launch import make_plan
+
+    flags = ["--max-model-len", "8192", "--max-num-seqs", "8", "--enforce-eager"]
+    d = json.loads(_cli("--vram", "24", "--json", "--", *flags).stdout)
+    p = make_plan(DEFAULT_PRESET, 24, vllm_args=flags, launcher=["vllm"], environ={})
+    assert d["slots"] == p.size.slots == int(p.env["EXPERT_CACHE_SLOTS"])
+    assert (d["max_model_len"], d["max_num_seqs"], d["graphs"]) == (8192, 8, "--enforce-eager")
+    # an option given to size itself wins over the same flag after --
+    d = json.loads(_cli("--vram", "24", "--json", "--max-num-seqs", "2", "--", *flags).stdout)
+    assert d["max_num_seqs"] == 2
+
+
 def test_cli_table_and_card_sweep():
     r = _cli("--model", str(cfg("mixtral-8x7b.json")), "--vram", "48", "--max-model-len", "4096")
     assert r.returncode == 0, r.stderr

@@ -114,8 +114,15 @@ def _cards_table(m: sizing.ModelSize, rows: list[tuple[str, sizing.SizePlan]]) -
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("size")
+    @app.command(
+        "size",
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        epilog="Flags after `--` are read as `vllm serve` would take them (max-model-len, "
+        "max-num-seqs, utilization, batched tokens, KV dtype, CUDA-graph settings); the "
+        "options above win where both are given.",
+    )
     def size(
+        ctx: typer.Context,
         model: str = typer.Option(
             DEFAULT_PRESET, "--model", "-m",
             help="preset name (see --list), a config.json path, or a local model directory",
@@ -130,10 +137,10 @@ def register(app: typer.Typer) -> None:
         max_model_len: int = typer.Option(None, help="vLLM --max-model-len (default: the model's)"),
         max_num_seqs: int = typer.Option(None, help="vLLM --max-num-seqs (default: vLLM's)"),
         gpu_memory_utilization: float = typer.Option(
-            sizing.VLLM_DEFAULT_UTILIZATION, help="vLLM --gpu-memory-utilization"
+            None, help="vLLM --gpu-memory-utilization (default 0.9)"
         ),
         max_num_batched_tokens: int = typer.Option(None, help="vLLM --max-num-batched-tokens"),
-        kv_cache_dtype: str = typer.Option("auto", help="vLLM --kv-cache-dtype: auto or fp8"),
+        kv_cache_dtype: str = typer.Option(None, help="vLLM --kv-cache-dtype: auto or fp8"),
         kv_tokens: int = typer.Option(
             None, help="KV tokens to reserve (default: one max-model-len sequence)"
         ),
@@ -159,17 +166,20 @@ def register(app: typer.Typer) -> None:
             console.print(t)
             return
         m = sizing.load_model(Path(model) if Path(model).exists() else model, quant)
-        common = dict(
+        args = list(ctx.args)
+        if args and args[0] == "--":
+            args = args[1:]
+        common = sizing.plan_kwargs_from_vllm_args(args)
+        given = dict(
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization,
-            slots=slots,
-            fraction=fraction,
             max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_dtype=kv_cache_dtype,
-            kv_tokens=kv_tokens,
-            overhead_gb=overhead_gb,
         )
+        common.update({k: v for k, v in given.items() if v is not None})
+        common.update(slots=slots, fraction=fraction, kv_tokens=kv_tokens,
+                      overhead_gb=overhead_gb)
         if vram is None:
             rows = [(label, sizing.plan(m, v, **common)) for label, v in sizing.COMMON_CARDS]
             if as_json:
