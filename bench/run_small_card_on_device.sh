@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Issue 10 on the GPU box: the cache on cards that really are too small, emulated on the
+# H200 with bench/ballast.py, for the brief's own model (Qwen3-30B-A3B shape, 48 layers,
+# W8A8 INT8 as compressed-tensors, per-layer seeded routers, real vocabulary).
+#
+# Re-entrant and split in steps so that each device call stays under 10 minutes
+# (STEPS="setup ckpt probe acct" then "card24" then "resident card16"); an arm whose JSON
+# already says ok is not run again. Results are copied to $OUT after every arm.
+#
+#   acct      the memory-plan check on the whole GPU: the 8-layer bf16 shape (dummy
+#             weights) at --gpu-memory-utilization 0.3, 120 slots vs the same server
+#             with EXPERT_CACHE_DISABLE=1: KV smaller by the slot bytes, used memory
+#             near 0.3 x total
+#   card24    ballast leaves 24 GiB; `expertcache size` and `serve --dry-run` for the
+#             flags; the floor (serve with EXPERT_CACHE_DISABLE=1) and the cache (serve
+#             as planned, 5 concurrent streams at the end: the padding check)
+#   resident  the ceiling: every expert in VRAM on the whole H200 (no ballast)
+#   card16    ballast leaves 16 GiB: what size and serve say, and that it serves as said
+set -uo pipefail
+OUT="${OUT:-out}"
+mkdir -p "$OUT" /tmp/sc
+source bench/_device_vllm.sh
+STEPS="${STEPS:-setup ckpt probe acct card24 resident card16}"
+MODEL=/tmp/w8a8
+PY=python3
+VLLM=("$PY" -m vllm.entrypoints.cli.main)
+COMMON=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}"
+        --shutdown-timeout 10)
+
+done_ok() { [ -f "/tmp/sc/$1.json" ] && grep -q '"status": "ok"' "/tmp/sc/$1.json"; }
+save() { cp /tmp/sc/*.json "$OUT/" 2>/dev/null; for f in /tmp/sc/*.log; do tail -c 400000 "$f" > "$OUT/$(basename "$f")"; done; }
+arm() {  # arm NAME [small_card options] -- server command
+  local name=$1; shift
+  if done_ok "$name"; then echo "== $name: done before"; return 0; fi
+  echo "== $name ($((SECONDS)) s)"
+  $PY bench/small_card.py "$name" --out /tmp/sc "$@"
+  save
+}
+ballast() {  # ballast GiB | ballast stop
+  if [ "$1" = stop ]; then $PY bench/ballast.py stop; return; fi
+  $PY bench/ballast.py stop >/dev/null
+  $PY bench/ballast.py start --leave "$1" | tee "$OUT/ballast$1.json"
+  nvidia-smi --query-gpu=memory.used,memory.free,memory.total --format=csv | tee -a "$OUT/ballast$1.smi"
+}
+plan_card() {  # plan_card GiB: size and serve's dry run for the card, to $OUT
+  $PY -m expertcache_cli size --model "$MODEL" --vram "$1" --json -- --max-model-len 8192 \
+    > "$OUT/size$1.json"
+  SAFE=$($PY -c "import json;print(json.load(open('$OUT/size$1.json'))['safe_max_num_seqs'])")
+  COLUMNS=200 $PY -m expertcache_cli size --model "$MODEL" --vram "$1" -- --max-model-len 8192 \
+    --max-num-seqs "$SAFE" > "$OUT/size$1.txt" 2>&1
+  $PY -m expertcache_cli serve "$MODEL" --vram "$1" --dry-run -- --max-model-len 8192 \
+    --max-num-seqs "$SAFE" "${COMMON[@]}" > "$OUT/serve$1.txt" 2>&1
+  echo "card $1 GiB: safe --max-num-seqs $SAFE; serve said:"; cat "$OUT/serve$1.txt"
+}
+
+for step in $STEPS; do
+  case $step in
+    setup)
+      device_vllm_setup || { echo "setup failed"; exit 1; } ;;
+    ckpt)
+      if [ ! -f $MODEL/model.safetensors.index.json ]; then
+        $PY bench/write_checkpoint.py $MODEL --layers 48 --format w8a8 --vocab 151936 2>&1 \
+          | tail -3 | tee "$OUT/checkpoint.txt"
+      fi
+      [ -f /tmp/m8/config.json ] || $PY -c "import sys; sys.path.insert(0, 'bench'); \
+import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8)"
+      df -h /tmp | tail -1 ;;
+    probe)
+      [ -f "$OUT/probe.json" ] || $PY -m expertcache_cli probe-link --save "$OUT/probe.json" \
+        2>&1 | tail -25 ;;
+    acct)
+      ACCT=(serve /tmp/m8 --vram 141 --slots 120 -- --gpu-memory-utilization 0.3
+            --load-format dummy --max-model-len 1024 --max-num-seqs 4 "${COMMON[@]}")
+      arm acct_cache --runs 1 --max-tokens 32 -- "$PY" -m expertcache_cli "${ACCT[@]}"
+      arm acct_off --runs 1 --max-tokens 32 --env EXPERT_CACHE_DISABLE=1 \
+        -- "$PY" -m expertcache_cli "${ACCT[@]}" ;;
+    card24|card16)
+      GIB=${step#card}
+      ballast "$GIB"
+      plan_card "$GIB"
+      SERVE=(serve "$MODEL" --vram "$GIB" -- --max-model-len 8192 --max-num-seqs "$SAFE"
+             "${COMMON[@]}")
+      if [ "$GIB" = 24 ]; then
+        arm floor24 --env EXPERT_CACHE_DISABLE=1 -- "$PY" -m expertcache_cli "${SERVE[@]}"
+      fi
+      arm "cache$GIB" --streams 5 --env EXPERT_CACHE_STATS=480 \
+        -- "$PY" -m expertcache_cli "${SERVE[@]}"
+      ballast stop ;;
+    resident)
+      arm resident --env EXPERT_CACHE_DISABLE=1 -- "${VLLM[@]}" serve "$MODEL" \
+        --max-model-len 8192 --max-num-seqs 8 --max-num-batched-tokens 2048 "${COMMON[@]}" ;;
+  esac
+done
+save
+echo "steps '$STEPS' done after $SECONDS s"

@@ -1,0 +1,182 @@
+"""One server of the small-card proof (issue 10): start it, measure it, read its log.
+
+`bench/run_small_card_on_device.sh` calls this once per arm, with the server command
+(`expertcache serve ...` for the cache and floor arms on the emulated card, plain `vllm
+serve` for the resident ceiling). Per arm, in one server:
+
+1. healthy: seconds to start, and nvidia-smi's used/total memory of the GPU;
+2. a discarded warm-up, then ``--runs`` single-stream greedy runs of ``--max-tokens``
+   (the library's own streaming client, `expertcache_cli.baseline.client`): decode tok/s;
+3. the cache counters before and after the measured runs (the plugin's stats lines, with
+   ``EXPERT_CACHE_STATS`` set by the caller): installs per decoded token in the runs;
+4. the greedy token ids of one fixed prompt (``logprobs`` off, temperature 0): the
+   cache arm must produce the floor's exactly;
+5. optionally ``--streams N`` concurrent streams (the padding check: with the
+   recommended ``--max-num-seqs`` no decode-width step may read through);
+6. stop (SIGINT, drain), then from the log: the plugin's startup line (layers armed,
+   slots), its memory-plan line, vLLM's "Available KV cache memory", and the final
+   counters line.
+
+Everything lands in ``OUT/NAME.json`` (and the server log in ``OUT/NAME.log``) as soon as
+the arm ends, failed or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from expertcache_cli.baseline.client import RequestFailed, measure_run  # noqa: E402
+from expertcache_cli.baseline.counters import parse_stats_line  # noqa: E402
+from expertcache_cli.baseline.server import Server, ServerFailed, free_port, server_env  # noqa: E402
+
+PROMPT = "w17 w923 w4410 w88 w5120 w3 w777 w2048 w60 w1999 w4096 w31 w8000 w12 w640 w5"
+KV_RE = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
+WEIGHTS_RE = re.compile(r"Model loading took ([\d.]+) GiB")
+
+
+def smi_memory() -> dict | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits",
+             "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]],
+            capture_output=True, text=True, timeout=20, check=True).stdout
+        used, total = (float(x) for x in out.split(",")[:2])
+        return {"used_mib": used, "total_mib": total}
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def greedy_ids(base_url: str, model_id: str, max_tokens: int) -> list[str]:
+    """The greedy completion of PROMPT, as its tokens (word-level tokenizer: one word each)."""
+    import httpx
+
+    body = {"model": model_id, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True}
+    r = httpx.post(base_url + "/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"].split()
+
+
+def stats_at(log: Path, offset: int) -> dict | None:
+    """The last counters line in the first ``offset`` bytes of the log."""
+    with open(log, "rb") as f:
+        text = f.read(offset).decode("utf-8", errors="replace")
+    for line in reversed(text.splitlines()):
+        got = parse_stats_line(line)
+        if got:
+            return got
+    return None
+
+
+def read_log(log: Path) -> dict:
+    text = log.read_text(errors="replace")
+    out: dict = {"startup_line": None, "memory_line": None, "final": None, "kv_gib": None,
+                 "weights_gib": None, "declined": [], "trap": None}
+    for line in text.splitlines():
+        if "expertcache: vLLM" in line and "armed" in line:
+            out["startup_line"] = line[line.index("expertcache:"):]
+            m = re.search(r"armed (\d+) of (\d+) MoE layers", line)
+            s = re.search(r"(\d+) of (\d+) experts/layer as slots", line)
+            out["armed_layers"] = int(m.group(1)) if m else 0
+            out["moe_layers"] = int(m.group(2)) if m else None
+            out["slots"] = int(s.group(1)) if s else None
+            if "TRAP:" in line:
+                out["trap"] = line[line.index("TRAP:"):]
+        elif "expertcache: memory plan" in line:
+            out["memory_line"] = line[line.index("expertcache:"):]
+        elif "not armed:" in line and "expertcache:" in line:
+            out["declined"].append(line[line.index("expertcache:"):])
+        if (m := KV_RE.search(line)):
+            out["kv_gib"] = float(m.group(1))
+        if (m := WEIGHTS_RE.search(line)):
+            out["weights_gib"] = float(m.group(1))
+        got = parse_stats_line(line)
+        if got and got["final"]:
+            out["final"] = got
+    if "Traceback" in text or "Error" in text:
+        errs = [ln for ln in text.splitlines() if "Error" in ln or "error:" in ln]
+        out["errors"] = errs[-5:]
+    return out
+
+
+def run_arm(a: argparse.Namespace) -> dict:
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    argv = [x.replace("{port}", str(port)) for x in a.argv]
+    env = server_env({k: v for k, v in (e.split("=", 1) for e in a.env)})
+    log = out_dir / f"{a.name}.log"
+    log.unlink(missing_ok=True)
+    rec: dict = {"arm": a.name, "argv": argv, "env": a.env, "status": "started"}
+    server = Server(argv=argv, env=env, log_path=log, host="127.0.0.1", port=port)
+    t0 = time.time()
+    try:
+        server.start()
+        rec["start_s"] = server.wait_healthy(a.start_timeout)
+        rec["smi_healthy"] = smi_memory()
+        mid = server.model_id or "model"
+        measure_run(server.base_url, mid, PROMPT, a.max_tokens)  # warm-up, discarded
+        time.sleep(0.5)
+        before = stats_at(log, log.stat().st_size)
+        runs = [measure_run(server.base_url, mid, PROMPT, a.max_tokens) for _ in range(a.runs)]
+        time.sleep(0.5)
+        after = stats_at(log, log.stat().st_size)
+        rec["tok_s"] = [r.tok_s for r in runs]
+        rec["decode_tokens"] = sum(r.tokens - 1 for r in runs)
+        rec["counters_before"], rec["counters_after"] = before, after
+        rec["smi_after_runs"] = smi_memory()
+        rec["greedy"] = greedy_ids(server.base_url, mid, a.greedy_tokens)
+        if a.streams:
+            res = measure_run(server.base_url, mid, PROMPT, a.max_tokens // 2, a.streams)
+            rec["streams"] = {"n": a.streams, "tok_s": res.tok_s, "tokens": res.tokens}
+        rec["status"] = "ok"
+    except (ServerFailed, RequestFailed, OSError) as exc:
+        rec["status"] = "failed"
+        rec["error"] = str(exc)
+    finally:
+        server.stop(grace_s=30)
+        rec["wall_s"] = time.time() - t0
+        if log.exists():
+            rec["log"] = read_log(log)
+        (out_dir / f"{a.name}.json").write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("name")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--env", action="append", default=[], help="K=V for the server")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--greedy-tokens", type=int, default=64)
+    ap.add_argument("--streams", type=int, default=0)
+    ap.add_argument("--start-timeout", type=float, default=480)
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        ap.error("give the server command after --")
+    cut = argv.index("--")
+    a = ap.parse_args(argv[:cut])
+    a.argv = argv[cut + 1:]
+    rec = run_arm(a)
+    brief = {k: rec.get(k) for k in ("arm", "status", "start_s", "tok_s", "error")}
+    lg = rec.get("log") or {}
+    brief.update({k: lg.get(k) for k in ("kv_gib", "slots", "armed_layers", "memory_line",
+                                         "final", "trap")})
+    print(json.dumps(brief, indent=1))
+    return 0 if rec["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
