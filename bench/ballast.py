@@ -85,7 +85,10 @@ def start(leave_gib: float, device: int, timeout_s: float = 120.0) -> dict:
     proc = subprocess.Popen(
         [sys.executable, __file__, "hold", "--leave", str(leave_gib), "--device", str(device),
          "--ready", str(ready)],
-        stdin=subprocess.DEVNULL, start_new_session=True,
+        # never the caller's stdout: a pipe reader (`start | tee`) would wait for the
+        # holder, which lives until `stop`, and hang
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     t0 = time.time()
     while not ready.exists():

@@ -81,7 +81,8 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8
       SERVE=(serve "$MODEL" --vram "$GIB" -- --max-model-len 8192 --max-num-seqs "$SAFE"
              "${COMMON[@]}")
       if [ "$GIB" = 24 ]; then
-        arm floor24 --env EXPERT_CACHE_DISABLE=1 -- "$PY" -m expertcache_cli "${SERVE[@]}"
+        arm floor24 --runs "${FLOOR_RUNS:-5}" --env EXPERT_CACHE_DISABLE=1 \
+          -- "$PY" -m expertcache_cli "${SERVE[@]}"
       fi
       arm "cache$GIB" --streams 5 --env EXPERT_CACHE_STATS=480 \
         -- "$PY" -m expertcache_cli "${SERVE[@]}"
