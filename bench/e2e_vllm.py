@@ -67,11 +67,12 @@ ARMS: dict[str, tuple[bool, dict[str, str]]] = {
 
 # ----------------------------------------------------------------------------- the model
 def write_model(d: Path, layers: int, vocab_size: int = VOCAB,
-                quantization_config: dict | None = None) -> Path:
+                quantization_config: dict | None = None, context: int = 4096) -> Path:
     """config.json of the Qwen3-30B-A3B shape with ``layers`` layers, and a tokenizer.
 
     ``vocab_size`` 151936 is the real model's (embeddings and LM head then weigh what they
-    do in the checkpoints users download); ``quantization_config`` goes into config.json.
+    do in the checkpoints users download); ``quantization_config`` goes into config.json;
+    ``context`` 40960 is the real model's max_position_embeddings.
     """
     d.mkdir(parents=True, exist_ok=True)
     cfg = {
@@ -90,7 +91,7 @@ def write_model(d: Path, layers: int, vocab_size: int = VOCAB,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "vocab_size": vocab_size,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": context,
         "rope_theta": 1000000.0,
         "rms_norm_eps": 1e-6,
         "hidden_act": "silu",
@@ -122,7 +123,7 @@ def write_model(d: Path, layers: int, vocab_size: int = VOCAB,
     (d / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>",
-        "model_max_length": 4096,
+        "model_max_length": context,
     }))
     (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     return d

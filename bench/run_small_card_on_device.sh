@@ -59,7 +59,8 @@ for step in $STEPS; do
       device_vllm_setup || { echo "setup failed"; exit 1; } ;;
     ckpt)
       if [ ! -f $MODEL/model.safetensors.index.json ]; then
-        $PY bench/write_checkpoint.py $MODEL --layers 48 --format w8a8 --vocab 151936 2>&1 \
+        $PY bench/write_checkpoint.py $MODEL --layers 48 --format w8a8 --vocab 151936 \
+          --context 40960 2>&1 \
           | tail -3 | tee "$OUT/checkpoint.txt"
       fi
       [ -f /tmp/m8/config.json ] || $PY -c "import sys; sys.path.insert(0, 'bench'); \

@@ -24,7 +24,8 @@ Formats (``--format``):
 they do in the real checkpoint, 0.58 GiB each), so sizing it is sizing the real thing.
 
     python bench/write_checkpoint.py /tmp/model --layers 8
-    python bench/write_checkpoint.py /tmp/w8a8 --layers 48 --format w8a8 --vocab 151936
+    python bench/write_checkpoint.py /tmp/w8a8 --layers 48 --format w8a8 --vocab 151936 \
+        --context 40960
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
 
 
 def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
-          shard_bytes: int = 4 << 30) -> dict:
+          shard_bytes: int = 4 << 30, context: int = 4096) -> dict:
     """config + tokenizer (from the e2e bench) and safetensors shards with an index."""
     import json
 
@@ -131,7 +132,7 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
 
     if fmt not in FORMATS:
         raise SystemExit(f"--format {fmt!r}: choose from {', '.join(FORMATS)}")
-    shape.write_model(out, layers, vocab_size=vocab,
+    shape.write_model(out, layers, vocab_size=vocab, context=context,
                       quantization_config=w8a8_config() if fmt == "w8a8" else None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     weight_map: dict[str, str] = {}
@@ -166,9 +167,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--format", choices=FORMATS, default="bf16")
     ap.add_argument("--vocab", type=int, default=shape.VOCAB)
+    ap.add_argument("--context", type=int, default=4096, help="max_position_embeddings")
     a = ap.parse_args()
     t0 = time.time()
-    info = write(a.out, a.layers, a.format, a.vocab)
+    info = write(a.out, a.layers, a.format, a.vocab, context=a.context)
     print(f"wrote {info['tensors']} tensors, {info['bytes'] / 2**30:.2f} GiB in "
           f"{info['shards']} shards to {a.out} ({a.format}) in {time.time() - t0:.0f} s")
     return 0

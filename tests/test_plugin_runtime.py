@@ -388,11 +388,14 @@ def test_a_runner_that_cannot_count_slots_is_not_armed(monkeypatch, caplog):
     _fake_vllm_layout(monkeypatch)
     model = _ThreeLayers()
     caplog.set_level("INFO", logger="vllm.expertcache")
-    assert plugin._arm_worker(_worker(model, runner_attr=False), CacheConfig(slots=6),
-                              "0.26.0") is None
-    assert made == [] and "model_memory_usage is not a byte count" in caplog.text
-    assert "NOT armed" in caplog.text
+    worker = _worker(model, runner_attr=False)
+    sess = plugin._arm_worker(worker, CacheConfig(slots=6), "0.26.0")
+    assert made == [] and sess.armed == [] and sess.slot_bytes == 0
+    assert [d.action for d in sess.decisions] == ["decline"] * 3
+    assert "model_memory_usage is not a byte count" in sess.decisions[0].reason
+    assert "armed 0 of 3 MoE layers" in caplog.text and "not armed:" in caplog.text
     assert "forward_modular" not in vars(model.layers[0].experts)
+    assert not hasattr(worker.model_runner, "model_memory_usage")
 
 
 def test_read_through_decode_steps_are_counted_apart_and_the_line_parses(caplog):

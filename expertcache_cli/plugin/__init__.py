@@ -226,7 +226,6 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
         why = layout_refusal(RoutedExperts, FusedMoEKernel)
     except ImportError as exc:
         why = f"vLLM {version} has no RoutedExperts ({exc})"
-    why = why or memory.accounting_refusal(worker)
     if why:
         log.warning("expertcache: %s; the cache is NOT armed, serving on the stock path", why)
         return None
@@ -238,11 +237,13 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
             max_num_seqs=getattr(vc.scheduler_config, "max_num_seqs", None),
             model_name=str(getattr(vc.model_config, "model", "")) or None,
             capture_sizes=_capture_sizes(vc),
+            refusal=memory.accounting_refusal(worker),
         )
     except Exception as exc:
         log.exception("expertcache: arming failed (%s); serving on the stock path", exc)
         return None
-    session.weights_bytes = memory.count_as_weights(worker, session.slot_bytes)
+    if session.armed:  # (refused accounting declined every layer: nothing to count)
+        session.weights_bytes = memory.count_as_weights(worker, session.slot_bytes)
     register_session(session)
     return session
 

@@ -144,12 +144,19 @@ def _rank_suffix(path: str) -> str:
 
 def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
               max_num_seqs: int | None = None, model_name: str | None = None,
-              capture_sizes: list[int] | None = None) -> Session:
-    """Plan, build and install the caches of one loaded model; never raises."""
+              capture_sizes: list[int] | None = None, refusal: str | None = None) -> Session:
+    """Plan, build and install the caches of one loaded model; never raises.
+
+    ``refusal``: why no slot could be accounted for in vLLM's memory plan (`memory`);
+    every layer that would be armed is declined with it, before anything is allocated.
+    """
     from ..capture import padded
 
     layers = find_moe_layers(model)
     decisions = [plan_layer(module, cfg, name) for name, module in layers]
+    for d in decisions:
+        if refusal and d.action == ARM:
+            d.action, d.reason = DECLINE, refusal
     decode_tokens = padded(max_num_seqs, capture_sizes or []) if max_num_seqs else None
     armed: list[ArmedLayer] = []
     for decision, module in ((d, m) for d, (_, m) in zip(decisions, layers) if d.action == ARM):
