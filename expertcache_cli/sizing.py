@@ -788,8 +788,13 @@ def plan(
     per_slot = model.bytes_per_slot
     max_slots = max(0, min(model.num_experts, slot_budget // per_slot)) if slot_budget > 0 else 0
     fits_outright = slot_budget >= model.expert_bytes
-    need_util = (resident_need + model.expert_bytes) / (device * GiB)
-    util_fit = round(math.ceil(need_util * 100) / 100, 2) if need_util <= 0.99 else None
+    # fitting outright is a question about the card (at most 0.99 of it), answered in
+    # vLLM's terms: a fraction of the GPU it runs on
+    need_card = (resident_need + model.expert_bytes) / (vram_gb * GiB)
+    util_fit = None
+    if need_card <= 0.99:
+        util_fit = (math.ceil(need_card * vram_gb / device * 1e4) / 1e4 if device > vram_gb
+                    else round(math.ceil(need_card * 100) / 100, 2))
 
     forced = slots is not None or fraction is not None
     if fraction is not None:
@@ -835,7 +840,7 @@ def plan(
         verdict = "cache"
         text = f"cache at {planned} of {E} slots ({100 * planned / E:.0f}% of the experts)"
         if util_fit is not None and util_fit > gpu_memory_utilization and not forced:
-            text += f"; fits outright with --gpu-memory-utilization {util_fit:.2f}"
+            text += f"; fits outright with --gpu-memory-utilization {util_fit:g}"
 
     widest = capture.padded_batch(max_num_seqs, max_num_batched_tokens, graphs)
     trap_ids = widest * k

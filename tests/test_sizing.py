@@ -308,6 +308,12 @@ def test_a_gpu_bigger_than_the_card_gets_the_cards_share():
     assert args[args.index("--max-num-batched-tokens") + 1] == "2048"  # the card's default
     assert "--max-num-batched-tokens" not in card.vllm_args()
     assert any("share of a 139.80 GiB GPU" in n for n in share.notes)
+    # (on the H200, 0.22 of it would hold every expert: that is not a 24 GiB card)
+    assert share.utilization_to_fit_outright is None and "fits outright" not in share.verdict_text
+    roomy = sizing.plan(None, 40, max_model_len=8192, max_num_seqs=8, device_total_gib=139.8,
+                        gpu_memory_utilization=0.2)
+    assert roomy.verdict == "cache" and roomy.utilization_to_fit_outright is not None
+    assert 0.2 < roomy.utilization_to_fit_outright <= 0.99 * 40 / 139.8
     # a utilization the user gives is vLLM's: of the GPU
     given = sizing.plan(None, 24, max_model_len=8192, max_num_seqs=8,
                         gpu_memory_utilization=0.1, device_total_gib=139.8)
