@@ -248,6 +248,19 @@ def test_tile_lookup_sees_the_full_expert_count_only_inside_a_slot_bound_call():
     assert not patch_tile_lookup(object())
 
 
+class _ThreeLayers(torch.nn.Module):
+    """Three MoE layers; the middle one's quant method leaks full storage (declined)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList()
+        for i, leak in enumerate([False, True, False]):
+            block = torch.nn.Module()
+            block.experts = Experts(leak=leak, seed=i)
+            block.experts.layer_name = f"model.layers.{i}.mlp.experts"
+            self.layers.append(block)
+
+
 def test_arm_model_arms_declines_and_records_a_trace(tmp_path, monkeypatch, caplog):
     """The whole per-worker flow: plan, build, install, record, and close at shutdown."""
     import expertcache_cli.slotcache as slotcache_mod
@@ -255,18 +268,7 @@ def test_arm_model_arms_declines_and_records_a_trace(tmp_path, monkeypatch, capl
     from expertcache_cli.trace import load
 
     monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList()
-            for i, leak in enumerate([False, True, False]):
-                block = torch.nn.Module()
-                block.experts = Experts(leak=leak, seed=i)
-                block.experts.layer_name = f"model.layers.{i}.mlp.experts"
-                self.layers.append(block)
-
-    model = Model()
+    model = _ThreeLayers()
     cfg = CacheConfig(slots=6, trace_path=str(tmp_path / "t.npz"))
     caplog.set_level("INFO", logger="vllm.expertcache")
     sess = arm_model(model, cfg, "0.26.0", max_num_seqs=2, model_name="tiny")
@@ -324,19 +326,6 @@ def _worker(model, weights=1000, runner_attr=True, kv_cache_memory_bytes=None):
     return SimpleNamespace(model_runner=runner, vllm_config=vc,
                            cache_config=SimpleNamespace(
                                kv_cache_memory_bytes=kv_cache_memory_bytes))
-
-
-class _ThreeLayers(torch.nn.Module):
-    """Three MoE layers; the middle one's quant method leaks full storage (declined)."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList()
-        for i, leak in enumerate([False, True, False]):
-            block = torch.nn.Module()
-            block.experts = Experts(leak=leak, seed=i)
-            block.experts.layer_name = f"model.layers.{i}.mlp.experts"
-            self.layers.append(block)
 
 
 def test_slot_bytes_join_the_weights_vllm_plans_its_kv_cache_around(monkeypatch, caplog):
