@@ -21,7 +21,7 @@ pads nothing. A batch wider than the largest capture size runs eagerly, unpadded
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -83,8 +83,17 @@ def safe_max_num_seqs(slots: int, top_k: int, max_num_batched_tokens: int,
     Monotone in the batch (a smaller batch never pads wider), so checking the full
     batch of each candidate is enough; the capture sizes themselves depend on it.
     """
+    return _largest(slots, top_k, lambda n: padded_batch(n, max_num_batched_tokens, g))
+
+
+def safe_for_sizes(slots: int, top_k: int, sizes: Sequence[int]) -> int:
+    """The same, for capture sizes already fixed (the plugin reads vLLM's own)."""
+    return _largest(slots, top_k, lambda n: padded(n, sizes))
+
+
+def _largest(slots: int, top_k: int, padded_of: Callable[[int], int]) -> int:
     for n in range(slots // max(top_k, 1), 0, -1):
-        if padded_batch(n, max_num_batched_tokens, g) * top_k <= slots:
+        if padded_of(n) * top_k <= slots:
             return n
     return 0
 

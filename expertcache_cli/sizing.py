@@ -622,6 +622,41 @@ def runtime_overhead_bytes(model: ModelSize, max_num_seqs: int, max_num_batched_
     return FIXED_OVERHEAD_BYTES + logits + max_num_batched_tokens * per_tok
 
 
+def _card_budget(
+    vram_gb: float, device_total_gib: float | None, utilization: float | None
+) -> tuple[float, float, float, int, list[str]]:
+    """(card GiB, GPU GiB, vLLM's utilization, budget bytes, notes) for `plan`.
+
+    vLLM's utilization is a fraction of the GPU it runs on. On the card itself that is
+    the card; on a bigger GPU the card is a share of it, so the card's 0.9 becomes
+    ``0.9 x card / GPU`` (floored to 4 places), and a utilization the user gave is
+    vLLM's, of the GPU, and may not ask for more than the card.
+    """
+    notes: list[str] = []
+    device = float(device_total_gib) if device_total_gib else vram_gb
+    if device < vram_gb:
+        notes.append(f"this GPU has {device:.2f} GiB, less than --vram {vram_gb:g}: "
+                     f"sized for {device:.2f} GiB")
+        vram_gb = device
+    if utilization is None and device == vram_gb:
+        utilization = VLLM_DEFAULT_UTILIZATION
+    if utilization is None:
+        budget = int(vram_gb * GiB * VLLM_DEFAULT_UTILIZATION)
+        utilization = math.floor(budget / (device * GiB) * 1e4) / 1e4
+    else:
+        budget = int(device * GiB * utilization)
+        if budget > vram_gb * GiB * (1 + 1e-9):
+            raise UserError(
+                f"--gpu-memory-utilization {utilization:g} of this {device:.2f} GiB GPU is "
+                f"{budget / GiB:.2f} GiB, more than --vram {vram_gb:g}: leave the "
+                "utilization out and it is planned for the card"
+            )
+    if device > vram_gb:
+        notes.append(f"a {vram_gb:g} GiB share of a {device:.2f} GiB GPU: vLLM gets "
+                     f"--gpu-memory-utilization {utilization:g} ({budget / GiB:.2f} GiB)")
+    return vram_gb, device, utilization, budget, notes
+
+
 @dataclass
 class SizePlan:
     """A model on a card: the slot budget, the vLLM flags, the verdict, the trap."""
@@ -731,30 +766,8 @@ def plan(
         raise UserError(f"--vram must be positive GiB, got {vram_gb}")
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
         raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
-    notes_device: list[str] = []
-    device = float(device_total_gib) if device_total_gib else float(vram_gb)
-    if device < vram_gb:
-        notes_device.append(f"this GPU has {device:.2f} GiB, less than --vram {vram_gb:g}: "
-                            f"sized for {device:.2f} GiB")
-        vram_gb = device
-    if gpu_memory_utilization is None and device == vram_gb:
-        gpu_memory_utilization = VLLM_DEFAULT_UTILIZATION
-    if gpu_memory_utilization is None:  # the card's 0.9, as a fraction of the bigger GPU
-        budget = int(vram_gb * GiB * VLLM_DEFAULT_UTILIZATION)
-        gpu_memory_utilization = math.floor(budget / (device * GiB) * 1e4) / 1e4
-    else:
-        budget = int(device * GiB * gpu_memory_utilization)
-        if budget > vram_gb * GiB * (1 + 1e-9):
-            raise UserError(
-                f"--gpu-memory-utilization {gpu_memory_utilization:g} of this {device:.2f} GiB "
-                f"GPU is {budget / GiB:.2f} GiB, more than --vram {vram_gb:g}: leave the "
-                "utilization out and it is planned for the card"
-            )
-    if device > vram_gb:
-        notes_device.append(
-            f"a {vram_gb:g} GiB share of a {device:.2f} GiB GPU: vLLM gets "
-            f"--gpu-memory-utilization {gpu_memory_utilization:g} ({budget / GiB:.2f} GiB)"
-        )
+    vram_gb, device, gpu_memory_utilization, budget, notes_device = _card_budget(
+        float(vram_gb), device_total_gib, gpu_memory_utilization)
     graphs = graphs if graphs is not None else capture.settings_from_vllm_args([])
     if slots is not None and fraction is not None:
         raise UserError("give --slots or --fraction, not both")

@@ -255,14 +255,14 @@ def summary_line(
     if declined:
         parts.append(f"{len(declined)} declined (see warnings)")
     if max_num_seqs is not None and first.top_k:
-        from ..capture import padded
+        from ..capture import padded, safe_for_sizes
         from ..sizing import trap_text
 
         sizes = list(capture_sizes or [])
         k, slots = first.top_k, first.num_slots
         widest = padded(max_num_seqs, sizes)
         if widest * k > slots:
-            safe = next((n for n in range(slots // k, 0, -1) if padded(n, sizes) * k <= slots), 0)
+            safe = safe_for_sizes(slots, k, sizes)
             parts.append("TRAP: " + trap_text(max_num_seqs, widest, k, slots, safe,
                                               "vLLM's capture sizes").removeprefix(
                                                   "sizing trap: "))
