@@ -409,3 +409,38 @@ def test_read_through_decode_steps_are_counted_apart_and_the_line_parses(caplog)
     got = parse_stats_line(caplog.text)
     assert got["final"] and got["read_through_steps"] == 2
     assert got["read_through_decode_steps"] == 1 and got["layers"] == 1
+
+
+def test_rows_vllm_marks_as_padding_install_nothing_and_count_nothing(monkeypatch):
+    """Issue 10: vLLM's V2 runner marks CUDA-graph padding rows in
+    forward_context.is_padding; their ids must not reach the manager (no installs, no
+    requests), the real rows' outputs stay those of the stock path, and the rows the kernel
+    sees for padding are valid slots."""
+    import sys
+    import types
+
+    mask = torch.tensor([False, False, True])
+    fc = types.ModuleType("vllm.forward_context")
+    fc.is_forward_context_available = lambda: True
+    fc.get_forward_context = lambda: SimpleNamespace(is_padding=mask)
+    for name in ("vllm", "vllm.forward_context"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["vllm.forward_context"] = fc
+
+    layer = Experts(seed=4)
+    d = plan_layer(layer, CacheConfig(slots=6))
+    cache = RefSlotCache(d.num_experts, d.num_slots, {s.name: (s.shape, s.dtype) for s in d.specs})
+    seen: list[torch.Tensor] = []
+    step = cache.step
+    cache.step = lambda ids, src: seen.append(ids.clone()) or step(ids, src)
+    armed = ArmedLayer(layer, d, cache, index=0)
+    armed.install()
+    ids = torch.tensor([[1, 2], [2, 3], [14, 15]], dtype=torch.int32)  # row 2 is padding
+    w, x = torch.rand(3, TOPK), torch.randn(3, H)
+    got = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    assert seen[0].tolist() == [[1, 2], [2, 3], [-1, -1]]
+    assert np.flatnonzero(np.asarray(cache.ref.table) >= 0).tolist() == [1, 2, 3]  # no 14, 15
+    assert cache.stats.tolist() == [3, 3]  # requests: the 3 real distinct ids only
+    armed.uninstall()
+    want = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    assert torch.allclose(got[:2], want[:2], atol=1e-5)

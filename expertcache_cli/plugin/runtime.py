@@ -97,6 +97,32 @@ def patch_tile_lookup(module: Any) -> bool:
     return True
 
 
+def padding_mask_reader() -> Callable[[int], Any] | None:
+    """How to read which rows of this step are CUDA-graph/DP padding, if vLLM says.
+
+    vLLM's V2 model runner (the default in 0.33; opt-in in 0.26) marks padded rows in
+    ``forward_context.is_padding``, a device bool per token, filled before each step and
+    fixed in address, so reading it inside a captured graph is sound. Padded rows carry
+    the router's ids for garbage hidden states: fed to the manager they would install
+    experts nobody asked for and count as requests. The V1 runner sets nothing (None);
+    then the rows are served like real ones (their outputs are discarded by vLLM).
+    """
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+    except ImportError:
+        return None
+
+    def read(n: int) -> Any:
+        if not is_forward_context_available():
+            return None
+        mask = getattr(get_forward_context(), "is_padding", None)
+        if mask is None or mask.dim() != 1 or mask.shape[0] < n:
+            return None
+        return mask[:n]
+
+    return read
+
+
 class ArmError(RuntimeError):
     """Arming one layer failed; the layer stays on the stock path (message is logged)."""
 
@@ -138,6 +164,7 @@ class ArmedLayer:
         self._stock: Callable[..., Any] = layer.forward_modular
         self.slot_quant_config = self._build_slot_quant_config()
         self._failed = False
+        self._padding = padding_mask_reader()
 
     # -- rebinding ---------------------------------------------------------------
     def _swap_in(self) -> dict[str, Any]:
@@ -216,8 +243,12 @@ class ArmedLayer:
                 shared_experts=shared_experts, shared_experts_input=shared_experts_input,
             )
 
+        import torch
+
+        pad = self._padding(topk_ids.shape[0]) if self._padding is not None else None
+        ids = topk_ids if pad is None else torch.where(pad.unsqueeze(1), -1, topk_ids)
         if self.recorder is not None:
-            self.recorder.record(self.index, topk_ids)
+            self.recorder.record(self.index, ids)
         if self._failed or not self.cache.fits(topk_ids.numel()):
             self.read_through.add_(1)
             if self.decode_tokens is not None and topk_ids.shape[0] <= self.decode_tokens:
@@ -225,7 +256,9 @@ class ArmedLayer:
             return stock(topk_ids)
         params = self.layer._parameters
         try:
-            slot_ids = self.cache.step(topk_ids, {n: params[n] for n in self.names})
+            slot_ids = self.cache.step(ids, {n: params[n] for n in self.names})
+            if pad is not None:  # padded rows pass any valid slot; vLLM drops their output
+                slot_ids = torch.where(pad.unsqueeze(1), 0, slot_ids)
         except Exception as exc:  # refuse at the first call, never break serving
             self._failed = True
             log.error(
