@@ -60,7 +60,7 @@ for step in $STEPS; do
     ckpt)
       if [ ! -f $MODEL/model.safetensors.index.json ]; then
         $PY bench/write_checkpoint.py $MODEL --layers 48 --format w8a8 --vocab 151936 \
-          --context 40960 2>&1 \
+          --context 40960 --head-dim 128 2>&1 \
           | tail -3 | tee "$OUT/checkpoint.txt"
       fi
       [ -f /tmp/m8/config.json ] || $PY -c "import sys; sys.path.insert(0, 'bench'); \

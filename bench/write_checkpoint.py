@@ -20,12 +20,14 @@ Formats (``--format``):
   the router (``mlp.gate``) stay bf16, as the checkpoint's ``ignore`` list says. vLLM
   serves it with `CompressedTensorsW8A8Int8MoEMethod` (Triton int8 experts).
 
-``--vocab 151936`` gives the real model's vocabulary (embeddings and LM head weigh what
-they do in the real checkpoint, 0.58 GiB each), so sizing it is sizing the real thing.
+``--vocab 151936 --context 40960 --head-dim 128`` give the real model's vocabulary
+(embeddings and LM head weigh what they do in the real checkpoint, 0.58 GiB each),
+context and attention width (32 heads of 128: q 4096 wide, 96 KiB of KV a token), so
+sizing it is sizing the real thing.
 
     python bench/write_checkpoint.py /tmp/model --layers 8
     python bench/write_checkpoint.py /tmp/w8a8 --layers 48 --format w8a8 --vocab 151936 \
-        --context 40960
+        --context 40960 --head-dim 128
 """
 
 from __future__ import annotations
@@ -74,12 +76,13 @@ def w8a8_config() -> dict:
     }
 
 
-def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCAB):
+def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCAB,
+            head_dim: int | None = None):
     """(name, tensor) pairs in HF Qwen3-MoE naming, generated on ``device``, on the CPU."""
     import torch
 
     h, e, inter = shape.HIDDEN, shape.E, shape.MOE_INTER
-    hd = h // shape.HEADS
+    hd = head_dim or h // shape.HEADS
     q, kv = shape.HEADS * hd, shape.KV_HEADS * hd
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -123,7 +126,7 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
 
 
 def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
-          shard_bytes: int = 4 << 30, context: int = 4096) -> dict:
+          shard_bytes: int = 4 << 30, context: int = 4096, head_dim: int | None = None) -> dict:
     """config + tokenizer (from the e2e bench) and safetensors shards with an index."""
     import json
 
@@ -132,7 +135,7 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
 
     if fmt not in FORMATS:
         raise SystemExit(f"--format {fmt!r}: choose from {', '.join(FORMATS)}")
-    shape.write_model(out, layers, vocab_size=vocab, context=context,
+    shape.write_model(out, layers, vocab_size=vocab, context=context, head_dim=head_dim,
                       quantization_config=w8a8_config() if fmt == "w8a8" else None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     weight_map: dict[str, str] = {}
@@ -146,7 +149,7 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
         weight_map.update({name: fname for name in shard})
         shard.clear()
 
-    for name, t in tensors(layers, device, fmt, vocab):
+    for name, t in tensors(layers, device, fmt, vocab, head_dim):
         n = t.numel() * t.element_size()
         if size and size + n > shard_bytes:
             flush()
@@ -168,9 +171,11 @@ def main() -> int:
     ap.add_argument("--format", choices=FORMATS, default="bf16")
     ap.add_argument("--vocab", type=int, default=shape.VOCAB)
     ap.add_argument("--context", type=int, default=4096, help="max_position_embeddings")
+    ap.add_argument("--head-dim", type=int, default=None,
+                    help="attention head width (default hidden / heads; Qwen3-30B-A3B: 128)")
     a = ap.parse_args()
     t0 = time.time()
-    info = write(a.out, a.layers, a.format, a.vocab, context=a.context)
+    info = write(a.out, a.layers, a.format, a.vocab, context=a.context, head_dim=a.head_dim)
     print(f"wrote {info['tensors']} tensors, {info['bytes'] / 2**30:.2f} GiB in "
           f"{info['shards']} shards to {a.out} ({a.format}) in {time.time() - t0:.0f} s")
     return 0
