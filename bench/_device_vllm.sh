@@ -1,6 +1,6 @@
 # Sourced by the bench runners on the GPU box (bench/run_*_on_device.sh): the environment
 # vLLM runs in there, and `device_vllm_setup`, which installs the slim vLLM bundle
-# (../shared/device; its parts copied to /tmp/parts by earlier commands or carried in
+# (built by the project's device tooling; its parts copied to /tmp/parts by earlier commands or carried in
 # .devbundle/) when absent, then this package so that vLLM finds the plugin's entry point,
 # and records the machine in $OUT/env.txt. Returns 1 when the bundle will not install, 2
 # when only this package did not (the caller decides whether it can go on without it).

@@ -1,6 +1,6 @@
 """Replay sweep speed: LRU + LFU + OPT x slots {8,16,24,32} on an OLMoE-shaped trace.
 
-The goal (issue 2): <= 10 s wall on the 2-core CI-class machine for a trace of 51,112
+The goal: <= 10 s wall on the 2-core CI-class machine for a trace of 51,112
 steps x 16 layers x top-8 of 64 experts. The sweep is timed the way a user meets it: a
 fresh `python` process that imports the package and replays (compiled code loaded from
 numba's on-disk cache), and once more with an empty cache (first use ever, compile

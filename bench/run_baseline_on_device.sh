@@ -6,7 +6,7 @@
 # script is re-entrant: run it again (same machine, still warm) and it goes on with
 # `--resume` from the results file in /tmp/bl. Each call: write the checkpoint if absent,
 # install the vLLM bundle if absent (parts p0..p3 copied to /tmp/parts by earlier calls or
-# carried with this one, see ../shared/device), run baseline until BL_SECONDS, stop it
+# carried with this one, see bench/_device_vllm.sh), run baseline until BL_SECONDS, stop it
 # with SIGINT (it stops its server and keeps every finished run), copy results to $OUT.
 # BL_NAME (default h200) names the results file; BL_PLAN replaces the arms/rounds, e.g. the
 # shutdown check in bench/RESULTS.md:

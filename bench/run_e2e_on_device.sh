@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM end-to-end proof on the GPU box, in one command (after the bundle parts p0, p1
 # were copied to /tmp/parts by earlier commands; p2 and p3 travel with this one):
-#   install the slim vLLM 0.26.0 bundle (../shared/device), install this package (so vLLM
+#   install the slim vLLM 0.26.0 bundle (.devbundle/, see bench/_device_vllm.sh), install this package (so vLLM
 #   finds the plugin's entry point), run bench/e2e_vllm.py. Everything lands in $OUT.
 set -uo pipefail
 OUT="${OUT:-out}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10 on the GPU box: the cache on cards that really are too small, emulated on the
+# On the GPU box: the cache on cards that really are too small, emulated on the
 # H200 with bench/ballast.py, for the brief's own model (Qwen3-30B-A3B shape, 48 layers,
 # W8A8 INT8 as compressed-tensors, per-layer seeded routers, real vocabulary).
 #

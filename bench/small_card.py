@@ -1,4 +1,4 @@
-"""One server of the small-card proof (issue 10): start it, measure it, read its log.
+"""One server of the small-card proof: start it, measure it, read its log.
 
 `bench/run_small_card_on_device.sh` calls this once per arm, with the server command
 (`expertcache serve ...` for the cache and floor arms on the emulated card, plain `vllm

@@ -12,7 +12,7 @@ from token to token. Shapes come from `bench/e2e_vllm.py` (one source for the be
 
 Formats (``--format``):
 
-- ``bf16``: plain weights, as the issue-5/6 benches used.
+- ``bf16``: plain weights, as the e2e and baseline benches use.
 - ``w8a8``: the layout users download as "W8A8 INT8" for Qwen3-30B-A3B (llm-compressor's
   compressed-tensors ``int-quantized`` format): every linear layer of attention and of
   the experts as int8 ``weight`` with a per-output-channel ``weight_scale`` [out, 1],

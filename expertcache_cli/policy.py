@@ -1,4 +1,6 @@
-"""The reference cache: the one place the slot-cache rules of DESIGN section 2 are written.
+"""The reference cache: the one place the slot-cache rules are written in code.
+
+The rules are stated in docs/design.md, The cache rules.
 
 Everything else is checked against this module: the compiled replay engine
 (`engine.py`) must agree with it step by step, and the CUDA manager kernel must agree
@@ -6,7 +8,7 @@ with it on every field after every step. It is deliberately written as plain,
 per-step Python so that a reader can hold it against the design text line by line;
 speed lives elsewhere.
 
-Rules, per layer and per step (DESIGN section 2):
+Rules, per layer and per step (docs/design.md, The cache rules):
 
 1. ``step += 1``.
 2. ``R`` = distinct ids with ``0 <= id < E``. If ``|R| > max_distinct`` the step is a
@@ -173,7 +175,7 @@ class LayerCache:
         return self.step(ids)
 
     def step(self, ids: Sequence[int] | np.ndarray) -> StepResult:
-        """Apply one manager step (DESIGN section 2) to the routing ids of one forward."""
+        """Apply one manager step (docs/design.md, The cache rules) to one forward's ids."""
         t = self.forwards  # index of this forward in `future`
         self.forwards += 1
         self.step_count += 1

@@ -5,8 +5,9 @@ Each preset is the part of the model's real Hugging Face ``config.json`` that si
 format the preset stands for. Keeping the numbers here, rather than fetching configs,
 means sizing works offline and on a laptop, which is where people ask "will it fit?".
 
-The default preset is the seed's model: Qwen3-30B-A3B with W8A8 (int8 weights, one fp32
-scale per output channel, as llm-compressor's INT8 scheme writes it for vLLM).
+The default preset is the model the AMD original (vllm-expert-cache) measured:
+Qwen3-30B-A3B with W8A8 (int8 weights, one fp32 scale per output channel, as llm-
+compressor's INT8 scheme writes it for vLLM).
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ PRESETS: dict[str, Preset] = {
             "Qwen/Qwen3-30B-A3B (W8A8)",
             _QWEN3_30B,
             "w8a8",
-            "the seed's model: int8 weights, fp32 per-channel scales",
+            "the AMD original's model: int8 weights, fp32 per-channel scales",
         ),
         Preset("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", _QWEN3_30B, "bf16"),
         Preset("qwen3-30b-a3b-fp8", "Qwen/Qwen3-30B-A3B-FP8", _QWEN3_30B, "fp8-block"),

@@ -1,8 +1,9 @@
 """Replay a routing trace under policies and budgets: the library behind `expertcache replay`.
 
-Counting misses is the deterministic way to compare policies (DESIGN section 6): no
-server, no timing noise, and it measures exactly what the cache controls. The numbers
-here are the ones a user sizes a deployment from, so each is defined once:
+Counting misses is the deterministic way to compare policies (docs/design.md, Measuring
+without fooling ourselves): no server, no timing noise, and it measures exactly what the
+cache controls. The numbers here are the ones a user sizes a deployment from, so each is
+defined once:
 
 - ``requests``: distinct valid ids over all layer-steps (what a layer needs resident).
 - ``installs``: experts the cache gathered into slots (what the kernel counts live).

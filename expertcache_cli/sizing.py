@@ -1,4 +1,4 @@
-"""How many expert slots fit on a card, and what to tell vLLM (DESIGN section 5).
+"""How many expert slots fit on a card, and what to tell vLLM (docs/design.md, The sizing model).
 
 Two layers:
 
@@ -743,7 +743,7 @@ def plan(
     graphs: capture.GraphSettings | None = None,
     device_total_gib: float | None = None,
 ) -> SizePlan:
-    """Size the cache for ``model_spec`` on a card of ``vram_gb`` GiB (DESIGN section 5).
+    """Size the cache for ``model_spec`` on a ``vram_gb`` GiB card (docs/design.md, sizing).
 
     Defaults are vLLM's: ``max_model_len`` = the model's context, ``max_num_seqs`` and
     ``max_num_batched_tokens`` as `vllm serve` chooses for the card, utilisation 0.9.

@@ -1,13 +1,13 @@
 """One MoE layer's slot cache on the device: the object the vLLM plugin drives.
 
-A `SlotCache` owns the device state of DESIGN section 2 (table, slot_expert, prio, step),
-the miss list, two statistics counters and one slot buffer ``[S, *shape]`` per
-per-expert tensor (weights, scales, zero points, biases: every tensor indexed by the
-expert id, so that all of them are rebound together). `step` runs the manager and the
-gather on torch's current stream and returns the routing ids in slot space; it never
-synchronises with the device, and its pointers are stable for the object's life, so a
-vLLM CUDA graph can capture it. Sources are read fresh on every call, because vLLM's
-offloader moves the expert tensors to host memory after loading.
+A `SlotCache` owns the device state of docs/design.md, The cache rules (table,
+slot_expert, prio, step), the miss list, two statistics counters and one slot buffer
+``[S, *shape]`` per per-expert tensor (weights, scales, zero points, biases: every
+tensor indexed by the expert id, so that all of them are rebound together). `step` runs
+the manager and the gather on torch's current stream and returns the routing ids in slot
+space; it never synchronises with the device, and its pointers are stable for the
+object's life, so a vLLM CUDA graph can capture it. Sources are read fresh on every
+call, because vLLM's offloader moves the expert tensors to host memory after loading.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Routing trace files (DESIGN section 4): load, validate, save.
+"""Routing trace files (docs/design.md, The routing trace format): load, validate, save.
 
 A trace is what the plugin records from a live server and what `replay` consumes, so
 validation is strict and its errors are one readable line: a user handing us a wrong

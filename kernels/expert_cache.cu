@@ -1,4 +1,4 @@
-// expert_cache.cu: the device side of the expert slot cache (DESIGN section 2 and 3).
+// expert_cache.cu: the device side of the expert slot cache (docs/design.md, The cache rules and The kernel contract).
 //
 // Two kernels run per MoE layer per forward, on the caller's stream, with no host sync:
 //

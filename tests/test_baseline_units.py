@@ -340,7 +340,7 @@ def test_stats_line_parsing(tmp_path):
         "requests": 51648,
         "installs": 26330,
         "read_through_steps": 12,
-        "read_through_decode_steps": None,  # a plugin from before issue 10
+        "read_through_decode_steps": None,  # a plugin older than the decode-width count
         "layers": 8,
         "final": False,
     }
@@ -500,7 +500,7 @@ def test_recovered_share_needs_a_penalty_to_recover():
 
 
 def test_vram_on_a_bigger_gpu_gives_every_arm_the_cards_share():
-    """Issue 10: `baseline --vram 24` on the H200 runs every arm as the 24 GiB card would
+    """`baseline --vram 24` on the H200 runs every arm as the 24 GiB card would
     (vLLM's utilization is of the whole GPU); flags the user gave are left alone."""
     from expertcache_cli import sizing
     from expertcache_cli.baseline.sizing_bridge import offload_from_vram

@@ -329,7 +329,7 @@ def _worker(model, weights=1000, runner_attr=True, kv_cache_memory_bytes=None):
 
 
 def test_slot_bytes_join_the_weights_vllm_plans_its_kv_cache_around(monkeypatch, caplog):
-    """Issue 10: vLLM's KV sizing reads model_runner.model_memory_usage as the weights; the
+    """vLLM's KV sizing reads model_runner.model_memory_usage as the weights; the
     slots must be in it (else the KV cache takes their memory), exactly their bytes, and a
     declined layer adds nothing."""
     import expertcache_cli.plugin as plugin
@@ -412,7 +412,7 @@ def test_read_through_decode_steps_are_counted_apart_and_the_line_parses(caplog)
 
 
 def test_rows_vllm_marks_as_padding_install_nothing_and_count_nothing(monkeypatch):
-    """Issue 10: vLLM's V2 runner marks CUDA-graph padding rows in
+    """vLLM's V2 runner marks CUDA-graph padding rows in
     forward_context.is_padding; their ids must not reach the manager (no installs, no
     requests), the real rows' outputs stay those of the stock path, and the rows the kernel
     sees for padding are valid slots."""

@@ -144,7 +144,7 @@ def test_cli_bad_input_is_one_line_and_exit_2():
 
 
 def test_a_card_emulated_on_a_bigger_gpu_gets_its_share_of_it():
-    """Issue 10: `serve --vram 24` on the H200 (139.8 GiB): vLLM's utilization is of the
+    """`serve --vram 24` on the H200 (139.8 GiB): vLLM's utilization is of the
     whole GPU, so the plan passes the card's 0.9 x 24 GiB as 0.1545, and the small card's
     batch default (2048 tokens) instead of the one vLLM would pick for an H200 (8192)."""
     args = ["--max-num-seqs", "4", "--max-model-len", "8192"]

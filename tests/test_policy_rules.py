@@ -1,4 +1,4 @@
-"""Hand-worked sequences for every rule of DESIGN section 2, against the reference engine."""
+"""Hand-worked sequences for every rule of docs/design.md (The cache rules), on the reference."""
 
 from __future__ import annotations
 

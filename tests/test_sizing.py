@@ -28,7 +28,7 @@ def cfg(name: str) -> Path:
     return CONFIGS / name
 
 
-# --------------------------------------------------------------------------- the seed's model
+# ------------------------------------------------------------- the AMD original's model
 
 
 def test_default_is_qwen3_30b_w8a8_and_its_expert_bytes():
@@ -40,7 +40,7 @@ def test_default_is_qwen3_30b_w8a8_and_its_expert_bytes():
     assert m.bytes_per_expert == 3_145_728 + 6_144 + 1_572_864 + 8_192 == 4_732_928
     assert m.bytes_per_slot == 4_732_928 * 48 == 227_180_544
     assert m.expert_bytes == 227_180_544 * 128 == 29_079_109_632
-    # the seed: "~27 GB of experts (128 x ~212 MB)": its GB are GiB, 27.08 GiB / 128
+    # the AMD original: "~27 GB of experts (128 x ~212 MB)": its GB are GiB, 27.08 GiB / 128
     assert 27.0 < m.expert_bytes / GiB < 27.2
     assert 0.21 < m.bytes_per_slot / GiB < 0.213
     # non-expert: embed + lm_head bf16 2*151936*2048*2 = 1,244,659,712
@@ -48,7 +48,7 @@ def test_default_is_qwen3_30b_w8a8_and_its_expert_bytes():
     #   = 18,903,040; q/k norm 2*128*2 = 512; 2 norms 8,192; router 128*2048*2 = 524,288
     #   = 19,436,032 x 48 = 932,929,536; final norm 4,096
     assert m.non_expert_bytes == 1_244_659_712 + 932_929_536 + 4_096 == 2_177_593_344
-    # the seed's "~3 GB else" is the bf16-attention figure; W8A8 attention makes it ~2 GiB
+    # its "~3 GB else" is the bf16-attention figure; W8A8 attention makes it ~2 GiB
     assert 1.9 < m.non_expert_bytes / GiB < 3.1
     # KV: 48 layers x 2 (K,V) x 4 heads x 128 x 2 B
     assert m.kv_bytes_per_token == 48 * 2 * 4 * 128 * 2 == 98_304
@@ -84,7 +84,7 @@ def test_seed_table_40_gib_fits_outright():
 
 def test_seed_table_32_gib_fits_outright_once_utilisation_allows():
     # weights 29.11 GiB + 0.99 runtime + 0.375 KV = 30.47 GiB: more than 32 x 0.90 = 28.8,
-    # less than 32 x 0.96 = 30.72. The seed's "fits outright" holds at 0.96, and the tool
+    # less than 32 x 0.96 = 30.72. The AMD original's "fits outright" holds at 0.96, and the tool
     # says so instead of pretending 0.9 is enough.
     at_default = sizing.plan(None, 32, max_model_len=4096)
     assert at_default.verdict == "cache" and at_default.slots < 128
@@ -274,7 +274,7 @@ def test_trap_flagged_and_safe_max_num_seqs():
 
 
 def test_the_trap_counts_the_batch_vllm_pads_to_a_cuda_graph():
-    """Issue 10: 84 slots, top-8: 10 sequences pad to 16 in 0.26 (128 ids > 84), not in
+    """84 slots, top-8: 10 sequences pad to 16 in 0.26 (128 ids > 84), not in
     0.31+ (which captures max_num_seqs itself) and not when vLLM runs eagerly."""
     model = sizing.load_model(None)
     kw = dict(max_model_len=8192, max_num_seqs=10, slots=84)
@@ -477,7 +477,7 @@ def test_cli_json_one_object():
 
 
 def test_cli_reads_vllm_flags_after_the_double_dash_as_serve_does():
-    """`size ... -- VLLM ARGS` plans as `serve` would for the same flags (issue 10: the
+    """`size ... -- VLLM ARGS` plans as `serve` would for the same flags (the
     slot count `serve` arms is the one `size` printed), CUDA-graph padding included."""
     from expertcache_cli.plugin.launch import make_plan
 

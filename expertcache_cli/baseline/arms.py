@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 
-#: Environment variables the plugin reads (issue 5). Kept here so the arms and the docs agree.
+#: Environment variables the plugin reads. Kept here so the arms and the docs agree.
 ENV_DISABLE = "EXPERT_CACHE_DISABLE"
 ENV_SLOTS = "EXPERT_CACHE_SLOTS"
 ENV_POLICY = "EXPERT_CACHE_POLICY"

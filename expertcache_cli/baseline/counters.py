@@ -7,7 +7,7 @@ and once more at shutdown (`expertcache_cli/plugin/session.py`, ``Session.report
     installs=26330 read-through steps=12 (decode-width 0) over 8 layers)
 
 (the decode-width count, read-through steps no wider than a full decode batch, is new in
-the plugin of issue 10; lines without it still parse, with that count None)
+the plugin's counters line since 2026-12; older lines still parse, with that count None)
 
 This module is the one place that knows that line's shape, so a change of format is one
 edit here (tests/test_baseline_units.py pins it). The latest line in a log is the

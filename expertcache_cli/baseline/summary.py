@@ -1,7 +1,7 @@
 """Summarise a results file the way the measurement deserves.
 
 The unit of replication is the server process: runs inside one server agree far more
-closely than servers do (the seed saw 0.02 tok/s within a server against 1.5 tok/s
+closely than servers do (the AMD original saw 0.02 tok/s within a server against 1.5 tok/s
 between restarts). So an arm's number is the mean of its restart means, its interval
 comes from the spread between restarts, and the within-server spread is shown beside it
 only to make the difference visible.

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..policy import Policy
 
-#: every variable the plugin reads, with a one-line meaning (README `environment` section)
+#: every variable the plugin reads, with a one-line meaning (README and docs/plugin.md)
 ENV_VARS: dict[str, str] = {
     "EXPERT_CACHE_SLOTS": "slots per MoE layer (an integer, 1 <= S < experts)",
     "EXPERT_CACHE_FRACTION": "slots per layer as a fraction of the experts (0 < F < 1)",

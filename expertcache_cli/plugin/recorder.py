@@ -104,7 +104,8 @@ class TraceRecorder:
             self.drain()
 
     def save(self, path: str | Path, live: dict[str, Any] | None = None) -> Path | None:
-        """Drain and write the trace (DESIGN section 4); live counters go beside it as JSON."""
+        """Drain and write the trace (docs/design.md, The routing trace format); the live
+        counters go beside it as JSON."""
         from ..trace import Trace, save
 
         self.drain()
