@@ -174,7 +174,7 @@ def run_arm(name: str, model_dir: Path, out: Path, tokens: int, layers: int,
     import torch
     from vllm import LLM, SamplingParams
 
-    from expertcache_cli.plugin import launch
+    from expertcache_cli import launch
     from expertcache_cli.plugin import session as ec_session
 
     rec: dict = {"arm": name, "offload": offload, "env": env, "layers": layers}

@@ -214,12 +214,12 @@ class LibraryKernels(Kernels):
     backend = "library"
 
     def __init__(self, path: str | Path) -> None:
-        from . import kernel_build
+        from . import config, kernel_build
 
         path = Path(path)
         if not path.is_file():
             raise kernel_build.KernelBuildError(
-                f"{kernel_build.LIB_ENV}={path}: no such file (build it with kernels/build.sh "
+                f"{config.LIB}={path}: no such file (build it with kernels/build.sh "
                 "or `expertcache build-kernels --library`)"
             )
         missing = kernel_build.missing_entry_points(
@@ -406,9 +406,9 @@ def get_kernels(device_index: int) -> Kernels:
     with _LOCK:
         k = _LOADED.get(device_index)
         if k is None:
-            from .kernel_build import LIB_ENV
+            from .config import LIB
 
-            lib = os.environ.get(LIB_ENV)
+            lib = os.environ.get(LIB)
             k = LibraryKernels(lib) if lib else NvrtcKernels(device_index)
             _LOADED[device_index] = k
         return k

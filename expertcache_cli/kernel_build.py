@@ -34,8 +34,6 @@ KERNEL_ENTRY_POINTS = ("expert_cache_manage_kernel", "expert_cache_gather_kernel
 AOT_ARCHS = (80, 86, 89, 90, 100, 120)
 SOURCE_FILES = ("expert_cache.cu", "ec_compat.h")
 NVRTC_OPTIONS = ("-std=c++17", "-DEC_KERNELS_ONLY=1")
-#: environment variable naming a prebuilt shared library (skips NVRTC)
-LIB_ENV = "EXPERT_CACHE_LIB"
 
 
 class KernelBuildError(UserError):

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import budget as rules
 from . import capture
 from .errors import UserError
 from .presets import DEFAULT_PRESET, PRESETS, find_preset
@@ -594,15 +595,6 @@ def plan_kwargs_from_vllm_args(args: Sequence[str]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the plan
 
 
-def slots_from_fraction(fraction: float, num_experts: int) -> int:
-    """Slots for ``fraction`` of ``num_experts``, rounded half up, at least 1.
-
-    The one rule for a fractional budget: `size --fraction`, `serve --fraction` and the
-    plugin's ``EXPERT_CACHE_FRACTION`` all count slots with it, so they agree.
-    """
-    return max(1, int(math.floor(fraction * num_experts + 0.5)))
-
-
 def vllm_defaults(vram_gib: float) -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) that `vllm serve` picks on a card this big."""
     return (1024, 8192) if vram_gib >= _BIG_CARD_GIB else (256, 2048)
@@ -771,10 +763,16 @@ def plan(
     graphs = graphs if graphs is not None else capture.settings_from_vllm_args([])
     if slots is not None and fraction is not None:
         raise UserError("give --slots or --fraction, not both")
-    if fraction is not None and not 0 < fraction <= 1:
-        raise UserError(f"--fraction must be in (0, 1], got {fraction}")
+    if fraction is not None:
+        try:
+            rules.check_fraction(fraction)
+        except ValueError as exc:
+            raise UserError(f"--fraction: {exc}") from None
     if slots is not None and not 0 <= slots <= model.num_experts:
         raise UserError(f"--slots must be between 0 and {model.num_experts} (the expert count)")
+    if slots is not None and rules.MAX_SLOTS < slots < model.num_experts:
+        raise UserError(f"--slots {slots}: the cache kernel holds at most {rules.MAX_SLOTS} "
+                        "slots a layer")
     d_seqs, d_batched = vllm_defaults(vram_gb)
     max_model_len = int(max_model_len or model.max_position_embeddings)
     max_num_seqs = int(max_num_seqs or d_seqs)
@@ -811,7 +809,7 @@ def plan(
 
     forced = slots is not None or fraction is not None
     if fraction is not None:
-        slots = slots_from_fraction(fraction, model.num_experts)
+        slots = rules.slots_from_fraction(fraction, model.num_experts)
     planned = int(slots) if forced else max_slots
     notes = list(model.notes) + notes_device
     E, k = model.num_experts, model.top_k
@@ -851,6 +849,10 @@ def plan(
         planned = 0
     else:
         verdict = "cache"
+        if planned > rules.slot_limit(E):
+            planned = rules.slot_limit(E)
+            notes.append(f"the cache kernel holds at most {rules.MAX_SLOTS} slots a layer: "
+                         f"planned {planned}, though more fit")
         text = f"cache at {planned} of {E} slots ({100 * planned / E:.0f}% of the experts)"
         if util_fit is not None and util_fit > gpu_memory_utilization and not forced:
             text += f"; fits outright with --gpu-memory-utilization {util_fit:g}"
@@ -861,7 +863,7 @@ def plan(
     safe = (capture.safe_max_num_seqs(planned, k, max_num_batched_tokens, graphs)
             if verdict == "cache" else 0)
     if trap:
-        notes.append(trap_text(max_num_seqs, widest, k, planned, safe, graphs.source))
+        notes.append(rules.trap_text(max_num_seqs, widest, k, planned, safe, graphs.source))
     if not model.aligned:
         bad = [t.name for t in model.expert_tensors if not t.aligned]
         notes.append(f"per-expert tensors not a multiple of 16 bytes ({', '.join(bad)}): "
@@ -914,18 +916,6 @@ def plan(
         utilization_to_fit_outright=util_fit,
         aligned=model.aligned,
         notes=notes,
-    )
-
-
-def trap_text(max_num_seqs: int, padded: int, top_k: int, slots: int, safe: int,
-              graphs: str) -> str:
-    """The one wording of the sizing trap (size, serve and the plugin's startup line)."""
-    batch = (f"a full batch of {max_num_seqs} seqs runs as {padded} (CUDA-graph padding, "
-             f"{graphs})" if padded != max_num_seqs else f"a full batch of {max_num_seqs} seqs")
-    return (
-        f"sizing trap: {batch} x top_k {top_k} = {padded * top_k} ids > {slots} slots: "
-        f"batched decode steps bypass the cache silently; --max-num-seqs {safe} keeps every "
-        "decode step on it"
     )
 
 

@@ -37,7 +37,14 @@ def test_parse_arms_kinds_and_env():
     assert env["EXPERT_CACHE_SLOTS"] == "64" and env["EXPERT_CACHE_POLICY"] == "lfu"
     assert env["EXPERT_CACHE_STATS"] == "100"
     assert env["EXPERT_CACHE_DISABLE"] is None  # an inherited DISABLE must not leak in
-    assert c32.env()["EXPERT_CACHE_POLICY"] is None
+    assert c32.env()["EXPERT_CACHE_POLICY"] == "lru"  # the plugin's default, stated
+    # every inherited variable that would change what an arm measures or writes is
+    # removed (an inherited DECAY stops LRU servers at startup; TRACE makes arms share a file)
+    for arm in arms:
+        env = arm.env()
+        for name in ("EXPERT_CACHE_DECAY", "EXPERT_CACHE_TRACE", "EXPERT_CACHE_FRACTION"):
+            assert name in env and env[name] is None, (arm.name, name)
+    assert off.env()["EXPERT_CACHE_STATS"] is None and "EXPERT_CACHE_LIB" not in off.env()
 
 
 @pytest.mark.parametrize("bad", ["", "cache", "cache:0", "cache:x", "resident,resident", "gpu"])

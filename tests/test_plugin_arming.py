@@ -14,8 +14,8 @@ from plugin_standins import (
     UnquantizedFusedMoEMethod,
 )
 
+from expertcache_cli.config import CacheConfig, from_env
 from expertcache_cli.plugin.arming import ARM, DECLINE, SKIP, plan_layer, summary_line
-from expertcache_cli.plugin.config import CacheConfig, from_env
 from expertcache_cli.plugin.session import find_moe_layers, layer_index
 
 CFG = CacheConfig(slots=32)

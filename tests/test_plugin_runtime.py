@@ -20,8 +20,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="no torch: the plugin runtime tests need torch")
 
+from expertcache_cli.config import CacheConfig  # noqa: E402
 from expertcache_cli.plugin.arming import ARM, plan_layer  # noqa: E402
-from expertcache_cli.plugin.config import CacheConfig  # noqa: E402
 from expertcache_cli.plugin.runtime import ArmedLayer, ArmError, patch_tile_lookup  # noqa: E402
 from expertcache_cli.policy import LayerCache, Policy  # noqa: E402
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from expertcache_cli.errors import UserError
-from expertcache_cli.plugin.launch import flag_value, make_plan, sizing_overrides
+from expertcache_cli.launch import flag_value, make_plan, sizing_overrides
 
 MODEL = "Qwen/Qwen3-30B-A3B"  # bf16 preset: 128 experts, top-8, 48 MoE layers
 VLLM = ["vllm"]
@@ -105,7 +105,7 @@ def test_environment_fraction_is_replaced_by_the_planned_slots():
               environ={"EXPERT_CACHE_FRACTION": "0.5", "EXPERT_CACHE_DISABLE": "1"})
     assert p.env["EXPERT_CACHE_FRACTION"] == ""  # the plugin reads '' as unset
     assert any("control run" in n for n in p.notes)
-    from expertcache_cli.plugin.config import from_env
+    from expertcache_cli.config import from_env
 
     cfg = from_env({"EXPERT_CACHE_FRACTION": "0.5", **p.env})
     assert cfg.slots == p.size.slots and cfg.fraction is None
@@ -138,7 +138,8 @@ def test_cli_dry_run_prints_the_command():
 def test_cli_bad_input_is_one_line_and_exit_2():
     r = _cli("serve", MODEL, "--vram", "24", "--dry-run", "--policy", "fifo")
     assert r.returncode == 2
-    assert r.stderr.strip() == "expertcache: error: --policy 'fifo': choose lru or lfu"
+    assert r.stderr.strip() == ("expertcache: error: --policy 'fifo': choose lru or lfu (opt "
+                                "needs the future: it exists only in `expertcache replay`)")
     r = _cli("serve", MODEL, "--vram", "24", "--dry-run")  # vLLM's 256 seqs: the trap
     assert r.returncode == 2 and "sizing trap" in r.stderr and "Traceback" not in r.stderr
 

@@ -333,7 +333,7 @@ def test_forced_slots_and_fraction():
 
 
 def test_a_fraction_counts_the_same_slots_in_size_and_in_the_plugin():
-    from expertcache_cli.plugin.config import CacheConfig
+    from expertcache_cli.config import CacheConfig
 
     f = 20.5 / 128  # exactly half a slot: rounded up by both (round() would give 20)
     assert sizing.plan(None, 24, max_model_len=4096, fraction=f).slots == 21
@@ -479,7 +479,7 @@ def test_cli_json_one_object():
 def test_cli_reads_vllm_flags_after_the_double_dash_as_serve_does():
     """`size ... -- VLLM ARGS` plans as `serve` would for the same flags (the
     slot count `serve` arms is the one `size` printed), CUDA-graph padding included."""
-    from expertcache_cli.plugin.launch import make_plan
+    from expertcache_cli.launch import make_plan
 
     flags = ["--max-model-len", "8192", "--max-num-seqs", "8", "--enforce-eager"]
     d = json.loads(_cli("--vram", "24", "--json", "--", *flags).stdout)

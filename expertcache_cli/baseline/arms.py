@@ -9,15 +9,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .. import config
+from ..config import CacheConfig
 from ..errors import UserError
-
-#: Environment variables the plugin reads. Kept here so the arms and the docs agree.
-ENV_DISABLE = "EXPERT_CACHE_DISABLE"
-ENV_SLOTS = "EXPERT_CACHE_SLOTS"
-ENV_POLICY = "EXPERT_CACHE_POLICY"
-ENV_STATS = "EXPERT_CACHE_STATS"
-#: Variables that, inherited from the caller's shell, would change what an arm means.
-ENV_CACHE_KNOBS = (ENV_DISABLE, ENV_SLOTS, ENV_POLICY, "EXPERT_CACHE_FRACTION")
+from ..policy import Policy
 
 _CACHE_RE = re.compile(r"^cache:(\d+)(?::(lru|lfu))?$")
 
@@ -44,17 +39,17 @@ class Arm:
         """Environment overrides for this arm's server; ``None`` means "remove".
 
         The resident and offload arms disable the plugin outright, so they are the stock
-        server; cache arms drop any inherited knob that would change the budget.
+        server; every arm drops any inherited ``EXPERT_CACHE_*`` variable that would change
+        what it measures or writes (`config.MEANING`: an inherited DECAY would stop every
+        cache server at startup, an inherited TRACE make them all write one file).
         """
-        env: dict[str, str | None] = {k: None for k in ENV_CACHE_KNOBS}
+        env: dict[str, str | None] = {k: None for k in config.MEANING}
         if self.kind == "cache":
-            env[ENV_SLOTS] = str(self.slots)
-            if self.policy:
-                env[ENV_POLICY] = self.policy
-            if stats_every:
-                env[ENV_STATS] = str(stats_every)
+            cfg = CacheConfig(slots=self.slots, policy=Policy.parse(self.policy or "lru"),
+                              stats_every=stats_every or 0)
         else:
-            env[ENV_DISABLE] = "1"
+            cfg = CacheConfig(disabled=True)
+        env.update(cfg.to_env())
         return env
 
     def server_args(

@@ -33,11 +33,11 @@ PLACEHOLDERS = ("model", "host", "port", "python", "arm", "arm_args", "vllm_args
 def default_template() -> str:
     """``vllm serve`` started the way `expertcache serve` starts it, as a template.
 
-    `plugin.launch.vllm_command` is the one place that decides: the ``vllm`` script where
+    `launch.vllm_command` is the one place that decides: the ``vllm`` script where
     it exists, else the same CLI through this python (the project's device bundle and some
     CPU builds have no working script). Braces in its paths are escaped for the template.
     """
-    from ..plugin.launch import vllm_command
+    from ..launch import vllm_command
 
     launcher = shlex.join(vllm_command()).replace("{", "{{").replace("}", "}}")
     return launcher + " serve {model} --host {host} --port {port} {arm_args} {vllm_args}"

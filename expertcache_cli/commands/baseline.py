@@ -77,7 +77,7 @@ def _plugin_warnings(arms: list, server_cmd: str | None) -> list[str]:
     """Reasons the cache arms might silently run without the plugin, checked up front."""
     import os
 
-    from ..plugin.launch import plugin_installed
+    from ..launch import plugin_installed
 
     if not any(a.kind == "cache" for a in arms):
         return []

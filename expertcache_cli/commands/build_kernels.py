@@ -16,7 +16,7 @@ from pathlib import Path
 
 import typer
 
-from .. import kernel_build
+from .. import config, kernel_build
 from ..errors import DeviceUnavailable, UserError
 from . import parse_int_list
 
@@ -92,15 +92,15 @@ def build_kernels(
             f"{time.perf_counter() - t0:.1f} s; exports "
             f"{', '.join(kernel_build.LIBRARY_ENTRY_POINTS)}"
         )
-        print(f"use it with: export {kernel_build.LIB_ENV}={out.resolve()}")
+        print(f"use it with: export {config.LIB}={out.resolve()}")
         return
-    lib_env = os.environ.get(kernel_build.LIB_ENV)
+    lib_env = os.environ.get(config.LIB)
     if lib_env and not arch:
         # The runtime will use this library, not NVRTC: check that one instead.
         from ..binding import ABI_VERSION, LibraryKernels
 
         LibraryKernels(lib_env)  # checks the file, its exports and its ABI version
-        print(f"{kernel_build.LIB_ENV}={lib_env}: exports "
+        print(f"{config.LIB}={lib_env}: exports "
               f"{', '.join(kernel_build.LIBRARY_ENTRY_POINTS)}, kernel ABI {ABI_VERSION} "
               "(NVRTC is not used while it is set)")
         if self_test:

@@ -8,7 +8,7 @@ import sys
 import typer
 from rich.console import Console
 
-from ..plugin.launch import make_plan, plugin_installed
+from ..launch import make_plan, plugin_installed
 
 console = Console(stderr=True)
 

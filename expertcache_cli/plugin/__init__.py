@@ -25,9 +25,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from ..config import CacheConfig, ConfigError, from_env
 from . import memory
 from .compat import layout_refusal, version_refusal
-from .config import CacheConfig, ConfigError, from_env
 
 log = logging.getLogger("vllm.expertcache")
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
+from ..config import CacheConfig
 from .compat import KNOWN_EXPERTS, NON_EXPERT_TENSORS
-from .config import CacheConfig
 
 ARM, SKIP, DECLINE = "arm", "skip", "decline"
 
@@ -255,8 +255,8 @@ def summary_line(
     if declined:
         parts.append(f"{len(declined)} declined (see warnings)")
     if max_num_seqs is not None and first.top_k:
+        from ..budget import trap_text
         from ..capture import padded, safe_for_sizes
-        from ..sizing import trap_text
 
         sizes = list(capture_sizes or [])
         k, slots = first.top_k, first.num_slots

@@ -14,8 +14,8 @@ import atexit
 import logging
 from typing import Any
 
+from ..config import CacheConfig
 from .arming import ARM, DECLINE, Decision, plan_layer, summary_line
-from .config import CacheConfig
 from .runtime import ArmedLayer
 
 log = logging.getLogger("vllm.expertcache")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from expertcache_cli.config import ENV_VARS, CacheConfig, ConfigError, from_env
 from expertcache_cli.errors import UserError
 from expertcache_cli.plugin.compat import layout_refusal, parse_version, version_refusal
-from expertcache_cli.plugin.config import ENV_VARS, CacheConfig, ConfigError, from_env
 from expertcache_cli.policy import Policy
 
 

@@ -1,34 +1,51 @@
-"""The plugin's configuration, read from the environment.
+"""The plugin's configuration and its environment contract: the one module that knows the
+``EXPERT_CACHE_*`` variables, reading them (`from_env`) and writing them (`CacheConfig.to_env`).
 
 Why the environment: the plugin runs inside vLLM's processes (API server, engine core,
 workers), which we do not launch ourselves and whose command line we cannot extend.
-Environment variables reach every one of them. This module is pure Python so that the
-parsing rules are tested on CPU, and a bad value fails at ``vllm serve`` startup with a
-single line naming the variable, instead of deep inside a worker.
+Environment variables reach every one of them. `serve`, `baseline` and the kernel loader
+take the names from here, so a variable is spelled, parsed and documented once. This
+module is pure Python so that the parsing rules are tested on CPU, and a bad value fails
+at ``vllm serve`` startup with a single line naming the variable, instead of deep inside
+a worker.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UserError
-from ..policy import Policy
+from . import budget
+from .errors import UserError
+from .policy import Policy
+
+SLOTS = "EXPERT_CACHE_SLOTS"
+FRACTION = "EXPERT_CACHE_FRACTION"
+POLICY = "EXPERT_CACHE_POLICY"
+DECAY = "EXPERT_CACHE_DECAY"
+DISABLE = "EXPERT_CACHE_DISABLE"
+LIB = "EXPERT_CACHE_LIB"
+STATS = "EXPERT_CACHE_STATS"
+TRACE = "EXPERT_CACHE_TRACE"
 
 #: every variable the plugin reads, with a one-line meaning (README and docs/plugin.md)
 ENV_VARS: dict[str, str] = {
-    "EXPERT_CACHE_SLOTS": "slots per MoE layer (an integer, 1 <= S < experts)",
-    "EXPERT_CACHE_FRACTION": "slots per layer as a fraction of the experts (0 < F < 1)",
-    "EXPERT_CACHE_POLICY": "replacement policy: lru (default) or lfu",
-    "EXPERT_CACHE_DECAY": "LFU only: halve every priority each N steps of a layer (0 = never)",
-    "EXPERT_CACHE_DISABLE": "1 = do not arm any layer (the control arm; stock offload path)",
-    "EXPERT_CACHE_LIB": "path of a prebuilt kernel library (.so) instead of the NVRTC build",
-    "EXPERT_CACHE_STATS": "log the live hit rate every N layer-steps (syncs the device)",
-    "EXPERT_CACHE_TRACE": "record the routing of every armed layer into this .npz at exit",
+    SLOTS: "slots per MoE layer (an integer, 1 <= S < experts)",
+    FRACTION: "slots per layer as a fraction of the experts (0 < F < 1)",
+    POLICY: "replacement policy: lru (default) or lfu",
+    DECAY: "LFU only: halve every priority each N steps of a layer (0 = never)",
+    DISABLE: "1 = do not arm any layer (the control arm; stock offload path)",
+    LIB: "path of a prebuilt kernel library (.so) instead of the NVRTC build",
+    STATS: "log the live hit rate every N layer-steps (syncs the device)",
+    TRACE: "record the routing of every armed layer into this .npz at exit",
 }
+
+#: the variables that change what a server measures or writes: a launcher that states a
+#: configuration (`baseline`'s arms) clears every one it does not set. (LIB only picks
+#: where the same kernels come from.)
+MEANING = (SLOTS, FRACTION, POLICY, DECAY, DISABLE, STATS, TRACE)
 
 #: slots as a fraction of the experts when neither SLOTS nor FRACTION is given
 DEFAULT_FRACTION = 0.25
@@ -69,24 +86,48 @@ class CacheConfig:
         if self.slots is not None:
             s = self.slots
         else:
-            from ..sizing import slots_from_fraction  # here: not on every process's import
-
             frac = DEFAULT_FRACTION if self.fraction is None else self.fraction
-            s = slots_from_fraction(frac, num_experts)
+            s = budget.slots_from_fraction(frac, num_experts)
         if s >= num_experts:
             raise ValueError(
                 f"slot budget {s} is not below the layer's {num_experts} experts "
                 "(nothing to cache: do not offload the experts instead)"
+            )
+        if s > budget.MAX_SLOTS:
+            raise ValueError(
+                f"slot budget {s} is above the cache kernel's limit of {budget.MAX_SLOTS} a layer"
             )
         return s
 
     def budget_text(self) -> str:
         """How the budget was asked for, as the startup line states it."""
         if self.slots is not None:
-            return f"{self.slots} slots/layer (EXPERT_CACHE_SLOTS)"
+            return f"{self.slots} slots/layer ({SLOTS})"
         if self.fraction is not None:
-            return f"{self.fraction:g} of experts/layer (EXPERT_CACHE_FRACTION)"
+            return f"{self.fraction:g} of experts/layer ({FRACTION})"
         return f"{DEFAULT_FRACTION:g} of experts/layer (default)"
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that make `from_env` read this configuration back (unset fields
+        are left out: the plugin's defaults apply)."""
+        env: dict[str, str] = {}
+        if self.disabled:
+            env[DISABLE] = "1"
+        if self.slots is not None:
+            env[SLOTS] = str(self.slots)
+        if self.fraction is not None:
+            env[FRACTION] = repr(self.fraction)
+        if not self.disabled:
+            env[POLICY] = self.policy.name.lower()
+        if self.decay:
+            env[DECAY] = str(self.decay)
+        if self.lib:
+            env[LIB] = self.lib
+        if self.stats_every:
+            env[STATS] = str(self.stats_every)
+        if self.trace_path:
+            env[TRACE] = self.trace_path
+        return env
 
 
 def _int(env: Mapping[str, str], name: str, lo: int) -> int | None:
@@ -114,61 +155,45 @@ def _bool(env: Mapping[str, str], name: str) -> bool:
 def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
     """Parse and validate the EXPERT_CACHE_* variables; ConfigError names the bad one."""
     env = os.environ if env is None else env
-    disabled = _bool(env, "EXPERT_CACHE_DISABLE")
+    disabled = _bool(env, DISABLE)
 
-    slots = _int(env, "EXPERT_CACHE_SLOTS", 1)
+    slots = _int(env, SLOTS, 1)
     fraction: float | None = None
-    raw_frac = env.get("EXPERT_CACHE_FRACTION")
+    raw_frac = env.get(FRACTION)
     if raw_frac is not None and raw_frac.strip() != "":
         try:
-            fraction = float(raw_frac)
+            fraction = budget.check_fraction(float(raw_frac))
         except ValueError:
             raise ConfigError(
-                f"EXPERT_CACHE_FRACTION={raw_frac!r}: expected a number between 0 and 1"
+                f"{FRACTION}={raw_frac!r}: expected a number between 0 and 1 (exclusive)"
             ) from None
-        if not (0.0 < fraction < 1.0) or math.isnan(fraction):
-            raise ConfigError(
-                f"EXPERT_CACHE_FRACTION={raw_frac!r}: expected a number between 0 and 1 "
-                "(exclusive)"
-            )
     if slots is not None and fraction is not None:
-        raise ConfigError(
-            "EXPERT_CACHE_SLOTS and EXPERT_CACHE_FRACTION are both set: give one budget"
-        )
+        raise ConfigError(f"{SLOTS} and {FRACTION} are both set: give one budget")
 
-    raw_policy = env.get("EXPERT_CACHE_POLICY", "").strip()
+    raw_policy = env.get(POLICY, "").strip()
+    decay = _int(env, DECAY, 0) or 0
     try:
-        policy = Policy.parse(raw_policy) if raw_policy else Policy.LRU
-    except ValueError:
-        policy = None  # type: ignore[assignment]
-    if policy not in (Policy.LRU, Policy.LFU):
-        raise ConfigError(
-            f"EXPERT_CACHE_POLICY={raw_policy!r}: choose lru or lfu "
-            "(opt needs the future: it exists only in `expertcache replay`)"
-        )
-
-    decay = _int(env, "EXPERT_CACHE_DECAY", 0) or 0
+        policy = budget.online_policy(raw_policy or None)[0]
+    except ValueError as exc:
+        raise ConfigError(f"{POLICY}={raw_policy!r}: {exc}") from None
     if decay and policy is not Policy.LFU:
         raise ConfigError(
-            f"EXPERT_CACHE_DECAY={decay} only applies to EXPERT_CACHE_POLICY=lfu "
-            f"(policy is {policy.name.lower()})"
+            f"{DECAY}={decay} only applies to {POLICY}=lfu (policy is {policy.name.lower()})"
         )
 
-    lib = env.get("EXPERT_CACHE_LIB", "").strip() or None
+    lib = env.get(LIB, "").strip() or None
     if lib is not None and not Path(lib).is_file():
-        raise ConfigError(f"EXPERT_CACHE_LIB={lib!r}: no such file")
+        raise ConfigError(f"{LIB}={lib!r}: no such file")
 
-    stats_every = _int(env, "EXPERT_CACHE_STATS", 0) or 0
+    stats_every = _int(env, STATS, 0) or 0
 
-    trace_path = env.get("EXPERT_CACHE_TRACE", "").strip() or None
+    trace_path = env.get(TRACE, "").strip() or None
     if trace_path is not None:
         if not trace_path.endswith(".npz"):
-            raise ConfigError(f"EXPERT_CACHE_TRACE={trace_path!r}: the file name must end in .npz")
+            raise ConfigError(f"{TRACE}={trace_path!r}: the file name must end in .npz")
         parent = Path(trace_path).expanduser().resolve().parent
         if not parent.is_dir():
-            raise ConfigError(
-                f"EXPERT_CACHE_TRACE={trace_path!r}: directory {parent} does not exist"
-            )
+            raise ConfigError(f"{TRACE}={trace_path!r}: directory {parent} does not exist")
 
     return CacheConfig(
         disabled=disabled,

@@ -18,10 +18,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .. import sizing
-from ..errors import UserError
-from ..policy import Policy
-from .config import TRUE_WORDS
+from . import budget, config, sizing
+from .config import TRUE_WORDS, CacheConfig
+from .errors import UserError
 
 #: flags serve sets itself; given by the user, the user's value wins (noted in the plan)
 _OWNED_FLAGS = ("--cpu-offload-gb", "--cpu-offload-params", "--gpu-memory-utilization",
@@ -80,18 +79,14 @@ def make_plan(
 
     environ = os.environ if environ is None else environ
     try:
-        pol = Policy.parse(policy)
-    except ValueError:
-        pol = None  # type: ignore[assignment]
-    if pol not in (Policy.LRU, Policy.LFU):
-        raise UserError(f"--policy {policy!r}: choose lru or lfu")
-    if decay < 0:
-        raise UserError(f"--decay must be >= 0, got {decay}")
-    if decay and pol is not Policy.LFU:
-        raise UserError("--decay applies to --policy lfu only")
-    # (--slots with --fraction is refused by sizing.plan, with the same words)
-    if fraction is not None and not 0 < fraction < 1:
-        raise UserError(f"--fraction must be between 0 and 1 (exclusive), got {fraction}")
+        pol = budget.online_policy(policy)[0]
+    except ValueError as exc:
+        raise UserError(f"--policy {policy!r}: {exc}") from None
+    try:
+        budget.online_policy(pol, decay)
+    except ValueError as exc:
+        raise UserError(f"--decay {decay}: {exc}") from None
+    # (--slots with --fraction, and the fraction's range, are refused by sizing.plan)
     args = list(vllm_args)
     if args and args[0] == "--":
         args = args[1:]
@@ -100,29 +95,25 @@ def make_plan(
         device_total_gib=device_total_gib, **sizing_overrides(args)
     )
     notes = list(size.notes)
-    env: dict[str, str] = {}
     own: list[str] = []
     if size.verdict == "does_not_fit":
         raise UserError(f"{size.model} on {vram_gb:g} GiB: {size.verdict_text}")
     if size.verdict == "fits_outright":
         notes.append("every expert fits in VRAM: serving without offload, the cache stays off")
-        env["EXPERT_CACHE_DISABLE"] = "1"
+        env = CacheConfig(disabled=True).to_env()
     elif size.verdict == "offload_no_cache":
         notes.append("too little VRAM for even top_k slots: experts offloaded, the cache off")
-        env["EXPERT_CACHE_DISABLE"] = "1"
+        env = CacheConfig(disabled=True).to_env()
     else:
         if size.trap and not allow_trap:
             raise UserError(
-                sizing.trap_text(size.max_num_seqs, size.padded_batch, size.top_k, size.slots,
+                budget.trap_text(size.max_num_seqs, size.padded_batch, size.top_k, size.slots,
                                  size.safe_max_num_seqs, size.graphs).replace(
                     "keeps every decode step on it",
                     "keeps every decode step on it (pass it after --), or --allow-trap to "
                     "serve anyway")
             )
-        env["EXPERT_CACHE_SLOTS"] = str(size.slots)
-        env["EXPERT_CACHE_POLICY"] = pol.name.lower()
-        if decay:
-            env["EXPERT_CACHE_DECAY"] = str(decay)
+        env = CacheConfig(slots=size.slots, policy=pol, decay=decay).to_env()
     planned = size.vllm_args()
     for flag, value in zip(planned[::2], planned[1::2]):
         given = flag_value(args, flag) if flag in _OWNED_FLAGS else None
@@ -131,14 +122,14 @@ def make_plan(
                 notes.append(f"{flag} {given} given by you replaces the planned {value}")
             continue
         own += [flag, value]
-    if "EXPERT_CACHE_SLOTS" in env and environ.get("EXPERT_CACHE_FRACTION", "").strip():
-        env["EXPERT_CACHE_FRACTION"] = ""  # one budget only: the plan's slots win
-        notes.append("EXPERT_CACHE_FRACTION from your environment is replaced by the planned slots")
+    if config.SLOTS in env and environ.get(config.FRACTION, "").strip():
+        env[config.FRACTION] = ""  # one budget only: the plan's slots win
+        notes.append(f"{config.FRACTION} from your environment is replaced by the planned slots")
     if (
-        "EXPERT_CACHE_DISABLE" not in env
-        and environ.get("EXPERT_CACHE_DISABLE", "").strip().lower() in TRUE_WORDS
+        config.DISABLE not in env
+        and environ.get(config.DISABLE, "").strip().lower() in TRUE_WORDS
     ):
-        notes.append("EXPERT_CACHE_DISABLE=1 in your environment: the cache will not arm "
+        notes.append(f"{config.DISABLE}=1 in your environment: the cache will not arm "
                      "(the control run)")
     argv = [*(launcher or vllm_command()), "serve", model, *own, *args]
     return ServePlan(model=model, size=size, env=env, argv=argv, notes=notes)

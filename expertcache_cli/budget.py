@@ -1,0 +1,71 @@
+"""The slot budget's rules, in one place: what `size`, `serve`, `baseline` and the plugin
+all obey, so they cannot disagree.
+
+- a fraction of the experts becomes slots rounded half up, at least 1, and must lie in
+  (0, 1): a budget of every expert is what not offloading does, without the cache's work;
+- slots must be below the layer's expert count and within the kernel's limit
+  (``binding.MAX_SLOTS``; the manager keeps its state in one block's shared memory);
+- the online policies are LRU and LFU; a decay applies to LFU only (Belady's optimum needs
+  the future and exists only in replay);
+- the sizing trap is worded once (`trap_text`); how a batch is padded is `capture`.
+
+Functions raise ``ValueError`` with the rule in words and without naming the input; each
+caller puts its own option or variable in front (``--policy`` on the command line,
+``EXPERT_CACHE_POLICY`` in vLLM).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .binding import MAX_EXPERTS, MAX_SLOTS
+from .policy import Policy
+
+__all__ = ["MAX_EXPERTS", "MAX_SLOTS", "check_fraction", "online_policy", "slot_limit",
+           "slots_from_fraction", "trap_text"]
+
+
+def check_fraction(fraction: float) -> float:
+    """The fraction itself, or ValueError when it is not strictly between 0 and 1."""
+    if math.isnan(fraction) or not 0.0 < fraction < 1.0:
+        raise ValueError(f"{fraction:g} is not a fraction between 0 and 1 (exclusive)")
+    return fraction
+
+
+def slots_from_fraction(fraction: float, num_experts: int) -> int:
+    """Slots for ``fraction`` of ``num_experts``, rounded half up, at least 1."""
+    return max(1, int(math.floor(fraction * num_experts + 0.5)))
+
+
+def slot_limit(num_experts: int) -> int:
+    """The most slots a layer of ``num_experts`` may have: below E, within the kernel."""
+    return max(0, min(num_experts - 1, MAX_SLOTS))
+
+
+def online_policy(name: str | Policy | None, decay: int = 0) -> tuple[Policy, int]:
+    """(policy, decay) for a cache that runs live: LRU or LFU, decay >= 0 and LFU only."""
+    try:
+        policy = Policy.parse(name) if name not in (None, "") else Policy.LRU
+    except ValueError:
+        policy = None  # type: ignore[assignment]
+    if policy not in (Policy.LRU, Policy.LFU):
+        raise ValueError(
+            "choose lru or lfu (opt needs the future: it exists only in `expertcache replay`)"
+        )
+    if decay < 0:
+        raise ValueError(f"decay {decay} must be >= 0")
+    if decay and policy is not Policy.LFU:
+        raise ValueError(f"a decay applies to lfu only (the policy is {policy.name.lower()})")
+    return policy, decay
+
+
+def trap_text(max_num_seqs: int, padded: int, top_k: int, slots: int, safe: int,
+              graphs: str) -> str:
+    """The one wording of the sizing trap (size, serve and the plugin's startup line)."""
+    batch = (f"a full batch of {max_num_seqs} seqs runs as {padded} (CUDA-graph padding, "
+             f"{graphs})" if padded != max_num_seqs else f"a full batch of {max_num_seqs} seqs")
+    return (
+        f"sizing trap: {batch} x top_k {top_k} = {padded * top_k} ids > {slots} slots: "
+        f"batched decode steps bypass the cache silently; --max-num-seqs {safe} keeps every "
+        "decode step on it"
+    )
