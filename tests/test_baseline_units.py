@@ -522,3 +522,16 @@ def test_vram_on_a_bigger_gpu_gives_every_arm_the_cards_share():
     mine = offload_from_vram(sizing, "qwen3-30b-a3b-w8a8", 24,
                              [*args, "--max-num-batched-tokens", "512"], device_total_gib=139.8)
     assert mine.share_args == ["--gpu-memory-utilization", "0.1545"]
+
+
+def test_arm_warnings_word_the_trap_as_size_does():
+    from expertcache_cli import sizing
+    from expertcache_cli.baseline.sizing_bridge import offload_from_vram
+
+    p = offload_from_vram(sizing, "qwen3-30b-a3b-w8a8", 24,
+                          ["--max-num-seqs", "8", "--max-model-len", "8192", "--enforce-eager"])
+    got = p.arm_warnings(parse_arms("offload,cache:4,cache:40,cache:80,cache:120"), 1)
+    assert got[0].startswith("cache:4: 1 stream(s) x top_k 8 = 8 ids per decode step exceed 4")
+    assert got[1].startswith("cache:40: sizing trap: a full batch of 8 seqs x top_k 8 = 64 ids "
+                             "> 40 slots") and "--max-num-seqs 5" in got[1]
+    assert got[2] == f"cache:120: only {p.max_slots} slots fit" and len(got) == 3

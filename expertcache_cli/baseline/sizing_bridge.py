@@ -6,9 +6,11 @@ The baseline must serve its offload arms with the same ``--cpu-offload-gb`` that
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
+from .. import capture
 from ..errors import UserError
 
 
@@ -16,12 +18,39 @@ from ..errors import UserError
 class OffloadPlan:
     cpu_offload_gb: float
     top_k: int
-    trap_ids: int  # max_num_seqs x top_k
+    padded_batch: int  # a full decode batch as vLLM runs it (CUDA-graph padding)
+    max_num_seqs: int
     max_slots: int
     text: str
     #: vLLM flags every arm needs to run as the card would on a bigger GPU (its share of
     #: the GPU's memory, the card's batch default), those the user did not give
     share_args: list[str] = field(default_factory=list)
+    graphs: str = ""
+    #: the largest safe --max-num-seqs for a slot count, as `size` computes it
+    safe_for: Callable[[int], int] = lambda slots: 0
+
+    def arm_warnings(self, arms: list, concurrency: int) -> list[str]:
+        """What a careful engineer would say about each cache arm's slots before running:
+        too many to fit, too few for the streams each run sends, or below the trap."""
+        from ..budget import trap_text
+
+        out = []
+        k = self.top_k
+        for arm in (a for a in arms if a.kind == "cache"):
+            if arm.slots > self.max_slots:
+                out.append(f"{arm.name}: only {self.max_slots} slots fit")
+            if arm.slots < concurrency * k:
+                out.append(
+                    f"{arm.name}: {concurrency} stream(s) x top_k {k} = {concurrency * k} ids "
+                    f"per decode step exceed {arm.slots} slots: every step reads through, the "
+                    "cache cannot engage"
+                )
+            elif arm.slots < self.padded_batch * k:
+                out.append(f"{arm.name}: " + trap_text(
+                    self.max_num_seqs, self.padded_batch, k, arm.slots,
+                    self.safe_for(arm.slots), self.graphs)
+                    + " (this test's runs send fewer streams and will not show it)")
+        return out
 
 
 def offload_from_vram(
@@ -29,8 +58,8 @@ def offload_from_vram(
     device_total_gib: float | None = None,
 ) -> OffloadPlan:
     """The plan's ``--cpu-offload-gb``; refuses when offload would mean nothing."""
-    p = sizing.plan(model, vram_gb=vram, device_total_gib=device_total_gib,
-                    **sizing.plan_kwargs_from_vllm_args(vllm_args))
+    kwargs = sizing.plan_kwargs_from_vllm_args(vllm_args)
+    p = sizing.plan(model, vram_gb=vram, device_total_gib=device_total_gib, **kwargs)
     if p.verdict == "does_not_fit":
         raise UserError(f"--vram {vram:g}: {p.verdict_text}")
     if p.fits_outright or p.cpu_offload_gb <= 0:
@@ -41,10 +70,15 @@ def offload_from_vram(
     return OffloadPlan(
         cpu_offload_gb=float(p.cpu_offload_gb),
         top_k=int(p.top_k),
-        trap_ids=int(p.trap_ids),
+        padded_batch=int(p.padded_batch),
+        max_num_seqs=int(p.max_num_seqs),
         max_slots=int(p.max_slots),
         text=p.verdict_text,
         share_args=_share_args(sizing, p, vllm_args),
+        graphs=p.graphs,
+        safe_for=lambda slots: capture.safe_max_num_seqs(
+            slots, p.top_k, p.max_num_batched_tokens,
+            kwargs.get("graphs") or capture.settings_from_vllm_args([])),
     )
 
 

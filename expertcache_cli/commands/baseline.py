@@ -53,23 +53,8 @@ def _vram_offload(model: str, vram: float, vllm_args: list[str], arms: list, con
     if p.share_args:
         share = " ".join(p.share_args)
         err.print(f"--vram {vram:g} is a share of this GPU: every arm gets {share}")
-    for arm in arms:
-        if arm.kind != "cache":
-            continue
-        if arm.slots > p.max_slots:
-            err.print(f"[yellow]warning:[/yellow] {arm.name}: only {p.max_slots} slots fit")
-        if arm.slots < concurrency * p.top_k:
-            err.print(
-                f"[yellow]warning:[/yellow] {arm.name}: {concurrency} stream(s) x top_k "
-                f"{p.top_k} = {concurrency * p.top_k} ids per decode step exceed {arm.slots} "
-                "slots: every step reads through, the cache cannot engage"
-            )
-        elif arm.slots < p.trap_ids:
-            err.print(
-                f"[yellow]warning:[/yellow] {arm.name}: below max_num_seqs x top_k = "
-                f"{p.trap_ids}: batched traffic beyond {arm.slots // p.top_k} sequences "
-                "bypasses the cache (this single-stream-per-run test will not show it)"
-            )
+    for warning in p.arm_warnings(arms, concurrency):
+        err.print(f"[yellow]warning:[/yellow] {warning}")
     return p.cpu_offload_gb, p.share_args
 
 
