@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import budget, config, sizing
+from . import budget, config, sizing, vllm_flags
 from .config import TRUE_WORDS, CacheConfig
 from .errors import UserError
 
@@ -28,8 +28,8 @@ _OWNED_FLAGS = ("--cpu-offload-gb", "--cpu-offload-params", "--gpu-memory-utiliz
 
 
 # One reader of the user's vLLM flags, shared with `baseline`: it lives with `sizing.plan`.
-flag_value = sizing.vllm_flag_value
-sizing_overrides = sizing.plan_kwargs_from_vllm_args
+flag_value = vllm_flags.vllm_flag_value
+sizing_overrides = vllm_flags.plan_kwargs_from_vllm_args
 
 
 def vllm_command() -> list[str]:
@@ -118,7 +118,7 @@ def make_plan(
     for flag, value in zip(planned[::2], planned[1::2]):
         given = flag_value(args, flag) if flag in _OWNED_FLAGS else None
         if given is not None:
-            if flag not in sizing.VLLM_PLAN_FLAGS:
+            if flag not in vllm_flags.VLLM_PLAN_FLAGS:
                 notes.append(f"{flag} {given} given by you replaces the planned {value}")
             continue
         own += [flag, value]

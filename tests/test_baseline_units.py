@@ -509,26 +509,26 @@ def test_recovered_share_needs_a_penalty_to_recover():
 def test_vram_on_a_bigger_gpu_gives_every_arm_the_cards_share():
     """`baseline --vram 24` on the H200 runs every arm as the 24 GiB card would
     (vLLM's utilization is of the whole GPU); flags the user gave are left alone."""
-    from expertcache_cli import sizing
+
     from expertcache_cli.baseline.sizing_bridge import offload_from_vram
 
     args = ["--max-num-seqs", "4", "--max-model-len", "8192"]
-    card = offload_from_vram(sizing, "qwen3-30b-a3b-w8a8", 24, args)
+    card = offload_from_vram("qwen3-30b-a3b-w8a8", 24, args)
     assert card.share_args == []
-    share = offload_from_vram(sizing, "qwen3-30b-a3b-w8a8", 24, args, device_total_gib=139.8)
+    share = offload_from_vram("qwen3-30b-a3b-w8a8", 24, args, device_total_gib=139.8)
     assert share.share_args == ["--gpu-memory-utilization", "0.1545",
                                 "--max-num-batched-tokens", "2048"]
     assert share.cpu_offload_gb == card.cpu_offload_gb
-    mine = offload_from_vram(sizing, "qwen3-30b-a3b-w8a8", 24,
+    mine = offload_from_vram("qwen3-30b-a3b-w8a8", 24,
                              [*args, "--max-num-batched-tokens", "512"], device_total_gib=139.8)
     assert mine.share_args == ["--gpu-memory-utilization", "0.1545"]
 
 
 def test_arm_warnings_word_the_trap_as_size_does():
-    from expertcache_cli import sizing
+
     from expertcache_cli.baseline.sizing_bridge import offload_from_vram
 
-    p = offload_from_vram(sizing, "qwen3-30b-a3b-w8a8", 24,
+    p = offload_from_vram("qwen3-30b-a3b-w8a8", 24,
                           ["--max-num-seqs", "8", "--max-model-len", "8192", "--enforce-eager"])
     got = p.arm_warnings(parse_arms("offload,cache:4,cache:40,cache:80,cache:120"), 1)
     assert got[0].startswith("cache:4: 1 stream(s) x top_k 8 = 8 ids per decode step exceed 4")

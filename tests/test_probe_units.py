@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from expertcache_cli import probe, sizing
+from expertcache_cli import model_size, probe
 from expertcache_cli.policy import LayerCache, Policy
 
 
@@ -83,7 +83,7 @@ def test_pcie_link_text(tmp_path):
 
 
 def test_decode_ceilings_by_hand():
-    m = sizing.load_model()  # Qwen3-30B-A3B W8A8
+    m = model_size.load_model()  # Qwen3-30B-A3B W8A8
     d = probe.decode_ceilings(m, gather_gbps=50.0, hbm_gbps=4000.0)
     host = 8 * 227_180_544  # top_k x bytes per slot = 1,817,444,352 B a token
     assert d["host_bytes_per_token"] == host

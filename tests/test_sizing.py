@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from expertcache_cli import capture, sizing
+from expertcache_cli import capture, model_size, sizing, vllm_flags
 from expertcache_cli.errors import UserError
 from expertcache_cli.presets import DEFAULT_PRESET, PRESETS
 
@@ -32,7 +32,7 @@ def cfg(name: str) -> Path:
 
 
 def test_default_is_qwen3_30b_w8a8_and_its_expert_bytes():
-    m = sizing.load_model()
+    m = model_size.load_model()
     assert m.name == DEFAULT_PRESET and m.quant == "w8a8"
     assert (m.num_moe_layers, m.num_experts, m.top_k) == (48, 128, 8)
     # w13: 2*768 x 2048 int8 = 3,145,728 + 1536 fp32 scales = 6,144
@@ -97,21 +97,21 @@ def test_seed_table_32_gib_fits_outright_once_utilisation_allows():
 
 
 def test_qwen3_30b_bf16_total_is_its_published_parameter_count():
-    m = sizing.load_model(cfg("qwen3-30b-a3b.json"))
+    m = model_size.load_model(cfg("qwen3-30b-a3b.json"))
     assert m.quant == "bf16"  # the config says bfloat16 and no quantization
     assert m.bytes_per_expert == 3 * 2048 * 768 * 2 == 9_437_184
     assert m.total_bytes == 2 * 30_532_122_624  # Qwen3-30B-A3B: 30.53 B parameters
 
 
 def test_qwen3_30b_config_with_quant_w8a8_equals_the_default_preset():
-    a = sizing.load_model(cfg("qwen3-30b-a3b.json"), quant="w8a8")
-    b = sizing.load_model(DEFAULT_PRESET)
+    a = model_size.load_model(cfg("qwen3-30b-a3b.json"), quant="w8a8")
+    b = model_size.load_model(DEFAULT_PRESET)
     assert (a.bytes_per_expert, a.non_expert_bytes, a.kv_bytes_per_token) == (
         b.bytes_per_expert, b.non_expert_bytes, b.kv_bytes_per_token)
 
 
 def test_qwen3_235b():
-    m = sizing.load_model(cfg("qwen3-235b-a22b.json"))
+    m = model_size.load_model(cfg("qwen3-235b-a22b.json"))
     assert (m.num_moe_layers, m.num_experts, m.top_k) == (94, 128, 8)
     assert m.bytes_per_expert == 3 * 4096 * 1536 * 2 == 37_748_736
     assert m.kv_bytes_per_token == 94 * 2 * 4 * 128 * 2 == 192_512
@@ -119,7 +119,7 @@ def test_qwen3_235b():
 
 
 def test_mixtral_8x7b():
-    m = sizing.load_model(cfg("mixtral-8x7b.json"))
+    m = model_size.load_model(cfg("mixtral-8x7b.json"))
     assert (m.num_moe_layers, m.num_experts, m.top_k) == (32, 8, 2)
     assert m.bytes_per_expert == 3 * 4096 * 14336 * 2 == 352_321_536
     # embed + lm_head 2*32000*4096*2 = 524,288,000; per layer attention
@@ -130,14 +130,14 @@ def test_mixtral_8x7b():
 
 
 def test_olmoe_qk_norms_over_the_whole_projection():
-    m = sizing.load_model(cfg("olmoe-1b-7b-0125-instruct.json"))
+    m = model_size.load_model(cfg("olmoe-1b-7b-0125-instruct.json"))
     assert (m.num_moe_layers, m.num_experts, m.top_k) == (16, 64, 8)
     assert m.bytes_per_expert == 3 * 2048 * 1024 * 2
     assert m.total_bytes == 2 * 6_919_161_856  # OLMoE-1B-7B: 6.92 B parameters
 
 
 def test_deepseek_v2_lite_mla_shared_experts_and_dense_first_layer():
-    m = sizing.load_model(cfg("deepseek-v2-lite.json"))
+    m = model_size.load_model(cfg("deepseek-v2-lite.json"))
     # first_k_dense_replace = 1: layer 0 is a dense MLP, layers 1..26 are MoE
     assert m.moe_layers == list(range(1, 27))
     assert (m.num_experts, m.top_k) == (64, 6)
@@ -149,7 +149,7 @@ def test_deepseek_v2_lite_mla_shared_experts_and_dense_first_layer():
 
 
 def test_gpt_oss_20b_mxfp4_with_biases_and_sliding_windows():
-    m = sizing.load_model(cfg("gpt-oss-20b.json"))
+    m = model_size.load_model(cfg("gpt-oss-20b.json"))
     assert m.quant == "mxfp4"  # from its quantization_config
     assert (m.num_moe_layers, m.num_experts, m.top_k) == (24, 32, 4)
     # w13 5760x2880 at 4 bits = 8,294,400 + e8m0 scale per 32 = 518,400 + bf16 bias 11,520
@@ -163,13 +163,13 @@ def test_gpt_oss_20b_mxfp4_with_biases_and_sliding_windows():
 
 
 def test_gpt_oss_120b_needs_quant_from_the_user_and_matches_the_preset():
-    plain = sizing.load_model(cfg("gpt-oss-120b.json"))
+    plain = model_size.load_model(cfg("gpt-oss-120b.json"))
     assert plain.quant == "bf16"  # this copy carries no quantization_config
-    m = sizing.load_model(cfg("gpt-oss-120b.json"), quant="mxfp4")
+    m = model_size.load_model(cfg("gpt-oss-120b.json"), quant="mxfp4")
     assert (m.num_moe_layers, m.num_experts, m.top_k) == (36, 128, 4)
     assert m.bytes_per_expert == 13_236_480
     assert m.expert_bytes == 13_236_480 * 36 * 128
-    p = sizing.load_model("gpt-oss-120b")
+    p = model_size.load_model("gpt-oss-120b")
     assert (p.bytes_per_expert, p.non_expert_bytes) == (m.bytes_per_expert, m.non_expert_bytes)
 
 
@@ -187,20 +187,20 @@ def test_gpt_oss_120b_needs_quant_from_the_user_and_matches_the_preset():
     ],
 )
 def test_presets_agree_with_the_real_configs(preset, config, quant):
-    a = sizing.load_model(preset)
-    b = sizing.load_model(cfg(config), quant=quant)
+    a = model_size.load_model(preset)
+    b = model_size.load_model(cfg(config), quant=quant)
     assert a.to_json() | {"model": "", "source": ""} == b.to_json() | {"model": "", "source": ""}
 
 
 def test_every_preset_is_sized_and_aligned():
     for name in PRESETS:
-        m = sizing.load_model(name)
+        m = model_size.load_model(name)
         assert m.bytes_per_expert > 0 and m.non_expert_bytes > 0, name
         assert m.aligned, name
 
 
 def test_fp8_block_scales():
-    m = sizing.load_model("qwen3-30b-a3b-fp8")
+    m = model_size.load_model("qwen3-30b-a3b-fp8")
     # w13 1536x2048 fp8 + ceil(1536/128)*ceil(2048/128)=12*16 fp32 scales; w2 16*6 scales
     assert m.bytes_per_expert == 1536 * 2048 + 12 * 16 * 4 + 2048 * 768 + 16 * 6 * 4
 
@@ -218,13 +218,13 @@ def test_quant_read_from_compressed_tensors_and_fp8_configs():
     ct_int8 = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
         "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
         "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}}
-    m = sizing.model_from_config(_with_quant("qwen3-30b-a3b.json", ct_int8), "x")
+    m = model_size.model_from_config(_with_quant("qwen3-30b-a3b.json", ct_int8), "x")
     assert m.quant == "w8a8" and m.bytes_per_expert == 4_732_928
     fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
-    m8 = sizing.model_from_config(_with_quant("qwen3-30b-a3b.json", fp8), "x")
+    m8 = model_size.model_from_config(_with_quant("qwen3-30b-a3b.json", fp8), "x")
     assert m8.quant == "fp8-block"
     w4 = {"quant_method": "gptq", "bits": 4, "group_size": 128}
-    m4 = sizing.model_from_config(_with_quant("qwen3-30b-a3b.json", w4), "x")
+    m4 = model_size.model_from_config(_with_quant("qwen3-30b-a3b.json", w4), "x")
     # int4 packs 2 a byte; one bf16 scale per 128 inputs: w13 1536*16*2, w2 2048*6*2
     assert m4.quant == "w4a16"
     assert m4.bytes_per_expert == (1536 * 2048 + 2048 * 768) // 2 + 1536 * 16 * 2 + 2048 * 6 * 2
@@ -233,24 +233,24 @@ def test_quant_read_from_compressed_tensors_and_fp8_configs():
 def test_unknown_quant_method_is_a_user_error_naming_it():
     d = _with_quant("qwen3-30b-a3b.json", {"quant_method": "bitsandbytes"})
     with pytest.raises(UserError, match="bitsandbytes"):
-        sizing.model_from_config(d, "x")
+        model_size.model_from_config(d, "x")
     # ...and --quant gets past it
-    assert sizing.model_from_config(d, "x", quant="w4a16").quant == "w4a16"
+    assert model_size.model_from_config(d, "x", quant="w4a16").quant == "w4a16"
 
 
 def test_bad_inputs_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="unknown model"):
-        sizing.load_model("no-such-model")
+        model_size.load_model("no-such-model")
     with pytest.raises(UserError, match="--quant"):
-        sizing.load_model(None, quant="int3")
+        model_size.load_model(None, quant="int3")
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
-        sizing.load_model(bad)
+        model_size.load_model(bad)
     dense = tmp_path / "dense.json"
     dense.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 10}))
     with pytest.raises(UserError, match="not a mixture-of-experts"):
-        sizing.load_model(dense)
+        model_size.load_model(dense)
     with pytest.raises(UserError, match="--vram"):
         sizing.plan(None, -1)
     with pytest.raises(UserError, match="not both"):
@@ -276,7 +276,7 @@ def test_trap_flagged_and_safe_max_num_seqs():
 def test_the_trap_counts_the_batch_vllm_pads_to_a_cuda_graph():
     """84 slots, top-8: 10 sequences pad to 16 in 0.26 (128 ids > 84), not in
     0.31+ (which captures max_num_seqs itself) and not when vLLM runs eagerly."""
-    model = sizing.load_model(None)
+    model = model_size.load_model(None)
     kw = dict(max_model_len=8192, max_num_seqs=10, slots=84)
     old = sizing.plan(model, 24, graphs=capture.settings_from_vllm_args([], (0, 26)), **kw)
     assert old.padded_batch == 16 and old.trap and old.trap_ids == 128
@@ -285,10 +285,10 @@ def test_the_trap_counts_the_batch_vllm_pads_to_a_cuda_graph():
     assert "runs as 16 (CUDA-graph padding" in note and "--max-num-seqs 8" in note
     new = sizing.plan(model, 24, graphs=capture.settings_from_vllm_args([], (0, 33)), **kw)
     assert new.padded_batch == 10 and not new.trap and new.safe_max_num_seqs == 10
-    eager = sizing.plan(model, 24, **kw, **sizing.plan_kwargs_from_vllm_args(
+    eager = sizing.plan(model, 24, **kw, **vllm_flags.plan_kwargs_from_vllm_args(
         ["--enforce-eager"]))
     assert eager.padded_batch == 10 and not eager.trap and eager.graphs == "--enforce-eager"
-    explicit = sizing.plan(model, 24, **kw, **sizing.plan_kwargs_from_vllm_args(
+    explicit = sizing.plan(model, 24, **kw, **vllm_flags.plan_kwargs_from_vllm_args(
         ["--cudagraph-capture-sizes", "1", "2", "12"]))
     assert explicit.padded_batch == 12 and explicit.trap  # 96 ids > 84
     assert explicit.safe_max_num_seqs == 2  # 3..10 pad to 12
@@ -409,7 +409,7 @@ def test_checkpoint_directory_uses_safetensors_bytes(tmp_path):
     t["model.layers.2.mlp.experts.0.up_proj.weight"] = ("I8", [32, 64])  # past num_hidden_layers
     _write_safetensors(tmp_path / "model-00001-of-00002.safetensors", dict(list(t.items())[:20]))
     _write_safetensors(tmp_path / "model-00002-of-00002.safetensors", dict(list(t.items())[20:]))
-    m = sizing.load_model(tmp_path)
+    m = model_size.load_model(tmp_path)
     assert m.source == "checkpoint"
     # per expert: 3 x 32x64 int8 = 6,144 + scales (32+32+64) x 4 = 512
     assert m.bytes_per_expert == 6_144 + 512
@@ -436,7 +436,7 @@ def test_w8a8_checkpoint_with_bf16_scales_is_sized_as_vllm_holds_it(tmp_path):
             t[p + proj + ".weight"] = ("I8", shape)
             t[p + proj + ".weight_scale"] = ("BF16", [shape[0], 1])
     _write_safetensors(tmp_path / "model.safetensors", t)
-    m = sizing.load_model(tmp_path)
+    m = model_size.load_model(tmp_path)
     assert m.quant == "w8a8" and m.source == "checkpoint"
     assert m.bytes_per_expert == 6_144 + (32 + 32 + 64) * 4  # not the file's 6,144 + 256
     assert any("fp32 scales" in n for n in m.notes)
@@ -444,7 +444,7 @@ def test_w8a8_checkpoint_with_bf16_scales_is_sized_as_vllm_holds_it(tmp_path):
 
 def test_checkpoint_directory_without_safetensors_falls_back_to_config(tmp_path):
     (tmp_path / "config.json").write_text(cfg("olmoe-1b-7b-0125-instruct.json").read_text())
-    m = sizing.load_model(tmp_path)
+    m = model_size.load_model(tmp_path)
     assert m.bytes_per_expert == 3 * 2048 * 1024 * 2
     assert any("no safetensors" in n for n in m.notes)
 
@@ -453,7 +453,7 @@ def test_damaged_safetensors_header_is_a_user_error(tmp_path):
     (tmp_path / "config.json").write_text(cfg("olmoe-1b-7b-0125-instruct.json").read_text())
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 50) + b"{nope")
     with pytest.raises(UserError, match="safetensors"):
-        sizing.load_model(tmp_path)
+        model_size.load_model(tmp_path)
 
 
 # --------------------------------------------------------------------------- the command

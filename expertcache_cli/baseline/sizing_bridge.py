@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
 
-from .. import capture
+from .. import capture, sizing, vllm_flags
 from ..errors import UserError
 
 
@@ -54,11 +53,10 @@ class OffloadPlan:
 
 
 def offload_from_vram(
-    sizing: ModuleType, model: str, vram: float, vllm_args: list[str],
-    device_total_gib: float | None = None,
+    model: str, vram: float, vllm_args: list[str], device_total_gib: float | None = None,
 ) -> OffloadPlan:
     """The plan's ``--cpu-offload-gb``; refuses when offload would mean nothing."""
-    kwargs = sizing.plan_kwargs_from_vllm_args(vllm_args)
+    kwargs = vllm_flags.plan_kwargs_from_vllm_args(vllm_args)
     p = sizing.plan(model, vram_gb=vram, device_total_gib=device_total_gib, **kwargs)
     if p.verdict == "does_not_fit":
         raise UserError(f"--vram {vram:g}: {p.verdict_text}")
@@ -74,7 +72,7 @@ def offload_from_vram(
         max_num_seqs=int(p.max_num_seqs),
         max_slots=int(p.max_slots),
         text=p.verdict_text,
-        share_args=_share_args(sizing, p, vllm_args),
+        share_args=_share_args(p, vllm_args),
         graphs=p.graphs,
         safe_for=lambda slots: capture.safe_max_num_seqs(
             slots, p.top_k, p.max_num_batched_tokens,
@@ -82,12 +80,12 @@ def offload_from_vram(
     )
 
 
-def _share_args(sizing: ModuleType, p: object, vllm_args: list[str]) -> list[str]:
-    if not p.shares_device:  # type: ignore[attr-defined]
+def _share_args(p: sizing.SizePlan, vllm_args: list[str]) -> list[str]:
+    if not p.shares_device:
         return []
-    planned = p.vllm_args()  # type: ignore[attr-defined]
+    planned = p.vllm_args()
     out: list[str] = []
     for flag in ("--gpu-memory-utilization", "--max-num-batched-tokens"):
-        if sizing.vllm_flag_value(vllm_args, flag) is None:
+        if vllm_flags.vllm_flag_value(vllm_args, flag) is None:
             out += [flag, planned[planned.index(flag) + 1]]
     return out

@@ -44,11 +44,10 @@ baseline_app = typer.Typer(
 def _vram_offload(model: str, vram: float, vllm_args: list[str], arms: list, concurrency: int):
     """--cpu-offload-gb from the sizing library, warnings on the sizing trap, and (on a GPU
     bigger than the card) the flags that make every arm's server budget as the card."""
-    from .. import sizing
     from ..baseline.sizing_bridge import offload_from_vram
     from ..gpu_info import device_total_gib
 
-    p = offload_from_vram(sizing, model, vram, vllm_args, device_total_gib())
+    p = offload_from_vram(model, vram, vllm_args, device_total_gib())
     err.print(f"--vram {vram:g}: {p.text}; offload arms get --cpu-offload-gb {p.cpu_offload_gb:g}")
     if p.share_args:
         share = " ".join(p.share_args)

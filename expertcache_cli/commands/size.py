@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .. import sizing
+from .. import formats, model_size, sizing, vllm_flags
 from ..presets import DEFAULT_PRESET, PRESETS
 
 console = Console()
@@ -23,7 +23,7 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def _model_table(m: sizing.ModelSize) -> Table:
+def _model_table(m: model_size.ModelSize) -> Table:
     t = Table(title=f"{m.name} ({m.quant}, from {m.source})", show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column()
@@ -95,7 +95,7 @@ _SHORT = {
 }
 
 
-def _cards_table(m: sizing.ModelSize, rows: list[tuple[str, sizing.SizePlan]]) -> Table:
+def _cards_table(m: model_size.ModelSize, rows: list[tuple[str, sizing.SizePlan]]) -> Table:
     t = Table(title=f"{m.name}: slot budget by card (vLLM defaults unless given)")
     for col in ("card", "max-model-len", "slots", "verdict", "--cpu-offload-gb", "trap"):
         t.add_column(col)
@@ -129,7 +129,7 @@ def register(app: typer.Typer) -> None:
         ),
         quant: str = typer.Option(
             None, "--quant",
-            help=f"weight format when the config does not say: {', '.join(sizing.QUANTS)}",
+            help=f"weight format when the config does not say: {', '.join(formats.QUANTS)}",
         ),
         vram: float = typer.Option(
             None, "--vram", help="card memory in GiB; without it, a table of common cards",
@@ -165,11 +165,11 @@ def register(app: typer.Typer) -> None:
                 t.add_row(n + (" (default)" if n == DEFAULT_PRESET else ""), p.hf_id, p.quant)
             console.print(t)
             return
-        m = sizing.load_model(Path(model) if Path(model).exists() else model, quant)
+        m = model_size.load_model(Path(model) if Path(model).exists() else model, quant)
         args = list(ctx.args)
         if args and args[0] == "--":
             args = args[1:]
-        common = sizing.plan_kwargs_from_vllm_args(args)
+        common = vllm_flags.plan_kwargs_from_vllm_args(args)
         given = dict(
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,

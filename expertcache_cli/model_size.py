@@ -1,0 +1,428 @@
+"""What sizing needs to know about a model, read from a preset, a ``config.json`` or a model
+directory.
+
+`load_model` turns a preset name, a ``config.json`` path or a model directory into a
+`ModelSize`: MoE layers, experts, top_k, the bytes of one expert in one layer (every
+tensor the cache must mirror into a slot, as vLLM holds it), the non-expert weight bytes,
+and KV bytes per token. A directory's safetensors headers, when present, replace the
+arithmetic with the checkpoint's exact tensor sizes (only the headers are read, never a
+tensor). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import UserError
+from .formats import QUANTS, Tensor, ceil_div, linear_bytes, linear_tensors, quant_from_config
+from .presets import DEFAULT_PRESET, PRESETS, find_preset
+
+_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8,
+}
+
+
+@dataclass
+class ModelSize:
+    """What sizing needs to know about a model, all in bytes."""
+
+    name: str
+    source: str  # "preset", "config" or "checkpoint"
+    quant: str
+    num_layers: int
+    moe_layers: list[int]
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    moe_intermediate_size: int
+    bytes_per_expert: int  # one expert, one MoE layer: every per-expert tensor
+    expert_tensors: list[Tensor]
+    non_expert_bytes: int
+    kv_bytes_per_token: int  # full-attention layers, every token of a sequence
+    kv_window_bytes_per_seq: int  # sliding-window layers: a fixed amount per sequence
+    kv_kind: str
+    vocab_size: int
+    max_position_embeddings: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """One slot = one expert id across every MoE layer (the cache's unit of VRAM)."""
+        return self.bytes_per_expert * self.num_moe_layers
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.bytes_per_slot * self.num_experts
+
+    @property
+    def total_bytes(self) -> int:
+        return self.expert_bytes + self.non_expert_bytes
+
+    @property
+    def aligned(self) -> bool:
+        return all(t.aligned for t in self.expert_tensors)
+
+    def active_bytes_per_token(self) -> int:
+        """Weight bytes one decode token reads: non-expert + top_k experts in each MoE layer."""
+        return self.non_expert_bytes + self.top_k * self.bytes_per_slot
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.name,
+            "source": self.source,
+            "quant": self.quant,
+            "num_layers": self.num_layers,
+            "num_moe_layers": self.num_moe_layers,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "bytes_per_expert": self.bytes_per_expert,
+            "bytes_per_slot": self.bytes_per_slot,
+            "expert_bytes": self.expert_bytes,
+            "non_expert_bytes": self.non_expert_bytes,
+            "total_bytes": self.total_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_window_bytes_per_seq": self.kv_window_bytes_per_seq,
+            "kv_kind": self.kv_kind,
+            "expert_tensors": [asdict(t) | {"aligned": t.aligned} for t in self.expert_tensors],
+            "aligned": self.aligned,
+            "max_position_embeddings": self.max_position_embeddings,
+            "notes": list(self.notes),
+        }
+
+
+def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return default
+
+
+def _base_quant(cfg: dict[str, Any]) -> str:
+    dt = str(_first(cfg, "torch_dtype", "dtype", default="bfloat16")).lower()
+    return "fp16" if dt in ("float16", "fp16", "half") else "bf16"
+
+
+def _moe_layer_indices(cfg: dict[str, Any], num_layers: int) -> list[int]:
+    """Which decoder layers carry routed experts, per each family's config convention."""
+    if cfg.get("n_routed_experts"):  # DeepSeek V2/V3, Kimi, GLM-4.5 style
+        first = int(cfg.get("first_k_dense_replace", 0) or 0)
+        freq = cfg.get("moe_layer_freq", 1)
+        if isinstance(freq, list):
+            return [i for i in range(num_layers) if i < len(freq) and freq[i]]
+        freq = int(freq or 1)
+        return [i for i in range(first, num_layers) if i % freq == 0]
+    if "decoder_sparse_step" in cfg or "mlp_only_layers" in cfg:  # Qwen2/3-MoE
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        return [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+    return list(range(num_layers))
+
+
+def model_from_config(
+    cfg: dict[str, Any], name: str, quant: str | None = None, source: str = "config"
+) -> ModelSize:
+    """Size a model from its config.json contents by arithmetic over the architecture.
+
+    ``quant`` overrides the format; otherwise the config's quantization_config decides, and
+    failing that its dtype (bf16/fp16). Embeddings, lm_head, norms and the router always
+    stay at 16 bits (every scheme vLLM loads leaves them unquantised); with mxfp4 (gpt-oss)
+    only the experts are 4-bit, as its ``modules_to_not_convert`` says.
+    """
+    if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the LM inside
+        cfg = {**cfg, **cfg["text_config"]}
+    notes: list[str] = []
+    if quant is None:
+        quant = quant_from_config(cfg) or _base_quant(cfg)
+    else:
+        try:
+            declared = quant_from_config(cfg)
+        except UserError:  # a scheme we cannot size: the user's --quant stands in for it
+            declared = "an unsized scheme"
+        quant = quant.lower()
+        if quant not in QUANTS:
+            raise UserError(f"unknown --quant {quant!r}: choose from {', '.join(QUANTS)}")
+        if declared and declared != quant:
+            notes.append(f"config declares {declared}; sized as {quant} (--quant)")
+
+    try:
+        hidden = int(cfg["hidden_size"])
+        layers = int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"))
+        vocab = int(cfg["vocab_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(
+            f"{name}: config lacks {exc} (needs hidden_size, num_hidden_layers, vocab_size)"
+        ) from None
+    num_experts = int(
+        _first(cfg, "n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts",
+               default=0)
+    )
+    top_k = int(_first(cfg, "num_experts_per_tok", "experts_per_token", "moe_top_k", default=0))
+    if num_experts <= 1 or top_k <= 0:
+        raise UserError(f"{name}: not a mixture-of-experts model (no routed experts in its config)")
+    inter = int(_first(cfg, "moe_intermediate_size", "intermediate_size"))
+    dense_inter = int(_first(cfg, "intermediate_size", default=inter))
+    heads = int(cfg.get("num_attention_heads", 0))
+    kv_heads = int(_first(cfg, "num_key_value_heads", default=heads))
+    head_dim = int(_first(cfg, "head_dim", default=hidden // max(heads, 1)))
+    mla = cfg.get("kv_lora_rank") is not None
+    if mla:  # DeepSeek configs carry a head_dim that does not describe MLA's projections
+        head_dim = 0
+    moe_layers = _moe_layer_indices(cfg, layers)
+    has_expert_bias = cfg.get("model_type") == "gpt_oss" or bool(cfg.get("mlp_bias"))
+    # Linear layers outside the experts: quantised too, except under mxfp4 (gpt-oss keeps
+    # attention in bf16) and for router/lm_head/embeddings (left in 16 bits by every scheme).
+    lin_q = _base_quant(cfg) if quant == "mxfp4" else quant
+    b16 = 2
+
+    # -- experts: vLLM fuses gate and up into w13 [2I, H]; down is w2 [H, I]
+    tensors = linear_tensors("w13", 2 * inter, hidden, quant) + linear_tensors(
+        "w2", hidden, inter, quant
+    )
+    if has_expert_bias:
+        tensors += [
+            Tensor("w13_bias", (2 * inter,), "bf16", 2 * inter * b16),
+            Tensor("w2_bias", (hidden,), "bf16", hidden * b16),
+        ]
+    per_expert = sum(t.nbytes for t in tensors)
+
+    # -- attention, per layer
+    if mla:
+        nope = int(cfg.get("qk_nope_head_dim", 128))
+        rope = int(cfg.get("qk_rope_head_dim", 64))
+        v_dim = int(cfg.get("v_head_dim", 128))
+        kv_rank = int(cfg["kv_lora_rank"])
+        q_rank = cfg.get("q_lora_rank")
+        attn = 0
+        if q_rank:
+            attn += linear_bytes(int(q_rank), hidden, lin_q) + int(q_rank) * b16
+            attn += linear_bytes(heads * (nope + rope), int(q_rank), lin_q)
+        else:
+            attn += linear_bytes(heads * (nope + rope), hidden, lin_q)
+        attn += linear_bytes(kv_rank + rope, hidden, lin_q) + kv_rank * b16
+        attn += linear_bytes(heads * (nope + v_dim), kv_rank, lin_q)
+        attn += linear_bytes(hidden, heads * v_dim, lin_q)
+        kv_layer = (kv_rank + rope) * b16  # the latent + rope key, one copy (vLLM MLA)
+        kv_kind = f"MLA latent {kv_rank}+{rope}"
+    else:
+        q_out, kv_out = heads * head_dim, kv_heads * head_dim
+        attn = linear_bytes(q_out, hidden, lin_q) + 2 * linear_bytes(kv_out, hidden, lin_q)
+        attn += linear_bytes(hidden, q_out, lin_q)
+        if cfg.get("attention_bias") or cfg.get("qkv_bias"):
+            attn += (q_out + 2 * kv_out + (hidden if cfg.get("attention_bias") else 0)) * b16
+        mt = str(cfg.get("model_type", ""))
+        if mt.startswith("qwen3"):
+            attn += 2 * head_dim * b16  # q_norm, k_norm over one head
+        elif mt == "olmoe":
+            attn += (q_out + kv_out) * b16  # q_norm, k_norm over the whole projection
+        if mt == "gpt_oss":
+            attn += heads * b16  # attention sinks
+        kv_layer = 2 * kv_out * b16
+        kv_kind = f"GQA {kv_heads} kv heads x {head_dim}"
+
+    norms = 2 * hidden * b16
+    router = num_experts * hidden * b16 + (num_experts * b16 if has_expert_bias else 0)
+    shared = 0
+    n_shared = int(cfg.get("n_shared_experts") or 0)
+    if n_shared:
+        shared = _mlp_bytes(hidden, n_shared * inter, lin_q)
+    if cfg.get("shared_expert_intermediate_size"):
+        shared = _mlp_bytes(hidden, int(cfg["shared_expert_intermediate_size"]), lin_q)
+        shared += hidden * b16  # the shared expert's sigmoid gate
+    moe_set = set(moe_layers)
+    non_expert = vocab * hidden * b16  # embeddings
+    if not cfg.get("tie_word_embeddings", False):
+        non_expert += vocab * hidden * b16  # lm_head
+    non_expert += hidden * b16  # final norm
+    for i in range(layers):
+        non_expert += attn + norms
+        non_expert += router + shared if i in moe_set else _mlp_bytes(hidden, dense_inter, lin_q)
+
+    # -- KV cache: sliding-window layers hold only the window, per sequence
+    types = cfg.get("layer_types") or []
+    window = int(cfg.get("sliding_window") or 0)
+    sliding = sum(1 for t in types if t == "sliding_attention") if window else 0
+    kv_tok = (layers - sliding) * kv_layer
+    kv_win = sliding * window * kv_layer
+    if sliding:
+        kv_kind += f", {sliding} of {layers} layers sliding ({window} tokens)"
+    if quant == "mxfp4" and inter % 128:
+        notes.append("vLLM pads mxfp4 expert widths for its kernels; the real slab may be larger")
+
+    return ModelSize(
+        name=name,
+        source=source,
+        quant=quant,
+        num_layers=layers,
+        moe_layers=moe_layers,
+        num_experts=num_experts,
+        top_k=top_k,
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        bytes_per_expert=per_expert,
+        expert_tensors=tensors,
+        non_expert_bytes=non_expert,
+        kv_bytes_per_token=kv_tok,
+        kv_window_bytes_per_seq=kv_win,
+        kv_kind=kv_kind,
+        vocab_size=vocab,
+        max_position_embeddings=int(_first(cfg, "max_position_embeddings", default=4096)),
+        notes=notes,
+    )
+
+
+def _mlp_bytes(hidden: int, inter: int, quant: str) -> int:
+    """A gated MLP (gate, up, down) of width ``inter``."""
+    return 2 * linear_bytes(inter, hidden, quant) + linear_bytes(hidden, inter, quant)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a .safetensors file: a little-endian u64 length, then that JSON.
+
+    Only the header is read (a few KiB to MiB), never the tensors, so sizing a 200 GB
+    checkpoint on a laptop is instant.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise UserError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * 1024 * 1024:
+                raise UserError(f"{path}: safetensors header claims {n} bytes; file is damaged")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: cannot read safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: safetensors header is not a JSON object")
+    return header
+
+
+_EXPERT_RE = re.compile(r"layers\.(\d+)\.(?:.*\.)?experts\.")
+_LAYER_RE = re.compile(r"layers\.(\d+)\.")
+
+
+def _tensor_bytes(meta: dict[str, Any]) -> int:
+    if "data_offsets" in meta:
+        a, b = meta["data_offsets"]
+        return int(b) - int(a)
+    n = _DTYPE_BYTES.get(str(meta.get("dtype")), 2)
+    for d in meta.get("shape", []):
+        n *= int(d)
+    return n
+
+
+def model_from_checkpoint(directory: Path, quant: str | None = None) -> ModelSize:
+    """Size a local model directory: config.json for the shape, safetensors for exact bytes.
+
+    Expert bytes are the sum of every tensor under ``layers.N.…experts.`` (routed experts;
+    shared experts stay with the non-expert weights) divided by the expert count. Tensors
+    of layers past ``num_hidden_layers`` (e.g. DeepSeek's multi-token-prediction layer) are
+    not loaded by vLLM for plain serving and are left out, with a note.
+    """
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        raise UserError(f"{directory}: no config.json in this directory")
+    cfg = _read_config(cfg_path)
+    model = model_from_config(cfg, directory.name, quant, source="config")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        model.notes.append("no safetensors in the directory: sizes computed from config.json")
+        return model
+    if quant is not None and quant_from_config(cfg) != quant:
+        model.notes.append("--quant overrides the checkpoint: sizes computed from config.json")
+        return model
+    per_layer: dict[int, int] = {}
+    non_expert = 0
+    skipped = 0
+    for f in files:
+        for tname, meta in read_safetensors_header(f).items():
+            if tname == "__metadata__" or not isinstance(meta, dict):
+                continue
+            nbytes = _tensor_bytes(meta)
+            lm = _LAYER_RE.search(tname)
+            if lm and int(lm.group(1)) >= model.num_layers:
+                skipped += nbytes
+                continue
+            em = _EXPERT_RE.search(tname)
+            if em and "shared_expert" not in tname:
+                layer = int(em.group(1))
+                per_layer[layer] = per_layer.get(layer, 0) + nbytes
+            else:
+                non_expert += nbytes
+    if not per_layer:
+        model.notes.append("no routed-expert tensors found in safetensors: sizes from config.json")
+        return model
+    sizes = sorted(set(per_layer.values()))
+    biggest = sizes[-1]
+    if len(sizes) > 1:
+        model.notes.append(
+            f"expert bytes differ across layers ({len(sizes)} sizes): using the largest"
+        )
+    on_disk = ceil_div(biggest, model.num_experts)
+    if model.bytes_per_expert > on_disk and model.quant in ("w8a8", "fp8", "fp8-block"):
+        # vLLM holds these scales as fp32 whatever the file stores (often bf16): a slot
+        # holds what vLLM holds, so the arithmetic over vLLM's layout is the slot's size
+        model.notes.append(
+            f"one expert is {on_disk:,} B on disk and {model.bytes_per_expert:,} B as vLLM "
+            "holds it (fp32 scales): slots sized at vLLM's"
+        )
+    else:
+        model.bytes_per_expert = on_disk
+    if biggest % model.num_experts:
+        model.notes.append("expert tensors do not divide evenly by the expert count")
+    model.moe_layers = sorted(per_layer)
+    model.non_expert_bytes = non_expert
+    model.source = "checkpoint"
+    if skipped:
+        model.notes.append(f"{skipped} bytes of layers past num_hidden_layers not counted")
+    return model
+
+
+# --------------------------------------------------------------------------- resolving --model
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        cfg = json.loads(path.read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UserError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path}: a config.json must hold a JSON object")
+    return cfg
+
+
+def load_model(spec: str | Path | None = None, quant: str | None = None) -> ModelSize:
+    """A preset name / HF id, a config.json path, or a model directory -> :class:`ModelSize`."""
+    if spec is None or str(spec) == "":
+        spec = DEFAULT_PRESET
+    path = Path(str(spec)).expanduser()
+    if path.is_dir():
+        return model_from_checkpoint(path, quant)
+    if path.is_file():
+        name = path.parent.name if path.name == "config.json" else path.stem
+        return model_from_config(_read_config(path), name, quant)
+    preset = find_preset(str(spec))
+    if preset is None:
+        if str(spec).endswith(".json") or str(spec).startswith(("/", ".", "~")):
+            raise UserError(f"{spec}: no such file or directory")
+        raise UserError(
+            f"unknown model {spec!r}: give a config.json, a model directory or one of "
+            f"{', '.join(PRESETS)}"
+        )
+    m = model_from_config(preset.config, preset.name, quant or preset.quant, source="preset")
+    return m
