@@ -76,3 +76,26 @@ def device_replay(
         for t in np.flatnonzero(served[:, layer]):
             launch(layer_base + int(t) * row_bytes, width, False, 0, stream)
     return [int(x) for x in stats[:, 1].cpu().tolist()]
+
+
+def compare_with_engine(trace, policies, budgets, decay, max_inserts, report) -> dict:
+    """Run the real kernels over the trace and compare installs with the CPU engine."""
+    rows = []
+    per_layer = report.per_layer
+    for pol in policies:
+        if pol is Policy.OPT:
+            continue  # Belady needs the future: there is no kernel for it
+        for s in budgets:
+            dev = device_replay(trace.topk_ids, trace.num_experts, pol, s, decay, max_inserts)
+            cpu = per_layer[(per_layer["policy"] == pol.name.lower()) & (per_layer["slots"] == s)]
+            cpu_installs = [int(x) for x in cpu.sort_values("layer")["installs"]]
+            rows.append(
+                {
+                    "policy": pol.name.lower(),
+                    "slots": s,
+                    "device_installs": int(sum(dev)),
+                    "cpu_installs": int(sum(cpu_installs)),
+                    "match": list(map(int, dev)) == cpu_installs,
+                }
+            )
+    return {"rows": rows, "match": all(r["match"] for r in rows)}

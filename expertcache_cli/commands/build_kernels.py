@@ -17,52 +17,10 @@ from pathlib import Path
 import typer
 
 from .. import config, kernel_build
-from ..errors import DeviceUnavailable, UserError
+from ..errors import DeviceUnavailable
+from ..kernel_check import device_arch
+from ..kernel_check import self_test as run_self_test
 from . import parse_int_list
-
-
-def _device_arch(device: int) -> tuple[int, str]:
-    try:
-        import torch
-    except ImportError:
-        raise DeviceUnavailable(
-            "torch is not installed, so no GPU can be detected: pass --arch (e.g. --arch 90) "
-            "to compile without one"
-        ) from None
-    if not torch.cuda.is_available():
-        raise DeviceUnavailable(
-            "no CUDA device visible (torch.cuda.is_available() is False): pass --arch "
-            "(e.g. --arch 90) to compile without one"
-        )
-    if device >= torch.cuda.device_count():
-        raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
-    major, minor = torch.cuda.get_device_capability(device)
-    return major * 10 + minor, torch.cuda.get_device_name(device)
-
-
-def _self_test(device: int) -> str:
-    """One manager + gather step on the device, checked against the reference."""
-    import numpy as np
-    import torch
-
-    from ..policy import LayerCache
-    from ..slotcache import SlotCache
-
-    src = torch.arange(16 * 8, dtype=torch.int16).reshape(16, 8).pin_memory()
-    cache = SlotCache(16, 4, {"w": ((8,), torch.int16)}, device=device, name="self-test")
-    ids = np.array([[3, 9], [9, -1]], dtype=np.int32)
-    out = cache.step(torch.from_numpy(ids).to(f"cuda:{device}"), {"w": src})
-    ref = LayerCache(16, 4)
-    res = ref.step(ids)
-    st = cache.state()
-    ok = (
-        st["misses"] == res.misses
-        and np.array_equal(out.cpu().numpy(), ref.remap(ids))
-        and all(torch.equal(cache.slots["w"][s].cpu(), src[e]) for e, s in res.misses)
-    )
-    if not ok:
-        raise UserError(f"self-test FAILED on cuda:{device}: kernels disagree with the reference")
-    return f"self-test passed on cuda:{device} ({cache.backend})"
 
 
 def build_kernels(
@@ -105,16 +63,16 @@ def build_kernels(
               "(NVRTC is not used while it is set)")
         if self_test:
             try:
-                _device_arch(device)
+                device_arch(device)
             except DeviceUnavailable as exc:
                 print(f"self-test skipped: {exc}")
                 return
-            print(_self_test(device))
+            print(run_self_test(device))
         return
     if arch:
         wanted = [(a, None) for a in parse_int_list(arch, "--arch")]
     else:
-        wanted = [_device_arch(device)]
+        wanted = [device_arch(device)]
     major, minor = kernel_build.nvrtc_version()
     print(f"NVRTC {major}.{minor}, kernel source {kernel_build.source_hash()}, "
           f"cache {kernel_build.cache_dir()}")
@@ -127,7 +85,7 @@ def build_kernels(
         print(f"{target}{on}: {img.path} ({img.path.stat().st_size:,} B, {how}); entry points "
               f"{', '.join(kernel_build.KERNEL_ENTRY_POINTS)}")
     if not arch and self_test:
-        print(_self_test(device))
+        print(run_self_test(device))
 
 
 def register(app: typer.Typer) -> None:

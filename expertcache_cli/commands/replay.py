@@ -154,7 +154,9 @@ def replay_command(
 
     device_check = None
     if device == "cuda":
-        device_check = _device_check(trace, policies, budgets, decay, max_inserts, report)
+        from ..device_replay import compare_with_engine
+
+        device_check = compare_with_engine(trace, policies, budgets, decay, max_inserts, report)
 
     if csv is not None:
         frame = report.per_layer if per_layer else report.results
@@ -274,31 +276,6 @@ def _print_splits(policy: Policy, splits) -> None:
             ",".join(str(x) for x in s.slots),
         )
     console.print(table)
-
-
-def _device_check(trace, policies, budgets, decay, max_inserts, report) -> dict:
-    """Run the real kernels over the trace and compare installs with the CPU engine."""
-    from ..device_replay import device_replay
-
-    rows = []
-    per_layer = report.per_layer
-    for pol in policies:
-        if pol is Policy.OPT:
-            continue  # Belady needs the future: there is no kernel for it
-        for s in budgets:
-            dev = device_replay(trace.topk_ids, trace.num_experts, pol, s, decay, max_inserts)
-            cpu = per_layer[(per_layer["policy"] == pol.name.lower()) & (per_layer["slots"] == s)]
-            cpu_installs = [int(x) for x in cpu.sort_values("layer")["installs"]]
-            rows.append(
-                {
-                    "policy": pol.name.lower(),
-                    "slots": s,
-                    "device_installs": int(sum(dev)),
-                    "cpu_installs": int(sum(cpu_installs)),
-                    "match": list(map(int, dev)) == cpu_installs,
-                }
-            )
-    return {"rows": rows, "match": all(r["match"] for r in rows)}
 
 
 def _print_device(check: dict) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -72,46 +71,13 @@ def synth_command(
     )
 
 
-def describe(trace) -> dict:
-    """Facts about a trace that a user checks before trusting a replay of it."""
-    ids = trace.topk_ids
-    valid = ids >= 0
-    per_step = valid.sum(axis=2)
-    top = max(1, trace.num_experts // 8)
-    used = np.zeros(trace.num_experts, bool)
-    shares = []
-    for layer in range(trace.num_layers):
-        col = ids[:, layer, :]
-        counts = np.bincount(col[col >= 0].ravel(), minlength=trace.num_experts)
-        used |= counts > 0
-        shares.append(np.sort(counts)[::-1][:top].sum() / max(1, counts.sum()))
-    return {
-        "steps": trace.steps,
-        "layers": trace.num_layers,
-        "layer_ids": trace.layer_names(),
-        "width": trace.width,
-        "num_experts": trace.num_experts,
-        "top_k": trace.top_k,
-        "tokens": trace.tokens,
-        "ids_per_step_min": int(per_step.min()),
-        "ids_per_step_max": int(per_step.max()),
-        "padding_fraction": float(1 - valid.mean()),
-        "experts_used": int(np.count_nonzero(used)),
-        # how concentrated routing is: the hottest 1/8 of experts' share, layer mean
-        f"top_{top}_experts_share": float(np.mean(shares)),
-        "expert_bytes": trace.expert_bytes,
-        "model": trace.model,
-        "source": trace.source,
-    }
-
-
 @trace_app.command("info")
 def info_command(
     path: Path = typer.Argument(..., help="Routing trace .npz."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Describe a trace file (validating it)."""
-    from ..trace import load
+    from ..trace import describe, load
 
     facts = describe(load(path))
     if as_json:
