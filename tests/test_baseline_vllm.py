@@ -29,6 +29,8 @@ from expertcache_cli.baseline import store
 from expertcache_cli.baseline.arms import parse_arms
 from expertcache_cli.baseline.runner import BaselineConfig, run_baseline
 
+pytestmark = pytest.mark.integration
+
 ENV_VAR = "EXPERTCACHE_VLLM_PYTHON"
 
 

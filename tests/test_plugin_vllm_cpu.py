@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from tiny_moe import MAKE_MODEL
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""

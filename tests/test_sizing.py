@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_moe import qwen3_moe_config
 
 from expertcache_cli import capture, model_size, sizing, vllm_flags
 from expertcache_cli.errors import UserError
@@ -388,11 +389,8 @@ def _write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) ->
 
 
 def test_checkpoint_directory_uses_safetensors_bytes(tmp_path):
-    conf = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-            "hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 100,
-            "max_position_embeddings": 256, "torch_dtype": "bfloat16"}
+    conf = qwen3_moe_config(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=4, vocab_size=100, max_position_embeddings=256)
     (tmp_path / "config.json").write_text(json.dumps(conf))
     t: dict[str, tuple[str, list[int]]] = {"model.embed_tokens.weight": ("BF16", [100, 64])}
     for layer in range(2):
@@ -422,11 +420,11 @@ def test_checkpoint_directory_uses_safetensors_bytes(tmp_path):
 def test_w8a8_checkpoint_with_bf16_scales_is_sized_as_vllm_holds_it(tmp_path):
     """llm-compressor stores W8A8 scales in bf16; vLLM holds them as fp32 [out, 1], and a
     slot holds what vLLM holds: the slot is sized at vLLM's bytes, with a note."""
-    conf = {"model_type": "qwen3_moe", "hidden_size": 64, "moe_intermediate_size": 32,
-            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 100,
-            "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
-                "g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}}
+    conf = qwen3_moe_config(
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, vocab_size=100,
+        quantization_config={"quant_method": "compressed-tensors", "config_groups": {
+            "g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}})
     (tmp_path / "config.json").write_text(json.dumps(conf))
     t: dict[str, tuple[str, list[int]]] = {}
     for e in range(4):

@@ -1,0 +1,52 @@
+"""The slot-budget rules every command and the plugin share (budget.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from expertcache_cli import budget, sizing
+from expertcache_cli.errors import UserError
+from expertcache_cli.launch import make_plan
+from expertcache_cli.model_size import model_from_config
+from expertcache_cli.policy import Policy
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 1.5, math.nan])
+def test_a_fraction_is_strictly_between_0_and_1_everywhere(bad):
+    with pytest.raises(ValueError):
+        budget.check_fraction(bad)
+    with pytest.raises(UserError, match="--fraction"):
+        sizing.plan(None, 24, max_model_len=4096, fraction=bad)
+    with pytest.raises(UserError, match="--fraction"):
+        make_plan("qwen3-30b-a3b-w8a8", 24, fraction=bad, launcher=["vllm"], environ={},
+                  vllm_args=["--max-num-seqs", "4", "--max-model-len", "4096"])
+
+
+def test_online_policies_and_decay():
+    assert budget.online_policy(None) == (Policy.LRU, 0)
+    assert budget.online_policy("LFU", 8) == (Policy.LFU, 8)
+    for name, decay, words in (("opt", 0, "choose lru or lfu"), ("fifo", 0, "choose lru"),
+                               ("lru", 8, "lfu only"), ("lfu", -1, ">= 0")):
+        with pytest.raises(ValueError, match=words):
+            budget.online_policy(name, decay)
+
+
+def test_the_planner_honours_the_kernels_slot_limit():
+    """A layer of more experts than the kernel's slot limit: the plan stops at the limit and
+    says why; a forced count beyond it is refused (the plugin would decline the layer)."""
+    big = model_from_config({
+        "model_type": "qwen3_moe", "hidden_size": 2048, "moe_intermediate_size": 768,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_experts": 4096, "num_experts_per_tok": 8, "vocab_size": 1000}, "big")
+    p = sizing.plan(big, 80, max_model_len=4096, max_num_seqs=8)
+    assert p.verdict == "cache" and p.slots == budget.MAX_SLOTS
+    assert any("at most 1024 slots" in n for n in p.notes)
+    with pytest.raises(UserError, match="at most 1024 slots"):
+        sizing.plan(big, 80, max_model_len=4096, slots=2000)
+    from expertcache_cli.config import CacheConfig
+
+    with pytest.raises(ValueError, match="kernel's limit"):
+        CacheConfig(slots=2000).slots_for(4096)
+    assert budget.slot_limit(128) == 127 and budget.slot_limit(4096) == 1024
