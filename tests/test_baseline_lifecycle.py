@@ -190,7 +190,8 @@ def test_full_flow_and_process_groups(tmp_path, stub):
     servers = [r for r in recs if r["kind"] == "server"]
     assert servers[0]["env"]["EXPERT_CACHE_DISABLE"] == "1"
     cache_srv = next(s for s in servers if s["arm"] == "cache:4")
-    assert cache_srv["env"] == {"EXPERT_CACHE_SLOTS": "4", "EXPERT_CACHE_STATS": "5"}
+    assert cache_srv["env"] == {"EXPERT_CACHE_SLOTS": "4", "EXPERT_CACHE_POLICY": "lru",
+                                "EXPERT_CACHE_STATS": "5"}
     assert "--cpu-offload-params" in cache_srv["argv"]
     assert "--cpu-offload-params" not in servers[0]["argv"]
     for srv in servers:  # cache servers drain on stop (final counters kept); others stock
