@@ -136,8 +136,21 @@ def model_from_config(
     ``quant`` overrides the format; otherwise the config's quantization_config decides, and
     failing that its dtype (bf16/fp16). Embeddings, lm_head, norms and the router always
     stay at 16 bits (every scheme vLLM loads leaves them unquantised); with mxfp4 (gpt-oss)
-    only the experts are 4-bit, as its ``modules_to_not_convert`` says.
+    only the experts are 4-bit, as its ``modules_to_not_convert`` says. A field of the
+    wrong type (a string where a count belongs, a list for a dict) is one clear error.
     """
+    try:
+        return _model_from_config(cfg, name, quant, source)
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+        if isinstance(exc, UserError):
+            raise
+        raise UserError(f"{name}: a config.json field has an unexpected value or type "
+                        f"({exc.__class__.__name__}: {exc})") from None
+
+
+def _model_from_config(
+    cfg: dict[str, Any], name: str, quant: str | None, source: str
+) -> ModelSize:
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the LM inside
         cfg = {**cfg, **cfg["text_config"]}
     notes: list[str] = []
@@ -154,14 +167,15 @@ def model_from_config(
         if declared and declared != quant:
             notes.append(f"config declares {declared}; sized as {quant} (--quant)")
 
-    try:
-        hidden = int(cfg["hidden_size"])
-        layers = int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"))
-        vocab = int(cfg["vocab_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UserError(
-            f"{name}: config lacks {exc} (needs hidden_size, num_hidden_layers, vocab_size)"
-        ) from None
+    missing = [k for k in ("hidden_size", "vocab_size") if cfg.get(k) is None]
+    if _first(cfg, "num_hidden_layers", "n_layer", "num_layers") is None:
+        missing.append("num_hidden_layers")
+    if missing:
+        raise UserError(f"{name}: config lacks {', '.join(missing)} (needs hidden_size, "
+                        "num_hidden_layers, vocab_size)")
+    hidden = int(cfg["hidden_size"])
+    layers = int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"))
+    vocab = int(cfg["vocab_size"])
     num_experts = int(
         _first(cfg, "n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts",
                default=0)

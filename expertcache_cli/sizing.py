@@ -93,6 +93,30 @@ def _card_budget(
     return vram_gb, device, utilization, budget, notes
 
 
+def _check_inputs(**values: float | None) -> None:
+    """Every number a plan takes, checked before any work: one line naming the option.
+
+    Unset (None) means vLLM's default; zero is never a default, it is refused like any
+    other value out of range.
+    """
+    for name, value in values.items():
+        if value is None:
+            continue
+        flag = "--vram" if name == "vram_gb" else "--" + name.replace("_", "-")
+        if isinstance(value, bool) or not math.isfinite(value):
+            raise UserError(f"{flag} must be a finite number, got {value}")
+        if name == "gpu_memory_utilization":
+            if not 0 < value <= 1:
+                raise UserError(f"{flag} must be in (0, 1], got {value:g}")
+        elif name == "overhead_gb":
+            if value < 0:
+                raise UserError(f"{flag} must be >= 0 GiB, got {value:g}")
+        elif value <= 0:
+            raise UserError(f"{flag} must be positive, got {value:g}")
+        if name != "vram_gb" and name.endswith(("len", "seqs", "tokens")) and value != int(value):
+            raise UserError(f"{flag} must be a whole number, got {value:g}")
+
+
 @dataclass
 class SizePlan:
     """A model on a card: the slot budget, the vLLM flags, the verdict, the trap."""
@@ -197,11 +221,10 @@ def plan(
     ``graphs`` are the CUDA-graph settings (default: vLLM's, for the installed release):
     a decode batch is padded to the next capture size, and the trap counts padded ids.
     """
+    _check_inputs(vram_gb=vram_gb, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens, kv_tokens=kv_tokens,
+                  overhead_gb=overhead_gb, gpu_memory_utilization=gpu_memory_utilization)
     model = model_spec if isinstance(model_spec, ModelSize) else load_model(model_spec, quant)
-    if not vram_gb or vram_gb <= 0:
-        raise UserError(f"--vram must be positive GiB, got {vram_gb}")
-    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-        raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
     vram_gb, device, gpu_memory_utilization, budget, notes_device = _card_budget(
         float(vram_gb), device_total_gib, gpu_memory_utilization)
     graphs = graphs if graphs is not None else capture.settings_from_vllm_args([])
@@ -218,16 +241,16 @@ def plan(
         raise UserError(f"--slots {slots}: the cache kernel holds at most {rules.MAX_SLOTS} "
                         "slots a layer")
     d_seqs, d_batched = vllm_defaults(vram_gb)
-    max_model_len = int(max_model_len or model.max_position_embeddings)
-    max_num_seqs = int(max_num_seqs or d_seqs)
-    max_num_batched_tokens = int(max_num_batched_tokens or max(d_batched, 1))
-    if max_model_len <= 0 or max_num_seqs <= 0:
-        raise UserError("--max-model-len and --max-num-seqs must be positive")
+    max_model_len = int(max_model_len if max_model_len is not None
+                        else model.max_position_embeddings)
+    max_num_seqs = int(max_num_seqs if max_num_seqs is not None else d_seqs)
+    max_num_batched_tokens = int(max_num_batched_tokens if max_num_batched_tokens is not None
+                                 else d_batched)
     kv_scale = {"auto": 1.0, "bf16": 1.0, "fp16": 1.0, "fp8": 0.5, "fp8_e4m3": 0.5,
                 "fp8_e5m2": 0.5}.get(kv_cache_dtype.lower())
     if kv_scale is None:
         raise UserError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}: auto, fp8")
-    kv_tokens = int(kv_tokens or max_model_len)
+    kv_tokens = int(kv_tokens if kv_tokens is not None else max_model_len)
     kv_per_tok = int(model.kv_bytes_per_token * kv_scale)
     seqs_for_window = max(1, min(max_num_seqs, kv_tokens // max(1, max_model_len)))
     kv_reserved = kv_tokens * kv_per_tok + int(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import typer
@@ -38,3 +40,19 @@ def parse_int_list(text: str, option: str) -> list[int]:
     if not values or any(v <= 0 for v in values):
         raise UserError(f"{option} wants positive integers, got {text!r}")
     return list(dict.fromkeys(values))
+
+
+def passthrough_args(extra: Sequence[str], argv: Sequence[str] | None = None) -> list[str]:
+    """The arguments for vLLM: the ones after ``--``. Anything else left over is a word we
+    do not know before the ``--``, most likely a typo of one of our own options: refused
+    in one line instead of silently passed on (or, for `size`, silently ignored)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    after = argv[argv.index("--") + 1:] if "--" in argv else []
+    extra = list(extra)
+    stray = extra[: max(0, len(extra) - len(after))]
+    if stray:
+        raise UserError(
+            f"unknown option or argument {stray[0]!r} (vLLM's flags go after --, e.g. "
+            f"`-- {stray[0]} ...`)"
+        )
+    return extra

@@ -15,6 +15,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from ..errors import UserError
+from . import passthrough_args
 
 console = Console()
 err = Console(stderr=True, highlight=False)
@@ -148,7 +149,7 @@ def run_cmd(
     from ..baseline.arms import parse_arms
     from ..baseline.runner import DEFAULT_PROMPT, BaselineConfig, run_baseline
 
-    vllm_args = list(ctx.args)
+    vllm_args = passthrough_args(ctx.args)
     arm_list = parse_arms(arms)
     if cpu_offload_gb is not None and vram is not None:
         raise UserError("give --cpu-offload-gb or --vram, not both")

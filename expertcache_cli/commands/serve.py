@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from ..launch import make_plan, plugin_installed
+from . import passthrough_args
 
 console = Console(stderr=True)
 
@@ -39,7 +40,7 @@ def register(app: typer.Typer) -> None:
 
         plan = make_plan(
             model, vram, slots=slots, fraction=fraction, policy=policy, decay=decay,
-            size_from=size_from, allow_trap=allow_trap, vllm_args=list(ctx.args),
+            size_from=size_from, allow_trap=allow_trap, vllm_args=passthrough_args(ctx.args),
             device_total_gib=device_total_gib(),
         )
         s = plan.size

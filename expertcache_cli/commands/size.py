@@ -11,6 +11,7 @@ from rich.table import Table
 
 from .. import formats, model_size, sizing, vllm_flags
 from ..presets import DEFAULT_PRESET, PRESETS
+from . import passthrough_args
 
 console = Console()
 
@@ -166,9 +167,7 @@ def register(app: typer.Typer) -> None:
             console.print(t)
             return
         m = model_size.load_model(Path(model) if Path(model).exists() else model, quant)
-        args = list(ctx.args)
-        if args and args[0] == "--":
-            args = args[1:]
+        args = passthrough_args(ctx.args)
         common = vllm_flags.plan_kwargs_from_vllm_args(args)
         given = dict(
             max_model_len=max_model_len,
