@@ -10,18 +10,19 @@ from __future__ import annotations
 from .errors import DeviceUnavailable, UserError
 
 
-def device_arch(device: int) -> tuple[int, str]:
+def device_arch(device: int, hint: str = "pass --arch (e.g. --arch 90) to compile without one"
+                ) -> tuple[int, str]:
+    """(SM arch as 90, device name) of CUDA device ``device``; one line when there is none,
+    ending with ``hint`` (what the caller's user can do instead)."""
     try:
         import torch
     except ImportError:
         raise DeviceUnavailable(
-            "torch is not installed, so no GPU can be detected: pass --arch (e.g. --arch 90) "
-            "to compile without one"
+            f"torch is not installed, so no GPU can be detected: {hint}"
         ) from None
     if not torch.cuda.is_available():
         raise DeviceUnavailable(
-            "no CUDA device visible (torch.cuda.is_available() is False): pass --arch "
-            "(e.g. --arch 90) to compile without one"
+            f"no CUDA device visible (torch.cuda.is_available() is False): {hint}"
         )
     if device >= torch.cuda.device_count():
         raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")

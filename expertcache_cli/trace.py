@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .errors import UserError
+from .files import atomic_write
 
 
 class TraceError(UserError):
@@ -169,8 +170,9 @@ def save(trace: Trace, path: str | Path) -> Path:
     if p.suffix != ".npz":
         p = p.with_name(p.name + ".npz")
     p.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(p, **payload)
-    return p
+    # whole or not at all: a reader never sees half a file (an interrupted save, or two
+    # processes writing the same name, leave the previous file or the complete new one)
+    return atomic_write(p, lambda tmp: np.savez_compressed(tmp, **payload))
 
 
 def describe(trace: Trace) -> dict:

@@ -163,3 +163,28 @@ def test_trace_synth_and_info(tmp_path):
     cli("trace", "synth", str(again), *knobs.split())
     assert np.array_equal(load(again).topk_ids, t.topk_ids)  # seeded: reproducible
     assert "num_experts" in cli("trace", "info", str(out)).stdout
+
+
+def test_output_paths_are_checked_before_the_sweep(tmp_path):
+    """A --csv that cannot be written is one line and exit 2 before any work; a good one
+    is written whole, with the user's umask, and no temporary file is left beside it."""
+    for bad, words in ((tmp_path, "is a directory"),
+                       (tmp_path / "missing" / "r.csv", "does not exist")):
+        r = subprocess.run([sys.executable, "-m", "expertcache_cli", "replay", "--csv",
+                            str(bad)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    out = tmp_path / "r.csv"
+    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "replay", "--slots", "16",
+                        "--policy", "lru", "--csv", str(out)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert out.read_text().startswith("policy,slots,") and sorted(os.listdir(tmp_path)) == [
+        "r.csv"]
+    assert out.stat().st_mode & 0o044  # readable by others under a usual umask
+
+
+def test_decay_without_lfu_is_refused():
+    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "replay", "--decay", "8",
+                        "--policy", "lru,opt"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--decay 8 applies to lfu only" in r.stderr

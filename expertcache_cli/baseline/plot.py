@@ -12,11 +12,30 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..files import atomic_write, check_output
 from .summary import Summary, measured_runs
+
+#: image formats the figure is written in (matplotlib's Agg backend writes all of them)
+FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".eps", ".ps", ".tif", ".tiff")
+
+
+def plot_path(path: str | Path) -> Path:
+    """The file `plot` will write for ``path``: a name without a suffix gets ``.png`` (what
+    matplotlib would write, so the name we report is the one on disk); checked to be
+    writable before any work, and an unknown suffix is refused."""
+    out = Path(path)
+    if not out.suffix:
+        out = out.with_name(out.name + ".png")
+    if out.suffix.lower() not in FORMATS:
+        raise UserError(f"--plot {path}: unknown image format {out.suffix!r} "
+                        f"(use one of {', '.join(FORMATS)})")
+    return check_output(out, "--plot")
 
 
 def plot(summary: Summary, records: list[dict[str, Any]], path: str | Path) -> Path:
-    """Write the figure to ``path`` (format from its suffix); needs the ``plot`` extra."""
+    """Write the figure to ``plot_path(path)``, whole or not at all; returns that path.
+    Needs the ``plot`` extra."""
+    out = plot_path(path)
     try:
         import matplotlib
 
@@ -69,10 +88,8 @@ def plot(summary: Summary, records: list[dict[str, Any]], path: str | Path) -> P
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fig.savefig(out, dpi=120)
+        atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=120))
     except (OSError, ValueError) as exc:
         raise UserError(f"--plot: cannot write {out}: {exc}") from None
     finally:

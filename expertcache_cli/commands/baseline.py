@@ -150,6 +150,10 @@ def run_cmd(
     from ..baseline.runner import DEFAULT_PROMPT, BaselineConfig, run_baseline
 
     vllm_args = passthrough_args(ctx.args)
+    if plot is not None:
+        from ..baseline.plot import plot_path
+
+        plot = plot_path(plot)  # checked before any server starts
     arm_list = parse_arms(arms)
     if cpu_offload_gb is not None and vram is not None:
         raise UserError("give --cpu-offload-gb or --vram, not both")

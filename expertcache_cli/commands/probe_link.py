@@ -51,14 +51,20 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Measure the host link (copy engine, zero-copy, the cache's gather) and conclude."""
         from .. import probe
+        from ..files import atomic_write, check_output
 
         size_list = _parse_sizes(sizes)
+        if repeats < 1 or warmup < 0:
+            raise UserError(f"--repeats must be >= 1 and --warmup >= 0, got {repeats}, {warmup}")
+        if save is not None:
+            save = check_output(save, "--save")  # before minutes of measuring
         mdl = str(model) if not Path(model).exists() else Path(model)
         rep = probe.probe_link(device=device, model=mdl, quant=quant, sizes_mib=size_list,
                                repeats=repeats, warmup=warmup, pin=pin)
         data = rep.to_json()
         if save is not None:
-            save.write_text(json.dumps(data, indent=2) + "\n")
+            text = json.dumps(data, indent=2) + "\n"
+            atomic_write(save, lambda tmp: tmp.write_text(text))
         if as_json:
             print(json.dumps(data, indent=2))
             return

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import UserError
+from ..files import atomic_write, check_output
 from ..policy import Policy
 from ..trace import Trace, load
 from . import demo_trace_path, parse_int_list
@@ -134,8 +135,17 @@ def replay_command(
             "(that many slots hold every expert: nothing to cache)"
         )
     policies = parse_policies(policy)
+    if decay and Policy.LFU not in policies:
+        raise UserError(f"--decay {decay} applies to lfu only (--policy {policy})")
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device must be cpu or cuda, got {device!r}")
+    if csv is not None:
+        csv = check_output(csv, "--csv")
+    if device == "cuda":
+        from ..kernel_check import device_arch
+
+        # no torch or no GPU: one line now, not after the sweep
+        device_arch(0, hint="--device cuda runs the real kernels; use --device cpu here")
 
     long_run = trace.steps * trace.num_layers * len(budgets) * 3 > 2_000_000
     with _progress_runner(long_run and err.is_terminal and not as_json) as update:
@@ -160,7 +170,7 @@ def replay_command(
 
     if csv is not None:
         frame = report.per_layer if per_layer else report.results
-        frame.to_csv(csv, index=False)
+        atomic_write(csv, lambda tmp: frame.to_csv(tmp, index=False))
 
     if as_json:
         obj = {

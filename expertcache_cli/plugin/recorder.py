@@ -106,6 +106,7 @@ class TraceRecorder:
     def save(self, path: str | Path, live: dict[str, Any] | None = None) -> Path | None:
         """Drain and write the trace (docs/design.md, The routing trace format); the live
         counters go beside it as JSON."""
+        from ..files import atomic_write
         from ..trace import Trace, save
 
         self.drain()
@@ -128,5 +129,6 @@ class TraceRecorder:
         out = save(trace, path)
         if live is not None:
             side = out.with_name(out.name[: -len(".npz")] + ".live.json")
-            side.write_text(json.dumps(live, indent=1) + "\n")
+            text = json.dumps(live, indent=1) + "\n"
+            atomic_write(side, lambda tmp: tmp.write_text(text))
         return out
