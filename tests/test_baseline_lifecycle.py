@@ -22,6 +22,7 @@ import pytest
 from expertcache_cli.baseline import store
 from expertcache_cli.baseline.arms import parse_arms
 from expertcache_cli.baseline.runner import BaselineConfig, load_summary, run_baseline
+from expertcache_cli.errors import UserError
 
 STUB = r"""
 import json, os, signal, subprocess, sys, time
@@ -237,6 +238,8 @@ def test_crash_never_healthy_and_death_mid_run_are_recorded(tmp_path, stub):
 
 
 def test_server_command_that_does_not_exist(tmp_path):
+    """A typo in --server-cmd is one line before anything is written (no results file
+    that would then block the corrected rerun)."""
     cfg = BaselineConfig(
         model="m",
         arms=parse_arms("resident"),
@@ -245,11 +248,45 @@ def test_server_command_that_does_not_exist(tmp_path):
         runs=1,
         server_cmd="/nonexistent/vllm serve {model}",
     )
-    run_baseline(cfg)
+    with pytest.raises(UserError, match="'/nonexistent/vllm' is not a program"):
+        run_baseline(cfg)
+    assert not cfg.out.exists()
+
+
+def test_every_server_failing_is_an_error_with_the_first_cause(tmp_path):
+    """All servers died: exit nonzero, and the cause from the server's own log in the
+    message, not only in per-server logs."""
+    from expertcache_cli.baseline.runner import NoRunSucceeded
+
+    dies = ("{python} -c \"import sys; print('ModuleNotFoundError: No module named vllm'); "
+            "sys.exit(1)\"")
+    cfg = BaselineConfig(model="m", arms=parse_arms("resident,offload"), out=tmp_path / "r.jsonl",
+                         restarts=1, runs=1, server_cmd=dies, cpu_offload_gb=1.0,
+                         start_timeout_s=30)
+    with pytest.raises(NoRunSucceeded) as info:
+        run_baseline(cfg)
+    msg = str(info.value)
+    assert info.value.exit_code == 1 and "all 2 server(s) failed" in msg
+    assert "No module named vllm" in msg and "(log: " in msg
     _, recs = store.load(cfg.out)
-    (fail,) = [r for r in recs if r["kind"] == "server"]
-    assert fail["status"] == "failed" and fail["phase"] == "start"
-    assert "cannot run" in fail["reason"]
+    assert [r["status"] for r in recs if r["kind"] == "server"] == ["failed", "failed"]
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("cpu_offload_gb", float("nan"), "--cpu-offload-gb must be a finite number"),
+    ("port", 70000, "--port must be 0"),
+    ("start_timeout_s", -1.0, "--start-timeout must be positive"),
+    ("request_timeout_s", 0.0, "--request-timeout must be positive"),
+    ("stop_grace_s", -2.0, "--stop-grace must be >= 0"),
+    ("restarts", 0, "--restarts"),
+])
+def test_bad_options_are_refused_before_anything_is_written(tmp_path, field, value, words):
+    cfg = BaselineConfig(model="m", arms=parse_arms("offload"), out=tmp_path / "r.jsonl",
+                         cpu_offload_gb=1.0, server_cmd="{python} -c pass")
+    setattr(cfg, field, value)
+    with pytest.raises(UserError, match=words):
+        run_baseline(cfg)
+    assert not cfg.out.exists()
 
 
 def _cli_args(cfg: BaselineConfig) -> list[str]:

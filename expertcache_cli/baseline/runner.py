@@ -9,8 +9,10 @@ goes on with the next arm.
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import signal
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -65,6 +67,19 @@ class BaselineConfig:
     retry_failed: bool = False
 
     def validate(self) -> None:
+        """Every option checked before anything is started or written (one line each)."""
+        for name, value in (("--start-timeout", self.start_timeout_s),
+                            ("--request-timeout", self.request_timeout_s),
+                            ("--stop-grace", self.stop_grace_s),
+                            ("--cpu-offload-gb", self.cpu_offload_gb)):
+            if value is not None and not math.isfinite(value):
+                raise UserError(f"{name} must be a finite number, got {value}")
+        if self.stop_grace_s < 0:
+            raise UserError(f"--stop-grace must be >= 0 seconds, got {self.stop_grace_s:g}")
+        if not 0 <= self.port <= 65535:
+            raise UserError(f"--port must be 0 (a free port) or 1..65535, got {self.port}")
+        if self.stats_every is not None and self.stats_every < 0:
+            raise UserError(f"--stats must be >= 0 layer-steps, got {self.stats_every}")
         if self.restarts < 1:
             raise UserError("--restarts must be at least 1")
         if self.runs < 1:
@@ -75,12 +90,34 @@ class BaselineConfig:
             raise UserError("--concurrency must be at least 1")
         if not self.prompt:
             raise UserError("--prompt is empty")
-        if self.start_timeout_s <= 0 or self.request_timeout_s <= 0:
-            raise UserError("timeouts must be positive")
+        if self.start_timeout_s <= 0:
+            raise UserError(f"--start-timeout must be positive, got {self.start_timeout_s:g}")
+        if self.request_timeout_s <= 0:
+            raise UserError(f"--request-timeout must be positive, got {self.request_timeout_s:g}")
         if self.cpu_offload_gb is not None and self.cpu_offload_gb <= 0:
             raise UserError("--cpu-offload-gb must be positive: 0 would offload nothing")
         for arm in self.arms:
             arm.server_args(self.cpu_offload_gb)  # raises when an offload size is missing
+        self.check_server_command()
+
+    def check_server_command(self) -> None:
+        """The servers can be started at all: the template parses and names a program that
+        exists, and the default one (vLLM through this python) finds vLLM installed."""
+        import importlib.util
+        import shutil
+
+        argv = build_command(self.server_cmd or default_template(), model=self.model,
+                             host=self.host, port=self.port or 8000, arm="check",
+                             arm_args=[], vllm_args=[])
+        exe = argv[0]
+        if shutil.which(exe) is None and not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+            raise UserError(f"--server-cmd: {exe!r} is not a program on PATH")
+        if (self.server_cmd is None and exe == sys.executable
+                and importlib.util.find_spec("vllm") is None):
+            raise UserError(
+                f"vLLM is not installed in this python ({sys.executable}): install it "
+                "(pip install 'expertcache[vllm]'), or give --server-cmd to start it elsewhere"
+            )
 
     def meta(self) -> dict[str, Any]:
         from .. import __version__
@@ -214,7 +251,32 @@ def run_baseline(cfg: BaselineConfig, say: Callable[[str], None] = lambda s: Non
         raise
     finally:
         st.close()
+    _fail_when_nothing_ran(cfg.out)
     return cfg.out
+
+
+class NoRunSucceeded(UserError):
+    """Every server of the experiment failed: the cause is one line, the exit code 1."""
+
+    exit_code = 1
+
+
+def _fail_when_nothing_ran(path: Path) -> None:
+    """No measured run in the results file: say why (the first failure), exit nonzero."""
+    _, records = _store.load(path)
+    if any(r.get("kind") == "run" for r in records):
+        return
+    failed = [r for r in records if r.get("kind") == "server" and r.get("status") == "failed"]
+    if not failed:
+        return
+    first = failed[0]
+    cause = next((ln.strip() for ln in reversed((first.get("log_tail") or "").splitlines())
+                  if "Error" in ln or "error" in ln), "")
+    raise NoRunSucceeded(
+        f"no run succeeded: all {len(failed)} server(s) failed; the first ({first.get('arm')}, "
+        f"{first.get('phase')}): {first.get('reason')}" + (f": {cause}" if cause else "")
+        + f" (log: {first.get('log')})"
+    )
 
 
 def _run_block(
