@@ -78,6 +78,7 @@ def make_plan(
     """
 
     environ = os.environ if environ is None else environ
+    model_refusal(model)
     try:
         pol = budget.online_policy(policy)[0]
     except ValueError as exc:
@@ -133,6 +134,44 @@ def make_plan(
                      "(the control run)")
     argv = [*(launcher or vllm_command()), "serve", model, *own, *args]
     return ServePlan(model=model, size=size, env=env, argv=argv, notes=notes)
+
+
+def model_refusal(model: str) -> None:
+    """MODEL is what vLLM will load: a sizing preset's name or a config.json is not.
+
+    (`size` takes both; `serve` passes MODEL to `vllm serve`, which would fail on them
+    after the whole plan was printed.)
+    """
+    from pathlib import Path
+
+    from .presets import PRESETS
+
+    path = Path(model).expanduser()
+    if path.is_file():
+        raise UserError(
+            f"MODEL {model} is a file; vLLM loads a model directory or a Hugging Face id: give "
+            f"that as MODEL, and --size-from {model} if the sizing should read this file"
+        )
+    preset = PRESETS.get(model.strip().lower())
+    if preset is not None and not path.is_dir():
+        raise UserError(
+            f"MODEL {model!r} is a sizing preset, not a model vLLM can load: give the model "
+            f"itself (a local directory or a Hugging Face id; the preset stands for "
+            f"{preset.hf_id}) and --size-from {model}"
+        )
+
+
+def launch_refusal(argv: Sequence[str]) -> str | None:
+    """Why ``argv`` cannot start here, checked before the plan hands over the process."""
+    import importlib.util
+
+    exe = argv[0] if argv else ""
+    if not exe or (shutil.which(exe) is None and not os.access(exe, os.X_OK)):
+        return f"cannot start {exe!r}: not a program on PATH"
+    if exe == sys.executable and "-m" in argv and importlib.util.find_spec("vllm") is None:
+        return (f"vLLM is not installed in this python ({sys.executable}): "
+                "pip install 'expertcache[vllm]' (or run serve from vLLM's environment)")
+    return None
 
 
 def plugin_installed() -> bool:

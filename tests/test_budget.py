@@ -20,7 +20,8 @@ def test_a_fraction_is_strictly_between_0_and_1_everywhere(bad):
     with pytest.raises(UserError, match="--fraction"):
         sizing.plan(None, 24, max_model_len=4096, fraction=bad)
     with pytest.raises(UserError, match="--fraction"):
-        make_plan("qwen3-30b-a3b-w8a8", 24, fraction=bad, launcher=["vllm"], environ={},
+        make_plan("/models/w8a8", 24, size_from="qwen3-30b-a3b-w8a8", fraction=bad,
+                  launcher=["vllm"], environ={},
                   vllm_args=["--max-num-seqs", "4", "--max-model-len", "4096"])
 
 

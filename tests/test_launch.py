@@ -17,7 +17,7 @@ VLLM = ["vllm"]
 def _plan(**kw):
     kw.setdefault("launcher", VLLM)
     kw.setdefault("environ", {})
-    return make_plan(MODEL, kw.pop("vram", 24), **kw)
+    return make_plan(kw.pop("model", MODEL), kw.pop("vram", 24), **kw)
 
 
 def test_cache_plan_sets_the_environment_and_offloads_the_experts():
@@ -184,3 +184,28 @@ def test_gpu_total_is_what_vllm_sees_total_minus_reserved(tmp_path, monkeypatch)
     assert gpu_info.device_total_gib({}) is None
     monkeypatch.setenv("PATH", str(tmp_path / "none"))
     assert gpu_info.device_total_gib({}) is None
+
+
+def test_model_must_be_what_vllm_loads(tmp_path):
+    """A preset name or a config.json is for sizing; vLLM would fail on it after the plan
+    was printed, so serve refuses it at once with the way (--size-from)."""
+    with pytest.raises(UserError, match="is a sizing preset.*--size-from qwen3-30b-a3b-w8a8"):
+        _plan(model="qwen3-30b-a3b-w8a8")
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text("{}")
+    with pytest.raises(UserError, match="is a file.*--size-from"):
+        _plan(model=str(cfg_file))
+    ok = _plan(model=str(tmp_path), size_from="qwen3-30b-a3b-w8a8",
+               vllm_args=["--max-num-seqs", "4", "--max-model-len", "8192"])
+    assert ok.argv[2] == str(tmp_path)
+
+
+def test_launch_refusal_names_what_is_missing(monkeypatch):
+    import importlib.util
+
+    from expertcache_cli.launch import launch_refusal
+
+    assert "not a program" in launch_refusal(["/nonexistent/vllm", "serve", "m"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    why = launch_refusal([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "m"])
+    assert "vLLM is not installed in this python" in why

@@ -8,7 +8,8 @@ import sys
 import typer
 from rich.console import Console
 
-from ..launch import make_plan, plugin_installed
+from ..errors import UserError
+from ..launch import launch_refusal, make_plan, plugin_installed
 from . import passthrough_args
 
 console = Console(stderr=True)
@@ -63,12 +64,13 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             print(plan.shell())
             return
+        why = launch_refusal(plan.argv)
+        if why:
+            raise UserError(why)
         console.print(f"  running: {plan.shell()}")
         sys.stderr.flush()
         env = {**os.environ, **plan.env}
         try:
             os.execvpe(plan.argv[0], plan.argv, env)
         except OSError as exc:
-            from ..errors import UserError
-
             raise UserError(f"cannot start {plan.argv[0]}: {exc.strerror}") from None
