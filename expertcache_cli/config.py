@@ -130,6 +130,10 @@ class CacheConfig:
         return env
 
 
+#: the kernels take their integers as C ints: a larger value would wrap (4294967297 -> 1)
+INT_MAX = 2**31 - 1
+
+
 def _int(env: Mapping[str, str], name: str, lo: int) -> int | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -138,8 +142,8 @@ def _int(env: Mapping[str, str], name: str, lo: int) -> int | None:
         value = int(raw.strip(), 10)
     except ValueError:
         raise ConfigError(f"{name}={raw!r}: expected an integer >= {lo}") from None
-    if value < lo:
-        raise ConfigError(f"{name}={raw!r}: expected an integer >= {lo}")
+    if not lo <= value <= INT_MAX:
+        raise ConfigError(f"{name}={raw!r}: expected an integer from {lo} to {INT_MAX}")
     return value
 
 
@@ -182,8 +186,13 @@ def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
         )
 
     lib = env.get(LIB, "").strip() or None
-    if lib is not None and not Path(lib).is_file():
-        raise ConfigError(f"{LIB}={lib!r}: no such file")
+    if lib is not None:
+        if not Path(lib).is_file():
+            raise ConfigError(f"{LIB}={lib!r}: no such file")
+        with open(lib, "rb") as f:
+            if f.read(4) != b"\x7fELF":
+                raise ConfigError(f"{LIB}={lib!r}: not a shared library (no ELF header); build "
+                                  "one with `expertcache build-kernels --library PATH`")
 
     stats_every = _int(env, STATS, 0) or 0
 

@@ -98,3 +98,24 @@ def test_to_env_is_what_from_env_reads_back(cfg, tmp_path, monkeypatch):
     env = cfg.to_env()
     assert set(env) <= set(ENV_VARS)
     assert from_env(env) == cfg
+
+
+def test_integers_the_kernels_take_as_c_ints_are_range_checked():
+    """4294967297 would reach the kernel as 1 through ctypes."""
+    for name in ("EXPERT_CACHE_DECAY", "EXPERT_CACHE_SLOTS", "EXPERT_CACHE_STATS"):
+        env = {name: "4294967297"}
+        if name == "EXPERT_CACHE_DECAY":
+            env["EXPERT_CACHE_POLICY"] = "lfu"
+        with pytest.raises(ConfigError, match=f"{name}='4294967297': expected an integer"):
+            from_env(env)
+    assert from_env({"EXPERT_CACHE_POLICY": "lfu", "EXPERT_CACHE_DECAY": "2147483647"}).decay
+
+
+def test_a_lib_that_is_not_a_shared_library_is_refused(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    with pytest.raises(ConfigError, match="not a shared library"):
+        from_env({"EXPERT_CACHE_LIB": str(text)})
+    elf = tmp_path / "lib.so"
+    elf.write_bytes(b"\x7fELF" + bytes(60))
+    assert from_env({"EXPERT_CACHE_LIB": str(elf)}).lib == str(elf)
