@@ -404,7 +404,8 @@ def test_cli_bad_input_is_one_line_exit_2(args, needle, tmp_path):
 def test_cli_refuses_to_overwrite_without_resume(tmp_path):
     out = tmp_path / "r.jsonl"
     out.write_text('{"kind": "meta"}\n')
-    p = _cli("baseline", "m", "--arms", "resident", "--out", str(out))
+    p = _cli("baseline", "m", "--arms", "resident", "--out", str(out),
+             "--server-cmd", "{python} -c pass")
     assert p.returncode == 2 and "--resume" in p.stderr
 
 

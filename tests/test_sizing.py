@@ -481,7 +481,8 @@ def test_cli_reads_vllm_flags_after_the_double_dash_as_serve_does():
 
     flags = ["--max-model-len", "8192", "--max-num-seqs", "8", "--enforce-eager"]
     d = json.loads(_cli("--vram", "24", "--json", "--", *flags).stdout)
-    p = make_plan(DEFAULT_PRESET, 24, vllm_args=flags, launcher=["vllm"], environ={})
+    p = make_plan("/models/w8a8", 24, size_from=DEFAULT_PRESET, vllm_args=flags,
+                  launcher=["vllm"], environ={})
     assert d["slots"] == p.size.slots == int(p.env["EXPERT_CACHE_SLOTS"])
     assert (d["max_model_len"], d["max_num_seqs"], d["graphs"]) == (8192, 8, "--enforce-eager")
     # an option given to size itself wins over the same flag after --

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from ..errors import UserError
 from ..presets import DEFAULT_PRESET
+from ..tables import Table
 
 console = Console()
 
@@ -74,7 +74,8 @@ def register(app: typer.Typer) -> None:
         )
         t = Table(title=f"host link (median of {repeats}, CUDA events)")
         for col in ("path", "size", "GB/s", "time", "spread"):
-            t.add_column(col, justify="right" if col != "path" else "left")
+            t.add_column(col, justify="right" if col != "path" else "left", text=col == "path",
+                         keep={"path": 9, "GB/s": 8}.get(col, 0))
         for r in rep.rates:
             t.add_row(_LABELS.get(r.path, r.path), probe.fmt_bytes(r.nbytes), f"{r.gbps:.1f}",
                       f"{r.seconds * 1e6:.0f} us", f"{100 * r.spread:.1f}%")

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from ..errors import UserError
 from ..files import atomic_write, check_output
 from ..policy import Policy
+from ..tables import Table
 from ..trace import Trace, load
 from . import demo_trace_path, parse_int_list
 
@@ -219,13 +219,16 @@ def _print_results(path: Path, trace: Trace, report, link_gbps: float | None) ->
     df = report.results
     has_bytes = "bytes_per_token" in df.columns
     table = Table(title="experts fetched over the host link (all layers)")
+    # what is left out first when the terminal is narrow: lowest keep
+    keep = {"policy": 9, "slots": 9, "misses": 9, "miss rate": 8, "requests": 2,
+            "vs LRU": 4, "vs OPT": 5}
     for col in ("policy", "slots", "misses", "requests", "miss rate", "vs LRU", "vs OPT"):
-        table.add_column(col, justify="right" if col != "policy" else "left")
-    table.add_column("read-through\nlayer-steps", justify="right")
+        table.add_column(col, justify="right" if col != "policy" else "left", keep=keep[col])
+    table.add_column("read-through layer-steps", justify="right", keep=1)
     if has_bytes:
-        table.add_column("host bytes\n/token", justify="right")
+        table.add_column("host bytes /token", justify="right", keep=3)
     if "transfer_ms_per_token" in df.columns:
-        table.add_column(f"ms/token\n@{link_gbps:g} GB/s", justify="right")
+        table.add_column(f"ms/token @{link_gbps:g} GB/s", justify="right", keep=7)
     for row in df.itertuples():
         cells = [
             row.policy,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from .. import formats, model_size, sizing, vllm_flags
 from ..presets import DEFAULT_PRESET, PRESETS
+from ..tables import Table
 from . import passthrough_args
 
 console = Console()
@@ -27,7 +27,7 @@ def _mb(n: float) -> str:
 def _model_table(m: model_size.ModelSize) -> Table:
     t = Table(title=f"{m.name} ({m.quant}, from {m.source})", show_header=False, box=None)
     t.add_column(style="bold")
-    t.add_column()
+    t.add_column(text=True)
     t.add_row("MoE layers", f"{m.num_moe_layers} of {m.num_layers}")
     t.add_row("experts / top_k", f"{m.num_experts} / {m.top_k}")
     t.add_row(
@@ -55,7 +55,7 @@ def _model_table(m: model_size.ModelSize) -> Table:
 def _plan_table(p: sizing.SizePlan) -> Table:
     t = Table(title=f"on {p.vram_gib:g} GiB", show_header=False, box=None)
     t.add_column(style="bold")
-    t.add_column()
+    t.add_column(text=True)
     t.add_row(
         "budget",
         f"{_gib(p.budget_bytes)} = {p.vram_gib:g} GiB x {p.gpu_memory_utilization:g}",
@@ -98,8 +98,9 @@ _SHORT = {
 
 def _cards_table(m: model_size.ModelSize, rows: list[tuple[str, sizing.SizePlan]]) -> Table:
     t = Table(title=f"{m.name}: slot budget by card (vLLM defaults unless given)")
-    for col in ("card", "max-model-len", "slots", "verdict", "--cpu-offload-gb", "trap"):
-        t.add_column(col)
+    for col, keep in (("card", 9), ("max-model-len", 1), ("slots", 9), ("verdict", 8),
+                      ("--cpu-offload-gb", 2), ("trap", 3)):
+        t.add_column(col, keep=keep, text=col in ("verdict", "trap"))
     for label, p in rows:
         t.add_row(
             label,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from ..errors import UserError
+from ..tables import Table
 
 console = Console()
 trace_app = typer.Typer(help="Routing trace files: synthesise and inspect.", no_args_is_help=True)
@@ -85,7 +85,7 @@ def info_command(
         return
     table = Table(title=str(path), show_header=False)
     table.add_column("field")
-    table.add_column("value")
+    table.add_column("value", text=True)
     for k, v in facts.items():
         if k == "layer_ids":
             v = f"{v[0]}..{v[-1]}" if len(v) > 1 else str(v[0])
