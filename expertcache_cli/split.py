@@ -37,9 +37,14 @@ class Split:
 
 
 def slot_grid(num_experts: int, extra: list[int]) -> list[int]:
-    """Candidate per-layer slot counts: an even grid of ~32 points plus the asked sizes."""
+    """Candidate per-layer slot counts: an even grid of ~32 points plus the asked sizes,
+    each one a budget the plugin accepts (`budget.slot_limit`: below E, within the
+    kernel), so a recommended split can be served as it is."""
+    from .budget import slot_limit
+
+    top = slot_limit(num_experts)
     step = max(1, num_experts // 32)
-    grid = set(range(step, num_experts + 1, step)) | {s for s in extra if 0 < s <= num_experts}
+    grid = set(range(step, top + 1, step)) | {s for s in extra if 0 < s <= top}
     return sorted(grid)
 
 

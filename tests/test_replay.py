@@ -188,3 +188,16 @@ def test_decay_without_lfu_is_refused():
     r = subprocess.run([sys.executable, "-m", "expertcache_cli", "replay", "--decay", "8",
                         "--policy", "lru,opt"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--decay 8 applies to lfu only" in r.stderr
+
+
+def test_a_split_never_recommends_a_budget_the_plugin_refuses():
+    """64-expert layers: a split that gives one layer all 64 slots cannot be served
+    (S must be below E), so the grid stops at 63."""
+    from expertcache_cli.policy import Policy
+    from expertcache_cli.split import recommend, slot_grid
+    from expertcache_cli.trace import load
+
+    assert slot_grid(64, [32, 64])[-1] == 63 and 64 not in slot_grid(64, [64])
+    trace = load(TRACES / "demo-olmoe-1b-7b-zipf.npz")  # 64 experts
+    (split,) = recommend(trace, Policy.LRU, [48])
+    assert max(split.slots) <= 63 and sum(split.slots) <= 48 * trace.num_layers
