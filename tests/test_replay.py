@@ -197,7 +197,7 @@ def test_a_split_never_recommends_a_budget_the_plugin_refuses():
     from expertcache_cli.split import recommend, slot_grid
     from expertcache_cli.trace import load
 
-    assert slot_grid(64, [32, 64])[-1] == 63 and 64 not in slot_grid(64, [64])
+    assert max(slot_grid(64, [32, 64])) <= 63 and slot_grid(64, [63])[-1] == 63
     trace = load(TRACES / "demo-olmoe-1b-7b-zipf.npz")  # 64 experts
     (split,) = recommend(trace, Policy.LRU, [48])
     assert max(split.slots) <= 63 and sum(split.slots) <= 48 * trace.num_layers
