@@ -310,7 +310,8 @@ def plan(
     elif planned < k:
         verdict = "offload_no_cache"
         text = (
-            f"runs only fully offloaded: room for {planned} slots, fewer than top_k={k}, so "
+            f"runs only fully offloaded: room for {planned} slot{'s' * (planned != 1)}, "
+            f"fewer than top_k={k}, so "
             "not even one token's experts fit; no cache"
         )
         planned = 0
@@ -341,10 +342,12 @@ def plan(
                      max_num_batched_tokens=max_num_batched_tokens,
                      kv_cache_dtype=kv_cache_dtype, overhead_gb=overhead_gb, graphs=graphs,
                      device_total_gib=device)
-        notes.append(
-            f"KV for one {max_model_len}-token sequence takes {gib(kv_reserved):.2f} GiB; "
-            f"--max-model-len 8192 leaves room for {short.slots} slots ({short.verdict})"
-        )
+        if short.max_slots > max_slots or short.verdict != verdict:
+            notes.append(
+                f"KV for one {max_model_len}-token sequence takes {gib(kv_reserved):.2f} GiB; "
+                f"--max-model-len 8192 leaves room for {short.max_slots} slots: "
+                f"{short.verdict_text}"
+            )
     offload = math.ceil(model.expert_bytes / GiB + 0.5) if verdict in (
         "cache", "offload_no_cache") else 0
 

@@ -513,3 +513,14 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, msg):
     assert r.returncode == 2
     assert msg in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_notes_never_contradict_the_verdict():
+    """Mixtral-8x7B at 24 GiB: 1 slot fits at its 32768-token context and still 1 at 8192;
+    the note used to say '8192 leaves room for 0 slots' beside a verdict of 1."""
+    p = sizing.plan(model_size.load_model(cfg("mixtral-8x7b.json")), 24)
+    assert p.verdict == "offload_no_cache" and "room for 1 slot," in p.verdict_text
+    assert not any("--max-model-len 8192" in n for n in p.notes)
+    q = sizing.plan(None, 24)  # Qwen3-30B-A3B W8A8 at 40960: 8192 frees room for slots
+    note = next(n for n in q.notes if "--max-model-len 8192" in n)
+    assert "room for 84 slots: cache at 84 of 128" in note and q.slots < 84
