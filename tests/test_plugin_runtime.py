@@ -444,3 +444,37 @@ def test_rows_vllm_marks_as_padding_install_nothing_and_count_nothing(monkeypatc
     armed.uninstall()
     want = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
     assert torch.allclose(got[:2], want[:2], atol=1e-5)
+
+
+def test_the_recorder_spills_to_disk_and_writes_the_same_trace(tmp_path):
+    """Host memory stays bounded: drained rows go to a spill file, not a Python list; the
+    trace written from the spill equals the one from memory, and the spill is removed."""
+    from expertcache_cli.plugin.recorder import TraceRecorder
+    from expertcache_cli.trace import load
+
+    spill = tmp_path / ".live.npz.spill"
+    recs = [TraceRecorder(2, E, TOPK, torch.device("cpu"), capacity=8, spill=s)
+            for s in (None, spill)]
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        ids, _ = _routing(rng, int(rng.integers(1, 4)))
+        for rec in recs:
+            for layer in (0, 1):
+                rec.record(layer, ids)
+            rec.maybe_flush()
+    assert recs[1].chunks == [] and spill.stat().st_size > 0  # nothing kept in memory
+    a, b = (load(rec.save(tmp_path / f"t{i}.npz")) for i, rec in enumerate(recs))
+    assert a.steps == b.steps == 40
+    assert np.array_equal(a.topk_ids, b.topk_ids) and np.array_equal(a.step_tokens,
+                                                                    b.step_tokens)
+    assert not spill.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "t0.npz", "t1.npz"]
+
+
+def test_replicas_and_stages_write_their_own_trace_files():
+    from expertcache_cli.plugin.session import replica_path
+
+    assert replica_path("/t/run.npz", {"tp": 0, "pp": 0, "dp": 0}) == "/t/run.npz"
+    assert replica_path("/t/run.npz", {"tp": 1, "pp": 0, "dp": 0}) == "/t/run.tp1.npz"
+    assert replica_path("/t/run.npz", {"tp": 0, "pp": 1, "dp": 2}) == "/t/run.pp1.dp2.npz"
+    assert replica_path("/t/run.npz") == "/t/run.npz"  # no vLLM here: rank 0 everywhere

@@ -8,6 +8,11 @@ graphs like the cache step itself. The host reads the ring only when it is half 
 (`maybe_flush`, called once per engine step with a host-side count, one sync per
 ``capacity / 2`` steps) and at exit.
 
+Host memory stays bounded however long the server runs: each drained chunk is appended
+to a spill file beside the trace (``.NAME.spill``, raw ids, and ``.NAME.tokens``), not
+kept in a Python list (about 12 KiB a step for Qwen3-30B-A3B: gigabytes an hour). At
+exit the spill is memory-mapped into the trace file, written atomically, and removed.
+
 Why nothing is lost that the replay needs: a step carrying more than ``width = E`` ids
 (a prefill chunk) is not recorded. At any budget ``S < E`` such a step reads through in
 the live server and in `LayerCache.forward` alike (``ids > S``), and a read-through step
@@ -44,6 +49,7 @@ class TraceRecorder:
         capacity: int = DEFAULT_CAPACITY,
         layer_names: list[int] | None = None,
         model: str | None = None,
+        spill: str | Path | None = None,
     ) -> None:
         import torch
 
@@ -56,13 +62,21 @@ class TraceRecorder:
         self.model = model
         dtype = torch.int16 if num_experts < 2**15 else torch.int32
         self.ring = torch.full((num_layers, capacity, self.width), -1, dtype=dtype, device=device)
+        self.ring_dtype = np.int16 if dtype == torch.int16 else np.int32
         self.tokens = torch.zeros((num_layers, capacity), dtype=torch.int32, device=device)
         self.pos = torch.zeros(num_layers, dtype=torch.int64, device=device)
         self._one = torch.ones(1, dtype=torch.int64, device=device)
-        self.chunks: list[np.ndarray] = []
-        self.token_chunks: list[np.ndarray] = []
         self.host_steps = 0
         self.overflowed = False
+        #: rows drained so far, and where they went (the spill file, else host memory)
+        self.rows = 0
+        self.spill = Path(spill) if spill is not None else None
+        self.chunks: list[np.ndarray] = []
+        self.token_chunks: list[np.ndarray] = []
+
+    def _spill_paths(self) -> tuple[Path, Path]:
+        assert self.spill is not None
+        return self.spill, self.spill.with_name(self.spill.name + ".tokens")
 
     def record(self, layer: int, topk_ids: Any) -> None:
         """Append one forward's ids for ``layer`` (device work only)."""
@@ -91,8 +105,16 @@ class TraceRecorder:
         if int(pos.max()) != int(pos.min()):
             log.warning("expertcache: trace layers out of step (%s..%s rows)", pos.min(), pos.max())
         if n:
-            self.chunks.append(self.ring[:, :n].cpu().numpy().transpose(1, 0, 2).copy())
-            self.token_chunks.append(self.tokens[0, :n].cpu().numpy().astype(np.int64))
+            ids = self.ring[:, :n].cpu().numpy().transpose(1, 0, 2).copy()  # owns its data
+            tokens = self.tokens[0, :n].cpu().numpy().astype(np.int32)
+            if self.spill is not None:
+                for path, data in zip(self._spill_paths(), (ids, tokens)):
+                    with open(path, "ab") as f:
+                        f.write(data.tobytes())
+            else:
+                self.chunks.append(ids)
+                self.token_chunks.append(tokens)
+            self.rows += n
         self.ring[:, :n].fill_(-1)
         self.pos.zero_()
 
@@ -110,25 +132,46 @@ class TraceRecorder:
         from ..trace import Trace, save
 
         self.drain()
-        if not self.chunks:
+        if not self.rows:
             log.warning("expertcache: no routing recorded; %s not written", path)
             return None
-        ids = np.concatenate(self.chunks, axis=0)
-        used = ids >= 0
-        width = int(np.max(np.nonzero(used.any(axis=(0, 1)))[0])) + 1 if used.any() else 1
+        shape = (self.rows, self.num_layers, self.width)
+        if self.spill is not None:
+            ids_path, tok_path = self._spill_paths()
+            ids = np.memmap(ids_path, dtype=self.ring_dtype, mode="r", shape=shape)
+            tokens = np.memmap(tok_path, dtype=np.int32, mode="r", shape=(self.rows,))
+        else:
+            ids = np.concatenate(self.chunks, axis=0)
+            tokens = np.concatenate(self.token_chunks)
+        width = _used_width(ids)
         trace = Trace(
             topk_ids=ids[:, :, :width],
             num_experts=self.num_experts,
             top_k=self.top_k,
             model=self.model,
             layers=np.asarray(self.layer_names) if self.layer_names is not None else None,
-            step_tokens=np.concatenate(self.token_chunks),
+            step_tokens=np.asarray(tokens, dtype=np.int64),
             source="expertcache plugin (live vLLM; steps wider than E ids not recorded)"
             + ("; RING OVERFLOWED: rows lost" if self.overflowed else ""),
         )
         out = save(trace, path)
+        if self.spill is not None:
+            del ids, tokens, trace
+            for p in self._spill_paths():
+                p.unlink(missing_ok=True)
         if live is not None:
             side = out.with_name(out.name[: -len(".npz")] + ".live.json")
             text = json.dumps(live, indent=1) + "\n"
             atomic_write(side, lambda tmp: tmp.write_text(text))
         return out
+
+
+def _used_width(ids: np.ndarray, block: int = 4096) -> int:
+    """Columns up to the last one holding an id anywhere (read in blocks: a memory-mapped
+    trace is never loaded whole)."""
+    width = 0
+    for start in range(0, ids.shape[0], block):
+        used = np.nonzero((ids[start:start + block] >= 0).any(axis=(0, 1)))[0]
+        if used.size:
+            width = max(width, int(used[-1]) + 1)
+    return max(width, 1)

@@ -129,17 +129,30 @@ class Session:
             log.error("expertcache: could not write the final stats/trace: %s", exc)
 
 
-def _rank_suffix(path: str) -> str:
-    """Tensor-parallel ranks each write their own file: trace.npz -> trace.rank1.npz."""
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
+def replica_path(path: str, ranks: dict[str, int] | None = None) -> str:
+    """Each replica and stage writes its own file: trace.npz -> trace.tp1.pp1.dp2.npz.
 
-        rank = get_tensor_model_parallel_rank()
+    Tensor-parallel ranks, pipeline stages and data-parallel replicas all record; sharing
+    one name, they would overwrite one another. Rank 0 of everything keeps the plain name.
+    ``ranks`` defaults to the ones vLLM's process groups report here.
+    """
+    ranks = _vllm_ranks() if ranks is None else ranks
+    tags = "".join(f".{k}{v}" for k, v in ranks.items() if v)
+    return path[: -len(".npz")] + tags + ".npz" if tags else path
+
+
+def _vllm_ranks() -> dict[str, int]:
+    out = {"tp": 0, "pp": 0, "dp": 0}
+    try:
+        from vllm.distributed import parallel_state as ps
     except Exception:
-        rank = 0
-    if rank == 0:
-        return path
-    return path[: -len(".npz")] + f".rank{rank}.npz"
+        return out
+    for key, getter in (("tp", "get_tp_group"), ("pp", "get_pp_group"), ("dp", "get_dp_group")):
+        try:
+            out[key] = int(getattr(ps, getter)().rank_in_group)
+        except Exception:
+            pass
+    return out
 
 
 def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
@@ -168,8 +181,8 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     recorder = None
     if armed and cfg.trace_path:
         try:
-            recorder = _make_recorder(armed, model_name)
-            cfg = _with_trace(cfg, _rank_suffix(cfg.trace_path))
+            cfg = _with_trace(cfg, replica_path(cfg.trace_path))
+            recorder = _make_recorder(armed, model_name, cfg.trace_path)
         except Exception as exc:
             log.error("expertcache: trace recording disabled: %s", exc)
             recorder = None
@@ -182,8 +195,9 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     return Session(cfg, decisions, armed, recorder)
 
 
-def _make_recorder(armed: list[ArmedLayer], model_name: str | None) -> Any:
-    """One device ring with a row per armed layer, attached to each of them."""
+def _make_recorder(armed: list[ArmedLayer], model_name: str | None, path: str) -> Any:
+    """One device ring with a row per armed layer, attached to each of them; drained rows
+    spill beside ``path`` (host memory stays bounded)."""
     from .recorder import TraceRecorder
 
     first = armed[0].decision
@@ -195,6 +209,7 @@ def _make_recorder(armed: list[ArmedLayer], model_name: str | None) -> Any:
         len(armed), first.num_experts, first.top_k, armed[0].read_through.device,
         layer_names=names if all(n is not None for n in names) else None,
         model=model_name,
+        spill=_spill_path(path),
     )
     for i, a in enumerate(armed):
         a.index, a.recorder = i, recorder
@@ -214,6 +229,18 @@ def _patch_tiles() -> None:
     if not ok:
         log.info("expertcache: no Triton tile lookup to patch; slot-bound calls use "
                  "vLLM's tiles for the slot count")
+
+
+def _spill_path(path: str) -> str:
+    """Hidden, beside the trace, unique to this process (a stale one is never appended to)."""
+    import os
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    spill = p.with_name(f".{p.name}.{os.getpid()}.spill")
+    for stale in (spill, spill.with_name(spill.name + ".tokens")):
+        stale.unlink(missing_ok=True)
+    return str(spill)
 
 
 def _with_trace(cfg: CacheConfig, path: str) -> CacheConfig:
