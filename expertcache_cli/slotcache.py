@@ -116,6 +116,21 @@ class SlotCache:
             )
         self._checked: dict[str, tuple] = {}  # name -> signature of the last source seen
 
+    def reset(self) -> None:
+        """Empty every slot: fresh state, as at construction (statistics kept).
+
+        For when the experts behind the slots changed (vLLM reloaded weights, or woke
+        from a sleep that discarded them): a slot would otherwise keep serving the old
+        expert. Device work only, on torch's current stream; no pointer changes, so
+        captured CUDA graphs stay valid and the next steps gather the experts anew.
+        """
+        self.table.fill_(-1)
+        self.slot_expert.fill_(-1)
+        self.prio.zero_()
+        self.step_count.zero_()
+        self.miss_count.zero_()
+        self._checked.clear()
+
     def _label(self) -> str:
         return f"{self.name}: " if self.name else ""
 

@@ -51,6 +51,12 @@ def _fake_worker_module(monkeypatch) -> type:
             calls.append("memory")
             return 7 * 2**30
 
+        def reload_weights(self, *args, **kwargs):
+            calls.append("reload")
+
+        def wake_up(self, tags=None):
+            calls.append(f"wake:{tags}")
+
     mod = types.ModuleType(plugin.WORKER_MODULE)
     mod.Worker = Worker
     monkeypatch.setitem(sys.modules, plugin.WORKER_MODULE, mod)
@@ -195,3 +201,26 @@ def test_when_imported_waits_for_the_import(fresh, tmp_path):
     # already imported: the callback runs at once
     plugin.when_imported("ec_fake_target", bump)
     assert seen == [42, 43]
+
+
+def test_reloaded_or_woken_weights_empty_the_slots(fresh):
+    """After vLLM reloads weights (or wakes from a sleep that may have discarded them) the
+    slots would serve the old experts: the session is told, after vLLM's own call."""
+    _fake_vllm(fresh, "0.26.0")
+    worker_cls = _fake_worker_module(fresh)
+    seen: list[str] = []
+
+    class Session:
+        def invalidate(self, why):
+            seen.append(f"{w.calls[-1]} -> {why}")
+
+    fresh.setattr(plugin, "_arm_worker", lambda worker, cfg, version: Session())
+    plugin.register()
+    w = worker_cls()
+    w.reload_weights()  # before arming: no session, nothing to empty
+    w.load_model()
+    w.reload_weights("ckpt")
+    w.wake_up(tags=["weights"])
+    assert seen == ["reload -> vLLM reloaded the weights",
+                    "wake:['weights'] -> vLLM woke from sleep (weights may have been reloaded)"]
+    assert worker_cls.wake_up.__name__ == "wake_up"

@@ -57,6 +57,10 @@ class RefSlotCache:
     def fits(self, n):
         return n <= self.num_slots
 
+    def reset(self):
+        self.ref = LayerCache(self.ref.num_experts, self.num_slots, self.ref.policy,
+                              self.ref.decay)
+
     def step(self, topk_ids, sources):
         ids = topk_ids.numpy()
         r = self.ref.step(ids)
@@ -478,3 +482,25 @@ def test_replicas_and_stages_write_their_own_trace_files():
     assert replica_path("/t/run.npz", {"tp": 1, "pp": 0, "dp": 0}) == "/t/run.tp1.npz"
     assert replica_path("/t/run.npz", {"tp": 0, "pp": 1, "dp": 2}) == "/t/run.pp1.dp2.npz"
     assert replica_path("/t/run.npz") == "/t/run.npz"  # no vLLM here: rank 0 everywhere
+
+
+def test_invalidated_slots_refill_from_the_new_weights(caplog):
+    from expertcache_cli.plugin.session import Session
+
+    layer = Experts(seed=7)
+    armed = _arm(layer, slots=6)
+    sess = Session(CacheConfig(slots=6), [armed.decision], [armed], None)
+    ids = torch.tensor([[1, 2]], dtype=torch.int32)
+    w, x = torch.rand(1, TOPK), torch.randn(1, H)
+    layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    with torch.no_grad():  # new weights in place, as a reload writes them
+        layer.w13_weight.mul_(2.0)
+    stale = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    caplog.set_level("WARNING", logger="vllm.expertcache")
+    sess.invalidate("vLLM reloaded the weights")
+    fresh = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    armed.uninstall()
+    want = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    assert not torch.allclose(stale, want)  # the slots still held the old experts
+    assert torch.allclose(fresh, want, atol=1e-5)
+    assert "slots of 1 layer(s) emptied" in caplog.text

@@ -195,6 +195,11 @@ def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
         return orig_shutdown(self, *args, **kwargs)
 
     pairs = [(load_model, orig_load), (execute_model, orig_exec), (shutdown, orig_shutdown)]
+    for name, why in (("reload_weights", "vLLM reloaded the weights"),
+                      ("wake_up", "vLLM woke from sleep (weights may have been reloaded)")):
+        orig_fn = getattr(worker_cls, name, None)
+        if callable(orig_fn):
+            pairs.append((_invalidating(orig_fn, why), orig_fn))
     orig_memory = getattr(worker_cls, "determine_available_memory", None)
     if callable(orig_memory):
 
@@ -246,6 +251,19 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
         session.weights_bytes = memory.count_as_weights(worker, session.slot_bytes)
     register_session(session)
     return session
+
+
+def _invalidating(orig: Callable[..., Any], why: str) -> Callable[..., Any]:
+    """``orig``, then every slot of the worker's session emptied: the weights changed."""
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        session = getattr(self, "_expertcache_session", None)
+        if session is not None:
+            session.invalidate(why)
+        return out
+
+    return wrapper
 
 
 def _capture_sizes(vc: Any) -> list[int]:

@@ -103,6 +103,15 @@ class Session:
             t["read_through_decode_steps"], len(self.armed),
         )
 
+    def invalidate(self, why: str) -> None:
+        """The experts behind the slots changed: empty every layer's slots (they refill
+        from the new weights on the next steps)."""
+        for a in self.armed:
+            a.cache.reset()
+        if self.armed:
+            log.warning("expertcache: %s: the slots of %d layer(s) emptied; they refill from "
+                        "the new expert weights", why, len(self.armed))
+
     def after_step(self) -> None:
         """Once per engine step (host side): periodic stats and trace draining."""
         if not self.armed:

@@ -104,3 +104,26 @@ def test_manager_refuses_bad_arguments(cuda):
     cache = SlotCache(16, 4, {})
     with pytest.raises(ValueError, match="int32 or int64"):
         cache.step(cuda.zeros(4, dtype=cuda.float32, device="cuda"), {})
+
+
+@pytest.mark.device
+def test_reset_empties_the_slots_and_the_cache_then_matches_a_fresh_reference(cuda):
+    """SlotCache.reset (weights reloaded): state as at construction, statistics kept, and
+    the steps after it agree with a fresh reference cache field by field."""
+    torch = cuda
+    from expertcache_cli.slotcache import SlotCache
+
+    rng = np.random.default_rng(3)
+    cache = SlotCache(64, 16, {}, policy=Policy.LFU, decay=5)
+    for _ in range(50):
+        cache.step(torch.from_numpy(rng.integers(0, 64, size=8).astype(np.int32)).cuda(), {})
+    stats = cache.stats.tolist()
+    cache.reset()
+    ref = LayerCache(64, 16, Policy.LFU, 5)
+    assert_same_state(cache, ref, "after reset")
+    assert cache.stats.tolist() == stats
+    for t in range(200):
+        row = rng.integers(0, 64, size=8)
+        out = cache.step(torch.from_numpy(row.astype(np.int32)).cuda(), {})
+        res = ref.step(row)
+        assert_same_state(cache, ref, f"after reset, step {t}", row, out, res)
