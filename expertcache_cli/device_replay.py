@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import binding
-from .policy import Policy
+from .policy import Policy, gate_widths
 
 
 def device_replay(
@@ -25,10 +25,13 @@ def device_replay(
     decay: int = 0,
     max_inserts: int | None = None,
     device: int | None = None,
+    widths: np.ndarray | None = None,
 ) -> list[int]:
     """Installs per layer for ``ids[T, L, W]`` under ``policy`` with ``slots`` slots.
 
     Equal, layer by layer, to the installs of `LayerCache.forward` over the same trace.
+    ``widths[T, L]`` is what the shape gate sees (`policy.gate_widths`; default: the
+    valid ids).
     """
     import torch
 
@@ -44,8 +47,9 @@ def device_replay(
     dev = torch.device("cuda", device)
     kernels = binding.get_kernels(device)
 
-    valid = ((ids >= 0) & (ids < num_experts)).sum(axis=2)  # [T, L]
-    served = valid <= slots  # the plugin's shape gate
+    if widths is None:
+        widths = gate_widths(ids, num_experts)
+    served = np.asarray(widths) <= slots  # the plugin's shape gate
     ids32 = np.clip(ids, -1, np.iinfo(np.int32).max).astype(np.int32)  # padding stays < 0
     # layer-major so that each layer's served rows can be addressed by pointer arithmetic
     trace = torch.from_numpy(np.ascontiguousarray(ids32.transpose(1, 0, 2))).to(dev)
@@ -86,7 +90,8 @@ def compare_with_engine(trace, policies, budgets, decay, max_inserts, report) ->
         if pol is Policy.OPT:
             continue  # Belady needs the future: there is no kernel for it
         for s in budgets:
-            dev = device_replay(trace.topk_ids, trace.num_experts, pol, s, decay, max_inserts)
+            dev = device_replay(trace.topk_ids, trace.num_experts, pol, s, decay, max_inserts,
+                                widths=trace.gate_widths())
             cpu = per_layer[(per_layer["policy"] == pol.name.lower()) & (per_layer["slots"] == s)]
             cpu_installs = [int(x) for x in cpu.sort_values("layer")["installs"]]
             rows.append(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from .policy import NEVER, Policy
+from .policy import NEVER, Policy, gate_widths
 
 # Counter layout of one (policy, slots, layer) job.
 INSTALLS, DROPPED, RT_STEPS, RT_IDS, REQUESTS, SERVED_STEPS = range(6)
@@ -31,9 +31,11 @@ _MAX_SLOTS = 1 << _SLOT_BITS
 
 
 @njit(cache=True, nogil=True)
-def _replay_layer(seq, nxt, num_experts, num_slots, policy, decay, max_inserts, out, per_step):
+def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_inserts, out,
+                  per_step):
     """Replay one layer's ``seq[T, W]``; counters into ``out``, installs per step into
-    ``per_step`` (length T, or length 0 to skip)."""
+    ``per_step`` (length T, or length 0 to skip). ``widths[t]`` is what the shape gate
+    compares at step t (`policy.gate_widths`)."""
     t_steps, width = seq.shape
     table = np.full(num_experts, -1, np.int32)
     slot_expert = np.full(num_slots, -1, np.int32)
@@ -67,7 +69,7 @@ def _replay_layer(seq, nxt, num_experts, num_slots, policy, decay, max_inserts, 
                 s = table[distinct[i]]
                 if s >= 0:
                     prio[s] = nextuse[distinct[i]]
-        if valid > num_slots:  # shape gate: tokens x top_k > slots reads through
+        if widths[t] > num_slots:  # shape gate: tokens x top_k > slots reads through
             out[RT_STEPS] += 1
             out[RT_IDS] += n
             continue
@@ -188,14 +190,19 @@ def sweep(
     decay: int = 0,
     max_inserts: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    widths: np.ndarray | None = None,
 ) -> list[LayerCounts]:
     """Replay every layer of ``ids[T, L, W]`` under every (policy, slots) pair.
 
-    ``max_inserts`` None means uncapped (the slot count). Jobs run in parallel threads;
-    ``progress(done, total)`` is called as each (policy, slots, layer) job finishes.
+    ``max_inserts`` None means uncapped (the slot count). ``widths[T, L]``: what the
+    shape gate sees (`policy.gate_widths`; default: the valid ids). Jobs run in parallel
+    threads; ``progress(done, total)`` is called as each (policy, slots, layer) job ends.
     """
     ids = np.ascontiguousarray(ids, dtype=np.int32)
     t_steps, n_layers, _ = ids.shape
+    if widths is None:
+        widths = gate_widths(ids, num_experts)
+    widths = np.ascontiguousarray(widths, dtype=np.int64)
     for s in slots:
         if not 0 < s < _MAX_SLOTS:
             raise ValueError(f"slots must be in 1..{_MAX_SLOTS - 1}, got {s}")
@@ -213,7 +220,8 @@ def sweep(
         seq = np.ascontiguousarray(ids[:, layer, :])
         nxt = nxt_all[layer] if p is Policy.OPT else no_next
         cap = s if max_inserts is None else max_inserts
-        _replay_layer(seq, nxt, num_experts, s, int(p), decay, cap, out[j], empty_steps)
+        _replay_layer(seq, nxt, np.ascontiguousarray(widths[:, layer]), num_experts, s, int(p),
+                      decay, cap, out[j], empty_steps)
 
     # The compiled loops release the GIL, so plain threads use every core.
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
@@ -234,12 +242,16 @@ def installs_per_step(
     slots: int,
     decay: int = 0,
     max_inserts: int | None = None,
+    widths: np.ndarray | None = None,
 ) -> np.ndarray:
     """Installs at every step of one layer (for step-by-step checks against the reference)."""
     seq = np.ascontiguousarray(seq, dtype=np.int32)
+    if widths is None:
+        widths = gate_widths(seq[:, None, :], num_experts)[:, 0]
+    widths = np.ascontiguousarray(widths, dtype=np.int64)
     nxt = _next_use_layer(seq, num_experts) if policy is Policy.OPT else np.empty((0, 0), np.int64)
     out = np.zeros(N_COUNTERS, np.int64)
     per_step = np.zeros(seq.shape[0], np.int64)
     cap = slots if max_inserts is None else max_inserts
-    _replay_layer(seq, nxt, num_experts, slots, int(policy), decay, cap, out, per_step)
+    _replay_layer(seq, nxt, widths, num_experts, slots, int(policy), decay, cap, out, per_step)
     return per_step

@@ -159,15 +159,16 @@ class LayerCache:
             if s >= 0:
                 self.prio[s] = self._next_use(t, e)
 
-    def forward(self, ids: Sequence[int] | np.ndarray) -> StepResult:
+    def forward(self, ids: Sequence[int] | np.ndarray, width: int | None = None) -> StepResult:
         """One layer forward as the plugin runs it: the shape gate, then the manager.
 
         A forward carrying more routing ids than there are slots (``tokens x top_k >
         S``) cannot be served from slots whatever the hit rate; the plugin decides that
         from shapes alone and leaves the cache untouched (not even ``step`` moves).
+        ``width`` is what the gate compares (`gate_widths`); default: the valid ids.
         """
         distinct, valid = self._distinct(ids)
-        if valid > self.num_slots:
+        if (valid if width is None else width) > self.num_slots:
             if self.policy is Policy.OPT:
                 self._refresh_belady(self.forwards, distinct)
             self.forwards += 1
@@ -256,8 +257,10 @@ def replay_layer_reference(
     policy: Policy | str = Policy.LRU,
     decay: int = 0,
     max_inserts: int | None = None,
+    widths: Sequence[int] | np.ndarray | None = None,
 ) -> list[StepResult]:
-    """Replay one layer's routing ``seq[T, W]`` forward by forward, the slow plain way."""
+    """Replay one layer's routing ``seq[T, W]`` forward by forward, the slow plain way
+    (``widths[t]``: what the shape gate sees at step t, `gate_widths`)."""
     policy = Policy.parse(policy)
     cache = LayerCache(
         num_experts,
@@ -267,4 +270,23 @@ def replay_layer_reference(
         max_inserts=max_inserts,
         future=seq if policy is Policy.OPT else None,
     )
-    return [cache.forward(row) for row in seq]
+    if widths is None:
+        return [cache.forward(row) for row in seq]
+    return [cache.forward(row, int(w)) for row, w in zip(seq, widths)]
+
+
+def gate_widths(ids: np.ndarray, num_experts: int, step_tokens: np.ndarray | None = None,
+                top_k: int | None = None) -> np.ndarray:
+    """``[T, L]``: the routing ids each layer-step presents to the shape gate.
+
+    The one definition the live plugin, the replay engine and the kernel replay share:
+    the gate compares ``tokens x top_k`` of the step as vLLM ran it, padding rows of a
+    CUDA graph included (the plugin sees the padded ``topk_ids``). A recorded trace knows
+    that count (``step_tokens``, padded rows included, even where their ids were masked);
+    a trace without it (synthetic) counts its valid ids, which is the same thing there.
+    """
+    ids = np.asarray(ids)
+    if step_tokens is not None and top_k:
+        widths = np.asarray(step_tokens, dtype=np.int64) * int(top_k)
+        return np.repeat(widths[:, None], ids.shape[1], axis=1)
+    return ((ids >= 0) & (ids < num_experts)).sum(axis=2).astype(np.int64)

@@ -10,6 +10,12 @@ defined once:
 - ``read_through_ids``: distinct ids of layer-steps too wide for the slots
   (``tokens x top_k > slots``); the stock path reads them over the link in place.
 - ``misses = installs + read_through_ids``: experts fetched over the host link.
+
+The shape gate is the plugin's own (`policy.gate_widths`: a recorded trace's tokens x
+top_k as vLLM ran each step, padding rows included), so a trace recorded from a server
+replays to its live counters: the server's ``installs`` equal ``installs`` here, and its
+``requests`` (counted only on steps served from slots) equal ``requests -
+read_through_ids``.
 """
 
 from __future__ import annotations
@@ -72,7 +78,8 @@ def replay(
     wanted = list(dict.fromkeys(policies))
     run = list(dict.fromkeys([*wanted, Policy.LRU, Policy.OPT]))
     counts = engine.sweep(
-        trace.topk_ids, trace.num_experts, run, slots, decay, max_inserts, progress=progress
+        trace.topk_ids, trace.num_experts, run, slots, decay, max_inserts, progress=progress,
+        widths=trace.gate_widths(),
     )
     layer_names = trace.layer_names()
     rows = [

@@ -50,7 +50,8 @@ def slot_grid(num_experts: int, extra: list[int]) -> list[int]:
 
 def miss_curves(trace: Trace, policy: Policy, grid: list[int], decay: int = 0) -> np.ndarray:
     """``curves[layer, i]`` = host fetches of that layer at ``grid[i]`` slots."""
-    counts = engine.sweep(trace.topk_ids, trace.num_experts, [policy], grid, decay)
+    counts = engine.sweep(trace.topk_ids, trace.num_experts, [policy], grid, decay,
+                          widths=trace.gate_widths())
     curves = np.zeros((trace.num_layers, len(grid)), np.int64)
     col = {s: i for i, s in enumerate(grid)}
     for c in counts:

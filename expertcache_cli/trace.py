@@ -61,6 +61,13 @@ class Trace:
             return [int(x) for x in self.layers]
         return list(range(self.num_layers))
 
+    def gate_widths(self) -> np.ndarray:
+        """``[T, L]``: what the plugin's shape gate saw at each layer-step
+        (`policy.gate_widths`: the recorded tokens x top_k, else the valid ids)."""
+        from .policy import gate_widths
+
+        return gate_widths(self.topk_ids, self.num_experts, self.step_tokens, self.top_k)
+
     def validate(self) -> Trace:
         """Raise TraceError naming the first thing wrong; return self when sound."""
         ids = self.topk_ids

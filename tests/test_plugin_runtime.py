@@ -504,3 +504,42 @@ def test_invalidated_slots_refill_from_the_new_weights(caplog):
     assert not torch.allclose(stale, want)  # the slots still held the old experts
     assert torch.allclose(fresh, want, atol=1e-5)
     assert "slots of 1 layer(s) emptied" in caplog.text
+
+
+def test_a_trace_with_masked_padding_replays_to_the_live_counters(tmp_path, monkeypatch):
+    """One gate for live and replay: padded rows vLLM masks still count toward the live
+    shape gate (the step is as wide as vLLM ran it), and the replay of the recorded trace
+    uses the recorded tokens x top_k, not the valid ids, so both read through alike."""
+    import sys
+    import types
+
+    from expertcache_cli import engine
+    from expertcache_cli.plugin.recorder import TraceRecorder
+    from expertcache_cli.trace import load
+
+    state = {"mask": None}
+    fc = types.ModuleType("vllm.forward_context")
+    fc.is_forward_context_available = lambda: True
+    fc.get_forward_context = lambda: SimpleNamespace(is_padding=state["mask"])
+    for name in ("vllm", "vllm.forward_context"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["vllm.forward_context"] = fc
+
+    layer = Experts(seed=8)
+    rec = TraceRecorder(1, E, TOPK, torch.device("cpu"), capacity=64)
+    armed = _arm(layer, slots=6, recorder=rec)
+    rng = np.random.default_rng(4)
+    for step in range(40):
+        real = [1, 2, 3][step % 3]
+        padded = 4 if real == 3 else real  # 3 sequences run as the 4-graph: 8 ids > 6 slots
+        state["mask"] = torch.tensor([i >= real for i in range(padded)])
+        ids, w = _routing(rng, padded)
+        layer.forward_modular(x=torch.randn(padded, H), topk_weights=w, topk_ids=ids)
+        rec.maybe_flush()
+    live = armed.cache.stats.tolist()
+    tr = load(rec.save(tmp_path / "t.npz"))
+    (c,) = engine.sweep(tr.topk_ids, E, [Policy.LRU], [6], widths=tr.gate_widths())
+    assert (c.requests - c.read_through_ids, c.installs) == (live[0], live[1])
+    assert c.read_through_steps == int(armed.read_through) > 0
+    (old,) = engine.sweep(tr.topk_ids, E, [Policy.LRU], [6])  # the valid-ids gate
+    assert old.read_through_steps == 0  # would have disagreed with the live server
