@@ -12,37 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from ..files import atomic_write, check_output
+from ..files import atomic_write
+from ..plotting import image_path, pyplot
 from .summary import Summary, measured_runs
-
-#: image formats the figure is written in (matplotlib's Agg backend writes all of them)
-FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".eps", ".ps", ".tif", ".tiff")
-
-
-def plot_path(path: str | Path) -> Path:
-    """The file `plot` will write for ``path``: a name without a suffix gets ``.png`` (what
-    matplotlib would write, so the name we report is the one on disk); checked to be
-    writable before any work, and an unknown suffix is refused."""
-    out = Path(path)
-    if not out.suffix:
-        out = out.with_name(out.name + ".png")
-    if out.suffix.lower() not in FORMATS:
-        raise UserError(f"--plot {path}: unknown image format {out.suffix!r} "
-                        f"(use one of {', '.join(FORMATS)})")
-    return check_output(out, "--plot")
 
 
 def plot(summary: Summary, records: list[dict[str, Any]], path: str | Path) -> Path:
-    """Write the figure to ``plot_path(path)``, whole or not at all; returns that path.
+    """Write the figure to ``image_path(path)``, whole or not at all; returns that path.
     Needs the ``plot`` extra."""
-    out = plot_path(path)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'expertcache[plot]'") from None
+    out = image_path(path)
+    plt = pyplot()
     df, _ = measured_runs(records)
     arms = [a for a in summary.arms if a.restarts > 0]
     if not arms:

@@ -12,7 +12,8 @@ import typer
 from ..errors import UserError
 
 #: module name -> registered by that module's ``register(app)``
-COMMAND_MODULES = ["replay", "trace", "baseline", "size", "build_kernels", "probe_link", "serve"]
+COMMAND_MODULES = ["replay", "trace", "plan", "baseline", "size", "build_kernels", "probe_link",
+                   "serve"]
 
 #: the bundled trace `expertcache replay` uses when given none (see traces/README.md)
 DEMO_TRACE = "demo-qwen3-30b-a3b-tasks.npz"

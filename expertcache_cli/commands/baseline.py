@@ -151,7 +151,7 @@ def run_cmd(
 
     vllm_args = passthrough_args(ctx.args)
     if plot is not None:
-        from ..baseline.plot import plot_path
+        from ..plotting import image_path as plot_path
 
         plot = plot_path(plot)  # checked before any server starts
     arm_list = parse_arms(arms)

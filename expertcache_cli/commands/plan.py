@@ -1,0 +1,180 @@
+"""`expertcache plan`: predicted decode speed per policy and budget, and the serve command."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from ..errors import UserError
+from ..tables import Table
+from . import demo_trace_path, parse_int_list
+
+console = Console()
+err = Console(stderr=True)
+
+
+def _link(link_gbps: float | None, probe_file: Path | None) -> tuple[float, str]:
+    from .. import planner
+
+    if link_gbps is not None and probe_file is not None:
+        raise UserError("give --link-gbps or --probe, not both")
+    if link_gbps is not None:
+        if not math.isfinite(link_gbps) or link_gbps <= 0:
+            raise UserError(f"--link-gbps must be a positive number, got {link_gbps}")
+        return link_gbps, "given (--link-gbps)"
+    if probe_file is not None:
+        return planner.link_from_probe(probe_file)
+    from .. import probe
+    from ..kernel_check import device_arch
+
+    device_arch(0, hint="give --link-gbps G or --probe FILE (a saved probe-link --json)")
+    rep = probe.probe_link(sizes_mib=(64,), repeats=3, warmup=1, pageable_mib=())
+    rate = rep.decode.get("gather_gbps")
+    if not rate:
+        raise UserError("the link could not be measured here: give --link-gbps or --probe")
+    row = rep.decode["gather_row"]
+    return float(rate), f"measured now on {rep.device_name} (the gather, {row})"
+
+
+def _resident(resident_tok_s: float | None, baseline: Path | None) -> tuple[float, str]:
+    from .. import planner
+
+    if resident_tok_s is not None and baseline is not None:
+        raise UserError("give --resident-tok-s or --baseline, not both")
+    if resident_tok_s is not None:
+        if not math.isfinite(resident_tok_s) or resident_tok_s <= 0:
+            raise UserError(f"--resident-tok-s must be positive, got {resident_tok_s}")
+        return resident_tok_s, "given (--resident-tok-s)"
+    if baseline is not None:
+        return planner.resident_from_baseline(baseline)
+    raise UserError("give --resident-tok-s R (decode tok/s with every expert in VRAM) or "
+                    "--baseline FILE (an expertcache baseline results file with a resident arm)")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("plan")
+    def plan_command(
+        trace_path: Path | None = typer.Argument(
+            None, metavar="[TRACE]", help="Routing trace .npz (default: the bundled demo trace)."
+        ),
+        model: str | None = typer.Option(
+            None, "--model", "-m",
+            help="model to size (preset, config.json or model directory; default: the trace's "
+                 "expert bytes, no card)"),
+        vram: float | None = typer.Option(None, help="card GiB: only budgets that fit count"),
+        link_gbps: float | None = typer.Option(None, help="host link GB/s for expert copies"),
+        probe_file: Path | None = typer.Option(
+            None, "--probe", help="a saved `probe-link --json` (its gather rate)"),
+        resident_tok_s: float | None = typer.Option(
+            None, help="decode tok/s with every expert resident"),
+        baseline: Path | None = typer.Option(
+            None, help="a `baseline` results file: its resident arm gives --resident-tok-s"),
+        policy: str = typer.Option("lru,lfu", help="policies to compare: lru, lfu"),
+        slots: str | None = typer.Option(None, help="budgets to predict (default: a grid)"),
+        save: Path | None = typer.Option(None, help="write the plan file `serve --plan` reads"),
+        plot: Path | None = typer.Option(None, help="draw predicted tok/s against slots"),
+        as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    ) -> None:
+        """Predicted decode tok/s per policy and slot budget from a trace, and what to serve."""
+        from .. import planner, sizing
+        from ..files import atomic_write, check_output
+        from ..model_size import load_model
+        from ..trace import load
+        from .replay import parse_policies
+
+        if save is not None:
+            save = check_output(save, "--save")
+        if plot is not None:
+            from ..plotting import image_path as plot_path
+
+            plot = plot_path(plot)
+        path = trace_path if trace_path is not None else demo_trace_path()
+        trace = load(path)
+        policies = parse_policies(policy)
+        m = load_model(Path(model) if model and Path(model).exists() else model) if model else None
+        if m is not None and (m.num_experts, m.top_k) != (trace.num_experts, trace.top_k):
+            raise UserError(f"--model {model}: {m.num_experts} experts top-{m.top_k}, the trace "
+                            f"has {trace.num_experts} top-{trace.top_k}")
+        if m is not None:
+            per_expert, bytes_src = m.bytes_per_expert, f"--model {model} ({m.source})"
+        elif trace.expert_bytes:
+            per_expert, bytes_src = int(trace.expert_bytes), "the trace's expert_bytes"
+        else:
+            raise UserError("the trace does not say how big an expert is: give --model M")
+        fits_upto = None
+        if vram is not None:
+            if m is None:
+                raise UserError("--vram needs --model (what to put on the card)")
+            fits_upto = sizing.plan(m, vram).max_slots
+        link, link_src = _link(link_gbps, probe_file)
+        res, res_src = _resident(resident_tok_s, baseline)
+        inputs = planner.Inputs(per_expert, bytes_src, link, link_src, res, res_src)
+        budgets = (parse_int_list(slots, "--slots") if slots else planner.slot_grid(
+            trace.num_experts, trace.top_k,
+            trace.num_experts - 1 if fits_upto is None else fits_upto))
+        too_many = [s for s in budgets if s >= trace.num_experts]
+        if too_many:
+            raise UserError(f"--slots {too_many[0]} is not below the trace's "
+                            f"{trace.num_experts} experts")
+        serve_model = (str(model) if model and Path(model).is_dir()
+                       else f"MODEL --size-from {model}" if model else "MODEL")
+        rep = planner.plan_trace(
+            trace, inputs, policies, budgets, fits_upto=fits_upto, serve_model=serve_model,
+            vram_gb=vram, plan_file=str(save) if save else None,
+            model={"name": m.name if m else trace.model, "bytes_per_expert": per_expert,
+                   "num_experts": trace.num_experts, "top_k": trace.top_k,
+                   "num_moe_layers": trace.num_layers, "vram_gib": vram,
+                   "max_slots": fits_upto})
+        rep.trace["path"] = str(path)
+        data = rep.to_json()
+        if save is not None:
+            text = json.dumps(data, indent=2) + "\n"
+            atomic_write(save, lambda tmp: tmp.write_text(text))
+        if plot is not None:
+            from ..plotting import plot_prediction
+
+            plot_prediction(rep.rows, plot)
+        if as_json:
+            print(json.dumps(data, indent=2))
+            return
+        _print(rep, save, plot)
+
+    def _print(rep, save: Path | None, plot: Path | None) -> None:
+        i = rep.inputs
+        console.print(
+            f"[bold]{rep.model['name'] or 'trace'}[/]: {rep.trace['steps']} steps x "
+            f"{rep.trace['layers']} layers, {rep.trace['tokens']:,} tokens; one expert "
+            f"{i.bytes_per_expert:,} B ({i.bytes_source})")
+        console.print(f"link {i.link_gbps:.1f} GB/s: {i.link_source}")
+        console.print(f"resident {i.resident_tok_s:.1f} tok/s: {i.resident_source}")
+        t = Table(title="predicted decode, single stream: 1000/R + misses/token x expert bytes "
+                        "/ link")
+        for col, keep in (("policy", 9), ("slots", 9), ("misses/token", 6), ("miss rate", 5),
+                          ("ms/token", 7), ("tok/s", 9), ("fits", 8)):
+            t.add_column(col, justify="left" if col in ("policy", "fits") else "right",
+                         keep=keep)
+        for r in rep.rows:
+            t.add_row(r["policy"], str(r["slots"]), f"{r['misses_per_token']:.2f}",
+                      f"{100 * r['miss_rate']:.1f}%", f"{r['predicted_ms_per_token']:.2f}",
+                      f"{r['predicted_tok_s']:.1f}", "yes" if r["fits"] else "no")
+        console.print(t)
+        rec = rep.recommended
+        if rec is None:
+            console.print("[yellow]no budget fits the card[/]")
+        else:
+            console.print(
+                f"recommended: {rec['policy']} at {rec['slots']} slots/layer, "
+                f"{rec['predicted_tok_s']:.1f} tok/s predicted; the per-layer split of the same "
+                f"total: {rec['per_layer_predicted_tok_s']:.1f} tok/s "
+                f"({rec['per_layer_misses_saved']:,} fewer misses)")
+            console.print(f"  {rec['serve_command']}")
+        for n in rep.notes:
+            console.print(f"  note: {n}")
+        if save is not None:
+            err.print(f"plan written to {save}")
+        if plot is not None:
+            err.print(f"plot written to {plot}")

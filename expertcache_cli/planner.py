@@ -1,0 +1,218 @@
+"""`expertcache plan`: from a routing trace to predicted decode speed per policy and budget.
+
+The loop a user otherwise closes in their head: replay the trace to count the experts
+that would cross the host link per token at each slot budget, then price them at the
+link's measured rate on top of the resident decode time:
+
+    ms/token = 1000 / R + 1000 x misses_per_token x bytes_per_expert / (link_gbps x 1e9)
+
+``misses`` are every expert fetched over the link (installs into slots plus the distinct
+ids of read-through steps), ``R`` the fully resident decode rate on the same GPU. On the
+H200 this arithmetic predicted 34.2 and 49.5 tok/s where 34.98 and 50.22 were measured.
+Each input says where it came from (given, a saved probe, a baseline results file), so a
+prediction is never quieter about its basis than a measurement.
+
+The recommendation is the policy and uniform budget with the best predicted tok/s among
+those `size` says fit on the card, plus the per-layer split of the same total (`split`),
+and the exact `expertcache serve` command; `PlanReport.to_json` is the plan file
+`serve --plan` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import UserError
+from .policy import Policy
+from .trace import Trace
+
+#: the plan file's format (serve --plan checks it)
+PLAN_FORMAT = 1
+
+
+@dataclass
+class Inputs:
+    """What the prediction rests on, and where each number came from."""
+
+    bytes_per_expert: int
+    bytes_source: str
+    link_gbps: float
+    link_source: str
+    resident_tok_s: float
+    resident_source: str
+
+
+def predict_ms(misses_per_token: float, inputs: Inputs) -> float:
+    """Decode milliseconds per token: resident time plus the misses' bytes over the link."""
+    return 1000.0 / inputs.resident_tok_s + 1000.0 * misses_per_token * inputs.bytes_per_expert / (
+        inputs.link_gbps * 1e9)
+
+
+def link_from_probe(path: str | Path) -> tuple[float, str]:
+    """The gather rate a saved `probe-link --json` measured (the cache's own copy path)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UserError(f"--probe {path}: cannot read ({exc.strerror})") from None
+    except ValueError:
+        raise UserError(f"--probe {path}: not JSON (write it with probe-link --save)") from None
+    decode = data.get("decode") if isinstance(data, dict) else None
+    rate = decode.get("gather_gbps") if isinstance(decode, dict) else None
+    if not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+        raise UserError(f"--probe {path}: holds no measured gather rate (decode.gather_gbps)")
+    where = data.get("device_name", "a GPU")
+    return float(rate), f"probe-link on {where} ({path}: the gather, {decode.get('gather_row')})"
+
+
+def resident_from_baseline(path: str | Path) -> tuple[float, str]:
+    """The resident arm's decode rate (mean of restart means) from a baseline results file."""
+    from .baseline.runner import load_summary
+
+    summary, _ = load_summary(path)
+    arm = next((a for a in summary.arms if a.arm == "resident" and a.restarts > 0), None)
+    if arm is None or not math.isfinite(arm.mean_tok_s):
+        raise UserError(f"--baseline {path}: no measured resident arm")
+    return float(arm.mean_tok_s), (f"baseline {path}: resident arm, {arm.restarts} restart(s), "
+                                   f"{arm.runs} run(s)")
+
+
+def slot_grid(num_experts: int, top_k: int, upto: int, points: int = 12) -> list[int]:
+    """Budgets worth predicting: from top_k (one token's experts) up to ``upto``."""
+    upto = min(upto, num_experts - 1)
+    if upto < top_k:
+        return []
+    step = max(1, (upto - top_k) // (points - 1))
+    grid = set(range(top_k, upto + 1, step)) | {upto}
+    return sorted(grid)
+
+
+@dataclass
+class PlanReport:
+    """The prediction table, the recommendation and what it rests on."""
+
+    model: dict[str, Any]
+    inputs: Inputs
+    trace: dict[str, Any]
+    rows: list[dict[str, Any]]
+    recommended: dict[str, Any] | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        i = self.inputs
+        return {
+            "format": PLAN_FORMAT,
+            "model": self.model,
+            "trace": self.trace,
+            "link_gbps": i.link_gbps,
+            "link_source": i.link_source,
+            "resident_tok_s": i.resident_tok_s,
+            "resident_source": i.resident_source,
+            "rows": self.rows,
+            "recommended": self.recommended,
+            "notes": self.notes,
+        }
+
+
+def plan_trace(
+    trace: Trace,
+    inputs: Inputs,
+    policies: list[Policy],
+    budgets: list[int],
+    *,
+    fits_upto: int | None,
+    model: dict[str, Any],
+    serve_model: str,
+    vram_gb: float | None,
+    plan_file: str | None = None,
+) -> PlanReport:
+    """Replay ``trace`` at every (policy, budget) and predict decode speed; recommend.
+
+    ``fits_upto``: the most slots `size` says fit on the card (None: not sized, every
+    budget assumed to fit, and the notes say so).
+    """
+    from .replay import replay
+    from .split import recommend
+
+    if not budgets:
+        raise UserError("no slot budget to predict: the card holds fewer than top_k slots")
+    online = [p for p in policies if p is not Policy.OPT]
+    if not online:
+        raise UserError("--policy: plan recommends a policy the plugin runs: lru or lfu")
+    report = replay(trace, online, budgets)
+    tokens = max(1, trace.tokens)
+    rows = []
+    for r in report.results.itertuples():
+        if Policy.parse(r.policy) not in online:
+            continue
+        mpt = r.misses / tokens
+        ms = predict_ms(mpt, inputs)
+        rows.append({
+            "policy": r.policy,
+            "slots": int(r.slots),
+            "misses_per_token": mpt,
+            "miss_rate": float(r.miss_rate),
+            "predicted_ms_per_token": ms,
+            "predicted_tok_s": 1000.0 / ms,
+            "fits": fits_upto is None or int(r.slots) <= fits_upto,
+        })
+    rows.sort(key=lambda r: (r["policy"], r["slots"]))
+    notes = []
+    if fits_upto is None:
+        notes.append("no --vram: every budget is assumed to fit; give --vram to plan for a card")
+    fitting = [r for r in rows if r["fits"]]
+    recommended = None
+    if fitting:
+        best = max(fitting, key=lambda r: (round(r["predicted_tok_s"], 6), -r["slots"]))
+        pol = Policy.parse(best["policy"])
+        (split,) = recommend(trace, pol, [best["slots"]])
+        split_ms = predict_ms(split.misses / tokens, inputs)
+        use_split = split.misses < split.uniform_misses
+        recommended = {
+            "policy": best["policy"],
+            "slots": best["slots"],
+            "per_layer_slots": [int(s) for s in split.slots],
+            "layers": [int(x) for x in trace.layer_names()],
+            "predicted_tok_s": best["predicted_tok_s"],
+            "per_layer_predicted_tok_s": 1000.0 / split_ms,
+            "per_layer_misses_saved": int(split.saved),
+            "serve_command": serve_command(serve_model, vram_gb, best, plan_file, use_split),
+        }
+        if not use_split:
+            notes.append("the per-layer split finds nothing better than the uniform budget")
+    return PlanReport(model=model, inputs=inputs, trace={
+        "path": None, "steps": trace.steps, "layers": trace.num_layers,
+        "tokens": trace.tokens, "num_experts": trace.num_experts, "top_k": trace.top_k,
+        "source": trace.source}, rows=rows, recommended=recommended, notes=notes)
+
+
+def serve_command(model: str, vram_gb: float | None, best: dict[str, Any],
+                  plan_file: str | None, per_layer: bool) -> str:
+    """The `expertcache serve` line that deploys the recommendation."""
+    vram = f" --vram {vram_gb:g}" if vram_gb else " --vram GiB"
+    if plan_file and per_layer:
+        return f"expertcache serve {model}{vram} --plan {plan_file}"
+    return f"expertcache serve {model}{vram} --slots {best['slots']} --policy {best['policy']}"
+
+
+def read_plan(path: str | Path) -> dict[str, Any]:
+    """A plan file written by `plan --save`, checked: its recommendation and per-layer list."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UserError(f"--plan {path}: cannot read ({exc.strerror})") from None
+    except ValueError:
+        raise UserError(f"--plan {path}: not JSON (write it with `plan --save`)") from None
+    rec = data.get("recommended") if isinstance(data, dict) else None
+    if not isinstance(rec, dict) or data.get("format") != PLAN_FORMAT:
+        raise UserError(f"--plan {path}: not an expertcache plan file (format {PLAN_FORMAT})")
+    slots = rec.get("per_layer_slots")
+    if not isinstance(slots, list) or not slots or not all(
+            isinstance(s, int) and s > 0 for s in slots):
+        raise UserError(f"--plan {path}: per_layer_slots must be a list of positive integers")
+    if rec.get("policy") not in ("lru", "lfu"):
+        raise UserError(f"--plan {path}: policy must be lru or lfu, got {rec.get('policy')!r}")
+    return rec

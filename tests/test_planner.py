@@ -1,0 +1,100 @@
+"""`expertcache plan`: the prediction formula, its inputs' sources, the recommendation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from expertcache_cli import planner
+from expertcache_cli.errors import UserError
+from expertcache_cli.policy import Policy
+from expertcache_cli.trace import load
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "traces" / "demo-qwen3-30b-a3b-tasks.npz"
+PROBE = ROOT / "bench" / "results" / "probe-link-h200.json"
+BASELINE = ROOT / "bench" / "results" / "baseline-h200-2026-11-30" / "h200.jsonl"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "expertcache_cli", "plan", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_formula_is_resident_time_plus_the_misses_over_the_link():
+    """24-layer Qwen3-30B-A3B shape, bf16 (9,437,184 B an expert), resident 465 tok/s, link
+    49.4 GB/s: 141.8 experts over the link a token (the live installs of the 32-slot run)
+    price at 34.2 tok/s, where vLLM measured 34.98."""
+    inputs = planner.Inputs(9_437_184, "given", 49.4, "given", 465.0, "given")
+    ms = planner.predict_ms(141.8, inputs)
+    assert ms == pytest.approx(1000 / 465 + 1000 * 141.8 * 9_437_184 / 49.4e9)
+    assert 1000 / ms == pytest.approx(34.2, abs=0.05)
+    assert planner.predict_ms(0.0, inputs) == pytest.approx(1000 / 465)
+
+
+def test_inputs_read_from_a_saved_probe_and_a_baseline_file(tmp_path):
+    rate, src = planner.link_from_probe(PROBE)
+    assert rate == pytest.approx(49.48, abs=0.01) and "NVIDIA H200" in src
+    tok_s, src = planner.resident_from_baseline(BASELINE)
+    assert tok_s == pytest.approx(605.1, abs=0.1) and "3 restart(s)" in src
+    with pytest.raises(UserError, match="not JSON"):
+        planner.link_from_probe(BASELINE)  # JSON lines, not a probe
+    other = tmp_path / "other.json"
+    other.write_text('{"decode": {}}')
+    with pytest.raises(UserError, match="no measured gather rate"):
+        planner.link_from_probe(other)
+
+
+def test_the_recommendation_is_the_fastest_budget_that_fits():
+    trace = load(TRACE)
+    inputs = planner.Inputs(4_732_928, "given", 49.4, "given", 300.0, "given")
+    rep = planner.plan_trace(trace, inputs, [Policy.LRU, Policy.LFU], [16, 32, 64],
+                             fits_upto=32, model={"name": "t"}, serve_model="/m",
+                             vram_gb=24, plan_file="p.json")
+    fits = {(r["policy"], r["slots"]): r["fits"] for r in rep.rows}
+    assert fits[("lru", 64)] is False and fits[("lru", 32)] is True
+    rec = rep.recommended
+    best = max((r for r in rep.rows if r["fits"]), key=lambda r: r["predicted_tok_s"])
+    assert (rec["policy"], rec["slots"]) == (best["policy"], best["slots"]) == ("lru", 32)
+    assert len(rec["per_layer_slots"]) == trace.num_layers
+    assert sum(rec["per_layer_slots"]) <= 32 * trace.num_layers
+    assert max(rec["per_layer_slots"]) < trace.num_experts
+    assert rec["serve_command"] == "expertcache serve /m --vram 24 --plan p.json"
+    for r in rep.rows:  # misses per token is what the replay counted, per token
+        assert r["predicted_ms_per_token"] == pytest.approx(
+            planner.predict_ms(r["misses_per_token"], inputs))
+
+
+def test_cli_json_has_the_documented_keys_and_a_plan_file_serve_reads(tmp_path):
+    out = tmp_path / "plan.json"
+    r = _cli(str(TRACE), "--model", "qwen3-30b-a3b-w8a8", "--vram", "24", "--probe",
+             str(PROBE), "--baseline", str(BASELINE), "--slots", "16,32,64", "--json",
+             "--save", str(out))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["model"]["bytes_per_expert"] == 4_732_928 and d["link_gbps"] > 49
+    assert d["resident_tok_s"] == pytest.approx(605.1, abs=0.1)
+    assert set(d["rows"][0]) >= {"policy", "slots", "misses_per_token", "miss_rate",
+                                 "predicted_ms_per_token", "predicted_tok_s"}
+    assert set(d["recommended"]) >= {"policy", "slots", "per_layer_slots", "predicted_tok_s",
+                                     "serve_command"}
+    assert json.loads(out.read_text()) == d
+    rec = planner.read_plan(out)
+    assert rec["per_layer_slots"] == d["recommended"]["per_layer_slots"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--link-gbps", "50"], "give --resident-tok-s"),
+    (["--resident-tok-s", "300", "--link-gbps", "0"], "--link-gbps must be a positive"),
+    (["--resident-tok-s", "300", "--link-gbps", "50", "--vram", "24"], "--vram needs --model"),
+    (["--resident-tok-s", "300", "--link-gbps", "50", "--slots", "128"], "not below"),
+    (["--resident-tok-s", "300", "--link-gbps", "50", "--policy", "opt"], "lru or lfu"),
+    (["--resident-tok-s", "300", "--link-gbps", "50", "--model", "mixtral-8x7b"], "experts"),
+])
+def test_cli_bad_input_is_one_line(args, words):
+    r = _cli(str(TRACE), *args)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
