@@ -32,7 +32,7 @@ TRACE = "EXPERT_CACHE_TRACE"
 
 #: every variable the plugin reads, with a one-line meaning (README and docs/plugin.md)
 ENV_VARS: dict[str, str] = {
-    SLOTS: "slots per MoE layer (an integer, 1 <= S < experts)",
+    SLOTS: "slots per MoE layer (1 <= S < experts), or one per MoE layer: S1,S2,...",
     FRACTION: "slots per layer as a fraction of the experts (0 < F < 1)",
     POLICY: "replacement policy: lru (default) or lfu",
     DECAY: "LFU only: halve every priority each N steps of a layer (0 = never)",
@@ -63,13 +63,16 @@ class ConfigError(UserError):
 class CacheConfig:
     """What the environment asks of the plugin, validated.
 
-    ``slots`` and ``fraction`` are the two ways to state the budget; at most one is set
-    (neither: ``DEFAULT_FRACTION``). The per-layer slot count needs the layer's expert
-    count, so it is resolved per layer by `slots_for`.
+    ``slots``, ``slots_per_layer`` and ``fraction`` are the ways to state the budget; at
+    most one is set (none: ``DEFAULT_FRACTION``). ``slots_per_layer`` is one budget per MoE
+    layer in model order (``EXPERT_CACHE_SLOTS=40,52,...``, what `expertcache plan`
+    recommends). The slot count of a layer needs its expert count (and, per layer, its
+    position), so it is resolved per layer by `slots_for`.
     """
 
     disabled: bool = False
     slots: int | None = None
+    slots_per_layer: tuple[int, ...] | None = None
     fraction: float | None = None
     policy: Policy = Policy.LRU
     decay: int = 0
@@ -77,13 +80,21 @@ class CacheConfig:
     stats_every: int = 0
     trace_path: str | None = None
 
-    def slots_for(self, num_experts: int) -> int:
-        """Slots for a layer of ``num_experts`` experts; ValueError when it cannot work.
+    def slots_for(self, num_experts: int, index: int | None = None) -> int:
+        """Slots for the ``index``-th MoE layer, of ``num_experts`` experts; ValueError when
+        it cannot work.
 
         A budget of ``E`` or more is refused: every expert would be resident, which is
         what not offloading does, without the cache's per-step work.
         """
-        if self.slots is not None:
+        if self.slots_per_layer is not None:
+            if index is None or not 0 <= index < len(self.slots_per_layer):
+                raise ValueError(
+                    f"{SLOTS} lists {len(self.slots_per_layer)} per-layer budgets; MoE layer "
+                    f"{index} has none"
+                )
+            s = self.slots_per_layer[index]
+        elif self.slots is not None:
             s = self.slots
         else:
             frac = DEFAULT_FRACTION if self.fraction is None else self.fraction
@@ -101,6 +112,8 @@ class CacheConfig:
 
     def budget_text(self) -> str:
         """How the budget was asked for, as the startup line states it."""
+        if self.slots_per_layer is not None:
+            return f"per-layer budgets ({SLOTS}, {len(self.slots_per_layer)} values)"
         if self.slots is not None:
             return f"{self.slots} slots/layer ({SLOTS})"
         if self.fraction is not None:
@@ -115,6 +128,8 @@ class CacheConfig:
             env[DISABLE] = "1"
         if self.slots is not None:
             env[SLOTS] = str(self.slots)
+        if self.slots_per_layer is not None:
+            env[SLOTS] = ",".join(map(str, self.slots_per_layer))
         if self.fraction is not None:
             env[FRACTION] = repr(self.fraction)
         if not self.disabled:
@@ -161,7 +176,18 @@ def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
     env = os.environ if env is None else env
     disabled = _bool(env, DISABLE)
 
-    slots = _int(env, SLOTS, 1)
+    raw_slots = env.get(SLOTS, "")
+    per_layer: tuple[int, ...] | None = None
+    if "," in raw_slots:
+        try:
+            per_layer = tuple(_int({SLOTS: x}, SLOTS, 1) or 0 for x in raw_slots.split(","))
+        except ConfigError as exc:
+            raise ConfigError(f"{SLOTS}={raw_slots!r}: per-layer budgets: {exc}") from None
+        if 0 in per_layer:
+            raise ConfigError(f"{SLOTS}={raw_slots!r}: an empty entry in the per-layer list")
+        slots = None
+    else:
+        slots = _int(env, SLOTS, 1)
     fraction: float | None = None
     raw_frac = env.get(FRACTION)
     if raw_frac is not None and raw_frac.strip() != "":
@@ -171,7 +197,7 @@ def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
             raise ConfigError(
                 f"{FRACTION}={raw_frac!r}: expected a number between 0 and 1 (exclusive)"
             ) from None
-    if slots is not None and fraction is not None:
+    if (slots is not None or per_layer is not None) and fraction is not None:
         raise ConfigError(f"{SLOTS} and {FRACTION} are both set: give one budget")
 
     raw_policy = env.get(POLICY, "").strip()
@@ -207,6 +233,7 @@ def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
     return CacheConfig(
         disabled=disabled,
         slots=slots,
+        slots_per_layer=per_layer,
         fraction=fraction,
         policy=policy,
         decay=decay,

@@ -119,3 +119,20 @@ def test_a_lib_that_is_not_a_shared_library_is_refused(tmp_path):
     elf = tmp_path / "lib.so"
     elf.write_bytes(b"\x7fELF" + bytes(60))
     assert from_env({"EXPERT_CACHE_LIB": str(elf)}).lib == str(elf)
+
+
+def test_per_layer_slots_are_parsed_and_looked_up_by_layer():
+    cfg = from_env({"EXPERT_CACHE_SLOTS": "40, 52,61"})
+    assert cfg.slots_per_layer == (40, 52, 61) and cfg.slots is None
+    assert [cfg.slots_for(128, i) for i in range(3)] == [40, 52, 61]
+    with pytest.raises(ValueError, match="MoE layer 3 has none"):
+        cfg.slots_for(128, 3)
+    with pytest.raises(ValueError, match="not below"):
+        from_env({"EXPERT_CACHE_SLOTS": "40,128"}).slots_for(128, 1)
+    for bad, words in (("40,,61", "empty entry"), ("40,x", "per-layer budgets"),
+                       ("40,0", "expected an integer")):
+        with pytest.raises(ConfigError, match=words):
+            from_env({"EXPERT_CACHE_SLOTS": bad})
+    with pytest.raises(ConfigError, match="both set"):
+        from_env({"EXPERT_CACHE_SLOTS": "4,5", "EXPERT_CACHE_FRACTION": "0.5"})
+    assert from_env(CacheConfig(slots_per_layer=(7, 8)).to_env()).slots_per_layer == (7, 8)

@@ -543,3 +543,22 @@ def test_a_trace_with_masked_padding_replays_to_the_live_counters(tmp_path, monk
     assert c.read_through_steps == int(armed.read_through) > 0
     (old,) = engine.sweep(tr.topk_ids, E, [Policy.LRU], [6])  # the valid-ids gate
     assert old.read_through_steps == 0  # would have disagreed with the live server
+
+
+def test_per_layer_budgets_arm_each_layer_with_its_own_slots(monkeypatch, caplog):
+    """EXPERT_CACHE_SLOTS=6,5,4 (a plan's split): layer i gets the i-th budget; the startup
+    line lists them; a list of the wrong length (a plan for another model) arms nothing."""
+    import expertcache_cli.slotcache as slotcache_mod
+    from expertcache_cli.config import from_env
+    from expertcache_cli.plugin.session import arm_model
+
+    monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    sess = arm_model(_ThreeLayers(), from_env({"EXPERT_CACHE_SLOTS": "6,5,4"}), "0.26.0")
+    assert [(a.decision.layer_name, a.decision.num_slots) for a in sess.armed] == [
+        ("model.layers.0.mlp.experts", 6), ("model.layers.2.mlp.experts", 4)]
+    assert "4-6 of 16 experts/layer as slots (per layer: 6,4)" in caplog.text
+    assert "per-layer budgets (EXPERT_CACHE_SLOTS, 3 values)" in caplog.text
+    assert sess.slot_bytes == (6 + 4) * sess.armed[0].decision.slot_bytes // 6
+    wrong = arm_model(_ThreeLayers(), from_env({"EXPERT_CACHE_SLOTS": "6,5"}), "0.26.0")
+    assert wrong.armed == [] and "lists 2 per-layer budgets for 3 MoE layers" in caplog.text

@@ -113,17 +113,19 @@ def describe_dtype(dtype: Any) -> str:
     return text.removeprefix("torch.")
 
 
-def plan_layer(layer: Any, cfg: CacheConfig, name: str | None = None) -> Decision:
-    """Decide for one vLLM `RoutedExperts` (or stand-in); never raises on odd layers."""
+def plan_layer(layer: Any, cfg: CacheConfig, name: str | None = None,
+               index: int | None = None) -> Decision:
+    """Decide for one vLLM `RoutedExperts` (or stand-in), the ``index``-th MoE layer of the
+    model (per-layer budgets are looked up by it); never raises on odd layers."""
     lname = name or getattr(layer, "layer_name", None) or type(layer).__name__
     try:
-        return _plan(layer, cfg, lname)
+        return _plan(layer, cfg, lname, index)
     except Exception as exc:  # an unknown layout must decline, never crash serving
         why = f"unrecognised layer layout ({exc.__class__.__name__}: {exc})"
         return Decision(lname, DECLINE, why)
 
 
-def _plan(layer: Any, cfg: CacheConfig, lname: str) -> Decision:
+def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) -> Decision:
     num_experts = int(getattr(layer, "local_num_experts", 0) or 0)
     global_experts = int(getattr(layer, "global_num_experts", num_experts) or 0)
     top_k = int(getattr(layer, "top_k", 0) or 0)
@@ -201,7 +203,7 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str) -> Decision:
 
     # Rule 7: budget and slabs.
     try:
-        slots = cfg.slots_for(num_experts)
+        slots = cfg.slots_for(num_experts, index)
     except ValueError as exc:
         return decline(str(exc))
     specs: list[TensorSpec] = []
@@ -242,10 +244,15 @@ def summary_line(
         f"{s.name}[{describe_dtype(s.dtype)} {'x'.join(map(str, s.shape)) or '1'}]"
         for s in first.specs
     )
+    counts = [d.num_slots for d in armed]
+    if len(set(counts)) == 1:
+        budget = f"{first.num_slots} of {first.num_experts} experts/layer as slots"
+    else:
+        budget = (f"{min(counts)}-{max(counts)} of {first.num_experts} experts/layer as slots "
+                  f"(per layer: {','.join(map(str, counts))})")
     parts = [
         f"armed {len(armed)} of {len(decisions)} MoE layers",
-        f"{first.num_slots} of {first.num_experts} experts/layer as slots "
-        f"[{cfg.budget_text()}]",
+        f"{budget} [{cfg.budget_text()}]",
         f"{gib:.2f} GiB of slots",
         f"policy {policy}",
         f"mirrored {tensors}",
@@ -259,7 +266,7 @@ def summary_line(
         from ..capture import padded, safe_for_sizes
 
         sizes = list(capture_sizes or [])
-        k, slots = first.top_k, first.num_slots
+        k, slots = first.top_k, min(counts)  # the narrowest layer reads through first
         widest = padded(max_num_seqs, sizes)
         if widest * k > slots:
             safe = safe_for_sizes(slots, k, sizes)

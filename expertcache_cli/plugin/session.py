@@ -83,6 +83,7 @@ class Session:
             "read_through_steps": sum(rts),
             "read_through_decode_steps": sum(rtd),
             "slots": self.armed[0].decision.num_slots,
+            "slots_per_layer": [a.decision.num_slots for a in self.armed],
             "num_experts": self.armed[0].decision.num_experts,
             "policy": self.cfg.policy.name.lower(),
             "decay": self.cfg.decay,
@@ -175,7 +176,11 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     from ..capture import padded
 
     layers = find_moe_layers(model)
-    decisions = [plan_layer(module, cfg, name) for name, module in layers]
+    decisions = [plan_layer(module, cfg, name, i) for i, (name, module) in enumerate(layers)]
+    if cfg.slots_per_layer is not None and len(cfg.slots_per_layer) != len(layers):
+        refusal = refusal or (
+            f"EXPERT_CACHE_SLOTS lists {len(cfg.slots_per_layer)} per-layer budgets for "
+            f"{len(layers)} MoE layers (a plan made for another model?)")
     for d in decisions:
         if refusal and d.action == ARM:
             d.action, d.reason = DECLINE, refusal
