@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import budget, config, sizing, vllm_flags
+from . import budget, capture, config, sizing, vllm_flags
 from .config import TRUE_WORDS, CacheConfig
 from .errors import UserError
 
@@ -49,6 +49,7 @@ class ServePlan:
     env: dict[str, str]
     argv: list[str]
     notes: list[str] = field(default_factory=list)
+    per_layer: list[int] | None = None
 
     def shell(self) -> str:
         """The plan as one shell line (``--dry-run`` prints it)."""
@@ -70,15 +71,27 @@ def make_plan(
     launcher: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
     device_total_gib: float | None = None,
+    plan_file: str | None = None,
 ) -> ServePlan:
     """Size the cache for ``model`` on ``vram_gb`` GiB and compose the `vllm serve` call.
 
     ``device_total_gib``: the GPU vLLM will run on (`gpu_info.device_total_gib`); on a
     bigger GPU than the card, vLLM gets the card's share of it (see `sizing.plan`).
+    ``plan_file``: a plan from `expertcache plan --save`; its per-layer budgets and policy
+    are served, checked against this card (one per MoE layer, each below E, all of them
+    within the bytes of the uniform budget that fits).
     """
 
     environ = os.environ if environ is None else environ
     model_refusal(model)
+    per_layer: list[int] | None = None
+    if plan_file is not None:
+        if slots is not None or fraction is not None:
+            raise UserError("give --plan or --slots / --fraction, not both")
+        from .planner import read_plan
+
+        rec = read_plan(plan_file)
+        per_layer, policy = list(rec["per_layer_slots"]), rec["policy"]
     try:
         pol = budget.online_policy(policy)[0]
     except ValueError as exc:
@@ -106,15 +119,26 @@ def make_plan(
         notes.append("too little VRAM for even top_k slots: experts offloaded, the cache off")
         env = CacheConfig(disabled=True).to_env()
     else:
-        if size.trap and not allow_trap:
+        if per_layer is not None:
+            _check_per_layer(per_layer, size, plan_file or "")
+        narrow = min(per_layer) if per_layer else size.slots  # reads through first
+        trap = size.padded_batch * size.top_k > narrow
+        if trap and not allow_trap:
+            safe = (size.safe_max_num_seqs if per_layer is None else capture.safe_max_num_seqs(
+                narrow, size.top_k, size.max_num_batched_tokens,
+                sizing_overrides(args)["graphs"]))
             raise UserError(
-                budget.trap_text(size.max_num_seqs, size.padded_batch, size.top_k, size.slots,
-                                 size.safe_max_num_seqs, size.graphs).replace(
+                budget.trap_text(size.max_num_seqs, size.padded_batch, size.top_k, narrow,
+                                 safe, size.graphs).replace(
                     "keeps every decode step on it",
                     "keeps every decode step on it (pass it after --), or --allow-trap to "
                     "serve anyway")
             )
-        env = CacheConfig(slots=size.slots, policy=pol, decay=decay).to_env()
+        if per_layer is not None:
+            env = CacheConfig(slots_per_layer=tuple(per_layer), policy=pol,
+                              decay=decay).to_env()
+        else:
+            env = CacheConfig(slots=size.slots, policy=pol, decay=decay).to_env()
     planned = size.vllm_args()
     for flag, value in zip(planned[::2], planned[1::2]):
         given = flag_value(args, flag) if flag in _OWNED_FLAGS else None
@@ -133,7 +157,27 @@ def make_plan(
         notes.append(f"{config.DISABLE}=1 in your environment: the cache will not arm "
                      "(the control run)")
     argv = [*(launcher or vllm_command()), "serve", model, *own, *args]
-    return ServePlan(model=model, size=size, env=env, argv=argv, notes=notes)
+    return ServePlan(model=model, size=size, env=env, argv=argv, notes=notes, per_layer=per_layer)
+
+
+def _check_per_layer(per_layer: list[int], size: sizing.SizePlan, source: str) -> None:
+    """A plan's per-layer budgets fit this model and card, or one line says why not."""
+    layers, experts = size.num_moe_layers, size.num_experts
+    if len(per_layer) != layers:
+        raise UserError(f"--plan {source}: {len(per_layer)} per-layer budgets for a model of "
+                        f"{layers} MoE layers (a plan made for another model?)")
+    worst = max(per_layer)
+    if min(per_layer) < size.top_k:
+        raise UserError(f"--plan {source}: a layer budget of {min(per_layer)} slots is below "
+                        f"top_k {size.top_k}: not even one token could be served from it")
+    if worst > budget.slot_limit(experts):
+        raise UserError(f"--plan {source}: a layer budget of {worst} slots is not below the "
+                        f"{experts} experts (or above the kernel's {budget.MAX_SLOTS})")
+    if sum(per_layer) > size.max_slots * layers:
+        need = sum(per_layer) * size.bytes_per_expert / 2**30
+        room = size.max_slots * size.bytes_per_slot / 2**30
+        raise UserError(f"--plan {source}: its slots need {need:.2f} GiB; this card has room "
+                        f"for {room:.2f} GiB ({size.max_slots} a layer)")
 
 
 def model_refusal(model: str) -> None:

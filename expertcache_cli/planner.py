@@ -128,6 +128,7 @@ def plan_trace(
     serve_model: str,
     vram_gb: float | None,
     plan_file: str | None = None,
+    vllm_args: list[str] | None = None,
 ) -> PlanReport:
     """Replay ``trace`` at every (policy, budget) and predict decode speed; recommend.
 
@@ -179,7 +180,8 @@ def plan_trace(
             "predicted_tok_s": best["predicted_tok_s"],
             "per_layer_predicted_tok_s": 1000.0 / split_ms,
             "per_layer_misses_saved": int(split.saved),
-            "serve_command": serve_command(serve_model, vram_gb, best, plan_file, use_split),
+            "serve_command": serve_command(serve_model, vram_gb, best, plan_file, use_split,
+                                           vllm_args or []),
         }
         if not use_split:
             notes.append("the per-layer split finds nothing better than the uniform budget")
@@ -190,12 +192,16 @@ def plan_trace(
 
 
 def serve_command(model: str, vram_gb: float | None, best: dict[str, Any],
-                  plan_file: str | None, per_layer: bool) -> str:
+                  plan_file: str | None, per_layer: bool, vllm_args: list[str]) -> str:
     """The `expertcache serve` line that deploys the recommendation."""
+    import shlex
+
     vram = f" --vram {vram_gb:g}" if vram_gb else " --vram GiB"
+    tail = f" -- {shlex.join(vllm_args)}" if vllm_args else ""
     if plan_file and per_layer:
-        return f"expertcache serve {model}{vram} --plan {plan_file}"
-    return f"expertcache serve {model}{vram} --slots {best['slots']} --policy {best['policy']}"
+        return f"expertcache serve {model}{vram} --plan {plan_file}{tail}"
+    return (f"expertcache serve {model}{vram} --slots {best['slots']} --policy "
+            f"{best['policy']}{tail}")
 
 
 def read_plan(path: str | Path) -> dict[str, Any]:

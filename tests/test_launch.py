@@ -209,3 +209,38 @@ def test_launch_refusal_names_what_is_missing(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     why = launch_refusal([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "m"])
     assert "vLLM is not installed in this python" in why
+
+
+def _plan_file(tmp_path, per_layer, policy="lru"):
+    import json
+
+    from expertcache_cli.planner import PLAN_FORMAT
+
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps({"format": PLAN_FORMAT, "recommended": {
+        "policy": policy, "slots": max(per_layer), "per_layer_slots": per_layer}}))
+    return str(f)
+
+
+def test_serve_plan_passes_the_per_layer_budgets_it_checked(tmp_path):
+    """`serve --plan`: one budget per MoE layer, each below E, the bytes of all of them
+    within the uniform budget that fits, and the narrowest layer decides the trap."""
+    flags = ["--max-num-seqs", "4", "--max-model-len", "8192"]
+    uniform = _plan(vllm_args=flags).size.slots  # 40 on 24 GiB for the bf16 model
+    split = [uniform + 8] * 24 + [uniform - 8] * 24
+    p = _plan(plan_file=_plan_file(tmp_path, split, "lfu"), vllm_args=flags)
+    assert p.env["EXPERT_CACHE_SLOTS"] == ",".join(map(str, split))
+    assert p.env["EXPERT_CACHE_POLICY"] == "lfu" and p.per_layer == split
+    with pytest.raises(UserError, match="47 per-layer budgets for a model of 48"):
+        _plan(plan_file=_plan_file(tmp_path, split[:47]), vllm_args=flags)
+    with pytest.raises(UserError, match="this card has room"):
+        _plan(plan_file=_plan_file(tmp_path, [uniform + 1] * 48), vllm_args=flags)
+    with pytest.raises(UserError, match="not below the 128 experts"):
+        _plan(plan_file=_plan_file(tmp_path, [128] + [8] * 47), vllm_args=flags)
+    with pytest.raises(UserError, match="below top_k 8"):
+        _plan(plan_file=_plan_file(tmp_path, [4] + [8] * 47), vllm_args=flags)
+    narrow = [uniform] * 47 + [20]  # 4 seqs x 8 = 32 ids > the 20-slot layer
+    with pytest.raises(UserError, match="32 ids > 20 slots"):
+        _plan(plan_file=_plan_file(tmp_path, narrow), vllm_args=flags)
+    with pytest.raises(UserError, match="--plan or --slots"):
+        _plan(plan_file=_plan_file(tmp_path, split), slots=8, vllm_args=flags)

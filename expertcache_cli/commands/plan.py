@@ -56,8 +56,14 @@ def _resident(resident_tok_s: float | None, baseline: Path | None) -> tuple[floa
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("plan")
+    @app.command(
+        "plan",
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        epilog="Flags after `--` are the vLLM flags you will serve with (context, batch, "
+        "utilization): the card is sized for them, and the serve command carries them.",
+    )
     def plan_command(
+        ctx: typer.Context,
         trace_path: Path | None = typer.Argument(
             None, metavar="[TRACE]", help="Routing trace .npz (default: the bundled demo trace)."
         ),
@@ -84,8 +90,15 @@ def register(app: typer.Typer) -> None:
         from ..files import atomic_write, check_output
         from ..model_size import load_model
         from ..trace import load
+        from ..vllm_flags import plan_kwargs_from_vllm_args
+        from . import passthrough_args
         from .replay import parse_policies
 
+        extra = list(ctx.args)
+        if trace_path is not None and str(trace_path).startswith("-"):
+            # no TRACE given: click took the first vLLM flag after -- for it
+            extra, trace_path = [str(trace_path), *extra], None
+        vllm_args = passthrough_args(extra)
         if save is not None:
             save = check_output(save, "--save")
         if plot is not None:
@@ -109,7 +122,7 @@ def register(app: typer.Typer) -> None:
         if vram is not None:
             if m is None:
                 raise UserError("--vram needs --model (what to put on the card)")
-            fits_upto = sizing.plan(m, vram).max_slots
+            fits_upto = sizing.plan(m, vram, **plan_kwargs_from_vllm_args(vllm_args)).max_slots
         link, link_src = _link(link_gbps, probe_file)
         res, res_src = _resident(resident_tok_s, baseline)
         inputs = planner.Inputs(per_expert, bytes_src, link, link_src, res, res_src)
@@ -124,7 +137,7 @@ def register(app: typer.Typer) -> None:
                        else f"MODEL --size-from {model}" if model else "MODEL")
         rep = planner.plan_trace(
             trace, inputs, policies, budgets, fits_upto=fits_upto, serve_model=serve_model,
-            vram_gb=vram, plan_file=str(save) if save else None,
+            vram_gb=vram, plan_file=str(save) if save else None, vllm_args=vllm_args,
             model={"name": m.name if m else trace.model, "bytes_per_expert": per_expert,
                    "num_experts": trace.num_experts, "top_k": trace.top_k,
                    "num_moe_layers": trace.num_layers, "vram_gib": vram,

@@ -31,6 +31,10 @@ def register(app: typer.Typer) -> None:
         size_from: str = typer.Option(
             None, help="size from this config.json / model dir / preset instead of MODEL"
         ),
+        plan: str = typer.Option(
+            None, "--plan", help="serve a plan file from `expertcache plan --save` (per-layer "
+            "budgets and policy)"
+        ),
         allow_trap: bool = typer.Option(
             False, help="serve even when a full batch would bypass the cache (sizing trap)"
         ),
@@ -39,20 +43,28 @@ def register(app: typer.Typer) -> None:
         """Launch `vllm serve MODEL` with experts offloaded and the slot cache sized and armed."""
         from ..gpu_info import device_total_gib
 
+        plan_file = plan
         plan = make_plan(
             model, vram, slots=slots, fraction=fraction, policy=policy, decay=decay,
             size_from=size_from, allow_trap=allow_trap, vllm_args=passthrough_args(ctx.args),
-            device_total_gib=device_total_gib(),
+            device_total_gib=device_total_gib(), plan_file=plan_file,
         )
         s = plan.size
         console.print(f"[bold]expertcache serve[/]: {s.model} on {s.vram_gib:g} GiB: "
                       f"{s.verdict_text}")
         if s.verdict == "cache":
             pad = f" (a CUDA graph of {s.padded_batch})" if s.padded_batch != s.max_num_seqs else ""
+            if plan.per_layer:
+                n = plan.per_layer
+                what = (f"slots {min(n)}-{max(n)} of {s.num_experts} per MoE layer from "
+                        f"{plan_file} = {sum(n) * s.bytes_per_expert / 2**30:.2f} GiB; policy "
+                        f"{plan.env.get('EXPERT_CACHE_POLICY')}")
+            else:
+                what = (f"slots {s.slots} of {s.num_experts} per MoE layer x "
+                        f"{s.num_moe_layers} layers = {s.slots * s.bytes_per_slot / 2**30:.2f} "
+                        f"GiB; policy {policy}")
             console.print(
-                f"  slots {s.slots} of {s.num_experts} per MoE layer x {s.num_moe_layers} "
-                f"layers = {s.slots * s.bytes_per_slot / 2**30:.2f} GiB; experts offloaded "
-                f"with --cpu-offload-gb {s.cpu_offload_gb}; policy {policy}; "
+                f"  {what}; experts offloaded with --cpu-offload-gb {s.cpu_offload_gb}; "
                 f"max_num_seqs {s.max_num_seqs}{pad} x top_k {s.top_k} = {s.trap_ids} ids per "
                 "batched decode step"
             )
