@@ -24,7 +24,8 @@ from .errors import UserError
 
 #: flags serve sets itself; given by the user, the user's value wins (noted in the plan)
 _OWNED_FLAGS = ("--cpu-offload-gb", "--cpu-offload-params", "--gpu-memory-utilization",
-                "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens")
+                "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+                "--tensor-parallel-size")
 
 
 # One reader of the user's vLLM flags, shared with `baseline`: it lives with `sizing.plan`.

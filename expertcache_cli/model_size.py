@@ -50,6 +50,38 @@ class ModelSize:
     vocab_size: int
     max_position_embeddings: int
     notes: list[str] = field(default_factory=list)
+    #: KV heads (GQA; 0 for MLA, whose latent every tensor-parallel rank keeps whole)
+    kv_heads: int = 0
+    #: tensor-parallel ranks the figures are per (1: the whole model)
+    tensor_parallel: int = 1
+
+    def per_rank(self, tp: int) -> ModelSize:
+        """The share one of ``tp`` tensor-parallel GPUs holds.
+
+        vLLM shards every expert across the ranks (w13 along its output, w2 along its
+        input), so a slot on one GPU holds 1/tp of an expert: bytes per slot and the
+        offload divide by tp. Attention, embeddings and the LM head are sharded too
+        (norms and the router are small and replicated: counted sharded, within a few
+        MiB); the KV cache splits by KV head, down to one head a rank (MLA: not split).
+        """
+        import dataclasses
+
+        if tp <= 1:
+            return self
+        kv_split = max(1, min(tp, self.kv_heads)) if self.kv_heads else 1
+        tensors = [Tensor(t.name, t.shape, t.dtype, ceil_div(t.nbytes, tp))
+                   for t in self.expert_tensors]
+        return dataclasses.replace(
+            self,
+            bytes_per_expert=sum(t.nbytes for t in tensors),
+            expert_tensors=tensors,
+            non_expert_bytes=ceil_div(self.non_expert_bytes, tp),
+            kv_bytes_per_token=ceil_div(self.kv_bytes_per_token, kv_split),
+            kv_window_bytes_per_seq=ceil_div(self.kv_window_bytes_per_seq, kv_split),
+            tensor_parallel=tp,
+            notes=[*self.notes, f"per GPU of {tp} (tensor parallel): experts, attention and "
+                                f"embeddings sharded, KV split over {kv_split} rank(s)"],
+        )
 
     @property
     def num_moe_layers(self) -> int:
@@ -291,6 +323,7 @@ def _model_from_config(
         vocab_size=vocab,
         max_position_embeddings=int(_first(cfg, "max_position_embeddings", default=4096)),
         notes=notes,
+        kv_heads=0 if mla else kv_heads,
     )
 
 

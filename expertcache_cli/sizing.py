@@ -113,7 +113,8 @@ def _check_inputs(**values: float | None) -> None:
                 raise UserError(f"{flag} must be >= 0 GiB, got {value:g}")
         elif value <= 0:
             raise UserError(f"{flag} must be positive, got {value:g}")
-        if name != "vram_gb" and name.endswith(("len", "seqs", "tokens")) and value != int(value):
+        if name != "vram_gb" and name.endswith(("len", "seqs", "tokens", "size")) and (
+                value != int(value)):
             raise UserError(f"{flag} must be a whole number, got {value:g}")
 
 
@@ -152,6 +153,7 @@ class SizePlan:
     padded_batch: int  # tokens of a full decode batch once vLLM pads it to a CUDA graph
     graphs: str  # where the capture sizes came from (flags, defaults, eager)
     device_total_gib: float  # the GPU vLLM runs on (= vram_gib unless told otherwise)
+    tensor_parallel_size: int  # the plan is for one GPU of this many
     utilization_to_fit_outright: float | None
     aligned: bool
     notes: list[str] = field(default_factory=list)
@@ -175,6 +177,8 @@ class SizePlan:
         ]
         if self.shares_device:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if not self.fits_outright and self.verdict in ("cache", "offload_no_cache"):
             args += ["--cpu-offload-gb", str(self.cpu_offload_gb)]
             args += ["--cpu-offload-params", "experts"]
@@ -202,6 +206,7 @@ def plan(
     overhead_gb: float | None = None,
     graphs: capture.GraphSettings | None = None,
     device_total_gib: float | None = None,
+    tensor_parallel_size: int | None = None,
 ) -> SizePlan:
     """Size the cache for ``model_spec`` on a ``vram_gb`` GiB card (docs/design.md, sizing).
 
@@ -220,11 +225,16 @@ def plan(
     takes it, of the device. A GPU smaller than ``vram_gb`` is sized as what it is.
     ``graphs`` are the CUDA-graph settings (default: vLLM's, for the installed release):
     a decode batch is padded to the next capture size, and the trap counts padded ids.
+    ``tensor_parallel_size``: plan one GPU of that many (`ModelSize.per_rank`); ``vram_gb``
+    is then each GPU's memory, and slots and ``--cpu-offload-gb`` are per GPU, as vLLM
+    takes them.
     """
     _check_inputs(vram_gb=vram_gb, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, kv_tokens=kv_tokens,
-                  overhead_gb=overhead_gb, gpu_memory_utilization=gpu_memory_utilization)
+                  overhead_gb=overhead_gb, gpu_memory_utilization=gpu_memory_utilization,
+                  tensor_parallel_size=tensor_parallel_size)
     model = model_spec if isinstance(model_spec, ModelSize) else load_model(model_spec, quant)
+    model = model.per_rank(int(tensor_parallel_size or 1))
     vram_gb, device, gpu_memory_utilization, budget, notes_device = _card_budget(
         float(vram_gb), device_total_gib, gpu_memory_utilization)
     graphs = graphs if graphs is not None else capture.settings_from_vllm_args([])
@@ -383,6 +393,7 @@ def plan(
         padded_batch=widest,
         graphs=graphs.source,
         device_total_gib=device,
+        tensor_parallel_size=model.tensor_parallel,
         utilization_to_fit_outright=util_fit,
         aligned=model.aligned,
         notes=notes,

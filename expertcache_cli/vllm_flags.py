@@ -21,6 +21,7 @@ VLLM_PLAN_FLAGS: dict[str, tuple[str, type]] = {
     "--gpu-memory-utilization": ("gpu_memory_utilization", float),
     "--max-num-batched-tokens": ("max_num_batched_tokens", int),
     "--kv-cache-dtype": ("kv_cache_dtype", str),
+    "--tensor-parallel-size": ("tensor_parallel_size", int),
 }
 
 
@@ -37,10 +38,17 @@ def vllm_flag_value(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
+def _aliases(args: Sequence[str]) -> list[str]:
+    """vLLM's short spellings of the flags read here, spelled out (``-tp 2``)."""
+    return ["--tensor-parallel-size" if a == "-tp" else
+            "--tensor-parallel-size=" + a[4:] if a.startswith("-tp=") else a for a in args]
+
+
 def plan_kwargs_from_vllm_args(args: Sequence[str]) -> dict[str, Any]:
     """The keyword arguments for `plan` found among a user's vLLM flags (the CUDA-graph
     settings always: they decide how a decode batch is padded)."""
     out: dict[str, Any] = {"graphs": capture.settings_from_vllm_args(args)}
+    args = _aliases(args)
     for flag, (key, kind) in VLLM_PLAN_FLAGS.items():
         raw = vllm_flag_value(args, flag)
         if raw is None:

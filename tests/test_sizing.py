@@ -524,3 +524,24 @@ def test_notes_never_contradict_the_verdict():
     q = sizing.plan(None, 24)  # Qwen3-30B-A3B W8A8 at 40960: 8192 frees room for slots
     note = next(n for n in q.notes if "--max-model-len 8192" in n)
     assert "room for 84 slots: cache at 84 of 128" in note and q.slots < 84
+
+
+def test_tensor_parallel_plans_one_gpu_of_several():
+    """TP=2 shards every expert: a slot on one GPU holds half an expert, so twice the slots
+    fit in the same per-GPU memory (the H200 run printed 2.25 GiB of slots where each rank
+    held 1.12 GiB); --cpu-offload-gb is per GPU too, as vLLM takes it."""
+    kw = dict(max_model_len=8192, max_num_seqs=8)
+    one = sizing.plan("qwen3-30b-a3b", 24, **kw)
+    two = sizing.plan("qwen3-30b-a3b", 24, tensor_parallel_size=2, **kw)
+    assert two.bytes_per_slot * 2 == one.bytes_per_slot and two.tensor_parallel_size == 2
+    assert two.kv_bytes_per_token * 2 == one.kv_bytes_per_token  # 4 KV heads split in 2
+    assert two.slots > one.slots and two.cpu_offload_gb < one.cpu_offload_gb
+    args = two.vllm_args()
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    via_flags = sizing.plan("qwen3-30b-a3b", 24, **kw, **vllm_flags.plan_kwargs_from_vllm_args(
+        ["-tp", "2"]))
+    assert via_flags.slots == two.slots
+    eight = sizing.plan("qwen3-30b-a3b", 80, tensor_parallel_size=8, **kw)
+    assert eight.kv_bytes_per_token * 4 == one.kv_bytes_per_token  # 4 heads: 1 a rank
+    with pytest.raises(UserError, match="--tensor-parallel-size must be positive"):
+        sizing.plan(None, 24, tensor_parallel_size=0)

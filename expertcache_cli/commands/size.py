@@ -53,7 +53,9 @@ def _model_table(m: model_size.ModelSize) -> Table:
 
 
 def _plan_table(p: sizing.SizePlan) -> Table:
-    t = Table(title=f"on {p.vram_gib:g} GiB", show_header=False, box=None)
+    where = (f"on each of {p.tensor_parallel_size} GPUs of {p.vram_gib:g} GiB (tensor parallel)"
+             if p.tensor_parallel_size > 1 else f"on {p.vram_gib:g} GiB")
+    t = Table(title=where, show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column(text=True)
     t.add_row(
@@ -143,6 +145,9 @@ def register(app: typer.Typer) -> None:
         ),
         max_num_batched_tokens: int = typer.Option(None, help="vLLM --max-num-batched-tokens"),
         kv_cache_dtype: str = typer.Option(None, help="vLLM --kv-cache-dtype: auto or fp8"),
+        tensor_parallel_size: int = typer.Option(
+            None, "--tensor-parallel-size", "-tp",
+            help="vLLM --tensor-parallel-size: plan one GPU of that many (--vram is per GPU)"),
         kv_tokens: int = typer.Option(
             None, help="KV tokens to reserve (default: one max-model-len sequence)"
         ),
@@ -176,6 +181,7 @@ def register(app: typer.Typer) -> None:
             gpu_memory_utilization=gpu_memory_utilization,
             max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_dtype=kv_cache_dtype,
+            tensor_parallel_size=tensor_parallel_size,
         )
         common.update({k: v for k, v in given.items() if v is not None})
         common.update(slots=slots, fraction=fraction, kv_tokens=kv_tokens,
