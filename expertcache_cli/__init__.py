@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "ModelSize": "model_size",
     "plan": "sizing",
     "SizePlan": "sizing",
+    "plan_trace": "planner",
     # the plugin's configuration
     "CacheConfig": "config",
     "from_env": "config",
