@@ -52,14 +52,19 @@ def predict_ms(misses_per_token: float, inputs: Inputs) -> float:
         inputs.link_gbps * 1e9)
 
 
+def _read_json(path: str | Path, option: str, writer: str) -> Any:
+    """A JSON file a user named, or one line naming the option and what writes the file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UserError(f"{option} {path}: cannot read ({exc.strerror})") from None
+    except ValueError:
+        raise UserError(f"{option} {path}: not JSON (write it with {writer})") from None
+
+
 def link_from_probe(path: str | Path) -> tuple[float, str]:
     """The gather rate a saved `probe-link --json` measured (the cache's own copy path)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise UserError(f"--probe {path}: cannot read ({exc.strerror})") from None
-    except ValueError:
-        raise UserError(f"--probe {path}: not JSON (write it with probe-link --save)") from None
+    data = _read_json(path, "--probe", "probe-link --save")
     decode = data.get("decode") if isinstance(data, dict) else None
     rate = decode.get("gather_gbps") if isinstance(decode, dict) else None
     if not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
@@ -206,12 +211,7 @@ def serve_command(model: str, vram_gb: float | None, best: dict[str, Any],
 
 def read_plan(path: str | Path) -> dict[str, Any]:
     """A plan file written by `plan --save`, checked: its recommendation and per-layer list."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise UserError(f"--plan {path}: cannot read ({exc.strerror})") from None
-    except ValueError:
-        raise UserError(f"--plan {path}: not JSON (write it with `plan --save`)") from None
+    data = _read_json(path, "--plan", "`plan --save`")
     rec = data.get("recommended") if isinstance(data, dict) else None
     if not isinstance(rec, dict) or data.get("format") != PLAN_FORMAT:
         raise UserError(f"--plan {path}: not an expertcache plan file (format {PLAN_FORMAT})")

@@ -60,6 +60,11 @@ def plot_prediction(rows: list[dict[str, Any]], path: str | Path) -> Path:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return save_figure(plt, fig, out)
+
+
+def save_figure(plt: Any, fig: Any, out: Path) -> Path:
+    """Lay out and write ``fig`` to ``out`` whole (atomically), then close it."""
     fig.tight_layout()
     try:
         atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=120))

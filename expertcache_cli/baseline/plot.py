@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from ..files import atomic_write
-from ..plotting import image_path, pyplot
+from ..plotting import image_path, pyplot, save_figure
 from .summary import Summary, measured_runs
 
 
@@ -66,11 +65,4 @@ def plot(summary: Summary, records: list[dict[str, Any]], path: str | Path) -> P
     ax.set_ylim(bottom=0)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    try:
-        atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=120))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--plot: cannot write {out}: {exc}") from None
-    finally:
-        plt.close(fig)
-    return out
+    return save_figure(plt, fig, out)
