@@ -98,3 +98,12 @@ def test_cli_json_has_the_documented_keys_and_a_plan_file_serve_reads(tmp_path):
 def test_cli_bad_input_is_one_line(args, words):
     r = _cli(str(TRACE), *args)
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_plot_draws_predicted_tok_s_per_policy(tmp_path):
+    pytest.importorskip("matplotlib", reason="plot extra (matplotlib) not installed")
+    r = _cli(str(TRACE), "--link-gbps", "50", "--resident-tok-s", "300", "--slots", "8,32",
+             "--plot", str(tmp_path / "p"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"plot written to {tmp_path / 'p.png'}" in r.stderr
