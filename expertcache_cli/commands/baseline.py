@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import typer
@@ -91,7 +92,7 @@ def _print_summary(path: Path, plot: Path | None, as_json: bool) -> None:
         from ..baseline.plot import plot as draw
 
         out = draw(summary, records, plot)
-        err.print(f"plot written to {out}")
+        print(f"plot written to {out}", file=sys.stderr)  # whole: a path is copied
 
 
 @baseline_app.command(

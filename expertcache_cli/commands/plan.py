@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import typer
@@ -14,7 +15,6 @@ from ..tables import Table
 from . import demo_trace_path, parse_int_list
 
 console = Console()
-err = Console(stderr=True)
 
 
 def _link(link_gbps: float | None, probe_file: Path | None) -> tuple[float, str]:
@@ -187,7 +187,6 @@ def register(app: typer.Typer) -> None:
             console.print(f"  {rec['serve_command']}")
         for n in rep.notes:
             console.print(f"  note: {n}")
-        if save is not None:
-            err.print(f"plan written to {save}")
-        if plot is not None:
-            err.print(f"plot written to {plot}")
+        for what, path in (("plan", save), ("plot", plot)):
+            if path is not None:  # whole, never wrapped: a path is copied from here
+                print(f"{what} written to {path}", file=sys.stderr)
