@@ -16,6 +16,10 @@
 #             as planned, 5 concurrent streams at the end: the padding check)
 #   resident  the ceiling: every expert in VRAM on the whole H200 (no ballast)
 #   card16    ballast leaves 16 GiB: what size and serve say, and that it serves as said
+#   card24b   the 24 GiB card again: a second floor server (are its greedy tokens its own
+#             from run to run?), the cache without EXPERT_CACHE_STATS (tok/s without the
+#             periodic host sync, for the prediction), and the cache on vLLM's V2 model
+#             runner (padded rows masked: 5 streams, installs compared)
 set -uo pipefail
 OUT="${OUT:-out}"
 mkdir -p "$OUT" /tmp/sc
@@ -86,6 +90,16 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8
           -- "$PY" -m expertcache_cli "${SERVE[@]}"
       fi
       arm "cache$GIB" --streams 5 --env EXPERT_CACHE_STATS=480 \
+        -- "$PY" -m expertcache_cli "${SERVE[@]}"
+      ballast stop ;;
+    card24b)
+      ballast 24
+      plan_card 24
+      SERVE=(serve "$MODEL" --vram 24 -- --max-model-len 8192 --max-num-seqs "$SAFE"
+             "${COMMON[@]}")
+      arm floor24b --runs 2 --env EXPERT_CACHE_DISABLE=1 -- "$PY" -m expertcache_cli "${SERVE[@]}"
+      arm cache24q --runs 5 -- "$PY" -m expertcache_cli "${SERVE[@]}"
+      arm cache24v2 --streams 5 --env EXPERT_CACHE_STATS=480 --env VLLM_USE_V2_MODEL_RUNNER=1 \
         -- "$PY" -m expertcache_cli "${SERVE[@]}"
       ballast stop ;;
     resident)
