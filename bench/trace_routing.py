@@ -1,0 +1,109 @@
+"""BENCH ONLY: drive a served model's routing from a trace file, so an end-to-end run sees a
+workload's real locality instead of random routers.
+
+Why: a random-weight checkpoint routes with no memory of its own, so measured tok/s says
+nothing about what `expertcache plan` predicts for a real workload's trace. With
+``EC_BENCH_TRACE_ROUTING=trace.npz`` set, every MoE router's ``select_experts`` returns,
+for a decode step no wider than the trace's rows, the trace's ids for that layer at the
+layer's next step (cycling), with the router's own weights; wider steps (prefill) keep the
+router's ids. The substitution is device work on a device step counter per layer, so it is
+captured in CUDA graphs like the rest of the step. Every process that imports vLLM's
+router gets it (``bench/trace_hook/sitecustomize.py`` imports this module at startup when
+the variable is set); it logs one line saying routing is replayed from a file, and it is
+never part of the package.
+
+    EC_BENCH_TRACE_ROUTING=traces/demo-qwen3-30b-a3b-tasks.npz \\
+    PYTHONPATH=bench/trace_hook:$PYTHONPATH expertcache baseline ...
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+ENV = "EC_BENCH_TRACE_ROUTING"
+ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router.fused_moe_router"
+ROUTER_CLASS = "FusedMoERouter"
+
+log = logging.getLogger("vllm.expertcache.bench")
+
+
+class TraceRouting:
+    """The trace on the device and one step counter per router (= per MoE layer)."""
+
+    def __init__(self, topk_ids: Any, top_k: int) -> None:
+        self.ids = topk_ids  # numpy [T, L, W]
+        self.top_k = int(top_k)
+        self.layers: dict[int, int] = {}  # id(router) -> layer ordinal, in first-call order
+        self.dev: dict[Any, tuple[Any, Any]] = {}  # (device, layer) -> (rows, counter)
+
+    def layer_of(self, router: Any) -> int:
+        key = id(router)
+        if key not in self.layers:
+            self.layers[key] = len(self.layers) % self.ids.shape[1]
+        return self.layers[key]
+
+    def substitute(self, router: Any, topk_ids: Any) -> Any:
+        """The trace's ids for this layer's next step, shaped like ``topk_ids``; the
+        router's own ids when the step is wider than the trace's rows."""
+        import torch
+
+        tokens, k = topk_ids.shape
+        width = tokens * k
+        if k != self.top_k or width > self.ids.shape[2]:
+            return topk_ids
+        layer = self.layer_of(router)
+        key = (topk_ids.device, layer)
+        if key not in self.dev:
+            rows = torch.from_numpy(self.ids[:, layer, :].astype("int64")).to(topk_ids.device)
+            self.dev[key] = (rows, torch.zeros(1, dtype=torch.int64, device=topk_ids.device))
+        rows, counter = self.dev[key]
+        at = torch.remainder(counter, rows.shape[0])
+        row = rows.index_select(0, at)[:, :width].reshape(tokens, k).to(topk_ids.dtype)
+        counter.add_(1)
+        # a trace row shorter than this step (padding -1): keep the router's ids there
+        return torch.where(row >= 0, row, topk_ids)
+
+
+def patch_router_class(cls: Any, routing: TraceRouting) -> None:
+    """Wrap ``cls.select_experts`` (once) to return the trace's ids."""
+    orig = cls.__dict__.get("select_experts")
+    if orig is None or getattr(orig, "_ec_trace_routing", False):
+        return
+
+    def select_experts(self: Any, *args: Any, **kwargs: Any) -> Any:
+        weights, ids = orig(self, *args, **kwargs)
+        return weights, routing.substitute(self, ids)
+
+    select_experts._ec_trace_routing = True  # type: ignore[attr-defined]
+    cls.select_experts = select_experts
+
+
+def install(path: str | None = None) -> TraceRouting | None:
+    """Arrange the patch for when vLLM's router module is imported (no-op without a path)."""
+    path = path or os.environ.get(ENV)
+    if not path:
+        return None
+    from expertcache_cli.plugin import when_imported
+    from expertcache_cli.trace import load
+
+    trace = load(path)
+    routing = TraceRouting(trace.topk_ids, trace.top_k)
+
+    def patch(module: Any) -> None:
+        cls = getattr(module, ROUTER_CLASS, None)
+        if cls is None:
+            log.error("BENCH: %s has no %s: routing NOT replayed", ROUTER_MODULE, ROUTER_CLASS)
+            return
+        patch_router_class(cls, routing)
+        log.warning("BENCH: MoE routing replayed from %s (%d steps x %d layers): %s is set",
+                    path, trace.steps, trace.num_layers, ENV)
+
+    when_imported(ROUTER_MODULE, patch)
+    return routing

@@ -1,0 +1,66 @@
+"""The bench hook that replays a trace's routing in a served model (bench/trace_routing.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="no torch: the routing hook needs torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import trace_routing  # noqa: E402
+
+
+class Router:
+    """A router whose own choice is always experts 0..k-1."""
+
+    def select_experts(self, hidden_states, router_logits, topk_indices_dtype=None, **kw):
+        t = hidden_states.shape[0]
+        return torch.ones(t, 2), torch.arange(2, dtype=torch.int32).repeat(t, 1)
+
+
+def test_decode_steps_follow_the_trace_per_layer_and_prefill_keeps_the_router():
+    ids = np.array([[[5, 6], [7, 8]], [[9, 10], [11, 12]], [[13, -1], [14, 15]]])  # T3 L2 W2
+    routing = trace_routing.TraceRouting(ids, top_k=2)
+    cls = type("FusedMoERouter", (Router,), {"select_experts": Router.select_experts})
+    trace_routing.patch_router_class(cls, routing)
+    trace_routing.patch_router_class(cls, routing)  # once only
+    layers = [cls(), cls()]
+    x1, x5 = torch.zeros(1, 4), torch.zeros(5, 4)
+    seen = []
+    for _ in range(4):  # steps cycle through the 3 trace rows
+        seen.append([r.select_experts(x1, None)[1].tolist() for r in layers])
+    assert seen[0] == [[[5, 6]], [[7, 8]]] and seen[1] == [[[9, 10]], [[11, 12]]]
+    assert seen[2] == [[[13, 1]], [[14, 15]]]  # padding -1: the router's id stays
+    assert seen[3] == seen[0]
+    w, prefill = layers[0].select_experts(x5, None)  # 10 ids > the trace's 2: router's
+    assert prefill.tolist() == [[0, 1]] * 5 and w.shape == (5, 2)
+    assert prefill.dtype == torch.int32
+
+
+def test_install_needs_the_variable(monkeypatch):
+    monkeypatch.delenv(trace_routing.ENV, raising=False)
+    assert trace_routing.install() is None
+
+
+def test_install_patches_vllms_router_class_when_its_module_is_imported(monkeypatch):
+    import types
+
+    from expertcache_cli.trace import Trace, save
+
+    path = save(Trace(topk_ids=np.array([[[3, 4]], [[5, 6]]]), num_experts=8, top_k=2),
+                Path(pytest.importorskip("tempfile").mkdtemp()) / "t.npz")
+    mod = types.ModuleType(trace_routing.ROUTER_MODULE)
+    mod.FusedMoERouter = type("FusedMoERouter", (Router,),
+                              {"select_experts": Router.select_experts})
+    monkeypatch.setitem(sys.modules, trace_routing.ROUTER_MODULE, mod)
+    monkeypatch.setenv(trace_routing.ENV, str(path))
+    assert trace_routing.install() is not None
+    r = mod.FusedMoERouter()
+    assert r.select_experts(torch.zeros(1, 4), None)[1].tolist() == [[3, 4]]
+    assert r.select_experts(torch.zeros(1, 4), None)[1].tolist() == [[5, 6]]
