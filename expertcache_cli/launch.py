@@ -111,6 +111,8 @@ def make_plan(
     )
     notes = list(size.notes)
     own: list[str] = []
+    if size.verdict in ("cache", "offload_no_cache"):
+        _refuse_online_quantization(args, size_from or model)
     if size.verdict == "does_not_fit":
         raise UserError(f"{size.model} on {vram_gb:g} GiB: {size.verdict_text}")
     if size.verdict == "fits_outright":
@@ -179,6 +181,17 @@ def _check_per_layer(per_layer: list[int], size: sizing.SizePlan, source: str) -
         room = size.max_slots * size.bytes_per_slot / 2**30
         raise UserError(f"--plan {source}: its slots need {need:.2f} GiB; this card has room "
                         f"for {room:.2f} GiB ({size.max_slots} a layer)")
+
+
+def _refuse_online_quantization(args: Sequence[str], spec: str) -> None:
+    """Experts offloaded and quantised while loading: vLLM cannot do it (one line, the way)."""
+    from .model_size import load_model
+
+    m = load_model(spec)
+    why = vllm_flags.online_quantization_refusal(args, m.quant, m.name,
+                                                 capture.installed_vllm_version())
+    if why:
+        raise UserError(why)
 
 
 def model_refusal(model: str) -> None:

@@ -23,6 +23,7 @@ from . import budget as rules
 from . import capture
 from .errors import UserError
 from .model_size import ModelSize, load_model
+from .vllm_flags import ONLINE_FORMATS
 
 GiB = 1024**3
 
@@ -56,6 +57,18 @@ def runtime_overhead_bytes(model: ModelSize, max_num_seqs: int, max_num_batched_
     per_tok = 2 * (8 * model.hidden_size
                    + model.top_k * (3 * model.moe_intermediate_size + model.hidden_size))
     return FIXED_OVERHEAD_BYTES + logits + max_num_batched_tokens * per_tok
+
+
+def online_format(model: ModelSize, vllm_quantization: str | None) -> str | None:
+    """The format vLLM will hold an unquantised model in when ``--quantization`` asks it to
+    quantise while loading (a slot holds what vLLM holds), or None."""
+    if model.quant not in ("bf16", "fp16"):
+        return None
+    return ONLINE_FORMATS.get((vllm_quantization or "").lower())
+
+
+def online_note(flag_value: str, fmt: str) -> str:
+    return f"--quantization {flag_value}: sized as vLLM will hold it ({fmt}, quantised at load)"
 
 
 def _card_budget(
@@ -207,6 +220,7 @@ def plan(
     graphs: capture.GraphSettings | None = None,
     device_total_gib: float | None = None,
     tensor_parallel_size: int | None = None,
+    vllm_quantization: str | None = None,
 ) -> SizePlan:
     """Size the cache for ``model_spec`` on a ``vram_gb`` GiB card (docs/design.md, sizing).
 
@@ -234,6 +248,10 @@ def plan(
                   overhead_gb=overhead_gb, gpu_memory_utilization=gpu_memory_utilization,
                   tensor_parallel_size=tensor_parallel_size)
     model = model_spec if isinstance(model_spec, ModelSize) else load_model(model_spec, quant)
+    online = online_format(model, vllm_quantization) if quant is None else None
+    if online and not isinstance(model_spec, ModelSize):
+        model = load_model(model_spec, online)
+        model.notes.append(online_note(vllm_quantization or "", online))
     model = model.per_rank(int(tensor_parallel_size or 1))
     vram_gb, device, gpu_memory_utilization, budget, notes_device = _card_budget(
         float(vram_gb), device_total_gib, gpu_memory_utilization)

@@ -22,7 +22,11 @@ VLLM_PLAN_FLAGS: dict[str, tuple[str, type]] = {
     "--max-num-batched-tokens": ("max_num_batched_tokens", int),
     "--kv-cache-dtype": ("kv_cache_dtype", str),
     "--tensor-parallel-size": ("tensor_parallel_size", int),
+    "--quantization": ("vllm_quantization", str),
 }
+
+#: vLLM's online quantisations sizing can follow: the --quantization value -> our format
+ONLINE_FORMATS = {"fp8": "fp8"}
 
 
 def vllm_flag_value(args: Sequence[str], flag: str) -> str | None:
@@ -38,10 +42,41 @@ def vllm_flag_value(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
+_SHORT = {"-tp": "--tensor-parallel-size", "-q": "--quantization"}
+
+
 def _aliases(args: Sequence[str]) -> list[str]:
-    """vLLM's short spellings of the flags read here, spelled out (``-tp 2``)."""
-    return ["--tensor-parallel-size" if a == "-tp" else
-            "--tensor-parallel-size=" + a[4:] if a.startswith("-tp=") else a for a in args]
+    """vLLM's short spellings of the flags read here, spelled out (``-tp 2``, ``-q fp8``)."""
+    out = []
+    for a in args:
+        key, sep, val = a.partition("=")
+        out.append(_SHORT[key] + sep + val if key in _SHORT else a)
+    return out
+
+
+def online_quantization_refusal(args: Sequence[str], model_quant: str, model_name: str,
+                                vllm_version: tuple[int, int] | None = None) -> str | None:
+    """Why ``--quantization`` on an unquantised checkpoint cannot serve with offloaded
+    experts, or None (no such flag, or a checkpoint already quantised: vLLM reads its own
+    format then).
+
+    Online quantisation creates the expert weights on the meta device and fills them while
+    loading; vLLM's UVA offloader copies every selected parameter to the host before that,
+    and a meta tensor has no data: vLLM 0.26 died at load on the H200 ("Cannot copy out of
+    meta tensor"), and 0.27-0.33 create and offload them the same way (read in their
+    sources: online/moe_base.py, offloader/uva.py).
+    """
+    q = vllm_flag_value(_aliases(args), "--quantization")
+    if not q or model_quant not in ("bf16", "fp16"):
+        return None
+    seen = "crashes vLLM 0.26 at load (seen)" if vllm_version in (None, (0, 26)) else (
+        f"is, by its source, unsupported in vLLM {vllm_version[0]}.{vllm_version[1]} too")
+    return (
+        f"--quantization {q} quantises {model_name}'s {model_quant} weights while loading "
+        f"(online), and offloading experts created that way {seen}: serve a pre-quantised "
+        "checkpoint instead (e.g. Qwen/Qwen3-30B-A3B-FP8, RedHatAI's W8A8 INT8), or leave "
+        "--quantization out"
+    )
 
 
 def plan_kwargs_from_vllm_args(args: Sequence[str]) -> dict[str, Any]:

@@ -244,3 +244,29 @@ def test_serve_plan_passes_the_per_layer_budgets_it_checked(tmp_path):
         _plan(plan_file=_plan_file(tmp_path, narrow), vllm_args=flags)
     with pytest.raises(UserError, match="--plan or --slots"):
         _plan(plan_file=_plan_file(tmp_path, split), slots=8, vllm_args=flags)
+
+
+def test_online_quantization_with_offloaded_experts_is_refused_with_the_way():
+    """--quantization fp8 on bf16 weights creates the experts on the meta device; vLLM's
+    offloader copies them before they hold data (0.26 died at load on the H200)."""
+    flags = ["--max-num-seqs", "4", "--max-model-len", "8192"]
+    with pytest.raises(UserError, match="quantises qwen3-30b-a3b's bf16 weights while loading"):
+        _plan(vllm_args=[*flags, "--quantization", "fp8"])
+    with pytest.raises(UserError, match="pre-quantised checkpoint"):
+        _plan(vllm_args=[*flags, "-q", "fp8"])
+    # a checkpoint that is already quantised: vLLM reads its format, nothing to refuse
+    ok = _plan(model="/models/w8a8", size_from="qwen3-30b-a3b-w8a8",
+               vllm_args=[*flags, "--quantization", "compressed-tensors"])
+    assert "EXPERT_CACHE_SLOTS" in ok.env
+    # the whole model fits: nothing is offloaded, online quantisation is vLLM's business
+    big = _plan(vram=141, vllm_args=[*flags, "--quantization", "fp8"])
+    assert big.size.verdict == "fits_outright"
+
+
+def test_baseline_refuses_online_quantization_for_offloaded_arms(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "baseline", MODEL, "--arms",
+                        "offload", "--cpu-offload-gb", "30", "--server-cmd", "{python} -c pass",
+                        "--", "--quantization", "fp8"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "while loading (online)" in r.stderr
+    assert list(tmp_path.iterdir()) == []

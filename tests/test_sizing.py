@@ -545,3 +545,13 @@ def test_tensor_parallel_plans_one_gpu_of_several():
     assert eight.kv_bytes_per_token * 4 == one.kv_bytes_per_token  # 4 heads: 1 a rank
     with pytest.raises(UserError, match="--tensor-parallel-size must be positive"):
         sizing.plan(None, 24, tensor_parallel_size=0)
+
+
+def test_online_quantization_is_sized_as_vllm_will_hold_it():
+    bf16 = sizing.plan("Qwen/Qwen3-30B-A3B", 24, max_model_len=8192)
+    fp8 = sizing.plan("Qwen/Qwen3-30B-A3B", 24, max_model_len=8192, vllm_quantization="fp8")
+    assert (bf16.quant, fp8.quant) == ("bf16", "fp8")
+    assert fp8.bytes_per_expert < bf16.bytes_per_expert and fp8.slots > bf16.slots
+    assert any("quantised at load" in n for n in fp8.notes)
+    w8a8 = sizing.plan("qwen3-30b-a3b-w8a8", 24, max_model_len=8192, vllm_quantization="fp8")
+    assert w8a8.quant == "w8a8"  # already quantised: its own format stands

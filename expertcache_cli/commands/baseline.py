@@ -59,6 +59,23 @@ def _vram_offload(model: str, vram: float, vllm_args: list[str], arms: list, con
     return p.cpu_offload_gb, p.share_args
 
 
+def _refuse_online_quantization(model: str, vllm_args: list[str]) -> None:
+    """Offloaded arms with --quantization on an unquantised model: refused before any server
+    (vLLM cannot offload experts it quantises while loading). A model sizing cannot read
+    (an HF id it does not know) is left to vLLM."""
+    from ..capture import installed_vllm_version
+    from ..model_size import load_model
+    from ..vllm_flags import online_quantization_refusal
+
+    try:
+        m = load_model(model)
+    except UserError:
+        return
+    why = online_quantization_refusal(vllm_args, m.quant, m.name, installed_vllm_version())
+    if why:
+        raise UserError(why)
+
+
 def _plugin_warnings(arms: list, server_cmd: str | None) -> list[str]:
     """Reasons the cache arms might silently run without the plugin, checked up front."""
     import os
@@ -163,6 +180,8 @@ def run_cmd(
             raise UserError("--vram must be positive")
         cpu_offload_gb, share = _vram_offload(model, vram, vllm_args, arm_list, concurrency)
         vllm_args += share
+    if any(a.offloaded for a in arm_list):
+        _refuse_online_quantization(model, vllm_args)
     cfg = BaselineConfig(
         model=model,
         arms=arm_list,

@@ -184,6 +184,10 @@ def register(app: typer.Typer) -> None:
             tensor_parallel_size=tensor_parallel_size,
         )
         common.update({k: v for k, v in given.items() if v is not None})
+        online = None if quant else sizing.online_format(m, common.get("vllm_quantization"))
+        if online:
+            m = model_size.load_model(Path(model) if Path(model).exists() else model, online)
+            m.notes.append(sizing.online_note(common["vllm_quantization"], online))
         common.update(slots=slots, fraction=fraction, kv_tokens=kv_tokens,
                       overhead_gb=overhead_gb)
         if vram is None:
