@@ -20,6 +20,14 @@ Formats (``--format``):
   the router (``mlp.gate``) stay bf16, as the checkpoint's ``ignore`` list says. vLLM
   serves it with `CompressedTensorsW8A8Int8MoEMethod` (Triton int8 experts).
 
+- ``fp8-block``: as Qwen/Qwen3-30B-A3B-FP8 ships: every linear layer of attention and the
+  experts as float8_e4m3fn ``weight`` with a float32 ``weight_scale_inv`` per 128x128 block
+  (``quant_method: fp8``, ``weight_block_size: [128, 128]``, dynamic activations); the
+  router and the LM head listed in ``modules_to_not_convert`` (full names, as vLLM matches).
+- ``w4a16``: compressed-tensors ``pack-quantized`` (RedHatAI's W4A16): int4 weights packed
+  eight to an int32 ``weight_packed`` [out, in / 8], a bf16 ``weight_scale`` per group of
+  128 inputs, ``weight_shape``; symmetric, no zero points; router and LM head bf16.
+
 ``--vocab 151936 --context 40960 --head-dim 128`` give the real model's vocabulary
 (embeddings and LM head weigh what they do in the real checkpoint, 0.58 GiB each),
 context and attention width (32 heads of 128: q 4096 wide, 96 KiB of KV a token), so
@@ -42,7 +50,7 @@ sys.path.insert(0, str(HERE))
 
 import e2e_vllm as shape  # noqa: E402  (the bench model's shape and tokenizer)
 
-FORMATS = ("bf16", "w8a8")
+FORMATS = ("bf16", "w8a8", "fp8-block", "w4a16")
 
 #: int8 codes are N(0, 1) x CODE_SCALE, rounded and clipped; weight = code x scale, with
 #: scale = std / CODE_SCALE, so a dequantised weight is ~N(0, std) as in the bf16 format
@@ -76,6 +84,41 @@ def w8a8_config() -> dict:
     }
 
 
+def fp8_block_config(layers: int) -> dict:
+    """The quantization_config of a block-FP8 checkpoint (Qwen's FP8 releases)."""
+    return {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head"] + [f"model.layers.{i}.mlp.gate"
+                                                 for i in range(layers)],
+    }
+
+
+def w4a16_config() -> dict:
+    """The quantization_config of a compressed-tensors W4A16 pack-quantized checkpoint."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                        "group_size": 128, "dynamic": False, "actorder": None,
+                        "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
+            "input_activations": None, "output_activations": None,
+            "format": "pack-quantized",
+        }},
+        "ignore": ["lm_head", "re:.*mlp.gate$"],
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+    }
+
+
+def quantization_config(fmt: str, layers: int) -> dict | None:
+    return {"w8a8": w8a8_config, "w4a16": w4a16_config}.get(fmt, lambda: (
+        fp8_block_config(layers) if fmt == "fp8-block" else None))()
+
+
 def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCAB,
             head_dim: int | None = None):
     """(name, tensor) pairs in HF Qwen3-MoE naming, generated on ``device``, on the CPU."""
@@ -99,9 +142,25 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
             yield f"{name}.weight", normal(out, inp)
             return
         t = torch.randn((out, inp), generator=g, device=device, dtype=torch.float32)
-        yield f"{name}.weight", (t * CODE_SCALE).round().clamp(-127, 127).to(torch.int8).cpu()
-        yield f"{name}.weight_scale", torch.full((out, 1), 0.02 / CODE_SCALE,
-                                                 dtype=torch.bfloat16)
+        if fmt == "w8a8":
+            yield f"{name}.weight", (t * CODE_SCALE).round().clamp(-127, 127).to(
+                torch.int8).cpu()
+            yield f"{name}.weight_scale", torch.full((out, 1), 0.02 / CODE_SCALE,
+                                                     dtype=torch.bfloat16)
+        elif fmt == "fp8-block":  # N(0, 1) codes in e4m3, one scale a 128x128 block
+            yield f"{name}.weight", t.to(torch.float8_e4m3fn).cpu()
+            yield f"{name}.weight_scale_inv", torch.full(
+                (-(-out // 128), -(-inp // 128)), 0.02, dtype=torch.float32)
+        else:  # w4a16: signed 4-bit codes, eight to an int32 (low nibble first)
+            codes = (t * 2).round().clamp(-8, 7).to(torch.int32) & 0xF
+            codes = codes.reshape(out, inp // 8, 8)
+            packed = torch.zeros((out, inp // 8), dtype=torch.int32, device=device)
+            for k in range(8):
+                packed |= codes[:, :, k] << (4 * k)
+            yield f"{name}.weight_packed", packed.cpu()
+            yield f"{name}.weight_scale", torch.full((out, -(-inp // 128)), 0.01,
+                                                     dtype=torch.bfloat16)
+            yield f"{name}.weight_shape", torch.tensor([out, inp], dtype=torch.int64)
 
     yield "model.embed_tokens.weight", normal(vocab, h, std=1.0)
     for i in range(layers):
@@ -136,7 +195,7 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
     if fmt not in FORMATS:
         raise SystemExit(f"--format {fmt!r}: choose from {', '.join(FORMATS)}")
     shape.write_model(out, layers, vocab_size=vocab, context=context, head_dim=head_dim,
-                      quantization_config=w8a8_config() if fmt == "w8a8" else None)
+                      quantization_config=quantization_config(fmt, layers))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     weight_map: dict[str, str] = {}
     shard: dict = {}
