@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The weight formats users download, served with experts offloaded on the GPU box: for each
+# format an 8-layer checkpoint of the Qwen3-30B-A3B expert shape (bench/write_checkpoint.py,
+# per-layer seeded routers), then one server without the cache (EXPERT_CACHE_DISABLE=1: the
+# floor and the reference tokens) and one with 32 slots: the plugin's startup line (armed,
+# with the tensors it mirrors, or declined with the reason), decode tok/s, greedy tokens.
+#   FORMATS="w8a8 fp8-block w4a16" bash bench/run_formats_on_device.sh
+set -uo pipefail
+OUT="${OUT:-out}"
+mkdir -p "$OUT" /tmp/fm
+source bench/_device_vllm.sh
+PY=python3
+COMMON=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}"
+        --shutdown-timeout 10 --max-model-len 1024 --max-num-seqs 4)
+device_vllm_setup || { echo "setup failed"; exit 1; }
+for fmt in ${FORMATS:-w8a8 fp8-block w4a16}; do
+  M=/tmp/fm/$fmt
+  [ -f $M/model.safetensors.index.json ] || $PY bench/write_checkpoint.py $M --layers 8 \
+    --format "$fmt" --vocab 151936 --context 40960 --head-dim 128 2>&1 | tail -1
+  SERVE=(serve "$M" --vram 141 --slots 32 -- "${COMMON[@]}")
+  for arm in floor cache; do
+    name="$fmt-$arm"
+    if [ -f "/tmp/fm/$name.json" ] && grep -q '"status": "ok"' "/tmp/fm/$name.json"; then
+      continue
+    fi
+    env=(--env EXPERT_CACHE_STATS=400)
+    [ $arm = floor ] && env=(--env EXPERT_CACHE_DISABLE=1)
+    $PY bench/small_card.py "$name" --out /tmp/fm --runs 3 "${env[@]}" \
+      -- "$PY" -m expertcache_cli "${SERVE[@]}" | tail -20
+    cp /tmp/fm/"$name".json "$OUT/"; tail -c 200000 /tmp/fm/"$name".log > "$OUT/$name.log"
+  done
+  $PY - "$fmt" <<'EOF' | tee -a "$OUT/formats.txt"
+import json, sys
+fmt = sys.argv[1]
+f, c = (json.load(open(f"/tmp/fm/{fmt}-{a}.json")) for a in ("floor", "cache"))
+line = (c.get("log") or {}).get("startup_line") or "no startup line"
+same = f.get("greedy") is not None and f.get("greedy") == c.get("greedy")
+print(f"{fmt}: floor {sum(f.get('tok_s') or [0]) / max(1, len(f.get('tok_s') or [])):.1f} tok/s, "
+      f"cache {sum(c.get('tok_s') or [0]) / max(1, len(c.get('tok_s') or [])):.1f}; "
+      f"greedy tokens {'identical' if same else 'DIFFER'}; {line}")
+EOF
+done
+echo "done after $SECONDS s"
