@@ -270,3 +270,20 @@ def test_baseline_refuses_online_quantization_for_offloaded_arms(tmp_path):
                        text=True, timeout=120)
     assert r.returncode == 2 and "while loading (online)" in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_serve_and_baseline_refuse_to_run_the_cache_without_the_plugin(tmp_path, monkeypatch):
+    """A cache arm or a cached server whose vLLM cannot find the plugin would run uncached
+    and look like it worked: refused before anything starts (a dry run only warns)."""
+    from expertcache_cli import launch
+    from expertcache_cli.commands import baseline as bl_cmd
+
+    monkeypatch.setattr(launch, "plugin_installed", lambda: False)
+    arms = __import__("expertcache_cli.baseline.arms", fromlist=["parse_arms"]).parse_arms
+    assert bl_cmd._plugin_refusals(arms("offload,cache:8"), None)[0].startswith(
+        "the expertcache vLLM plugin is not installed")
+    assert bl_cmd._plugin_refusals(arms("offload,resident"), None) == []
+    assert bl_cmd._plugin_refusals(arms("cache:8"), "{python} -c pass") == []
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    assert "does not name expertcache" in bl_cmd._plugin_refusals(arms("cache:8"),
+                                                                   "{python} -c pass")[0]

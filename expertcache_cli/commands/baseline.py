@@ -76,8 +76,9 @@ def _refuse_online_quantization(model: str, vllm_args: list[str]) -> None:
         raise UserError(why)
 
 
-def _plugin_warnings(arms: list, server_cmd: str | None) -> list[str]:
-    """Reasons the cache arms might silently run without the plugin, checked up front."""
+def _plugin_refusals(arms: list, server_cmd: str | None) -> list[str]:
+    """Reasons the cache arms would run without the plugin (uncached, silently), checked
+    before any server starts: each is refused, a cache arm that cannot arm measures nothing."""
     import os
 
     from ..launch import plugin_installed
@@ -206,8 +207,8 @@ def run_cmd(
     )
     if retry_failed and not resume:
         raise UserError("--retry-failed only makes sense with --resume")
-    for w in _plugin_warnings(arm_list, server_cmd):
-        err.print(f"[yellow]warning:[/yellow] {w}")
+    for why in _plugin_refusals(arm_list, server_cmd):
+        raise UserError(why)
     run_baseline(cfg, say=lambda s: err.print(s, markup=False))
     err.print(f"results in {out}")
     _print_summary(out, plot, json_out)

@@ -70,13 +70,16 @@ def register(app: typer.Typer) -> None:
             )
         for note in plan.notes:
             console.print(f"  note: {note}")
-        if not plugin_installed():
+        plugin_missing = "EXPERT_CACHE_SLOTS" in plan.env and not plugin_installed()
+        if plugin_missing and dry_run:
             console.print("  [yellow]warning: the expertcache vLLM plugin is not installed in "
-                          "this environment (pip install expertcache), nothing will arm[/]")
+                          "this environment (pip install expertcache), nothing would arm[/]")
         if dry_run:
             print(plan.shell())
             return
-        why = launch_refusal(plan.argv)
+        why = launch_refusal(plan.argv) or (
+            "the expertcache vLLM plugin is not installed in this python (pip install "
+            "expertcache): vLLM would serve uncached" if plugin_missing else None)
         if why:
             raise UserError(why)
         console.print(f"  running: {plan.shell()}")
