@@ -17,7 +17,8 @@ from . import demo_trace_path, parse_int_list
 console = Console()
 
 
-def _link(link_gbps: float | None, probe_file: Path | None) -> tuple[float, str]:
+def _link(link_gbps: float | None, probe_file: Path | None,
+          model: str | None) -> tuple[float, str]:
     from .. import planner
 
     if link_gbps is not None and probe_file is not None:
@@ -32,7 +33,8 @@ def _link(link_gbps: float | None, probe_file: Path | None) -> tuple[float, str]
     from ..kernel_check import device_arch
 
     device_arch(0, hint="give --link-gbps G or --probe FILE (a saved probe-link --json)")
-    rep = probe.probe_link(sizes_mib=(64,), repeats=3, warmup=1, pageable_mib=())
+    # the gather at this model's expert slab: the rate the cache's own copies run at
+    rep = probe.probe_link(model=model, sizes_mib=(64,), repeats=3, warmup=1, pageable_mib=())
     rate = rep.decode.get("gather_gbps")
     if not rate:
         raise UserError("the link could not be measured here: give --link-gbps or --probe")
@@ -123,7 +125,7 @@ def register(app: typer.Typer) -> None:
             if m is None:
                 raise UserError("--vram needs --model (what to put on the card)")
             fits_upto = sizing.plan(m, vram, **plan_kwargs_from_vllm_args(vllm_args)).max_slots
-        link, link_src = _link(link_gbps, probe_file)
+        link, link_src = _link(link_gbps, probe_file, model)
         res, res_src = _resident(resident_tok_s, baseline)
         inputs = planner.Inputs(per_expert, bytes_src, link, link_src, res, res_src)
         budgets = (parse_int_list(slots, "--slots") if slots else planner.slot_grid(
