@@ -34,6 +34,8 @@ BAD = [
      "--start-timeout must be positive"),
     (["baseline", "m", "--arms", "resident", "--server-cmd", "nosuchprog {model}"],
      "'nosuchprog' is not a program"),
+    (["probe-link", "--only", "copies"], "unknown measurement(s) copies; known: pinned"),
+    (["probe-link", "--only", ","], "--only takes measurement names"),
     (["nosuch"], "No such command"),
 ]
 
@@ -53,3 +55,11 @@ def test_version():
     r = subprocess.run([sys.executable, "-m", "expertcache_cli", "--version"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("expertcache ")
+
+
+def test_probe_link_lists_its_measurements_without_a_gpu():
+    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "probe-link", "--list"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    keys = [line.split()[0] for line in r.stdout.splitlines()]
+    assert keys == ["pinned", "pageable", "zero-copy", "hbm", "latency", "gather"]

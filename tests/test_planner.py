@@ -49,6 +49,24 @@ def test_inputs_read_from_a_saved_probe_and_a_baseline_file(tmp_path):
         planner.link_from_probe(other)
 
 
+def test_a_gather_only_probe_is_read_and_a_stand_in_gather_refused(tmp_path):
+    """`probe-link --only gather` saves gather rows but no decode ceilings (no HBM figure):
+    the rate is the row nearest the model's top_k, as the full probe's conclusion picks."""
+    data = json.loads(PROBE.read_text())
+    full_rate, _ = planner.link_from_probe(PROBE)
+    want = next(r for r in data["gather"] if r["path"] == data["decode"]["gather_row"])
+    assert full_rate == want["gbps"]
+    data.pop("decode")
+    only = tmp_path / "gather-only.json"
+    only.write_text(json.dumps(data))
+    rate, src = planner.link_from_probe(only)
+    assert rate == full_rate and want["path"] in src
+    data["gather_impl"] = "FALLBACK: torch index_select over a UVA view"
+    only.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="stand-in"):
+        planner.link_from_probe(only)
+
+
 def test_the_recommendation_is_the_fastest_budget_that_fits():
     trace = load(TRACE)
     inputs = planner.Inputs(4_732_928, "given", 49.4, "given", 300.0, "given")

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from expertcache_cli import model_size, probe
+from expertcache_cli.errors import UserError
 from expertcache_cli.policy import LayerCache, Policy
 
 
@@ -148,3 +149,82 @@ def test_bad_options_are_user_errors():
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, args
         assert "Traceback" not in r.stderr
+
+
+class _FakeProps:
+    name = "Fake GPU"
+    is_integrated = False
+
+
+class _FakeTorch:
+    """Enough of torch for probe_link's orchestration (the measurements are replaced)."""
+
+    __version__ = "0.fake"
+
+    class version:  # noqa: N801 - mirrors torch.version
+        cuda = "13.0"
+
+    class cuda:  # noqa: N801 - mirrors torch.cuda
+        @staticmethod
+        def get_device_properties(device):
+            return _FakeProps()
+
+        @staticmethod
+        def set_device(device):
+            pass
+
+
+def _fake_registry(monkeypatch, calls: list[str], fail: str = ""):
+    """Replace the measurements' bodies with fixed rates; ``fail`` raises in that one."""
+    from expertcache_cli.probe import measurements as meas
+
+    def fake_run(self, torch, s, rep):
+        calls.append(self.key)
+        if self.key == fail:
+            raise RuntimeError("boom")
+        if self.key == "pinned":
+            rep.rates.append(probe.Rate("h2d_pinned", 256 * probe.MiB, 0.005, 53.7, 3, 0.01))
+        elif self.key == "hbm":
+            rep.rates.append(probe.Rate("d2d_copy", 1024 * probe.MiB, 0.0006, 1800.0, 3, 0.0))
+            rep.hbm_copy_gbps, rep.hbm_traffic_gbps = 1800.0, 3600.0
+        elif self.key == "gather":
+            rep.gather = [probe.Rate(f"gather_{n}", n, 1.0, 40.0 + n, 3, 0.0) for n in (1, 8, 32)]
+            rep.gather_impl = "fake"
+
+    for m in meas.MEASUREMENTS.values():
+        monkeypatch.setattr(type(m), "run", fake_run)
+    monkeypatch.setattr(probe, "require_cuda", lambda device: _FakeTorch)
+    monkeypatch.setattr(probe, "pci_bus_id", lambda torch, device: "")
+
+
+def test_probe_runs_every_measurement_and_a_failure_spares_the_rest(monkeypatch):
+    calls: list[str] = []
+    _fake_registry(monkeypatch, calls, fail="zero-copy")
+    rep = probe.probe_link(pin=False)
+    assert calls == list(probe.MEASUREMENTS)
+    assert rep.errors == ["zero-copy read: RuntimeError: boom"]
+    assert rep.link_class == "PCIe Gen5 x16"
+    assert rep.decode["gather_row"] == "gather_8"  # Qwen3-30B-A3B routes 8 experts
+    assert rep.decode["gather_gbps"] == 48.0
+    assert rep.settings["measurements"] == list(probe.MEASUREMENTS)
+
+
+def test_probe_only_runs_the_named_measurements(monkeypatch):
+    calls: list[str] = []
+    _fake_registry(monkeypatch, calls)
+    rep = probe.probe_link(pin=False, only=["gather"])
+    assert calls == ["gather"]
+    assert rep.link_class == "" and rep.decode == {}  # no copies, no HBM: no conclusions
+    assert probe.gather_row(rep, rep.model["top_k"]).path == "gather_8"
+    with pytest.raises(UserError, match="unknown measurement.*known: pinned"):
+        probe.probe_link(pin=False, only=["copies"])
+    calls.clear()
+    probe.probe_link(pin=False, pageable_mib=())  # nothing asked of it: not run, no error
+    assert "pageable" not in calls
+
+
+def test_every_measured_row_has_one_label():
+    labels = [p for m in probe.MEASUREMENTS.values() for p in m.rows]
+    assert len(labels) == len(set(labels))
+    assert probe.row_label("zero_copy_read").startswith("SM zero-copy")
+    assert probe.row_label("unlabelled") == "unlabelled"

@@ -34,12 +34,13 @@ def _link(link_gbps: float | None, probe_file: Path | None,
 
     device_arch(0, hint="give --link-gbps G or --probe FILE (a saved probe-link --json)")
     # the gather at this model's expert slab: the rate the cache's own copies run at
-    rep = probe.probe_link(model=model, sizes_mib=(64,), repeats=3, warmup=1, pageable_mib=())
-    rate = rep.decode.get("gather_gbps")
-    if not rate:
-        raise UserError("the link could not be measured here: give --link-gbps or --probe")
-    row = rep.decode["gather_row"]
-    return float(rate), f"measured now on {rep.device_name} (the gather, {row})"
+    rep = probe.probe_link(model=model, repeats=3, warmup=1, only=("gather",))
+    row = probe.gather_row(rep, rep.model["top_k"]) if rep.model else None
+    if row is None or "FALLBACK" in rep.gather_impl:
+        why = "; ".join(rep.errors) or "no gather rate"
+        raise UserError(f"the link could not be measured here ({why}): give --link-gbps or "
+                        "--probe")
+    return row.gbps, f"measured now on {rep.device_name} (the gather, {row.path})"
 
 
 def _resident(resident_tok_s: float | None, baseline: Path | None) -> tuple[float, str]:

@@ -14,15 +14,6 @@ from ..tables import Table
 
 console = Console()
 
-_LABELS = {
-    "h2d_pinned": "host->device, pinned (copy engine)",
-    "d2h_pinned": "device->host, pinned (copy engine)",
-    "h2d_pageable": "host->device, pageable (copy engine)",
-    "zero_copy_read": "SM zero-copy read of mapped pinned memory",
-    "d2d_copy": "device->device copy (HBM, one way)",
-}
-
-
 def _parse_sizes(text: str) -> list[int]:
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
@@ -48,11 +39,21 @@ def register(app: typer.Typer) -> None:
         pin: bool = typer.Option(True, "--pin/--no-pin", help="pin to the GPU's NUMA node"),
         as_json: bool = typer.Option(False, "--json", help="print every number as JSON"),
         save: Path = typer.Option(None, "--save", help="also write the JSON to this file"),
+        only: str = typer.Option(
+            None, "--only", help="comma-separated measurements to run (see --list); default all"),
+        list_: bool = typer.Option(False, "--list", help="list the measurements and exit"),
     ) -> None:
         """Measure the host link (copy engine, zero-copy, the cache's gather) and conclude."""
         from .. import probe
         from ..files import atomic_write, check_output
 
+        if list_:
+            for key, meas in probe.MEASUREMENTS.items():
+                print(f"{key:10} {meas.about}")
+            return
+        only_keys = [k.strip() for k in only.split(",") if k.strip()] if only else None
+        if only is not None and not only_keys:
+            raise UserError("--only takes measurement names like pinned,gather (see --list)")
         size_list = _parse_sizes(sizes)
         if repeats < 1 or warmup < 0:
             raise UserError(f"--repeats must be >= 1 and --warmup >= 0, got {repeats}, {warmup}")
@@ -60,7 +61,7 @@ def register(app: typer.Typer) -> None:
             save = check_output(save, "--save")  # before minutes of measuring
         mdl = str(model) if not Path(model).exists() else Path(model)
         rep = probe.probe_link(device=device, model=mdl, quant=quant, sizes_mib=size_list,
-                               repeats=repeats, warmup=warmup, pin=pin)
+                               repeats=repeats, warmup=warmup, pin=pin, only=only_keys)
         data = rep.to_json()
         if save is not None:
             text = json.dumps(data, indent=2) + "\n"
@@ -77,9 +78,10 @@ def register(app: typer.Typer) -> None:
             t.add_column(col, justify="right" if col != "path" else "left", text=col == "path",
                          keep={"path": 9, "GB/s": 8}.get(col, 0))
         for r in rep.rates:
-            t.add_row(_LABELS.get(r.path, r.path), probe.fmt_bytes(r.nbytes), f"{r.gbps:.1f}",
+            t.add_row(probe.row_label(r.path), probe.fmt_bytes(r.nbytes), f"{r.gbps:.1f}",
                       f"{r.seconds * 1e6:.0f} us", f"{100 * r.spread:.1f}%")
-        console.print(t)
+        if rep.rates:
+            console.print(t)
         if rep.gather:
             g = Table(title=f"gather at {rep.model['name']}'s expert slab: {rep.gather_impl}")
             for col in ("experts a step", "bytes a step", "GB/s", "time a step", "spread"):
