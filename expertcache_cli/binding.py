@@ -12,9 +12,11 @@ module is the only Python code that knows their signatures. It can drive either 
 * ``LibraryKernels``: a shared library built by ``kernels/build.sh`` and named by
   ``EXPERT_CACHE_LIB``, called through ctypes.
 
-Launchers (`ManageLauncher`, `GatherLauncher`) prebuild their argument blocks once, so a
-call only rewrites the few values that change (ids, output, source pointers): the
-per-layer Python cost stays small, and nothing here ever synchronises with the device.
+Launchers (`ManageLauncher`, `GatherLauncher`) check and prebuild their argument blocks
+once, so a call only rewrites the few values that change (ids, output, source pointers):
+the per-layer Python cost stays small, and nothing here ever synchronises with the device.
+They hand themselves to the backend (`Kernels.run_manage` / `run_gather`), the only code
+that differs between the two builds.
 If you change an argument here, change the .cu file with it and bump ``ABI_VERSION``.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -137,14 +140,27 @@ MANAGE_ARGS: tuple[tuple[str, type], ...] = (
 )
 
 
-class Kernels:
-    """A loaded build of the kernels for one device; use `get_kernels`."""
+class Kernels(ABC):
+    """A loaded build of the kernels for one device; use `get_kernels`.
+
+    The one interface the launchers call: a launcher prepares its argument block once and
+    hands itself to ``run_manage`` / ``run_gather`` each step; how the block reaches the
+    GPU (``cuLaunchKernel`` or the C wrappers) is the backend's business alone.
+    """
 
     backend = "?"
     description = ""
 
     def manage_launcher(self, **fixed: int) -> ManageLauncher:
         return ManageLauncher(self, **fixed)
+
+    @abstractmethod
+    def run_manage(self, call: ManageLauncher, stream: int) -> None:
+        """Launch one manager step with ``call``'s current argument values."""
+
+    @abstractmethod
+    def run_gather(self, call: GatherLauncher, srcs: Sequence[int], stream: int) -> None:
+        """Launch ``call``'s gather(s) from the checked source addresses ``srcs``."""
 
 
 class NvrtcKernels(Kernels):
@@ -207,6 +223,16 @@ class NvrtcKernels(Kernels):
         if int(err) != 0:
             self._check(err, "cuLaunchKernel")
 
+    def run_manage(self, call: ManageLauncher, stream: int) -> None:
+        self.launch(self.manage_fn, 1, call.smem, stream, call.params_addr)
+
+    def run_gather(self, call: GatherLauncher, srcs: Sequence[int], stream: int) -> None:
+        # the kernel takes at most GATHER_MAX_TENSORS tensors: one launch per group
+        for first, cnt, p, _arr, addr in call.groups:
+            for t in range(cnt):
+                p.src[t] = int(srcs[first + t])
+            self.launch(self.gather_fn, call.grid, 0, stream, addr)
+
 
 class LibraryKernels(Kernels):
     """A shared library built by nvcc (``kernels/build.sh``), called through ctypes."""
@@ -243,6 +269,19 @@ class LibraryKernels(Kernels):
         self.lib = lib
         self.path = path
         self.description = f"shared library {path}"
+
+    def run_manage(self, call: ManageLauncher, stream: int) -> None:
+        raise_for_code(self.lib.expert_cache_manage(*call.values, stream), "expert_cache_manage")
+
+    def run_gather(self, call: GatherLauncher, srcs: Sequence[int], stream: int) -> None:
+        # the C wrapper takes plain arrays and splits wide gathers itself
+        for i, s in enumerate(srcs):
+            call.lib_srcs[i] = int(s)
+        raise_for_code(
+            self.lib.expert_cache_gather(*call.miss, call.n, call.lib_srcs, call.lib_dsts,
+                                         call.lib_bytes, call.grid, stream),
+            "expert_cache_gather",
+        )
 
 
 def raise_for_code(code: int, what: str) -> None:
@@ -289,13 +328,15 @@ class ManageLauncher:
             out_ids=0, stats=stats, num_experts=num_experts, num_slots=num_slots,
             policy=policy, decay=decay, max_distinct=max_distinct, max_inserts=max_inserts,
         )
-        self._vals = [ctype(fixed[name]) for name, ctype in MANAGE_ARGS]
-        self._ids, self._n, self._is64, self._out = (self._vals[0], self._vals[1],
-                                                     self._vals[2], self._vals[10])
-        self._params = (ctypes.c_void_p * len(self._vals))(
-            *[ctypes.addressof(v) for v in self._vals]
+        #: the arguments in MANAGE_ARGS order, as ctypes values rewritten in place per call
+        self.values = [ctype(fixed[name]) for name, ctype in MANAGE_ARGS]
+        self._ids, self._n, self._is64, self._out = (self.values[0], self.values[1],
+                                                     self.values[2], self.values[10])
+        self._params = (ctypes.c_void_p * len(self.values))(
+            *[ctypes.addressof(v) for v in self.values]
         )
-        self._params_addr = ctypes.addressof(self._params)
+        #: the address of the kernel-parameter array (cuLaunchKernel's kernelParams)
+        self.params_addr = ctypes.addressof(self._params)
         self.smem = manage_smem_bytes(num_experts, num_slots)
 
     def __call__(self, ids: int, n_ids: int, ids_is64: bool, out_ids: int, stream: int) -> None:
@@ -306,12 +347,7 @@ class ManageLauncher:
         self._n.value = n_ids
         self._is64.value = 1 if ids_is64 else 0
         self._out.value = out_ids or None
-        k = self.kernels
-        if isinstance(k, NvrtcKernels):
-            k.launch(k.manage_fn, 1, self.smem, stream, self._params_addr)
-        else:
-            assert isinstance(k, LibraryKernels)
-            raise_for_code(k.lib.expert_cache_manage(*self._vals, stream), "expert_cache_manage")
+        self.kernels.run_manage(self, stream)
 
 
 class GatherLauncher:
@@ -341,9 +377,10 @@ class GatherLauncher:
         self.kernels = kernels
         self.grid = grid
         self.n = n
-        self._miss = (ctypes.c_void_p(miss_expert), ctypes.c_void_p(miss_slot),
-                      ctypes.c_void_p(miss_count))
-        self._groups = []  # (first, count, GatherParams, params array address)
+        self.miss = (ctypes.c_void_p(miss_expert), ctypes.c_void_p(miss_slot),
+                     ctypes.c_void_p(miss_count))
+        #: (first tensor, count, GatherParams, kernel-parameter array, its address) per launch
+        self.groups: list[tuple[int, int, GatherParams, ctypes.Array, int]] = []
         for first in range(0, n, GATHER_MAX_TENSORS):
             cnt = min(GATHER_MAX_TENSORS, n - first)
             p = GatherParams()
@@ -352,13 +389,13 @@ class GatherLauncher:
                 p.vecs[t] = int(slab_bytes[first + t]) // VEC_BYTES
             p.per_miss = sum(p.vecs[t] for t in range(cnt))
             p.n_tensors = cnt
-            arr = (ctypes.c_void_p * 4)(*[ctypes.addressof(v) for v in self._miss],
+            arr = (ctypes.c_void_p * 4)(*[ctypes.addressof(v) for v in self.miss],
                                         ctypes.addressof(p))
-            self._groups.append((first, cnt, p, arr, ctypes.addressof(arr)))
-        # library path: plain arrays, as the C wrapper takes them
-        self._srcs = (ctypes.c_void_p * n)()
-        self._dsts = (ctypes.c_void_p * n)(*[int(d) for d in dsts])
-        self._bytes = (ctypes.c_longlong * n)(*[int(b) for b in slab_bytes])
+            self.groups.append((first, cnt, p, arr, ctypes.addressof(arr)))
+        # the C wrapper's form: plain arrays over every tensor
+        self.lib_srcs = (ctypes.c_void_p * n)()
+        self.lib_dsts = (ctypes.c_void_p * n)(*[int(d) for d in dsts])
+        self.lib_bytes = (ctypes.c_longlong * n)(*[int(b) for b in slab_bytes])
 
     def __call__(self, srcs: Sequence[int], stream: int) -> None:
         """Launch the gather(s) on ``stream``; ``srcs`` are the [E, slab] source addresses."""
@@ -368,21 +405,7 @@ class GatherLauncher:
             if not s:
                 raise ValueError(f"{name}: source pointer is null")
             check_aligned(f"{name} source", int(s))
-        k = self.kernels
-        if isinstance(k, NvrtcKernels):
-            for first, cnt, p, _arr, addr in self._groups:
-                for t in range(cnt):
-                    p.src[t] = int(srcs[first + t])
-                k.launch(k.gather_fn, self.grid, 0, stream, addr)
-        else:
-            assert isinstance(k, LibraryKernels)
-            for i, s in enumerate(srcs):
-                self._srcs[i] = int(s)
-            raise_for_code(
-                k.lib.expert_cache_gather(*self._miss, self.n, self._srcs, self._dsts,
-                                          self._bytes, self.grid, stream),
-                "expert_cache_gather",
-            )
+        self.kernels.run_gather(self, srcs, stream)
 
 
 def default_gather_grid(device_index: int) -> int:

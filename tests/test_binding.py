@@ -1,0 +1,144 @@
+"""The launchers and the two backends of `binding.py`, without a GPU: each step's argument
+block carries the values it must, wide gathers split into launches of at most
+GATHER_MAX_TENSORS tensors, both backends receive the same sources, and refusals happen
+before anything is launched. The kernels themselves are device tests."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from expertcache_cli import binding
+
+STATE = dict(table=0x1000, slot_expert=0x2000, prio=0x3000, step=0x4000, miss_expert=0x5000,
+             miss_slot=0x6000, miss_count=0x7000, stats=0x8000, num_experts=128,
+             num_slots=32, policy=0, decay=0, max_distinct=64, max_inserts=32)
+
+
+class Recorder(binding.Kernels):
+    """A backend that records what the launchers hand it."""
+
+    backend = "recorder"
+
+    def __init__(self) -> None:
+        self.manage_calls: list[tuple[list[int | None], int, int]] = []
+        self.gather_calls: list[tuple[list[int], int]] = []
+
+    def run_manage(self, call, stream):
+        # read back through the kernel-parameter array, as cuLaunchKernel would
+        n = len(binding.MANAGE_ARGS)
+        ptrs = (ctypes.c_void_p * n).from_address(call.params_addr)
+        vals = [type(v).from_address(ptrs[i]).value for i, v in enumerate(call.values)]
+        self.manage_calls.append((vals, call.smem, stream))
+
+    def run_gather(self, call, srcs, stream):
+        self.gather_calls.append((list(srcs), stream))
+
+
+def test_a_backend_must_implement_both_launches():
+    class Half(binding.Kernels):
+        def run_manage(self, call, stream):
+            pass
+
+    with pytest.raises(TypeError, match="run_gather"):
+        Half()
+
+
+def test_manage_call_rewrites_only_the_per_step_values():
+    k = Recorder()
+    launch = k.manage_launcher(**STATE)
+    launch(0xA000, 12, True, 0xB000, stream=7)
+    launch(0xC000, 3, False, 0, stream=9)
+    names = [n for n, _ in binding.MANAGE_ARGS]
+    (first, smem, s1), (second, _, s2) = k.manage_calls
+    a, b = dict(zip(names, first)), dict(zip(names, second))
+    assert (a["ids"], a["n_ids"], a["ids_is64"], a["out_ids"], s1) == (0xA000, 12, 1, 0xB000, 7)
+    assert (b["ids"], b["n_ids"], b["ids_is64"], b["out_ids"], s2) == (0xC000, 3, 0, None, 9)
+    for key in ("table", "prio", "miss_count", "num_experts", "num_slots", "max_inserts"):
+        assert a[key] == b[key] == STATE[key]
+    assert smem == binding.manage_smem_bytes(128, 32)
+
+
+def test_manage_refusals_launch_nothing():
+    k = Recorder()
+    with pytest.raises(ValueError, match="num_slots"):
+        k.manage_launcher(**{**STATE, "num_slots": binding.MAX_SLOTS + 1})
+    with pytest.raises(ValueError, match="prio"):
+        k.manage_launcher(**{**STATE, "prio": 0})
+    launch = k.manage_launcher(**STATE)
+    with pytest.raises(ValueError, match="bad routing ids"):
+        launch(0, 4, False, 0, stream=0)
+    assert k.manage_calls == []
+
+
+def _gather(kernels, n: int) -> binding.GatherLauncher:
+    return binding.GatherLauncher(
+        kernels, miss_expert=0x100, miss_slot=0x200, miss_count=0x300,
+        dsts=[0x10_0000 * (i + 1) for i in range(n)], slab_bytes=[16 * (i + 1) for i in range(n)],
+        grid=528, names=[f"t{i}" for i in range(n)])
+
+
+def test_nvrtc_backend_splits_a_wide_gather_and_fills_each_launch():
+    """Ten tensors: two launches (8 + 2), each block holding its tensors' sources,
+    destinations and 16-byte vector counts; the grid is the launcher's."""
+    k = object.__new__(binding.NvrtcKernels)  # no driver: launch is replaced below
+    k.gather_fn = "gather"
+    launched = []
+
+    def launch(fn, grid, smem, stream, addr):
+        arr = (ctypes.c_void_p * 4).from_address(addr)
+        p = binding.GatherParams.from_address(arr[3])
+        launched.append((fn, grid, smem, stream, p.n_tensors, list(p.src[: p.n_tensors]),
+                         list(p.dst[: p.n_tensors]), list(p.vecs[: p.n_tensors]), p.per_miss,
+                         ctypes.c_void_p.from_address(arr[0]).value))
+
+    k.launch = launch
+    g = _gather(k, 10)
+    srcs = [0x9000_0000 + 0x1000 * i for i in range(10)]
+    g(srcs, stream=5)
+    assert [x[4] for x in launched] == [8, 2]
+    assert launched[0][5] + launched[1][5] == srcs
+    assert launched[1][6] == [0x90_0000, 0xA0_0000]
+    assert launched[0][7] == list(range(1, 9)) and launched[0][8] == sum(range(1, 9))
+    assert all(x[:4] == ("gather", 528, 0, 5) and x[9] == 0x100 for x in launched)
+
+
+def test_library_backend_gets_the_same_sources_as_plain_arrays_and_its_codes_raise():
+    k = object.__new__(binding.LibraryKernels)
+    seen = []
+
+    class Lib:
+        code = 0
+
+        def expert_cache_gather(self, me, ms, mc, n, srcs, dsts, nbytes, grid, stream):
+            seen.append((me.value, n, list(srcs), list(dsts), list(nbytes), grid, stream))
+            return self.code
+
+    k.lib = Lib()
+    g = _gather(k, 10)
+    srcs = [0x9000_0000 + 0x1000 * i for i in range(10)]
+    g(srcs, stream=3)
+    me, n, s, d, nb, grid, stream = seen[0]
+    assert (me, n, s, grid, stream) == (0x100, 10, srcs, 528, 3)
+    assert d[0] == 0x10_0000 and nb == [16 * (i + 1) for i in range(10)]
+    k.lib.code = 1004
+    with pytest.raises(binding.KernelError, match="1004: gather pointer not 16-byte aligned"):
+        g(srcs, stream=3)
+
+
+def test_gather_refusals_launch_nothing():
+    k = Recorder()
+    with pytest.raises(ValueError, match="not a positive multiple of 16"):
+        binding.GatherLauncher(k, miss_expert=1, miss_slot=2, miss_count=3, dsts=[0x1000],
+                               slab_bytes=[24], grid=1)
+    g = _gather(k, 2)
+    with pytest.raises(ValueError, match="t1: source pointer is null"):
+        g([0x1000, 0], stream=0)
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        g([0x1000, 0x1008], stream=0)
+    with pytest.raises(ValueError, match="expects 2 source pointers"):
+        g([0x1000], stream=0)
+    assert k.gather_calls == []
+    g([0x1000, 0x2000], stream=4)
+    assert k.gather_calls == [([0x1000, 0x2000], 4)]
