@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from .policy import NEVER, Policy, gate_widths
+from .policy import NEVER, Policy, Wide, gate_widths
 
 # Counter layout of one (policy, slots, layer) job.
-INSTALLS, DROPPED, RT_STEPS, RT_IDS, REQUESTS, SERVED_STEPS = range(6)
-N_COUNTERS = 6
+INSTALLS, DROPPED, RT_STEPS, RT_IDS, REQUESTS, SERVED_STEPS, STAGED_STEPS, STAGED_IDS = range(8)
+N_COUNTERS = 8
 
 _SLOT_BITS = 16  # victim key = occupied << 62 | priority << 16 | slot
 _MAX_SLOTS = 1 << _SLOT_BITS
@@ -32,10 +32,11 @@ _MAX_SLOTS = 1 << _SLOT_BITS
 
 @njit(cache=True, nogil=True)
 def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_inserts, out,
-                  per_step):
+                  per_step, wide):
     """Replay one layer's ``seq[T, W]``; counters into ``out``, installs per step into
     ``per_step`` (length T, or length 0 to skip). ``widths[t]`` is what the shape gate
-    compares at step t (`policy.gate_widths`)."""
+    compares at step t (`policy.gate_widths`); ``wide`` is `Wide.code` (what a step wider
+    than the slots does)."""
     t_steps, width = seq.shape
     table = np.full(num_experts, -1, np.int32)
     slot_expert = np.full(num_slots, -1, np.int32)
@@ -69,12 +70,29 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
                 s = table[distinct[i]]
                 if s >= 0:
                     prio[s] = nextuse[distinct[i]]
-        if widths[t] > num_slots:  # shape gate: tokens x top_k > slots reads through
+        is_wide = widths[t] > num_slots  # the shape gate: tokens x top_k > slots
+        if is_wide and wide == 0:  # in place: read through, the cache untouched
             out[RT_STEPS] += 1
             out[RT_IDS] += n
             continue
-        out[SERVED_STEPS] += 1
+        if is_wide:
+            out[STAGED_STEPS] += 1
+        else:
+            out[SERVED_STEPS] += 1
         step += 1
+        if is_wide and wide == 1:  # staged: hits refreshed, misses to the scratch
+            for i in range(n):
+                s = table[distinct[i]]
+                if s < 0:
+                    out[STAGED_IDS] += 1
+                elif policy == 0:
+                    prio[s] = step
+                elif policy == 1:
+                    prio[s] += 1
+            if policy == 1 and decay > 0 and step % decay == 0:
+                for s in range(num_slots):
+                    prio[s] >>= 1
+            continue
         # ascending order of the distinct ids (n is small: insertion sort)
         for i in range(1, n):
             v = distinct[i]
@@ -95,8 +113,8 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
             else:
                 missing[m] = e
                 m += 1
-        if m > max_inserts:
-            out[DROPPED] += m - max_inserts
+        if m > max_inserts:  # past the cap: dropped, or on a wide step fetched to scratch
+            out[STAGED_IDS if is_wide else DROPPED] += m - max_inserts
             m = max_inserts
         if policy == 1 and decay > 0 and step % decay == 0:
             for s in range(num_slots):
@@ -128,7 +146,7 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
                 j -= 1
             best_key[j] = key
         if k < m:
-            out[DROPPED] += m - k
+            out[STAGED_IDS if is_wide else DROPPED] += m - k
             m = k
         for i in range(m):
             s = np.int32(best_key[i] & (_MAX_SLOTS - 1))
@@ -180,6 +198,8 @@ class LayerCounts:
     read_through_ids: int
     requests: int
     served_steps: int
+    staged_steps: int = 0
+    staged_ids: int = 0
 
 
 def sweep(
@@ -191,13 +211,16 @@ def sweep(
     max_inserts: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     widths: np.ndarray | None = None,
+    wide: Wide | str = Wide.IN_PLACE,
 ) -> list[LayerCounts]:
     """Replay every layer of ``ids[T, L, W]`` under every (policy, slots) pair.
 
     ``max_inserts`` None means uncapped (the slot count). ``widths[T, L]``: what the
-    shape gate sees (`policy.gate_widths`; default: the valid ids). Jobs run in parallel
-    threads; ``progress(done, total)`` is called as each (policy, slots, layer) job ends.
+    shape gate sees (`policy.gate_widths`; default: the valid ids). ``wide``: what a step
+    wider than the slots does (`policy.Wide`). Jobs run in parallel threads;
+    ``progress(done, total)`` is called as each (policy, slots, layer) job ends.
     """
+    wide_code = Wide.parse(wide).code
     ids = np.ascontiguousarray(ids, dtype=np.int32)
     t_steps, n_layers, _ = ids.shape
     if widths is None:
@@ -221,7 +244,7 @@ def sweep(
         nxt = nxt_all[layer] if p is Policy.OPT else no_next
         cap = s if max_inserts is None else max_inserts
         _replay_layer(seq, nxt, np.ascontiguousarray(widths[:, layer]), num_experts, s, int(p),
-                      decay, cap, out[j], empty_steps)
+                      decay, cap, out[j], empty_steps, wide_code)
 
     # The compiled loops release the GIL, so plain threads use every core.
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
@@ -243,6 +266,7 @@ def installs_per_step(
     decay: int = 0,
     max_inserts: int | None = None,
     widths: np.ndarray | None = None,
+    wide: Wide | str = Wide.IN_PLACE,
 ) -> np.ndarray:
     """Installs at every step of one layer (for step-by-step checks against the reference)."""
     seq = np.ascontiguousarray(seq, dtype=np.int32)
@@ -253,5 +277,6 @@ def installs_per_step(
     out = np.zeros(N_COUNTERS, np.int64)
     per_step = np.zeros(seq.shape[0], np.int64)
     cap = slots if max_inserts is None else max_inserts
-    _replay_layer(seq, nxt, widths, num_experts, slots, int(policy), decay, cap, out, per_step)
+    _replay_layer(seq, nxt, widths, num_experts, slots, int(policy), decay, cap, out, per_step,
+                  Wide.parse(wide).code)
     return per_step

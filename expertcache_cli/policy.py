@@ -21,6 +21,13 @@ Rules, per layer and per step (docs/design.md, The cache rules):
    ties to the lowest slot index. The k-th ranked slot receives the k-th miss.
 6. Install: the victim's old expert loses its table entry; ``prio = step`` (LRU) or 1 (LFU).
 
+Wide steps (``tokens x top_k > S``; docs/design.md, Wide steps) follow one of three
+modes (`Wide`): ``in-place`` (the plugin today: the cache is untouched and every routed
+expert is read over the link in place), ``staged`` (the step's hits are served from the
+slots and refreshed as in rule 3, with rule 4; its misses are fetched once into a scratch
+buffer; nothing is installed) or ``staged-install`` (a full manager step without the
+``max_distinct`` gate; misses it cannot install are fetched into the scratch).
+
 Belady's optimum (``opt``) uses the same steps, gates and order, with the priority of a
 slot being the next step at which its expert is used again; the slot used furthest in
 the future (or never) is evicted first.
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
 
 import numpy as np
 
@@ -58,6 +65,31 @@ class Policy(IntEnum):
             raise ValueError(f"unknown policy {name!r}: choose from lru, lfu, opt") from None
 
 
+class Wide(str, Enum):
+    """What a step too wide for the slots does (docs/design.md, Wide steps)."""
+
+    IN_PLACE = "in-place"
+    STAGED = "staged"
+    STAGED_INSTALL = "staged-install"
+
+    @classmethod
+    def parse(cls, name: str | Wide) -> Wide:
+        """Accept 'staged' / 'STAGED_INSTALL' / a Wide; ValueError naming the choices."""
+        if isinstance(name, Wide):
+            return name
+        text = str(name).strip().lower().replace("_", "-")
+        try:
+            return cls(text)
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown wide-step mode {name!r}: choose from {choices}") from None
+
+    @property
+    def code(self) -> int:
+        """The engine's integer for the mode (0 in-place, 1 staged, 2 staged-install)."""
+        return list(Wide).index(self)
+
+
 @dataclass
 class StepResult:
     """What one manager step emits: the (expert, slot) installs in ascending expert order."""
@@ -67,6 +99,10 @@ class StepResult:
     distinct: int
     #: misses dropped by the insert cap or for lack of evictable slots (not installed)
     dropped: int = 0
+    #: a wide step served from slots plus a scratch (`Wide.STAGED*`)
+    staged: bool = False
+    #: experts that step fetched into the scratch (its misses not installed in slots)
+    staged_ids: int = 0
 
     @property
     def miss_count(self) -> int:
@@ -110,6 +146,7 @@ class LayerCache:
     max_distinct: int | None = None
     max_inserts: int | None = None
     future: np.ndarray | None = None
+    wide: Wide = Wide.IN_PLACE
     table: np.ndarray = field(init=False)
     slot_expert: np.ndarray = field(init=False)
     prio: np.ndarray = field(init=False)
@@ -120,6 +157,7 @@ class LayerCache:
 
     def __post_init__(self) -> None:
         self.policy = Policy.parse(self.policy)
+        self.wide = Wide.parse(self.wide)
         if self.num_experts <= 0 or self.num_slots <= 0:
             raise ValueError("num_experts and num_slots must be positive")
         if self.decay < 0:
@@ -163,17 +201,50 @@ class LayerCache:
         """One layer forward as the plugin runs it: the shape gate, then the manager.
 
         A forward carrying more routing ids than there are slots (``tokens x top_k >
-        S``) cannot be served from slots whatever the hit rate; the plugin decides that
-        from shapes alone and leaves the cache untouched (not even ``step`` moves).
-        ``width`` is what the gate compares (`gate_widths`); default: the valid ids.
+        S``) cannot be served from slots alone whatever the hit rate; the plugin decides
+        that from shapes alone. In-place, the cache is left untouched (not even ``step``
+        moves); the staged modes are `_staged`. ``width`` is what the gate compares
+        (`gate_widths`); default: the valid ids.
         """
         distinct, valid = self._distinct(ids)
         if (valid if width is None else width) > self.num_slots:
+            if self.wide is not Wide.IN_PLACE:
+                return self._staged(ids, distinct)
             if self.policy is Policy.OPT:
                 self._refresh_belady(self.forwards, distinct)
             self.forwards += 1
             return StepResult([], True, len(distinct))
         return self.step(ids)
+
+    def _staged(self, ids: Sequence[int] | np.ndarray, distinct: list[int]) -> StepResult:
+        """A wide step served from slots plus the scratch (docs/design.md, Wide steps)."""
+        if self.wide is Wide.STAGED_INSTALL:
+            # a full manager step with no max_distinct gate: what it cannot install (the
+            # insert cap, or no evictable slot left) is fetched into the scratch instead
+            gate, self.max_distinct = self.max_distinct, self.num_experts
+            try:
+                r = self.step(ids)
+            finally:
+                self.max_distinct = gate
+            return StepResult(r.misses, False, r.distinct, 0, True, r.dropped)
+        t = self.forwards
+        self.forwards += 1
+        self.step_count += 1
+        step = self.step_count
+        if self.policy is Policy.OPT:
+            self._refresh_belady(t, distinct)
+        fetched = 0
+        for e in distinct:
+            s = int(self.table[e])
+            if s < 0:
+                fetched += 1
+            elif self.policy is Policy.LRU:
+                self.prio[s] = step
+            elif self.policy is Policy.LFU:
+                self.prio[s] += 1
+        if self.policy is Policy.LFU and self.decay > 0 and step % self.decay == 0:
+            self.prio >>= 1
+        return StepResult([], False, len(distinct), 0, True, fetched)
 
     def step(self, ids: Sequence[int] | np.ndarray) -> StepResult:
         """Apply one manager step (docs/design.md, The cache rules) to one forward's ids."""
@@ -258,6 +329,7 @@ def replay_layer_reference(
     decay: int = 0,
     max_inserts: int | None = None,
     widths: Sequence[int] | np.ndarray | None = None,
+    wide: Wide | str = Wide.IN_PLACE,
 ) -> list[StepResult]:
     """Replay one layer's routing ``seq[T, W]`` forward by forward, the slow plain way
     (``widths[t]``: what the shape gate sees at step t, `gate_widths`)."""
@@ -269,6 +341,7 @@ def replay_layer_reference(
         decay,
         max_inserts=max_inserts,
         future=seq if policy is Policy.OPT else None,
+        wide=Wide.parse(wide),
     )
     if widths is None:
         return [cache.forward(row) for row in seq]
