@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .policy import Policy
+from .policy import Policy, Wide
 from .trace import Trace
 
 #: the plan file's format (serve --plan checks it)
@@ -145,11 +145,15 @@ def plan_trace(
     vram_gb: float | None,
     plan_file: str | None = None,
     vllm_args: list[str] | None = None,
+    wide: Wide = Wide.IN_PLACE,
+    batch: int | None = None,
 ) -> PlanReport:
     """Replay ``trace`` at every (policy, budget) and predict decode speed; recommend.
 
     ``fits_upto``: the most slots `size` says fit on the card (None: not sized, every
-    budget assumed to fit, and the notes say so).
+    budget assumed to fit, and the notes say so). ``wide``: how steps wider than the
+    slots are modelled; ``batch``: the trace was re-batched to that many streams
+    (`trace.rebatch`), and the resident rate is then the aggregate at that batch.
     """
     from .replay import replay
     from .split import recommend
@@ -159,7 +163,7 @@ def plan_trace(
     online = [p for p in policies if p is not Policy.OPT]
     if not online:
         raise UserError("--policy: plan recommends a policy the plugin runs: lru or lfu")
-    report = replay(trace, online, budgets)
+    report = replay(trace, online, budgets, wide=wide)
     tokens = max(1, trace.tokens)
     rows = []
     for r in report.results.itertuples():
@@ -185,7 +189,7 @@ def plan_trace(
     if fitting:
         best = max(fitting, key=lambda r: (round(r["predicted_tok_s"], 6), -r["slots"]))
         pol = Policy.parse(best["policy"])
-        (split,) = recommend(trace, pol, [best["slots"]])
+        (split,) = recommend(trace, pol, [best["slots"]], wide=wide)
         split_ms = predict_ms(split.misses / tokens, inputs)
         use_split = split.misses < split.uniform_misses
         recommended = {
@@ -201,10 +205,22 @@ def plan_trace(
         }
         if not use_split:
             notes.append("the per-layer split finds nothing better than the uniform budget")
+    wide_rows = report.results["staged_steps"] + report.results["read_through_steps"]
+    if wide is not Wide.IN_PLACE:
+        notes.append(f"wide steps are modelled {wide.value}: the plugin runs them in place "
+                     "today, so this predicts a path not yet served")
+    elif int(wide_rows.max()) > 0:
+        notes.append("some budgets read wide steps through the host in place (tokens x top_k "
+                     "> slots); --wide staged-install predicts the staged path")
+    if batch:
+        notes.append(f"re-batched to {batch} streams from one stream's routing: the resident "
+                     f"rate must be the aggregate at {batch} streams, and real users' routing "
+                     "is less alike (this errs towards hits)")
     return PlanReport(model=model, inputs=inputs, trace={
         "path": None, "steps": trace.steps, "layers": trace.num_layers,
         "tokens": trace.tokens, "num_experts": trace.num_experts, "top_k": trace.top_k,
-        "source": trace.source}, rows=rows, recommended=recommended, notes=notes)
+        "source": trace.source, "wide": wide.value, "batch": batch}, rows=rows,
+        recommended=recommended, notes=notes)
 
 
 def serve_command(model: str, vram_gb: float | None, best: dict[str, Any],

@@ -9,7 +9,9 @@ defined once:
 - ``installs``: experts the cache gathered into slots (what the kernel counts live).
 - ``read_through_ids``: distinct ids of layer-steps too wide for the slots
   (``tokens x top_k > slots``); the stock path reads them over the link in place.
-- ``misses = installs + read_through_ids``: experts fetched over the host link.
+- ``staged_ids``: with a staged wide-step mode (`policy.Wide`), the experts wide steps
+  fetched into the scratch (their misses not installed); such steps are ``staged_steps``.
+- ``misses = installs + read_through_ids + staged_ids``: experts fetched over the link.
 
 The shape gate is the plugin's own (`policy.gate_widths`: a recorded trace's tokens x
 top_k as vLLM ran each step, padding rows included), so a trace recorded from a server
@@ -28,7 +30,7 @@ import pandas as pd
 from numba import njit
 
 from . import engine
-from .policy import Policy
+from .policy import Policy, Wide
 from .trace import Trace
 
 COUNT_FIELDS = [
@@ -38,6 +40,8 @@ COUNT_FIELDS = [
     "read_through_ids",
     "requests",
     "served_steps",
+    "staged_steps",
+    "staged_ids",
 ]
 
 
@@ -53,7 +57,7 @@ class ReplayReport:
 
 def _derive(df: pd.DataFrame, tokens: int, expert_bytes: int | None, link_gbps: float | None):
     df = df.copy()
-    df["misses"] = df["installs"] + df["read_through_ids"]
+    df["misses"] = df["installs"] + df["read_through_ids"] + df["staged_ids"]
     df["miss_rate"] = df["misses"] / df["requests"].where(df["requests"] > 0, 1)
     if expert_bytes:
         df["bytes_moved"] = df["misses"] * expert_bytes
@@ -73,13 +77,15 @@ def replay(
     expert_bytes: int | None = None,
     link_gbps: float | None = None,
     progress: Callable[[int, int], None] | None = None,
+    wide: Wide | str = Wide.IN_PLACE,
 ) -> ReplayReport:
-    """Replay ``trace`` under every (policy, slots); LRU and OPT are added for the ratios."""
+    """Replay ``trace`` under every (policy, slots); LRU and OPT are added for the ratios.
+    ``wide``: what a step wider than the slots does (the plugin today: in place)."""
     wanted = list(dict.fromkeys(policies))
     run = list(dict.fromkeys([*wanted, Policy.LRU, Policy.OPT]))
     counts = engine.sweep(
         trace.topk_ids, trace.num_experts, run, slots, decay, max_inserts, progress=progress,
-        widths=trace.gate_widths(),
+        widths=trace.gate_widths(), wide=wide,
     )
     layer_names = trace.layer_names()
     rows = [

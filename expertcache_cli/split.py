@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import engine
-from .policy import Policy
+from .policy import Policy, Wide
 from .trace import Trace
 
 
@@ -48,14 +48,15 @@ def slot_grid(num_experts: int, extra: list[int]) -> list[int]:
     return sorted(grid)
 
 
-def miss_curves(trace: Trace, policy: Policy, grid: list[int], decay: int = 0) -> np.ndarray:
+def miss_curves(trace: Trace, policy: Policy, grid: list[int], decay: int = 0,
+                wide: Wide | str = Wide.IN_PLACE) -> np.ndarray:
     """``curves[layer, i]`` = host fetches of that layer at ``grid[i]`` slots."""
     counts = engine.sweep(trace.topk_ids, trace.num_experts, [policy], grid, decay,
-                          widths=trace.gate_widths())
+                          widths=trace.gate_widths(), wide=wide)
     curves = np.zeros((trace.num_layers, len(grid)), np.int64)
     col = {s: i for i, s in enumerate(grid)}
     for c in counts:
-        curves[c.layer, col[c.slots]] = c.installs + c.read_through_ids
+        curves[c.layer, col[c.slots]] = c.installs + c.read_through_ids + c.staged_ids
     return curves
 
 
@@ -92,9 +93,10 @@ def best_split(curves: np.ndarray, grid: list[int], budget: int, uniform: int) -
 
 
 def recommend(
-    trace: Trace, policy: Policy, uniform_slots: list[int], decay: int = 0
+    trace: Trace, policy: Policy, uniform_slots: list[int], decay: int = 0,
+    wide: Wide | str = Wide.IN_PLACE,
 ) -> list[Split]:
     """For each uniform size, the best split of the same total (``size x layers``)."""
     grid = slot_grid(trace.num_experts, uniform_slots)
-    curves = miss_curves(trace, policy, grid, decay)
+    curves = miss_curves(trace, policy, grid, decay, wide)
     return [best_split(curves, grid, s * trace.num_layers, s) for s in uniform_slots]

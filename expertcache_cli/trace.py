@@ -50,7 +50,10 @@ class Trace:
 
     @property
     def tokens(self) -> int:
-        """Tokens the trace covers: ``step_tokens`` summed, else the valid ids / top_k."""
+        """Tokens the trace covers: ``step_tokens`` summed, else the valid ids / top_k
+        (a re-batched trace: its streams' tokens, not the graph padding)."""
+        if "real_tokens" in self.extra:
+            return int(self.extra["real_tokens"])
         if self.step_tokens is not None:
             return int(np.sum(self.step_tokens))
         valid = int(np.count_nonzero(self.topk_ids[:, 0, :] >= 0))
@@ -180,6 +183,59 @@ def save(trace: Trace, path: str | Path) -> Path:
     # whole or not at all: a reader never sees half a file (an interrupted save, or two
     # processes writing the same name, leave the previous file or the complete new one)
     return atomic_write(p, lambda tmp: np.savez_compressed(tmp, **payload))
+
+
+def default_padded(n: int) -> int:
+    """The tokens a decode batch of ``n`` runs at under vLLM's default capture sizes
+    (`capture.capture_sizes` without flags, a large max_num_seqs)."""
+    from .capture import GraphSettings, capture_sizes, padded
+
+    return padded(n, capture_sizes(max(n, 256), 8192, GraphSettings()))
+
+
+def rebatch(trace: Trace, n: int, padded_tokens: int | None = None) -> Trace:
+    """What ``n`` users would cost: ``n`` interleaved copies of a single-stream trace.
+
+    Only the trace's single-token (decode) steps are used: prefills do not batch like
+    decode. Stream ``i`` starts ``i x T / n`` steps into them and wraps around, so the
+    streams are at different points of the workload at any step (a trace of several
+    requests puts them in different requests), and every step carries all ``n`` (a
+    saturated server). The batched step is presented to the shape gate at
+    ``padded_tokens`` tokens (default: vLLM's default graph padding of ``n``). This is a
+    what-if from one user's routing, not a recording of ``n`` users: real users' routing
+    is less alike, so it errs towards hits.
+    """
+    if n < 1:
+        raise UserError(f"--batch must be >= 1, got {n}")
+    ids = trace.topk_ids
+    valid = ((ids >= 0) & (ids < trace.num_experts)).sum(axis=2).max(axis=1)
+    if trace.step_tokens is not None:
+        single = np.asarray(trace.step_tokens) == 1
+    else:
+        single = valid <= trace.top_k
+    if not single.any():
+        most = int(np.max(trace.step_tokens)) if trace.step_tokens is not None else 0
+        raise UserError(
+            "--batch re-batches a single-stream trace, and this one has no single-token "
+            f"(decode) step{f' (steps of up to {most} tokens)' if most else ''}: record one "
+            "stream, or synthesise with `trace synth --batch`")
+    dec = ids[single]
+    width = max(1, int(valid[single].max()))
+    # valid ids first (their order within a step does not matter to the cache rules)
+    dec = -np.sort(-dec.astype(np.int64), axis=2)[:, :, :width]
+    dec = np.where((dec >= 0) & (dec < trace.num_experts), dec, -1)
+    t = dec.shape[0]
+    starts = [(i * t) // n for i in range(n)]
+    out = np.concatenate([np.roll(dec, -s, axis=0) for s in starts], axis=2)
+    tokens = default_padded(n) if padded_tokens is None else int(padded_tokens)
+    src = f"{trace.source or 'a trace'}, re-batched: {n} interleaved streams of its {t} " \
+          f"decode steps, gate at {tokens} tokens"
+    return Trace(
+        topk_ids=out.astype(np.int32), num_experts=trace.num_experts, top_k=trace.top_k,
+        expert_bytes=trace.expert_bytes, model=trace.model, layers=trace.layers,
+        step_tokens=np.full(t, tokens, dtype=np.int64), source=src,
+        extra={"batch": n, "real_tokens": n * t},
+    ).validate()
 
 
 def describe(trace: Trace) -> dict:

@@ -125,3 +125,22 @@ def test_plot_draws_predicted_tok_s_per_policy(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     assert f"plot written to {tmp_path / 'p.png'}" in r.stderr
+
+
+def test_plan_for_a_batch_with_the_staged_path_says_what_it_rests_on():
+    r = _cli("--model", "qwen3-30b-a3b-w8a8", "--probe", str(PROBE), "--resident-tok-s", "1022",
+             "--batch", "16", "--slots", "64,96", "--wide", "staged-install", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["trace"]["batch"] == 16 and data["trace"]["wide"] == "staged-install"
+    notes = " ".join(data["notes"])
+    assert "aggregate at 16 streams" in notes and "not yet served" in notes
+    rows = {(x["policy"], x["slots"]): x for x in data["rows"]}
+    assert rows[("lru", 96)]["predicted_tok_s"] > rows[("lru", 64)]["predicted_tok_s"]
+    inplace = json.loads(_cli("--model", "qwen3-30b-a3b-w8a8", "--probe", str(PROBE),
+                              "--resident-tok-s", "1022", "--batch", "16", "--slots", "64",
+                              "--json").stdout)
+    # in place at 64 slots every 16-stream step (128 ids) reads through: slower than staged
+    assert inplace["rows"][0]["predicted_tok_s"] < rows[(inplace["rows"][0]["policy"], 64)][
+        "predicted_tok_s"]
+    assert "--wide staged-install predicts" in " ".join(inplace["notes"])

@@ -84,6 +84,27 @@ def test_batched_trace_reports_read_through_below_width():
     assert "read through" in text
 
 
+def test_wide_modes_and_a_rebatched_trace_as_the_user_sees_them():
+    """16 streams of the demo trace at 64 slots: every step is wide (128 ids). In place
+    and staged-without-installs fetch every routed expert (nothing fills the slots);
+    staged-install fetches a third of them. The counts add up in every mode."""
+    def run(wide):
+        obj = json.loads(cli("replay", "--batch", "16", "--slots", "64", "--policy", "lru",
+                             "--wide", wide, "--json").stdout)
+        assert obj["wide"] == wide and obj["batch"] == 16
+        return obj["results"][0]
+
+    inplace, staged, install = run("in-place"), run("staged"), run("staged-install")
+    for r in (inplace, staged, install):
+        assert r["misses"] == r["installs"] + r["read_through_ids"] + r["staged_ids"]
+        assert r["requests"] == inplace["requests"]
+    assert inplace["read_through_steps"] == staged["staged_steps"] == install["staged_steps"] > 0
+    assert staged["misses"] == inplace["misses"] == inplace["requests"]
+    assert install["misses"] < 0.5 * inplace["misses"]
+    text = cli("replay", "--batch", "16", "--slots", "64", "--wide", "staged-install").stdout
+    assert "staged-install layer-steps" in text and "does not run yet" in text
+
+
 def test_bytes_and_transfer_time(tmp_path):
     obj = json.loads(cli("replay", "--slots", "32", "--link-gbps", "50", "--json").stdout)
     r = next(r for r in obj["results"] if r["policy"] == "lru")
@@ -140,6 +161,11 @@ def test_decay_and_insert_cap_change_lfu():
         (("replay", "--slots", "128"), "not below the trace's 128 experts"),
         (("replay", "--policy", "mru"), "unknown policy 'mru'"),
         (("replay", "--device", "tpu"), "--device must be cpu or cuda"),
+        (("replay", "--wide", "sideways"), "--wide: unknown wide-step mode 'sideways'"),
+        (("replay", "--wide", "staged", "--device", "cuda"), "--device cuda replays in-place"),
+        (("replay", "--batch", "0"), "--batch must be >= 1"),
+        (("replay", str(TRACES / "demo-qwen3-30b-a3b-batch4.npz"), "--batch", "2"),
+         "no single-token (decode) step"),
         (("trace", "synth", "/tmp/x.npz", "--kind", "nope"), "--kind must be one of"),
         (("trace", "synth", "/tmp/x.npz", "--experts", "4", "--top-k", "8"), "exceeds experts"),
     ],

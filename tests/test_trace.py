@@ -90,3 +90,41 @@ def test_malformed_trace_cli_one_line_exit_2(tmp_path, case, command):
     assert len(lines) == 1 and lines[0].startswith("expertcache: error:"), proc.stderr
     assert MESSAGES[case] in lines[0]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def _single_stream() -> Trace:
+    """Two layers, top-2 of 16: a 3-token prefill, then 6 decode steps (ids 0..11)."""
+    ids = np.full((7, 2, 6), -1, np.int32)
+    ids[0, :, :] = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    for t in range(1, 7):
+        ids[t, 0, :2] = [2 * (t - 1), 2 * (t - 1) + 1]
+        ids[t, 1, :2] = [15, 14 - t]
+    return Trace(ids, 16, 2, step_tokens=np.array([3, 1, 1, 1, 1, 1, 1]), source="test")
+
+
+def test_rebatch_interleaves_offset_streams_of_the_decode_steps():
+    from expertcache_cli.trace import rebatch
+
+    tr = rebatch(_single_stream(), 3)
+    assert tr.topk_ids.shape == (6, 2, 6)  # 6 decode steps, 3 streams x top-2
+    assert tr.tokens == 18  # the streams' tokens, not the graph padding
+    assert tr.step_tokens.tolist() == [4] * 6  # vLLM pads a batch of 3 to 4
+    assert (tr.gate_widths() == 8).all()
+    layer0 = tr.topk_ids[:, 0, :]
+    # stream 0 starts at decode step 0, stream 1 at 2, stream 2 at 4, each wrapping
+    assert sorted(layer0[0].tolist()) == [0, 1, 4, 5, 8, 9]
+    assert sorted(layer0[5].tolist()) == [2, 3, 6, 7, 10, 11]
+    assert rebatch(_single_stream(), 1).topk_ids.shape == (6, 2, 2)
+    assert rebatch(_single_stream(), 5, padded_tokens=5).step_tokens[0] == 5
+
+
+def test_rebatch_refuses_what_it_cannot_model():
+    from expertcache_cli.errors import UserError
+    from expertcache_cli.trace import rebatch
+
+    with pytest.raises(UserError, match="--batch must be >= 1"):
+        rebatch(_single_stream(), 0)
+    batched = _single_stream()
+    batched.step_tokens = np.full(7, 4)
+    with pytest.raises(UserError, match="no single-token .decode. step .steps of up to 4"):
+        rebatch(batched, 2)

@@ -57,3 +57,25 @@ def passthrough_args(extra: Sequence[str], argv: Sequence[str] | None = None) ->
             f"`-- {stray[0]} ...`)"
         )
     return extra
+
+
+#: the help both `replay` and `plan` give their wide-step options
+WIDE_HELP = ("what a step wider than the slots does: in-place (the plugin today), staged "
+             "(hits from slots, misses fetched once into a scratch) or staged-install")
+BATCH_HELP = ("re-batch the trace's decode steps into N interleaved streams (what N users "
+              "would cost); default: the trace as recorded")
+
+
+def workload(trace, wide: str, batch: int | None):
+    """The trace as the user asked to model it, and the wide-step mode, from the options
+    `replay` and `plan` share (one line on a bad value)."""
+    from ..policy import Wide
+    from ..trace import rebatch
+
+    try:
+        mode = Wide.parse(wide)
+    except ValueError as exc:
+        raise UserError(f"--wide: {exc}") from None
+    if batch is not None:
+        trace = rebatch(trace, batch)
+    return trace, mode

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from ..errors import UserError
 from ..tables import Table
-from . import demo_trace_path, parse_int_list
+from . import BATCH_HELP, WIDE_HELP, demo_trace_path, parse_int_list, workload
 
 console = Console()
 
@@ -87,6 +87,10 @@ def register(app: typer.Typer) -> None:
         save: Path | None = typer.Option(None, help="write the plan file `serve --plan` reads"),
         plot: Path | None = typer.Option(None, help="draw predicted tok/s against slots"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+        wide: str = typer.Option("in-place", "--wide", help=WIDE_HELP),
+        batch: int | None = typer.Option(
+            None, "--batch", help=BATCH_HELP + "; --resident-tok-s is then the aggregate "
+            "resident rate at N streams"),
     ) -> None:
         """Predicted decode tok/s per policy and slot budget from a trace, and what to serve."""
         from .. import planner, sizing
@@ -109,7 +113,7 @@ def register(app: typer.Typer) -> None:
 
             plot = plot_path(plot)
         path = trace_path if trace_path is not None else demo_trace_path()
-        trace = load(path)
+        trace, mode = workload(load(path), wide, batch)
         policies = parse_policies(policy)
         m = load_model(Path(model) if model and Path(model).exists() else model) if model else None
         if m is not None and (m.num_experts, m.top_k) != (trace.num_experts, trace.top_k):
@@ -141,6 +145,7 @@ def register(app: typer.Typer) -> None:
         rep = planner.plan_trace(
             trace, inputs, policies, budgets, fits_upto=fits_upto, serve_model=serve_model,
             vram_gb=vram, plan_file=str(save) if save else None, vllm_args=vllm_args,
+            wide=mode, batch=batch,
             model={"name": m.name if m else trace.model, "bytes_per_expert": per_expert,
                    "num_experts": trace.num_experts, "top_k": trace.top_k,
                    "num_moe_layers": trace.num_layers, "vram_gib": vram,
@@ -167,7 +172,9 @@ def register(app: typer.Typer) -> None:
             f"{i.bytes_per_expert:,} B ({i.bytes_source})")
         console.print(f"link {i.link_gbps:.1f} GB/s: {i.link_source}")
         console.print(f"resident {i.resident_tok_s:.1f} tok/s: {i.resident_source}")
-        t = Table(title="predicted decode, single stream: 1000/R + misses/token x expert bytes "
+        streams = (f"{rep.trace['batch']} streams (aggregate)" if rep.trace.get("batch")
+                   else "as traced")
+        t = Table(title=f"predicted decode, {streams}: 1000/R + misses/token x expert bytes "
                         "/ link")
         for col, keep in (("policy", 9), ("slots", 9), ("misses/token", 6), ("miss rate", 5),
                           ("ms/token", 7), ("tok/s", 9), ("fits", 8)):

@@ -11,10 +11,10 @@ from rich.console import Console
 
 from ..errors import UserError
 from ..files import atomic_write, check_output
-from ..policy import Policy
+from ..policy import Policy, Wide
 from ..tables import Table
 from ..trace import Trace, load
-from . import demo_trace_path, parse_int_list
+from . import BATCH_HELP, WIDE_HELP, demo_trace_path, parse_int_list, workload
 
 console = Console()
 err = Console(stderr=True)
@@ -120,13 +120,15 @@ def replay_command(
     device: str = typer.Option(
         "cpu", "--device", help="cpu (reference engine) or cuda (the real kernels)."
     ),
+    wide: str = typer.Option("in-place", "--wide", help=WIDE_HELP),
+    batch: int | None = typer.Option(None, "--batch", help=BATCH_HELP),
 ) -> None:
     """Replay a routing trace: experts fetched per policy and slot budget."""
     from ..replay import replay
     from ..split import recommend
 
     path = trace_path if trace_path is not None else demo_trace_path()
-    trace = load(path)
+    trace, mode = workload(load(path), wide, batch)
     budgets = parse_int_list(slots, "--slots")
     bad = [s for s in budgets if s >= trace.num_experts]
     if bad:
@@ -139,6 +141,9 @@ def replay_command(
         raise UserError(f"--decay {decay} applies to lfu only (--policy {policy})")
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and mode is not Wide.IN_PLACE:
+        raise UserError(f"--wide {mode.value} is a model of a path the kernels do not run "
+                        "yet: --device cuda replays in-place only")
     if csv is not None:
         csv = check_output(csv, "--csv")
     if device == "cuda":
@@ -158,9 +163,10 @@ def replay_command(
             expert_bytes=expert_bytes,
             link_gbps=link_gbps,
             progress=update,
+            wide=mode,
         )
     split_policy = next((p for p in policies if p is not Policy.OPT), Policy.LRU)
-    splits = recommend(trace, split_policy, budgets, decay) if per_layer else []
+    splits = recommend(trace, split_policy, budgets, decay, mode) if per_layer else []
 
     device_check = None
     if device == "cuda":
@@ -175,6 +181,8 @@ def replay_command(
     if as_json:
         obj = {
             "trace": _trace_json(path, trace),
+            "wide": mode.value,
+            "batch": batch,
             "results": _records(report.results),
             "reuse_distance": report.reuse,
         }
@@ -198,7 +206,7 @@ def replay_command(
         _fail_on_device_mismatch(device_check)
         return
 
-    _print_results(path, trace, report, link_gbps)
+    _print_results(path, trace, report, link_gbps, mode)
     if per_layer:
         _print_per_layer(trace, report)
         _print_splits(split_policy, splits)
@@ -207,7 +215,8 @@ def replay_command(
     _fail_on_device_mismatch(device_check)
 
 
-def _print_results(path: Path, trace: Trace, report, link_gbps: float | None) -> None:
+def _print_results(path: Path, trace: Trace, report, link_gbps: float | None,
+                   mode: Wide = Wide.IN_PLACE) -> None:
     what = trace.model or "unknown model"
     console.print(
         f"[bold]{path.name}[/]: {trace.steps} steps x {trace.num_layers} layers, "
@@ -224,7 +233,10 @@ def _print_results(path: Path, trace: Trace, report, link_gbps: float | None) ->
             "vs LRU": 4, "vs OPT": 5}
     for col in ("policy", "slots", "misses", "requests", "miss rate", "vs LRU", "vs OPT"):
         table.add_column(col, justify="right" if col != "policy" else "left", keep=keep[col])
-    table.add_column("read-through layer-steps", justify="right", keep=1)
+    if mode is Wide.IN_PLACE:
+        table.add_column("read-through layer-steps", justify="right", keep=1)
+    else:
+        table.add_column(f"{mode.value} layer-steps", justify="right", keep=1)
     if has_bytes:
         table.add_column("host bytes /token", justify="right", keep=3)
     if "transfer_ms_per_token" in df.columns:
@@ -238,7 +250,7 @@ def _print_results(path: Path, trace: Trace, report, link_gbps: float | None) ->
             f"{row.miss_rate:.1%}",
             f"{row.vs_lru:.3f}",
             f"{row.vs_opt:.3f}",
-            f"{row.read_through_steps:,}",
+            f"{row.read_through_steps if mode is Wide.IN_PLACE else row.staged_steps:,}",
         ]
         if has_bytes:
             cells.append(_fmt_bytes(row.bytes_per_token))
@@ -259,6 +271,10 @@ def _print_results(path: Path, trace: Trace, report, link_gbps: float | None) ->
             f"[yellow]warning[/]: at {row.slots} slots {row.read_through_steps:,} layer-steps "
             f"carry more ids than slots and read through the host (tokens x top_k > slots)"
         )
+    if mode is not Wide.IN_PLACE:
+        console.print(
+            f"wide steps modelled as {mode.value}: a path the plugin does not run yet (it reads "
+            "wide steps in place); compare with --wide in-place")
 
 
 def _print_per_layer(trace: Trace, report) -> None:
