@@ -82,8 +82,12 @@ def check_manage_config(
         raise ValueError(f"num_slots={num_slots} outside 1..{MAX_SLOTS}")
     if decay < 0:
         raise ValueError(f"decay={decay} must be >= 0")
-    if not 0 <= max_distinct < 2**31 or not 0 <= max_inserts < 2**31:
-        raise ValueError("max_distinct and max_inserts must be in 0..2**31-1")
+    if not 0 <= max_distinct < 2**31:
+        raise ValueError("max_distinct must be in 0..2**31-1")
+    if not 0 <= max_inserts <= num_slots:
+        # the manager lists at most S misses in shared memory: more would overrun it
+        # (and installs never exceed the slots anyway)
+        raise ValueError(f"max_inserts={max_inserts} outside 0..num_slots={num_slots}")
 
 
 def check_slab(name: str, nbytes: int) -> None:

@@ -40,7 +40,7 @@ def device_replay(
         raise ValueError(f"trace ids must be [T, L, W], got shape {ids.shape}")
     t_steps, n_layers, width = ids.shape
     code = binding.policy_code(policy)
-    max_inserts = slots if max_inserts is None else int(max_inserts)
+    max_inserts = slots if max_inserts is None else min(int(max_inserts), slots)  # > S: no cap
     binding.check_manage_config(num_experts, slots, decay, slots, max_inserts)
     if device is None:
         device = torch.cuda.current_device()

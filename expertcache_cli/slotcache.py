@@ -51,7 +51,10 @@ class SlotCache:
         self.policy = Policy.parse(policy)
         code = binding.policy_code(self.policy)
         self.decay = int(decay)
-        self.max_inserts = self.num_slots if max_inserts is None else int(max_inserts)
+        # a cap above S means no cap: installs never exceed the slots (and the kernel
+        # lists at most S misses)
+        self.max_inserts = self.num_slots if max_inserts is None else min(int(max_inserts),
+                                                                          self.num_slots)
         binding.check_manage_config(
             self.num_experts, self.num_slots, self.decay, self.num_slots, self.max_inserts
         )

@@ -142,6 +142,10 @@ def test_binding_checks():
     assert binding.policy_code("LFU") == 1
     with pytest.raises(ValueError, match="num_slots"):
         binding.check_manage_config(128, binding.MAX_SLOTS + 1, 0, 8, 8)
+    # the manager lists at most S misses in shared memory: a larger cap would overrun it
+    with pytest.raises(ValueError, match="max_inserts=33 outside 0..num_slots=32"):
+        binding.check_manage_config(128, 32, 0, 32, 33)
+    binding.check_manage_config(128, 32, 0, 128, 32)  # max_distinct may exceed S
     with pytest.raises(ValueError, match="aligned"):
         binding.check_aligned("src", 0x1008)
 
