@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import budget
 from .errors import UserError
-from .policy import Policy
+from .policy import Policy, Wide
 
 SLOTS = "EXPERT_CACHE_SLOTS"
 FRACTION = "EXPERT_CACHE_FRACTION"
@@ -29,6 +29,7 @@ DISABLE = "EXPERT_CACHE_DISABLE"
 LIB = "EXPERT_CACHE_LIB"
 STATS = "EXPERT_CACHE_STATS"
 TRACE = "EXPERT_CACHE_TRACE"
+WIDE = "EXPERT_CACHE_WIDE"
 
 #: every variable the plugin reads, with a one-line meaning (README and docs/plugin.md)
 ENV_VARS: dict[str, str] = {
@@ -40,12 +41,14 @@ ENV_VARS: dict[str, str] = {
     LIB: "path of a prebuilt kernel library (.so) instead of the NVRTC build",
     STATS: "log the live hit rate every N layer-steps (syncs the device)",
     TRACE: "record the routing of every armed layer into this .npz at exit",
+    WIDE: "steps wider than the slots: in-place (default), staged or staged-install "
+          "(through a VRAM scratch of one layer's experts)",
 }
 
 #: the variables that change what a server measures or writes: a launcher that states a
 #: configuration (`baseline`'s arms) clears every one it does not set. (LIB only picks
 #: where the same kernels come from.)
-MEANING = (SLOTS, FRACTION, POLICY, DECAY, DISABLE, STATS, TRACE)
+MEANING = (SLOTS, FRACTION, POLICY, DECAY, DISABLE, STATS, TRACE, WIDE)
 
 #: slots as a fraction of the experts when neither SLOTS nor FRACTION is given
 DEFAULT_FRACTION = 0.25
@@ -79,6 +82,7 @@ class CacheConfig:
     lib: str | None = None
     stats_every: int = 0
     trace_path: str | None = None
+    wide: Wide = Wide.IN_PLACE
 
     def slots_for(self, num_experts: int, index: int | None = None) -> int:
         """Slots for the ``index``-th MoE layer, of ``num_experts`` experts; ValueError when
@@ -142,6 +146,8 @@ class CacheConfig:
             env[STATS] = str(self.stats_every)
         if self.trace_path:
             env[TRACE] = self.trace_path
+        if self.wide is not Wide.IN_PLACE:
+            env[WIDE] = self.wide.value
         return env
 
 
@@ -230,6 +236,12 @@ def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
         if not parent.is_dir():
             raise ConfigError(f"{TRACE}={trace_path!r}: directory {parent} does not exist")
 
+    raw_wide = env.get(WIDE, "").strip()
+    try:
+        wide = Wide.parse(raw_wide) if raw_wide else Wide.IN_PLACE
+    except ValueError as exc:
+        raise ConfigError(f"{WIDE}={raw_wide!r}: {exc}") from None
+
     return CacheConfig(
         disabled=disabled,
         slots=slots,
@@ -240,4 +252,5 @@ def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
         lib=lib,
         stats_every=stats_every,
         trace_path=trace_path,
+        wide=wide,
     )

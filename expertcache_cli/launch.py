@@ -73,6 +73,7 @@ def make_plan(
     environ: Mapping[str, str] | None = None,
     device_total_gib: float | None = None,
     plan_file: str | None = None,
+    wide: str = "in-place",
 ) -> ServePlan:
     """Size the cache for ``model`` on ``vram_gb`` GiB and compose the `vllm serve` call.
 
@@ -107,8 +108,11 @@ def make_plan(
         args = args[1:]
     size = sizing.plan(
         size_from or model, vram_gb, slots=slots, fraction=fraction,
-        device_total_gib=device_total_gib, **sizing_overrides(args)
+        device_total_gib=device_total_gib, wide=wide, **sizing_overrides(args)
     )
+    from .policy import Wide
+
+    wide_mode = Wide.parse(size.wide)
     notes = list(size.notes)
     own: list[str] = []
     if size.verdict in ("cache", "offload_no_cache"):
@@ -125,7 +129,7 @@ def make_plan(
         if per_layer is not None:
             _check_per_layer(per_layer, size, plan_file or "")
         narrow = min(per_layer) if per_layer else size.slots  # reads through first
-        trap = size.padded_batch * size.top_k > narrow
+        trap = size.padded_batch * size.top_k > narrow and wide_mode is Wide.IN_PLACE
         if trap and not allow_trap:
             safe = (size.safe_max_num_seqs if per_layer is None else capture.safe_max_num_seqs(
                 narrow, size.top_k, size.max_num_batched_tokens,
@@ -139,9 +143,10 @@ def make_plan(
             )
         if per_layer is not None:
             env = CacheConfig(slots_per_layer=tuple(per_layer), policy=pol,
-                              decay=decay).to_env()
+                              decay=decay, wide=wide_mode).to_env()
         else:
-            env = CacheConfig(slots=size.slots, policy=pol, decay=decay).to_env()
+            env = CacheConfig(slots=size.slots, policy=pol, decay=decay,
+                              wide=wide_mode).to_env()
     planned = size.vllm_args()
     for flag, value in zip(planned[::2], planned[1::2]):
         given = flag_value(args, flag) if flag in _OWNED_FLAGS else None

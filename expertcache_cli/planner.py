@@ -201,14 +201,14 @@ def plan_trace(
             "per_layer_predicted_tok_s": 1000.0 / split_ms,
             "per_layer_misses_saved": int(split.saved),
             "serve_command": serve_command(serve_model, vram_gb, best, plan_file, use_split,
-                                           vllm_args or []),
+                                           vllm_args or [], wide),
         }
         if not use_split:
             notes.append("the per-layer split finds nothing better than the uniform budget")
     wide_rows = report.results["staged_steps"] + report.results["read_through_steps"]
     if wide is not Wide.IN_PLACE:
-        notes.append(f"wide steps are modelled {wide.value}: the plugin runs them in place "
-                     "today, so this predicts a path not yet served")
+        notes.append(f"wide steps are modelled {wide.value}, the path `serve --wide "
+                     f"{wide.value}` runs (EXPERT_CACHE_WIDE; not yet measured on a GPU)")
     elif int(wide_rows.max()) > 0:
         notes.append("some budgets read wide steps through the host in place (tokens x top_k "
                      "> slots); --wide staged-install predicts the staged path")
@@ -224,11 +224,14 @@ def plan_trace(
 
 
 def serve_command(model: str, vram_gb: float | None, best: dict[str, Any],
-                  plan_file: str | None, per_layer: bool, vllm_args: list[str]) -> str:
+                  plan_file: str | None, per_layer: bool, vllm_args: list[str],
+                  wide: Wide = Wide.IN_PLACE) -> str:
     """The `expertcache serve` line that deploys the recommendation."""
     import shlex
 
     vram = f" --vram {vram_gb:g}" if vram_gb else " --vram GiB"
+    if wide is not Wide.IN_PLACE:
+        vram += f" --wide {wide.value}"
     tail = f" -- {shlex.join(vllm_args)}" if vllm_args else ""
     if plan_file and per_layer:
         return f"expertcache serve {model}{vram} --plan {plan_file}{tail}"

@@ -170,6 +170,8 @@ class SizePlan:
     utilization_to_fit_outright: float | None
     aligned: bool
     notes: list[str] = field(default_factory=list)
+    wide: str = "in-place"  # what steps wider than the slots do (policy.Wide)
+    scratch_bytes: int = 0  # the staged modes' scratch: one layer's experts (0 in place)
 
     @property
     def shares_device(self) -> bool:
@@ -221,6 +223,7 @@ def plan(
     device_total_gib: float | None = None,
     tensor_parallel_size: int | None = None,
     vllm_quantization: str | None = None,
+    wide: str = "in-place",
 ) -> SizePlan:
     """Size the cache for ``model_spec`` on a ``vram_gb`` GiB card (docs/design.md, sizing).
 
@@ -242,7 +245,16 @@ def plan(
     ``tensor_parallel_size``: plan one GPU of that many (`ModelSize.per_rank`); ``vram_gb``
     is then each GPU's memory, and slots and ``--cpu-offload-gb`` are per GPU, as vLLM
     takes them.
+    ``wide``: staged modes (`policy.Wide`) keep a scratch of one layer's experts in VRAM
+    for steps wider than the slots; it comes out of the slots' room, and a full batch
+    wider than the slots is staged rather than a trap.
     """
+    from .policy import Wide
+
+    try:
+        wide_mode = Wide.parse(wide)
+    except ValueError as exc:
+        raise UserError(f"--wide: {exc}") from None
     _check_inputs(vram_gb=vram_gb, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, kv_tokens=kv_tokens,
                   overhead_gb=overhead_gb, gpu_memory_utilization=gpu_memory_utilization,
@@ -291,9 +303,13 @@ def plan(
     )
     resident_need = model.non_expert_bytes + kv_reserved + overhead
     slot_budget = budget - resident_need
-    per_slot = model.bytes_per_slot
-    max_slots = max(0, min(model.num_experts, slot_budget // per_slot)) if slot_budget > 0 else 0
     fits_outright = slot_budget >= model.expert_bytes
+    per_slot = model.bytes_per_slot
+    scratch = 0 if wide_mode is Wide.IN_PLACE else model.num_experts * model.bytes_per_expert
+    if fits_outright:
+        scratch = 0  # the scratch is the cache's, not needed without offload
+    slot_budget -= scratch
+    max_slots = max(0, min(model.num_experts, slot_budget // per_slot)) if slot_budget > 0 else 0
     # fitting outright is a question about the card (at most 0.99 of it), answered in
     # vLLM's terms: a fraction of the GPU it runs on
     need_card = (resident_need + model.expert_bytes) / (vram_gb * GiB)
@@ -355,11 +371,21 @@ def plan(
 
     widest = capture.padded_batch(max_num_seqs, max_num_batched_tokens, graphs)
     trap_ids = widest * k
-    trap = verdict == "cache" and trap_ids > planned
+    trap = verdict == "cache" and trap_ids > planned and not scratch
     safe = (capture.safe_max_num_seqs(planned, k, max_num_batched_tokens, graphs)
             if verdict == "cache" else 0)
     if trap:
         notes.append(rules.trap_text(max_num_seqs, widest, k, planned, safe, graphs.source))
+    if scratch and verdict in ("cache", "offload_no_cache"):
+        cost = scratch / per_slot
+        notes.append(
+            f"wide steps {wide_mode.value}: the scratch (one layer's {E} experts, "
+            f"{gib(scratch):.2f} GiB) costs {cost:.1f} slots a layer"
+            + (f"; a full batch ({trap_ids} ids > {planned} slots) is staged through it"
+               if verdict == "cache" and trap_ids > planned else "")
+            + ("; it leaves fewer than top_k slots: serve in place instead"
+               if verdict == "offload_no_cache" else
+               "; `plan --wide` prices the trade on your trace"))
     if not model.aligned:
         bad = [t.name for t in model.expert_tensors if not t.aligned]
         notes.append(f"per-expert tensors not a multiple of 16 bytes ({', '.join(bad)}): "
@@ -369,7 +395,7 @@ def plan(
         short = plan(model, vram_gb, 8192, max_num_seqs, gpu_memory_utilization,
                      max_num_batched_tokens=max_num_batched_tokens,
                      kv_cache_dtype=kv_cache_dtype, overhead_gb=overhead_gb, graphs=graphs,
-                     device_total_gib=device)
+                     device_total_gib=device, wide=wide_mode.value)
         if short.max_slots > max_slots or short.verdict != verdict:
             notes.append(
                 f"KV for one {max_model_len}-token sequence takes {gib(kv_reserved):.2f} GiB; "
@@ -415,6 +441,8 @@ def plan(
         utilization_to_fit_outright=util_fit,
         aligned=model.aligned,
         notes=notes,
+        wide=wide_mode.value,
+        scratch_bytes=scratch,
     )
 
 

@@ -42,6 +42,7 @@ class SlotCache:
         max_inserts: int | None = None,
         device: torch.device | int | None = None,
         name: str = "",
+        wide_inserts: int | None = None,
     ) -> None:
         import torch
 
@@ -107,6 +108,22 @@ class SlotCache:
             num_experts=E, num_slots=S, policy=code, decay=self.decay,
             max_distinct=S, max_inserts=self.max_inserts,
         )
+        #: wide steps (`step_wide`): the same state through a manager with no
+        #: max_distinct gate, installing at most ``wide_inserts`` misses (0: staged,
+        #: refresh only; the insert cap: staged-install); None: no wide steps
+        self.wide_inserts = None if wide_inserts is None else min(int(wide_inserts),
+                                                                  self.max_inserts)
+        self._manage_wide = None
+        if self.wide_inserts is not None:
+            self._manage_wide = binding.ManageLauncher(
+                kernels,
+                table=self.table.data_ptr(), slot_expert=self.slot_expert.data_ptr(),
+                prio=self.prio.data_ptr(), step=self.step_count.data_ptr(),
+                miss_expert=self.miss_expert.data_ptr(), miss_slot=self.miss_slot.data_ptr(),
+                miss_count=self.miss_count.data_ptr(), stats=self.stats.data_ptr(),
+                num_experts=E, num_slots=S, policy=code, decay=self.decay,
+                max_distinct=E, max_inserts=self.wide_inserts,
+            )
         self._gather = None
         if self.specs:
             self._gather = binding.GatherLauncher(
@@ -210,6 +227,24 @@ class SlotCache:
         if self._gather is not None:
             self._gather(srcs, stream)
         return out
+
+    def step_wide(self, topk_ids: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> None:
+        """A step too wide for the slots (docs/design.md, Wide steps): the manager with no
+        max_distinct gate (hits refreshed; up to ``wide_inserts`` misses installed and
+        gathered into slots), on torch's current stream, no synchronisation. The ids stay
+        in expert space: the caller stages the step through a `scratch.Scratch`."""
+        import torch
+
+        if self._manage_wide is None:
+            raise ValueError(f"{self._label()}built without wide steps (wide_inserts=None)")
+        if topk_ids.device != self.device or topk_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{self._label()}topk_ids must be int32/int64 on {self.device}")
+        srcs = [self._source_ptr(key, sources) for key in self.specs]
+        ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._manage_wide(ids.data_ptr(), ids.numel(), ids.dtype == torch.int64, 0, stream)
+        if self._gather is not None:
+            self._gather(srcs, stream)
 
     def state(self) -> dict:
         """Host copies of the state, the last miss list and the counters (syncs; tests)."""

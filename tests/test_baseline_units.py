@@ -348,11 +348,16 @@ def test_stats_line_parsing(tmp_path):
         "installs": 26330,
         "read_through_steps": 12,
         "read_through_decode_steps": None,  # a plugin older than the decode-width count
+        "staged_steps": None,  # no staged wide steps (EXPERT_CACHE_WIDE in-place)
+        "staged_fetched": None,
         "layers": 8,
         "final": False,
     }
     now = parse_stats_line(line.replace("steps=12 over", "steps=12 (decode-width 3) over"))
     assert now["read_through_steps"] == 12 and now["read_through_decode_steps"] == 3
+    staged = parse_stats_line(line.replace(
+        "steps=12 over", "steps=0 (decode-width 0) staged steps=96 (fetched 2113) over"))
+    assert (staged["staged_steps"], staged["staged_fetched"]) == (96, 2113)
     first = (
         "expertcache: live hit rate nan% since last report, nan% overall (requests=0 "
         "installs=0 read-through steps=0 over 8 layers)"

@@ -6,7 +6,7 @@ import pytest
 
 from expertcache_cli.config import ENV_VARS, CacheConfig, ConfigError, from_env
 from expertcache_cli.errors import UserError
-from expertcache_cli.policy import Policy
+from expertcache_cli.policy import Policy, Wide
 
 
 def test_empty_environment_gives_defaults():
@@ -58,6 +58,8 @@ def test_disable_accepts_the_usual_spellings():
         ({"EXPERT_CACHE_DISABLE": "maybe"}, "EXPERT_CACHE_DISABLE='maybe': expected 1 or 0"),
         ({"EXPERT_CACHE_LIB": "/nonexistent/lib.so"}, "no such file"),
         ({"EXPERT_CACHE_STATS": "often"}, "EXPERT_CACHE_STATS"),
+        ({"EXPERT_CACHE_WIDE": "sideways"},
+         "EXPERT_CACHE_WIDE='sideways': unknown wide-step mode 'sideways': choose from in-place"),
         ({"EXPERT_CACHE_TRACE": "/tmp/trace.txt"}, "must end in .npz"),
         ({"EXPERT_CACHE_TRACE": "/nonexistent-dir/t.npz"}, "does not exist"),
     ],
@@ -90,6 +92,7 @@ def test_every_variable_is_documented_in_the_readme():
     CacheConfig(), CacheConfig(disabled=True), CacheConfig(slots=89),
     CacheConfig(fraction=0.3), CacheConfig(slots=40, policy=Policy.LFU, decay=64),
     CacheConfig(fraction=0.125, stats_every=480, trace_path="run.npz"),
+    CacheConfig(slots=81, wide=Wide.STAGED_INSTALL), CacheConfig(slots=8, wide=Wide.STAGED),
 ])
 def test_to_env_is_what_from_env_reads_back(cfg, tmp_path, monkeypatch):
     """`serve` and `baseline` write the environment with to_env; the plugin reads it with

@@ -53,6 +53,22 @@ def test_sizing_trap_is_refused_unless_accepted():
     assert p.size.trap and "EXPERT_CACHE_SLOTS" in p.env
 
 
+def test_a_staged_wide_path_serves_full_batches_and_pays_for_its_scratch():
+    """--wide staged-install: no trap refusal (a full batch is staged, not bypassed), the
+    plugin is told the mode, and the scratch (one layer's 128 experts) costs slots."""
+    args = ["--max-num-seqs", "64", "--max-model-len", "8192"]
+    p = _plan(vllm_args=args, wide="staged-install")
+    s = p.size
+    assert not s.trap and p.env["EXPERT_CACHE_WIDE"] == "staged-install"
+    assert s.scratch_bytes == 128 * s.bytes_per_expert
+    in_place = _plan(vllm_args=args, allow_trap=True).size
+    assert s.slots == (in_place.slot_budget_bytes - s.scratch_bytes) // s.bytes_per_slot
+    assert s.slots < in_place.slots
+    assert any("staged through it" in n for n in p.notes)
+    with pytest.raises(UserError, match="--wide: unknown wide-step mode"):
+        _plan(vllm_args=args, wide="sideways")
+
+
 def test_model_that_fits_outright_runs_without_offload_and_cache_off():
     p = _plan(vram=141, vllm_args=["--max-model-len", "8192"])
     assert p.size.verdict == "fits_outright"

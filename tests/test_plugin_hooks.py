@@ -125,6 +125,7 @@ def test_the_kv_size_vllm_chose_is_logged_beside_the_slot_bytes(fresh, caplog):
         armed = ["a layer"]
         slot_bytes = 5 * 2**30
         weights_bytes = 6 * 2**30
+        scratch_bytes = 0
 
     fresh.setattr(plugin, "_arm_worker", lambda worker, cfg, version: Session())
     plugin.register()

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch", reason="no torch: the plugin runtime tests 
 from expertcache_cli.config import CacheConfig  # noqa: E402
 from expertcache_cli.plugin.arming import ARM, plan_layer  # noqa: E402
 from expertcache_cli.plugin.runtime import ArmedLayer, ArmError, patch_tile_lookup  # noqa: E402
-from expertcache_cli.policy import LayerCache, Policy  # noqa: E402
+from expertcache_cli.policy import LayerCache, Policy, Wide  # noqa: E402
 
 E, H, INTER, TOPK = 16, 8, 4, 2
 
@@ -45,9 +45,11 @@ patch_tile_lookup(TileLookup)
 class RefSlotCache:
     """`SlotCache`'s contract on the host, driven by the reference rules."""
 
-    def __init__(self, num_experts, num_slots, specs, *, policy="lru", decay=0, **_):
+    def __init__(self, num_experts, num_slots, specs, *, policy="lru", decay=0,
+                 wide_inserts=None, **_):
         self.ref = LayerCache(num_experts, num_slots, Policy.parse(policy), decay)
         self.num_slots = num_slots
+        self.wide_inserts = wide_inserts
         self.slots = {
             n: torch.zeros((num_slots, *shape), dtype=dt) for n, (shape, dt) in specs.items()
         }
@@ -70,6 +72,25 @@ class RefSlotCache:
         self.stats += torch.tensor([r.distinct, r.miss_count])
         self.steps += 1
         return torch.from_numpy(self.ref.remap(ids)).to(topk_ids.dtype)
+
+    @property
+    def table(self):
+        return torch.from_numpy(self.ref.table)
+
+    def step_wide(self, topk_ids, sources):
+        """The kernel's wide manager: no max_distinct gate, at most wide_inserts installs."""
+        ref = self.ref
+        gate, cap = ref.max_distinct, ref.max_inserts
+        ref.max_distinct, ref.max_inserts = ref.num_experts, self.wide_inserts
+        try:
+            r = ref.step(topk_ids.numpy())
+        finally:
+            ref.max_distinct, ref.max_inserts = gate, cap
+        for e, s in r.misses:
+            for n, buf in self.slots.items():
+                buf[s] = sources[n][e]
+        self.stats += torch.tensor([r.distinct, r.miss_count])
+        self.wide_steps = getattr(self, "wide_steps", 0) + 1
 
 
 @dataclass
@@ -134,12 +155,17 @@ class Experts(torch.nn.Module):
         return out
 
 
-def _arm(layer, slots=6, recorder=None):
+def _arm(layer, slots=6, recorder=None, wide_inserts=None):
     d = plan_layer(layer, CacheConfig(slots=slots))
     assert d.action == ARM, d.reason
-    cache = RefSlotCache(d.num_experts, d.num_slots,
-                         {s.name: (s.shape, s.dtype) for s in d.specs})
-    armed = ArmedLayer(layer, d, cache, index=0, recorder=recorder)
+    specs = {s.name: (s.shape, s.dtype) for s in d.specs}
+    cache = RefSlotCache(d.num_experts, d.num_slots, specs, wide_inserts=wide_inserts)
+    scratch = None
+    if wide_inserts is not None:
+        from expertcache_cli.scratch import Scratch, torch_copiers
+
+        scratch = Scratch(d.num_experts, specs, "cpu", copier=torch_copiers)
+    armed = ArmedLayer(layer, d, cache, index=0, recorder=recorder, scratch=scratch)
     armed.install()
     return armed
 
@@ -562,3 +588,95 @@ def test_per_layer_budgets_arm_each_layer_with_its_own_slots(monkeypatch, caplog
     assert sess.slot_bytes == (6 + 4) * sess.armed[0].decision.slot_bytes // 6
     wrong = arm_model(_ThreeLayers(), from_env({"EXPERT_CACHE_SLOTS": "6,5"}), "0.26.0")
     assert wrong.armed == [] and "lists 2 per-layer budgets for 3 MoE layers" in caplog.text
+
+
+@pytest.mark.parametrize("wide", [Wide.STAGED, Wide.STAGED_INSTALL])
+def test_wide_steps_staged_through_the_scratch_equal_the_stock_path(wide):
+    """Narrow and wide steps mixed: every output equals the stock (in-place) path bit for
+    bit; wide steps run on the scratch with the ids unchanged and the full expert count
+    for the tiles; the cache follows the reference's wide-step rules; the counters say
+    how many experts the scratch fetched from host."""
+    stock, cached = Experts(seed=3), Experts(seed=3)
+    TileLookup.seen.clear()
+    armed = _arm(cached, slots=6, wide_inserts=0 if wide is Wide.STAGED else 6)
+    ref = LayerCache(E, 6, Policy.LRU, wide=wide)
+    full_ptr = cached.w13_weight.data_ptr()
+    scratch_ptr = armed.scratch.buffers["w13_weight"].data_ptr()
+    rng = np.random.default_rng(4)
+    fetched = wide_steps = 0
+    for step in range(50):
+        tokens = 1 if step % 3 else 5  # 5 tokens x top-2 = 10 ids > 6 slots: a wide step
+        x = torch.randn(tokens, H)
+        ids, w = _routing(rng, tokens)
+        want = stock.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+        got = cached.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        r = ref.forward(ids.numpy())
+        fetched += r.staged_ids
+        wide_steps += r.staged
+        assert np.array_equal(armed.cache.ref.table, ref.table), step
+        assert cached.w13_weight.data_ptr() == full_ptr
+    assert int(armed.read_through) == 0
+    assert int(armed.staged) == wide_steps == 17
+    assert int(armed.staged_fetched) == fetched > 0
+    assert cached.weights_seen.count(scratch_ptr) == wide_steps
+    assert set(TileLookup.seen) == {E}
+    assert armed.scratch_quant_config.w13_bias.data_ptr() == (
+        armed.scratch.buffers["w13_bias"].data_ptr())
+
+
+def test_a_failing_staged_step_falls_back_to_the_stock_path_and_disarms(caplog):
+    stock, cached = Experts(seed=2), Experts(seed=2)
+    armed = _arm(cached, slots=6, wide_inserts=6)
+
+    def boom(*a, **k):
+        raise RuntimeError("scratch exploded")
+
+    armed.scratch.stage = boom
+    x = torch.randn(5, H)
+    ids, w = _routing(np.random.default_rng(1), 5)
+    got = cached.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    torch.testing.assert_close(got, stock.forward_modular(x=x, topk_weights=w, topk_ids=ids),
+                               rtol=0, atol=0)
+    assert "staged wide step failed (RuntimeError: scratch exploded)" in caplog.text
+    assert "forward_modular" not in cached.__dict__  # disarmed: the stock method again
+
+
+def test_the_wide_step_scratch_is_shared_planned_and_announced(monkeypatch, caplog):
+    """EXPERT_CACHE_WIDE=staged-install: one scratch for the two same-shaped layers, its
+    bytes (every expert of one layer) join the slots in vLLM's memory plan, the startup
+    and memory lines say so, and the sizing trap is no longer a silent bypass."""
+    import expertcache_cli.plugin as plugin
+    import expertcache_cli.scratch as scratch_mod
+    import expertcache_cli.slotcache as slotcache_mod
+    from expertcache_cli.plugin import session as session_mod
+    from expertcache_cli.plugin.arming import summary_line
+
+    monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
+    monkeypatch.setattr(scratch_mod, "cuda_copiers", scratch_mod.torch_copiers)
+    monkeypatch.setattr(session_mod, "_SESSIONS", [])
+    _fake_vllm_layout(monkeypatch)
+    worker = _worker(_ThreeLayers(), weights=1000)
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    cfg = CacheConfig(slots=6, wide=Wide.STAGED_INSTALL)
+    sess = plugin._arm_worker(worker, cfg, "0.26.0")
+    a, b = sess.armed
+    assert a.scratch is b.scratch and a.cache.wide_inserts == 6
+    per_expert = (2 * INTER * H + H * INTER + 2 * INTER + H) * 4
+    assert sess.scratch_bytes == E * per_expert == a.scratch.nbytes
+    assert worker.model_runner.model_memory_usage == 1000 + 2 * 6 * per_expert + E * per_expert
+    assert "wide steps staged-install through a 0.00 GiB scratch" in caplog.text
+    plugin._log_memory_plan(worker, sess, 2**30)
+    assert "GiB of slots and 0.00 GiB of wide-step scratch counted as weights" in caplog.text
+    line = summary_line(sess.decisions, cfg, "0.26.0", max_num_seqs=8, capture_sizes=[1, 2, 4, 8])
+    assert "TRAP" not in line and "full batches (8 x 2 ids > 6 slots) are staged" in line
+    in_place = summary_line(sess.decisions, CacheConfig(slots=6), "0.26.0", max_num_seqs=8,
+                            capture_sizes=[1, 2, 4, 8])
+    assert "TRAP" in in_place
+    # a wide step through the shared scratch, then the counters line says what it fetched
+    rng = np.random.default_rng(2)
+    ids, w = _routing(rng, 5)
+    worker.model_runner.get_model().layers[0].experts.forward_modular(
+        x=torch.randn(5, H), topk_weights=w, topk_ids=ids)
+    sess.report()
+    assert "staged steps=1 (fetched " in caplog.text

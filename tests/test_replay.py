@@ -102,7 +102,7 @@ def test_wide_modes_and_a_rebatched_trace_as_the_user_sees_them():
     assert staged["misses"] == inplace["misses"] == inplace["requests"]
     assert install["misses"] < 0.5 * inplace["misses"]
     text = cli("replay", "--batch", "16", "--slots", "64", "--wide", "staged-install").stdout
-    assert "staged-install layer-steps" in text and "does not run yet" in text
+    assert "staged-install layer-steps" in text and "EXPERT_CACHE_WIDE=staged-install" in text
 
 
 def test_bytes_and_transfer_time(tmp_path):
@@ -162,7 +162,8 @@ def test_decay_and_insert_cap_change_lfu():
         (("replay", "--policy", "mru"), "unknown policy 'mru'"),
         (("replay", "--device", "tpu"), "--device must be cpu or cuda"),
         (("replay", "--wide", "sideways"), "--wide: unknown wide-step mode 'sideways'"),
-        (("replay", "--wide", "staged", "--device", "cuda"), "--device cuda replays in-place"),
+        (("replay", "--wide", "staged", "--device", "cuda"),
+         "--device cuda replays the manager's in-place"),
         (("replay", "--batch", "0"), "--batch must be >= 1"),
         (("replay", str(TRACES / "demo-qwen3-30b-a3b-batch4.npz"), "--batch", "2"),
          "no single-token (decode) step"),

@@ -7,7 +7,9 @@ and once more at shutdown (`expertcache_cli/plugin/session.py`, ``Session.report
     installs=26330 read-through steps=12 (decode-width 0) over 8 layers)
 
 (the decode-width count, read-through steps no wider than a full decode batch, is new in
-the plugin's counters line since 2026-12; older lines still parse, with that count None)
+the plugin's counters line since 2026-12; older lines still parse, with that count None;
+with ``EXPERT_CACHE_WIDE`` staged, `` staged steps=N (fetched M)`` follows it, and the hit
+rate counts the M scratch fetches as misses)
 
 This module is the one place that knows that line's shape, so a change of format is one
 edit here (tests/test_baseline_units.py pins it). The latest line in a log is the
@@ -26,6 +28,7 @@ STATS_LINE_RE = re.compile(
     r"expertcache: (?P<when>live|final) hit rate (?P<window>nan|[-\d.]+)% since last report, "
     r"(?P<overall>nan|[-\d.]+)% overall \(requests=(?P<requests>\d+) installs=(?P<installs>\d+)"
     r" read-through steps=(?P<read_through>\d+)(?: \(decode-width (?P<decode>\d+)\))?"
+    r"(?: staged steps=(?P<staged>\d+) \(fetched (?P<fetched>\d+)\))?"
     r" over (?P<layers>\d+) layers\)"
 )
 
@@ -50,6 +53,8 @@ def parse_stats_line(line: str) -> dict[str, float | int | str | None] | None:
         "installs": int(m.group("installs")),
         "read_through_steps": int(m.group("read_through")),
         "read_through_decode_steps": None if m.group("decode") is None else int(m.group("decode")),
+        "staged_steps": None if m.group("staged") is None else int(m.group("staged")),
+        "staged_fetched": None if m.group("fetched") is None else int(m.group("fetched")),
         "layers": int(m.group("layers")),
         "final": m.group("when") == "final",
     }

@@ -129,7 +129,9 @@ def register(app: typer.Typer) -> None:
         if vram is not None:
             if m is None:
                 raise UserError("--vram needs --model (what to put on the card)")
-            fits_upto = sizing.plan(m, vram, **plan_kwargs_from_vllm_args(vllm_args)).max_slots
+            # a staged mode's scratch comes out of the slots' room, as `size --wide` says
+            fits_upto = sizing.plan(m, vram, wide=mode.value,
+                                    **plan_kwargs_from_vllm_args(vllm_args)).max_slots
         link, link_src = _link(link_gbps, probe_file, model)
         res, res_src = _resident(resident_tok_s, baseline)
         inputs = planner.Inputs(per_expert, bytes_src, link, link_src, res, res_src)

@@ -142,8 +142,8 @@ def replay_command(
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and mode is not Wide.IN_PLACE:
-        raise UserError(f"--wide {mode.value} is a model of a path the kernels do not run "
-                        "yet: --device cuda replays in-place only")
+        raise UserError(f"--wide {mode.value}: --device cuda replays the manager's in-place "
+                        "rules only (the staged ones are checked by the plugin's device tests)")
     if csv is not None:
         csv = check_output(csv, "--csv")
     if device == "cuda":
@@ -273,8 +273,8 @@ def _print_results(path: Path, trace: Trace, report, link_gbps: float | None,
         )
     if mode is not Wide.IN_PLACE:
         console.print(
-            f"wide steps modelled as {mode.value}: a path the plugin does not run yet (it reads "
-            "wide steps in place); compare with --wide in-place")
+            f"wide steps modelled as {mode.value} (the plugin's EXPERT_CACHE_WIDE="
+            f"{mode.value}); compare with --wide in-place, the default")
 
 
 def _print_per_layer(trace: Trace, report) -> None:

@@ -39,6 +39,9 @@ def register(app: typer.Typer) -> None:
             False, help="serve even when a full batch would bypass the cache (sizing trap)"
         ),
         dry_run: bool = typer.Option(False, help="print the plan and the command, run nothing"),
+        wide: str = typer.Option(
+            "in-place", "--wide", help="steps wider than the slots: in-place, or staged / "
+            "staged-install through a VRAM scratch (EXPERT_CACHE_WIDE; sized with the slots)"),
     ) -> None:
         """Launch `vllm serve MODEL` with experts offloaded and the slot cache sized and armed."""
         from ..gpu_info import device_total_gib
@@ -47,7 +50,7 @@ def register(app: typer.Typer) -> None:
         plan = make_plan(
             model, vram, slots=slots, fraction=fraction, policy=policy, decay=decay,
             size_from=size_from, allow_trap=allow_trap, vllm_args=passthrough_args(ctx.args),
-            device_total_gib=device_total_gib(), plan_file=plan_file,
+            device_total_gib=device_total_gib(), plan_file=plan_file, wide=wide,
         )
         s = plan.size
         console.print(f"[bold]expertcache serve[/]: {s.model} on {s.vram_gib:g} GiB: "

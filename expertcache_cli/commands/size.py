@@ -72,6 +72,9 @@ def _plan_table(p: sizing.SizePlan) -> Table:
         f"{_gib(p.overhead_bytes)} (max_num_seqs {p.max_num_seqs}, "
         f"batched tokens {p.max_num_batched_tokens})",
     )
+    if p.scratch_bytes:
+        t.add_row("  - wide-step scratch", f"{_gib(p.scratch_bytes)} (one layer's "
+                  f"{p.num_experts} experts, --wide {p.wide})")
     t.add_row("  = for expert slots", _gib(p.slot_budget_bytes))
     colour = {"fits_outright": "green", "cache": "cyan", "offload_no_cache": "yellow",
               "does_not_fit": "red"}[p.verdict]
@@ -158,6 +161,9 @@ def register(app: typer.Typer) -> None:
         fraction: float = typer.Option(None, help="force this fraction of the experts as slots"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
         list_models: bool = typer.Option(False, "--list", help="list the built-in presets"),
+        wide: str = typer.Option(
+            "in-place", "--wide", help="steps wider than the slots: in-place, or staged / "
+            "staged-install through a scratch of one layer's experts (sized here)"),
     ) -> None:
         """Slots that fit on a card, the --cpu-offload-gb for vLLM, and the sizing trap."""
         if list_models:
@@ -189,7 +195,7 @@ def register(app: typer.Typer) -> None:
             m = model_size.load_model(Path(model) if Path(model).exists() else model, online)
             m.notes.append(sizing.online_note(common["vllm_quantization"], online))
         common.update(slots=slots, fraction=fraction, kv_tokens=kv_tokens,
-                      overhead_gb=overhead_gb)
+                      overhead_gb=overhead_gb, wide=wide)
         if vram is None:
             rows = [(label, sizing.plan(m, v, **common)) for label, v in sizing.COMMON_CARDS]
             if as_json:

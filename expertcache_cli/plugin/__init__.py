@@ -248,7 +248,7 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
         log.exception("expertcache: arming failed (%s); serving on the stock path", exc)
         return None
     if session.armed:  # (refused accounting declined every layer: nothing to count)
-        session.weights_bytes = memory.count_as_weights(worker, session.slot_bytes)
+        session.weights_bytes = memory.count_as_weights(worker, session.cache_bytes)
     register_session(session)
     return session
 
@@ -284,4 +284,5 @@ def _log_memory_plan(worker: Any, session: Any, kv_bytes: Any) -> None:
     kv = kv_bytes if isinstance(kv_bytes, int) and not isinstance(kv_bytes, bool) else None
     if kv is None:
         kv = getattr(worker, "available_kv_cache_memory_bytes", None)
-    log.info("%s", memory.kv_line(session.slot_bytes, session.weights_bytes, kv, bool(explicit)))
+    log.info("%s", memory.kv_line(session.slot_bytes, session.weights_bytes, kv, bool(explicit),
+                                  session.scratch_bytes))

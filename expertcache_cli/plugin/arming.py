@@ -223,6 +223,7 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
 def summary_line(
     decisions: list[Decision], cfg: CacheConfig, vllm_version: str, max_num_seqs: int | None = None,
     capture_sizes: list[int] | None = None,
+    scratch_bytes: int = 0,
 ) -> str:
     """The one startup line: what is armed, on how many layers, budget, policy, tensors.
 
@@ -257,6 +258,10 @@ def summary_line(
         f"policy {policy}",
         f"mirrored {tensors}",
     ]
+    staged = cfg.wide.value != "in-place"
+    if staged:
+        parts.append(f"wide steps {cfg.wide.value} through a {scratch_bytes / 2**30:.2f} GiB "
+                     "scratch")
     if skipped:
         parts.append(f"{len(skipped)} resident layer(s) not armed")
     if declined:
@@ -268,7 +273,10 @@ def summary_line(
         sizes = list(capture_sizes or [])
         k, slots = first.top_k, min(counts)  # the narrowest layer reads through first
         widest = padded(max_num_seqs, sizes)
-        if widest * k > slots:
+        if widest * k > slots and staged:
+            parts.append(f"full batches ({widest} x {k} ids > {slots} slots) are staged "
+                         "through the scratch")
+        elif widest * k > slots:
             safe = safe_for_sizes(slots, k, sizes)
             parts.append("TRAP: " + trap_text(max_num_seqs, widest, k, slots, safe,
                                               "vLLM's capture sizes").removeprefix(

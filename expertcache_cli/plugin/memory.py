@@ -56,12 +56,15 @@ def explicit_kv_bytes(worker: Any) -> int | None:
     return int(value) if value else None
 
 
-def kv_line(slot_bytes: int, weights_bytes: int, kv_bytes: int | None, explicit: bool) -> str:
-    """The memory line after vLLM sized its KV cache: slots, weights, and the KV it chose."""
-    head = (
-        f"expertcache: memory plan: {slot_bytes / GiB:.2f} GiB of slots counted as weights "
-        f"({weights_bytes / GiB:.2f} GiB in all)"
-    )
+def kv_line(slot_bytes: int, weights_bytes: int, kv_bytes: int | None, explicit: bool,
+            scratch_bytes: int = 0) -> str:
+    """The memory line after vLLM sized its KV cache: slots (and the wide-step scratch),
+    weights, and the KV it chose."""
+    what = f"{slot_bytes / GiB:.2f} GiB of slots"
+    if scratch_bytes:
+        what += f" and {scratch_bytes / GiB:.2f} GiB of wide-step scratch"
+    head = (f"expertcache: memory plan: {what} counted as weights "
+            f"({weights_bytes / GiB:.2f} GiB in all)")
     if kv_bytes is None:
         return head + "; vLLM reported no KV cache size"
     if explicit:

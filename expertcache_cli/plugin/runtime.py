@@ -5,7 +5,11 @@ For every armed `RoutedExperts` the plugin replaces the instance's ``forward_mod
 `ArmedLayer.forward_modular`:
 
 - a step carrying more ids than slots (``tokens x top_k > S``: prefill, big batches)
-  goes to the stock method untouched: it reads the host copies in place;
+  goes to the stock method untouched (it reads the host copies in place), or, with a
+  scratch (``EXPERT_CACHE_WIDE=staged|staged-install``), `SlotCache.step_wide` updates
+  the cache, `scratch.Scratch.stage` copies the step's routed experts into the scratch
+  (hits from slots, the rest from host, each once) and the stock method runs on the
+  scratch with the ids unchanged;
 - otherwise `SlotCache.step` installs the missing experts into slots and returns the
   ids in slot space; for the duration of the stock call the layer's per-expert
   parameters are the slot buffers and the kernel's quant config is the one the quant
@@ -139,6 +143,7 @@ class ArmedLayer:
         index: int,
         recorder: Any | None = None,
         decode_tokens: int | None = None,
+        scratch: Any | None = None,
     ) -> None:
         import torch
 
@@ -162,16 +167,31 @@ class ArmedLayer:
         self.decode_tokens = decode_tokens
         self.read_through_decode = torch.zeros(1, dtype=torch.int64, device=dev)
         self._stock: Callable[..., Any] = layer.forward_modular
-        self.slot_quant_config = self._build_slot_quant_config()
+        self.slot_quant_config = self._build_quant_config(self.slot_params, "slot buffers")
+        #: wide steps staged through a scratch shared with other layers (None: in place)
+        self.scratch = scratch
+        self.scratch_params: dict[str, Any] = {}
+        self.scratch_quant_config = None
+        #: device counters: wide steps staged, experts they fetched from host
+        self.staged = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.staged_fetched = torch.zeros(1, dtype=torch.int64, device=dev)
+        if scratch is not None:
+            self.scratch_params = {
+                n: torch.nn.Parameter(scratch.buffers[n], requires_grad=False)
+                for n in self.names
+            }
+            self.scratch_quant_config = self._build_quant_config(self.scratch_params,
+                                                                 "the scratch")
         self._failed = False
         self._padding = padding_mask_reader()
 
     # -- rebinding ---------------------------------------------------------------
-    def _swap_in(self) -> dict[str, Any]:
+    def _swap_in(self, bound: dict[str, Any] | None = None) -> dict[str, Any]:
         params = self.layer._parameters
+        bound = self.slot_params if bound is None else bound
         saved = {n: params[n] for n in self.names}
         for n in self.names:
-            params[n] = self.slot_params[n]
+            params[n] = bound[n]
         return saved
 
     def _swap_out(self, saved: dict[str, Any]) -> None:
@@ -182,21 +202,23 @@ class ArmedLayer:
     def _experts(self) -> Any:
         return self.layer.quant_method.moe_kernel.fused_experts
 
-    def _build_slot_quant_config(self) -> Any:
-        """The quant method's own config, rebuilt while the layer holds the slot buffers.
+    def _build_quant_config(self, bound: dict[str, Any], what: str) -> Any:
+        """The quant method's own config, rebuilt while the layer holds ``bound`` (the slot
+        buffers, or the scratch).
 
         Refused when anything per-expert in it still points at full (host) storage:
-        that tensor would be indexed by slot ids and read the wrong expert.
+        that tensor would be indexed by slot ids and read the wrong expert (and, for the
+        scratch, read host memory in place, the very thing staging avoids).
         """
         qm = self.layer.quant_method
         full_ptrs = {self.layer._parameters[n].data_ptr() for n in self.names}
-        slot_ptrs = {p.data_ptr() for p in self.slot_params.values()}
-        saved = self._swap_in()
+        slot_ptrs = {p.data_ptr() for p in bound.values()}
+        saved = self._swap_in(bound)
         try:
             qc = qm.get_fused_moe_quant_config(self.layer)
         except Exception as exc:
             raise ArmError(
-                f"{type(qm).__name__}.get_fused_moe_quant_config failed on slot buffers "
+                f"{type(qm).__name__}.get_fused_moe_quant_config failed on {what} "
                 f"({exc.__class__.__name__}: {exc})"
             ) from exc
         finally:
@@ -249,7 +271,10 @@ class ArmedLayer:
         ids = topk_ids if pad is None else torch.where(pad.unsqueeze(1), -1, topk_ids)
         if self.recorder is not None:
             self.recorder.record(self.index, ids)
-        if self._failed or not self.cache.fits(topk_ids.numel()):
+        wide = not self.cache.fits(topk_ids.numel())
+        if wide and self.scratch is not None and not self._failed:
+            return self._staged(ids, topk_ids, stock)
+        if self._failed or wide:
             self.read_through.add_(1)
             if self.decode_tokens is not None and topk_ids.shape[0] <= self.decode_tokens:
                 self.read_through_decode.add_(1)
@@ -267,16 +292,45 @@ class ArmedLayer:
             )
             self.uninstall()
             return stock(topk_ids)
+        return self._bound_call(stock, slot_ids, self.slot_params, self.slot_quant_config,
+                                self.decision.num_experts)
+
+    def _staged(self, ids: Any, topk_ids: Any, stock: Callable[[Any], Any]) -> Any:
+        """A wide step through the scratch (module docstring); the stock path on failure."""
+        params = self.layer._parameters
+        try:
+            sources = {n: params[n] for n in self.names}
+            self.cache.step_wide(ids, sources)
+            self.scratch.stage(ids, self.cache.table, self.cache.slots, sources)
+            self.staged.add_(1)
+            self.staged_fetched.add_(self.scratch.counts[1])
+        except Exception as exc:  # refuse at the first call, never break serving
+            self._failed = True
+            log.error(
+                "expertcache: %s: staged wide step failed (%s: %s); layer back on the stock "
+                "path", self.decision.layer_name, exc.__class__.__name__, exc,
+            )
+            self.uninstall()
+            return stock(topk_ids)
+        # the scratch is indexed by expert id: the ids (padded rows too) go in unchanged,
+        # and the tile lookup sees the real expert count without help
+        return self._bound_call(stock, topk_ids, self.scratch_params, self.scratch_quant_config,
+                                None)
+
+    def _bound_call(self, stock: Callable[[Any], Any], ids: Any, bound: dict[str, Any],
+                    quant_config: Any, tile_experts: int | None) -> Any:
+        """The stock call with the layer's per-expert tensors and quant config bound to
+        ``bound`` for exactly its duration."""
         qm = self.layer.quant_method
         experts = self._experts()
         old_qc, old_mqc = experts.quant_config, qm.moe_quant_config
-        saved = self._swap_in()
-        _TILE_EXPERTS.value = self.decision.num_experts
+        saved = self._swap_in(bound)
+        _TILE_EXPERTS.value = tile_experts
         try:
-            if self.slot_quant_config is not None:
-                experts.quant_config = self.slot_quant_config
-                qm.moe_quant_config = self.slot_quant_config
-            return stock(slot_ids)
+            if quant_config is not None:
+                experts.quant_config = quant_config
+                qm.moe_quant_config = quant_config
+            return stock(ids)
         finally:
             _TILE_EXPERTS.value = None
             self._swap_out(saved)

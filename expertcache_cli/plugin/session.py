@@ -61,6 +61,17 @@ class Session:
         """VRAM the slot buffers of the armed layers take (declined layers take none)."""
         return sum(a.decision.slot_bytes for a in self.armed)
 
+    @property
+    def scratch_bytes(self) -> int:
+        """VRAM of the wide-step scratches (one per distinct layer shape; 0 in place)."""
+        seen = {id(a.scratch): a.scratch.nbytes for a in self.armed if a.scratch is not None}
+        return sum(seen.values())
+
+    @property
+    def cache_bytes(self) -> int:
+        """Everything the cache adds to VRAM: what joins the weights in vLLM's plan."""
+        return self.slot_bytes + self.scratch_bytes
+
     # -- counters ------------------------------------------------------------------
     def totals(self) -> dict[str, Any]:
         """Live counters summed over armed layers, and per layer (syncs)."""
@@ -68,20 +79,26 @@ class Session:
 
         if not self.armed:
             return {"requests": 0, "installs": 0, "read_through_steps": 0,
-                    "read_through_decode_steps": 0, "layers": []}
+                    "read_through_decode_steps": 0, "staged_steps": 0, "staged_fetched": 0,
+                    "layers": []}
         stats = torch.stack([a.cache.stats for a in self.armed]).cpu().tolist()
         rts = torch.cat([a.read_through for a in self.armed]).cpu().tolist()
         rtd = torch.cat([a.read_through_decode for a in self.armed]).cpu().tolist()
+        stg = torch.cat([a.staged for a in self.armed]).cpu().tolist()
+        fet = torch.cat([a.staged_fetched for a in self.armed]).cpu().tolist()
         layers = [
             {"layer": a.decision.layer_name, "requests": s[0], "installs": s[1],
-             "read_through_steps": r, "read_through_decode_steps": d}
-            for a, s, r, d in zip(self.armed, stats, rts, rtd)
+             "read_through_steps": r, "read_through_decode_steps": d, "staged_steps": g,
+             "staged_fetched": f}
+            for a, s, r, d, g, f in zip(self.armed, stats, rts, rtd, stg, fet)
         ]
         return {
             "requests": sum(s[0] for s in stats),
             "installs": sum(s[1] for s in stats),
             "read_through_steps": sum(rts),
             "read_through_decode_steps": sum(rtd),
+            "staged_steps": sum(stg),
+            "staged_fetched": sum(fet),
             "slots": self.armed[0].decision.num_slots,
             "slots_per_layer": [a.decision.num_slots for a in self.armed],
             "num_experts": self.armed[0].decision.num_experts,
@@ -93,15 +110,20 @@ class Session:
     def report(self, final: bool = False) -> None:
         t = self.totals()
         req, ins = t["requests"], t["installs"]
-        d_req, d_ins = req - self._last[0], ins - self._last[1]
-        self._last = (req, ins)
-        hit = 100.0 * (1 - ins / req) if req else float("nan")
-        win = 100.0 * (1 - d_ins / d_req) if d_req else float("nan")
+        # experts a staged wide step fetched into the scratch were misses too
+        miss = ins + t["staged_fetched"]
+        d_req, d_miss = req - self._last[0], miss - self._last[1]
+        self._last = (req, miss)
+        hit = 100.0 * (1 - miss / req) if req else float("nan")
+        win = 100.0 * (1 - d_miss / d_req) if d_req else float("nan")
+        staged = (f" staged steps={t['staged_steps']} (fetched {t['staged_fetched']})"
+                  if self.cfg.wide.value != "in-place" else "")
         log.info(
             "expertcache: %s hit rate %.2f%% since last report, %.2f%% overall "
-            "(requests=%d installs=%d read-through steps=%d (decode-width %d) over %d layers)",
+            "(requests=%d installs=%d read-through steps=%d (decode-width %d)%s over %d "
+            "layers)",
             "final" if final else "live", win, hit, req, ins, t["read_through_steps"],
-            t["read_through_decode_steps"], len(self.armed),
+            t["read_through_decode_steps"], staged, len(self.armed),
         )
 
     def invalidate(self, why: str) -> None:
@@ -186,9 +208,11 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
             d.action, d.reason = DECLINE, refusal
     decode_tokens = padded(max_num_seqs, capture_sizes or []) if max_num_seqs else None
     armed: list[ArmedLayer] = []
+    scratches: dict[tuple, Any] = {}
     for decision, module in ((d, m) for d, (_, m) in zip(decisions, layers) if d.action == ARM):
         try:
-            armed.append(_arm_one(module, decision, cfg, len(armed), decode_tokens))
+            scratch = _scratch_for(module, decision, cfg, scratches)
+            armed.append(_arm_one(module, decision, cfg, len(armed), decode_tokens, scratch))
         except Exception as exc:
             decision.action = DECLINE
             decision.reason = f"arming failed: {exc.__class__.__name__}: {exc}"
@@ -205,8 +229,29 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     for d in decisions:
         if d.action == DECLINE:
             log.warning("expertcache: %s not armed: %s", d.layer_name, d.reason)
-    log.info("%s", summary_line(decisions, cfg, vllm_version, max_num_seqs, capture_sizes))
-    return Session(cfg, decisions, armed, recorder)
+    session = Session(cfg, decisions, armed, recorder)
+    log.info("%s", summary_line(decisions, cfg, vllm_version, max_num_seqs, capture_sizes,
+                                session.scratch_bytes))
+    return session
+
+
+def _scratch_for(module: Any, decision: Decision, cfg: CacheConfig,
+                 scratches: dict[tuple, Any]) -> Any:
+    """The wide-step scratch this layer shares with the layers shaped like it (None in
+    place). One is built per shape: layers run one after another on one stream."""
+    from ..policy import Wide
+
+    if cfg.wide is Wide.IN_PLACE:
+        return None
+    from ..scratch import Scratch, scratch_key
+
+    specs = {s.name: (s.shape, s.dtype) for s in decision.specs}
+    key = scratch_key(decision.num_experts, specs)
+    if key not in scratches:
+        # on the device of the layer's experts, as its SlotCache
+        scratches[key] = Scratch(decision.num_experts, specs,
+                                 module._parameters[decision.specs[0].name].device)
+    return scratches[key]
 
 
 def _make_recorder(armed: list[ArmedLayer], model_name: str | None, path: str) -> Any:
@@ -264,8 +309,13 @@ def _with_trace(cfg: CacheConfig, path: str) -> CacheConfig:
 
 
 def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
-             decode_tokens: int | None = None) -> ArmedLayer:
+             decode_tokens: int | None = None, scratch: Any | None = None) -> ArmedLayer:
+    from ..policy import Wide
     from ..slotcache import SlotCache
+
+    # staged: wide steps refresh hits and install nothing; staged-install: up to the cap
+    wide_inserts = None if scratch is None else (
+        0 if cfg.wide is Wide.STAGED else decision.num_slots)
 
     # a bare "cuda" device (no index) is resolved to the current one by SlotCache
     cache = SlotCache(
@@ -276,8 +326,10 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
         decay=cfg.decay,
         device=module._parameters[decision.specs[0].name].device,
         name=decision.layer_name,
+        wide_inserts=wide_inserts,
     )
-    armed = ArmedLayer(module, decision, cache, index=index, decode_tokens=decode_tokens)
+    armed = ArmedLayer(module, decision, cache, index=index, decode_tokens=decode_tokens,
+                       scratch=scratch)
     armed.install()
     return armed
 
