@@ -47,7 +47,18 @@ def test_parse_arms_kinds_and_env():
     assert off.env()["EXPERT_CACHE_STATS"] is None and "EXPERT_CACHE_LIB" not in off.env()
 
 
-@pytest.mark.parametrize("bad", ["", "cache", "cache:0", "cache:x", "resident,resident", "gpu"])
+def test_a_cache_arm_can_stage_wide_steps():
+    staged = parse_arm("cache:64:lru:staged-install")
+    assert (staged.slots, staged.policy, staged.wide) == (64, "lru", "staged-install")
+    assert staged.env()["EXPERT_CACHE_WIDE"] == "staged-install"
+    assert parse_arm("cache:64:staged").env()["EXPERT_CACHE_WIDE"] == "staged"
+    # in place is the plugin's default: stated by leaving the variable out (and removed
+    # if inherited, so an inherited WIDE cannot turn an in-place arm into a staged one)
+    assert parse_arm("cache:64").env()["EXPERT_CACHE_WIDE"] is None
+
+
+@pytest.mark.parametrize("bad", ["", "cache", "cache:0", "cache:x", "resident,resident", "gpu",
+                                 "cache:8:sideways", "cache:8:staged:lru"])
 def test_parse_arms_rejects(bad):
     with pytest.raises(UserError):
         parse_arms(bad)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from .. import config
 from ..config import CacheConfig
 from ..errors import UserError
-from ..policy import Policy
+from ..policy import Policy, Wide
 
-_CACHE_RE = re.compile(r"^cache:(\d+)(?::(lru|lfu))?$")
+_CACHE_RE = re.compile(r"^cache:(\d+)(?::(lru|lfu))?(?::(in-place|staged|staged-install))?$")
 
 
 @dataclass(frozen=True)
@@ -23,13 +23,15 @@ class Arm:
 
     kind: ``resident`` (stock vLLM, every expert in VRAM), ``offload`` (experts in pinned
     host memory, plugin disabled: the control) or ``cache`` (offloaded, plugin armed with
-    ``slots`` slots per layer and ``policy``).
+    ``slots`` slots per layer, ``policy`` and ``wide``, what steps wider than the slots
+    do: `policy.Wide`).
     """
 
     name: str
     kind: str
     slots: int | None = None
     policy: str | None = None
+    wide: str | None = None
 
     @property
     def offloaded(self) -> bool:
@@ -46,7 +48,8 @@ class Arm:
         env: dict[str, str | None] = {k: None for k in config.MEANING}
         if self.kind == "cache":
             cfg = CacheConfig(slots=self.slots, policy=Policy.parse(self.policy or "lru"),
-                              stats_every=stats_every or 0)
+                              stats_every=stats_every or 0,
+                              wide=Wide.parse(self.wide or Wide.IN_PLACE))
         else:
             cfg = CacheConfig(disabled=True)
         env.update(cfg.to_env())
@@ -86,19 +89,20 @@ def _fmt_gb(value: float) -> str:
 
 
 def parse_arm(text: str) -> Arm:
-    """``resident`` | ``offload`` | ``cache:S`` | ``cache:S:lru`` | ``cache:S:lfu``."""
+    """``resident`` | ``offload`` | ``cache:S[:lru|lfu][:in-place|staged|staged-install]``."""
     t = text.strip().lower()
     if t in ("resident", "offload"):
         return Arm(name=t, kind=t)
     m = _CACHE_RE.match(t)
     if not m:
         raise UserError(
-            f"bad arm {text!r}: expected resident, offload, cache:SLOTS or cache:SLOTS:lru|lfu"
+            f"bad arm {text!r}: expected resident, offload, cache:SLOTS, cache:SLOTS:lru|lfu, "
+            "optionally :staged or :staged-install (wide steps through a scratch)"
         )
     slots = int(m.group(1))
     if slots <= 0:
         raise UserError(f"bad arm {text!r}: the slot budget must be at least 1")
-    return Arm(name=t, kind="cache", slots=slots, policy=m.group(2))
+    return Arm(name=t, kind="cache", slots=slots, policy=m.group(2), wide=m.group(3))
 
 
 def parse_arms(text: str) -> list[Arm]:

@@ -127,7 +127,8 @@ def run_cmd(
     model: str = typer.Argument(..., help="Model name or directory, as vLLM takes it."),
     arms: str = typer.Option(
         "resident,offload,cache:64",
-        help="Comma-separated arms: resident | offload | cache:SLOTS[:lru|lfu].",
+        help="Comma-separated arms: resident | offload | "
+        "cache:SLOTS[:lru|lfu][:staged|staged-install].",
     ),
     restarts: int = typer.Option(3, help="Restart rounds: fresh servers for every arm each round."),
     runs: int = typer.Option(5, help="Measured requests per server (after one warm-up)."),

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# On the GPU box: wide steps (prefill chunks, decode batches past the slots) in place vs
+# staged through the scratch, against the offload floor and the resident ceiling.
+# The 8-layer Qwen3-30B-A3B-shaped bf16 model (dummy weights, 16k context), 64 slots,
+# --max-num-seqs 32. One server per arm (bench/wide_steps.py): TTFT at 512/2048/8192
+# fresh tokens, decode at 1/4/8/16/32 distinct streams, greedy texts of 8 streams.
+#
+#   STEPS="setup ckpt plan floor inplace staged resident" bash bench/run_wide_on_device.sh
+#
+# An arm whose JSON says ok is not run again; results go to $OUT after every arm.
+set -uo pipefail
+OUT="${OUT:-out}"
+mkdir -p "$OUT" /tmp/ws
+source bench/_device_vllm.sh
+STEPS="${STEPS:-setup ckpt plan floor inplace staged resident}"
+MODEL=/tmp/m8w
+PY=python3
+VLLM=("$PY" -m vllm.entrypoints.cli.main)
+FLAGS=(--load-format dummy --max-model-len 10240 --max-num-seqs 32 --attention-backend TRITON_ATTN
+       --seed 0 --host 127.0.0.1 --port "{port}" --shutdown-timeout 10)
+OFFLOAD=(--cpu-offload-gb "${OFFLOAD_GB:-12}" --cpu-offload-params experts)
+WS=(--vocab 8192 ${WS_ARGS:-})
+
+done_ok() { [ -f "/tmp/ws/$1.json" ] && grep -q '"status": "ok"' "/tmp/ws/$1.json"; }
+save() { cp /tmp/ws/*.json "$OUT/" 2>/dev/null; for f in /tmp/ws/*.log; do tail -c 300000 "$f" > "$OUT/$(basename "$f")"; done; }
+arm() {  # arm NAME [wide_steps options] -- server command
+  local name=$1; shift
+  if done_ok "$name"; then echo "== $name: done before"; return 0; fi
+  echo "== $name ($((SECONDS)) s)"
+  $PY bench/wide_steps.py "$name" --out /tmp/ws "${WS[@]}" "$@"
+  save
+}
+
+for step in $STEPS; do
+  case $step in
+    setup) device_vllm_setup || { echo "setup failed"; exit 1; } ;;
+    ckpt)
+      [ -f $MODEL/config.json ] || $PY -c "import sys; sys.path.insert(0, 'bench'); \
+import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MODEL'), 8, context=16384)" ;;
+    plan)  # what the tools predict for this shape, before the servers say
+      COLUMNS=160 $PY -m expertcache_cli size --model $MODEL --vram 141 --slots 64 \
+        --wide staged-install -- --max-model-len 10240 --max-num-seqs 32 > "$OUT/size.txt" 2>&1
+      [ -f "$OUT/probe.json" ] || $PY -m expertcache_cli probe-link --only gather \
+        --model $MODEL --save "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
+      tail -5 "$OUT/size.txt" ;;
+    floor)
+      arm floor --env EXPERT_CACHE_DISABLE=1 -- "${VLLM[@]}" serve $MODEL "${OFFLOAD[@]}" "${FLAGS[@]}" ;;
+    inplace)
+      arm inplace --env EXPERT_CACHE_SLOTS=64 --env EXPERT_CACHE_STATS=0 \
+        -- "${VLLM[@]}" serve $MODEL "${OFFLOAD[@]}" "${FLAGS[@]}" ;;
+    staged)
+      arm staged --env EXPERT_CACHE_SLOTS=64 --env EXPERT_CACHE_WIDE=staged-install \
+        -- "${VLLM[@]}" serve $MODEL "${OFFLOAD[@]}" "${FLAGS[@]}" ;;
+    staged0)
+      arm staged0 --env EXPERT_CACHE_SLOTS=64 --env EXPERT_CACHE_WIDE=staged \
+        -- "${VLLM[@]}" serve $MODEL "${OFFLOAD[@]}" "${FLAGS[@]}" ;;
+    resident)
+      arm resident --env EXPERT_CACHE_DISABLE=1 -- "${VLLM[@]}" serve $MODEL "${FLAGS[@]}" ;;
+  esac
+done
+save
+$PY - <<'PY'
+import json, pathlib
+rows = {}
+for p in sorted(pathlib.Path("/tmp/ws").glob("*.json")):
+    r = json.loads(p.read_text())
+    rows[r["arm"]] = r
+for name, r in rows.items():
+    ttft = {n: (round(1000 * v["median_s"], 1) if v.get("median_s") else None)
+            for n, v in (r.get("ttft") or {}).items()}
+    dec = {n: round(v["tok_s"], 1) for n, v in (r.get("decode") or {}).items()}
+    print(name, r.get("status"), "TTFT ms", ttft, "decode tok/s", dec)
+    print("   final:", (r.get("log") or {}).get("final"))
+if "inplace" in rows and "staged" in rows:
+    same = rows["inplace"].get("greedy") == rows["staged"].get("greedy")
+    print("greedy texts, 8 streams: in place == staged:", same)
+PY
+echo "steps '$STEPS' done after $SECONDS s"
