@@ -230,7 +230,11 @@ def test_a_failing_cache_step_falls_back_to_the_stock_path_and_disarms(caplog):
     assert "forward_modular" not in layer.__dict__  # the instance hook is gone
 
 
-def test_recorded_trace_replays_to_the_live_install_count(tmp_path):
+@pytest.mark.parametrize("wide", [Wide.IN_PLACE, Wide.STAGED_INSTALL])
+def test_recorded_trace_replays_to_the_live_install_count(tmp_path, wide):
+    """Every step is recorded, a step of more than E ids as its distinct experts with its
+    real token count; replayed under the server's wide-step mode, the file gives the live
+    installs (and, staged, the live scratch fetches) exactly."""
     from expertcache_cli.plugin.recorder import TraceRecorder
     from expertcache_cli.policy import replay_layer_reference
     from expertcache_cli.trace import load
@@ -238,10 +242,11 @@ def test_recorded_trace_replays_to_the_live_install_count(tmp_path):
     layer = Experts(seed=3)
     rec = TraceRecorder(1, E, TOPK, torch.device("cpu"), capacity=16, layer_names=[5],
                         model="tiny")
-    armed = _arm(layer, slots=6, recorder=rec)
+    armed = _arm(layer, slots=6, recorder=rec,
+                 wide_inserts=None if wide is Wide.IN_PLACE else 6)
     rng = np.random.default_rng(5)
     for step in range(50):
-        tokens = [1, 1, 2, 3, 9][step % 5]  # 3 x 2 = 6 fits; 9 x 2 = 18 > E: not recorded
+        tokens = [1, 1, 2, 3, 9][step % 5]  # 3 x 2 = 6 fits; 9 x 2 = 18 > E = 16 ids a row
         ids, w = _routing(rng, tokens)
         layer.forward_modular(x=torch.randn(tokens, H), topk_weights=w, topk_ids=ids)
         rec.maybe_flush()  # the ring of 16 rows drains every 8 engine steps
@@ -249,10 +254,14 @@ def test_recorded_trace_replays_to_the_live_install_count(tmp_path):
     path = rec.save(tmp_path / "live.npz", live={"installs": live_installs})
     tr = load(path)
     assert tr.num_experts == E and tr.top_k == TOPK and list(tr.layers) == [5]
-    assert tr.steps == 40 and tr.width == 6  # the 10 steps of 18 ids were left out
-    assert list(tr.step_tokens[:4]) == [1, 1, 2, 3]
-    replay = replay_layer_reference(tr.topk_ids[:, 0, :], E, 6, Policy.LRU)
+    assert tr.steps == 50  # the 18-id steps too, as their distinct experts
+    assert list(tr.step_tokens[:5]) == [1, 1, 2, 3, 9]
+    assert tr.width <= E and (tr.topk_ids[4, 0] >= 0).sum() <= E
+    replay = replay_layer_reference(tr.topk_ids[:, 0, :], E, 6, Policy.LRU,
+                                    widths=tr.gate_widths()[:, 0], wide=wide)
     assert sum(r.miss_count for r in replay) == live_installs > 0
+    assert sum(r.staged_ids for r in replay) == int(armed.staged_fetched)
+    assert (int(armed.staged_fetched) > 0) == (wide is not Wide.IN_PLACE)
     assert (tmp_path / "live.live.json").read_text().strip().startswith("{")
 
 

@@ -13,12 +13,13 @@ to a spill file beside the trace (``.NAME.spill``, raw ids, and ``.NAME.tokens``
 kept in a Python list (about 12 KiB a step for Qwen3-30B-A3B: gigabytes an hour). At
 exit the spill is memory-mapped into the trace file, written atomically, and removed.
 
-Why nothing is lost that the replay needs: a step carrying more than ``width = E`` ids
-(a prefill chunk) is not recorded. At any budget ``S < E`` such a step reads through in
-the live server and in `LayerCache.forward` alike (``ids > S``), and a read-through step
-changes no cache state, so leaving it out of the file changes no count. Warm-up,
-profiling and capture forwards are recorded like any other: the live cache saw them too,
-which is what makes a replay of the file reproduce the live miss counters exactly.
+Why nothing is lost that the replay needs: a row holds ``width = E`` ids. A step carrying
+more (a prefill chunk) is recorded as its distinct routed experts, with its real token
+count in ``tokens``: the cache rules see only the distinct set and the shape gate only
+``tokens x top_k`` (docs/design.md, The cache rules), so the row replays as the step ran,
+read through in place or staged through the scratch. Warm-up, profiling and capture
+forwards are recorded like any other: the live cache saw them too, which is what makes a
+replay of the file reproduce the live miss counters exactly.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class TraceRecorder:
         self.tokens = torch.zeros((num_layers, capacity), dtype=torch.int32, device=device)
         self.pos = torch.zeros(num_layers, dtype=torch.int64, device=device)
         self._one = torch.ones(1, dtype=torch.int64, device=device)
+        self._experts = torch.arange(num_experts, dtype=dtype, device=device)
         self.host_steps = 0
         self.overflowed = False
         #: rows drained so far, and where they went (the spill file, else host memory)
@@ -85,10 +87,16 @@ class TraceRecorder:
 
         n = int(topk_ids.numel())
         if n > self.width:
-            return
-        row = topk_ids.reshape(1, n).to(self.ring.dtype)
-        if n < self.width:
-            row = F.pad(row, (0, self.width - n), value=-1)
+            # wider than a row: its distinct experts (all the rules read), ascending
+            e = self.num_experts
+            flat = topk_ids.reshape(-1).to(torch.int64)
+            routed = torch.zeros(e + 1, dtype=torch.bool, device=self.ring.device)
+            routed.index_fill_(0, torch.where((flat >= 0) & (flat < e), flat, e), True)
+            row = torch.where(routed[:e], self._experts, -1).reshape(1, e).to(self.ring.dtype)
+        else:
+            row = topk_ids.reshape(1, n).to(self.ring.dtype)
+            if n < self.width:
+                row = F.pad(row, (0, self.width - n), value=-1)
         at = torch.clamp(self.pos[layer : layer + 1], max=self.capacity - 1)
         self.ring[layer].index_copy_(0, at, row)
         self.tokens[layer].index_fill_(0, at, n // max(1, self.top_k))
@@ -151,7 +159,8 @@ class TraceRecorder:
             model=self.model,
             layers=np.asarray(self.layer_names) if self.layer_names is not None else None,
             step_tokens=np.asarray(tokens, dtype=np.int64),
-            source="expertcache plugin (live vLLM; steps wider than E ids not recorded)"
+            source="expertcache plugin (live vLLM; steps wider than E ids as their distinct "
+                   "experts)"
             + ("; RING OVERFLOWED: rows lost" if self.overflowed else ""),
         )
         out = save(trace, path)
