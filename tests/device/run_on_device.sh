@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session for the kernels: build (NVRTC + nvcc), every device test, every
 # kernel benchmark; logs go to $OUT (or ./out). Usage on the GPU box, from the repo root:
-#   bash tests/device/run_on_device.sh [tests|bench|all]
+#   bash tests/device/run_on_device.sh [tests|bench|all|sanitize]
 set -uo pipefail
 what="${1:-all}"
 OUT="${OUT:-out}"
@@ -32,9 +32,24 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     echo "exit $?" >> "$OUT/replay_cuda.log"
   done
   tail -30 "$OUT/replay_cuda.log"
-  timeout 300 python3 -m pytest -q -ra -p no:cacheprovider tests/test_kernel_build.py tests/device \
+  timeout 480 python3 -m pytest -q -ra -p no:cacheprovider tests/test_kernel_build.py tests/device \
       --durations=8 \
       2>&1 | tee "$OUT/tests.log" | tail -40
+fi
+if [ "$what" = sanitize ]; then
+  # compute-sanitizer over the manager and the gather: memcheck (out-of-bounds, misaligned
+  # accesses) and racecheck (shared-memory hazards in the manager's block reductions)
+  SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in memcheck racecheck; do
+    echo "\$ compute-sanitizer --tool $tool pytest (manager tiny-churn/padding, gather, wide)" \
+      > "$OUT/sanitize_$tool.log"
+    timeout 280 "$SAN" --tool "$tool" --error-exitcode 9 --target-processes all \
+      python3 -m pytest -q -p no:cacheprovider tests/device/test_manager.py \
+      tests/device/test_gather.py tests/device/test_wide_steps.py \
+      -k "tiny-churn or padding or gather or wide" >> "$OUT/sanitize_$tool.log" 2>&1
+    echo "exit $?" >> "$OUT/sanitize_$tool.log"
+    tail -6 "$OUT/sanitize_$tool.log"
+  done
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   for b in bench_manager bench_layer_step bench_gather; do
