@@ -99,31 +99,27 @@ class SlotCache:
 
         kernels = binding.get_kernels(dev.index)
         self.backend = kernels.description
-        self._manage = binding.ManageLauncher(
-            kernels,
-            table=self.table.data_ptr(), slot_expert=self.slot_expert.data_ptr(),
-            prio=self.prio.data_ptr(), step=self.step_count.data_ptr(),
-            miss_expert=self.miss_expert.data_ptr(), miss_slot=self.miss_slot.data_ptr(),
-            miss_count=self.miss_count.data_ptr(), stats=self.stats.data_ptr(),
-            num_experts=E, num_slots=S, policy=code, decay=self.decay,
-            max_distinct=S, max_inserts=self.max_inserts,
-        )
-        #: wide steps (`step_wide`): the same state through a manager with no
-        #: max_distinct gate, installing at most ``wide_inserts`` misses (0: staged,
-        #: refresh only; the insert cap: staged-install); None: no wide steps
-        self.wide_inserts = None if wide_inserts is None else min(int(wide_inserts),
-                                                                  self.max_inserts)
-        self._manage_wide = None
-        if self.wide_inserts is not None:
-            self._manage_wide = binding.ManageLauncher(
+
+        def manager(max_distinct: int, max_inserts: int) -> binding.ManageLauncher:
+            """A manager launcher over this cache's one device state."""
+            return binding.ManageLauncher(
                 kernels,
                 table=self.table.data_ptr(), slot_expert=self.slot_expert.data_ptr(),
                 prio=self.prio.data_ptr(), step=self.step_count.data_ptr(),
                 miss_expert=self.miss_expert.data_ptr(), miss_slot=self.miss_slot.data_ptr(),
                 miss_count=self.miss_count.data_ptr(), stats=self.stats.data_ptr(),
                 num_experts=E, num_slots=S, policy=code, decay=self.decay,
-                max_distinct=E, max_inserts=self.wide_inserts,
+                max_distinct=max_distinct, max_inserts=max_inserts,
             )
+
+        self._manage = manager(S, self.max_inserts)
+        #: wide steps (`step_wide`): the same state through a manager with no
+        #: max_distinct gate, installing at most ``wide_inserts`` misses (0: staged,
+        #: refresh only; the insert cap: staged-install); None: no wide steps
+        self.wide_inserts = None if wide_inserts is None else min(int(wide_inserts),
+                                                                  self.max_inserts)
+        self._manage_wide = (None if self.wide_inserts is None
+                             else manager(E, self.wide_inserts))
         self._gather = None
         if self.specs:
             self._gather = binding.GatherLauncher(
