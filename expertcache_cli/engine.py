@@ -80,19 +80,8 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
         else:
             out[SERVED_STEPS] += 1
         step += 1
-        if is_wide and wide == 1:  # staged: hits refreshed, misses to the scratch
-            for i in range(n):
-                s = table[distinct[i]]
-                if s < 0:
-                    out[STAGED_IDS] += 1
-                elif policy == 0:
-                    prio[s] = step
-                elif policy == 1:
-                    prio[s] += 1
-            if policy == 1 and decay > 0 and step % decay == 0:
-                for s in range(num_slots):
-                    prio[s] >>= 1
-            continue
+        # a staged wide step is the manager step installing nothing (`policy._staged`)
+        cap = 0 if (is_wide and wide == 1) else max_inserts
         # ascending order of the distinct ids (n is small: insertion sort)
         for i in range(1, n):
             v = distinct[i]
@@ -113,9 +102,9 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
             else:
                 missing[m] = e
                 m += 1
-        if m > max_inserts:  # past the cap: dropped, or on a wide step fetched to scratch
-            out[STAGED_IDS if is_wide else DROPPED] += m - max_inserts
-            m = max_inserts
+        if m > cap:  # past the cap: dropped, or on a wide step fetched to scratch
+            out[STAGED_IDS if is_wide else DROPPED] += m - cap
+            m = cap
         if policy == 1 and decay > 0 and step % decay == 0:
             for s in range(num_slots):
                 prio[s] >>= 1

@@ -209,45 +209,30 @@ class LayerCache:
         distinct, valid = self._distinct(ids)
         if (valid if width is None else width) > self.num_slots:
             if self.wide is not Wide.IN_PLACE:
-                return self._staged(ids, distinct)
+                return self._staged(ids)
             if self.policy is Policy.OPT:
                 self._refresh_belady(self.forwards, distinct)
             self.forwards += 1
             return StepResult([], True, len(distinct))
         return self.step(ids)
 
-    def _staged(self, ids: Sequence[int] | np.ndarray, distinct: list[int]) -> StepResult:
-        """A wide step served from slots plus the scratch (docs/design.md, Wide steps)."""
-        if self.wide is Wide.STAGED_INSTALL:
-            # a full manager step with no max_distinct gate: what it cannot install (the
-            # insert cap, or no evictable slot left) is fetched into the scratch instead
-            gate, self.max_distinct = self.max_distinct, self.num_experts
-            try:
-                r = self.step(ids)
-            finally:
-                self.max_distinct = gate
-            return StepResult(r.misses, False, r.distinct, 0, True, r.dropped)
-        t = self.forwards
-        self.forwards += 1
-        self.step_count += 1
-        step = self.step_count
-        if self.policy is Policy.OPT:
-            self._refresh_belady(t, distinct)
-        fetched = 0
-        for e in distinct:
-            s = int(self.table[e])
-            if s < 0:
-                fetched += 1
-            elif self.policy is Policy.LRU:
-                self.prio[s] = step
-            elif self.policy is Policy.LFU:
-                self.prio[s] += 1
-        if self.policy is Policy.LFU and self.decay > 0 and step % self.decay == 0:
-            self.prio >>= 1
-        return StepResult([], False, len(distinct), 0, True, fetched)
+    def _staged(self, ids: Sequence[int] | np.ndarray) -> StepResult:
+        """A wide step served from slots plus the scratch (docs/design.md, Wide steps): the
+        manager step with no max_distinct gate, installing nothing (staged) or up to the
+        cap (staged-install), as the kernel runs it. What it does not install (every miss,
+        or those past the cap or the evictable slots) is fetched into the scratch."""
+        cap = 0 if self.wide is Wide.STAGED else self.max_inserts
+        r = self.step(ids, max_distinct=self.num_experts, max_inserts=cap)
+        return StepResult(r.misses, False, r.distinct, 0, True, r.dropped)
 
-    def step(self, ids: Sequence[int] | np.ndarray) -> StepResult:
-        """Apply one manager step (docs/design.md, The cache rules) to one forward's ids."""
+    def step(self, ids: Sequence[int] | np.ndarray, *, max_distinct: int | None = None,
+             max_inserts: int | None = None) -> StepResult:
+        """Apply one manager step (docs/design.md, The cache rules) to one forward's ids.
+
+        ``max_distinct`` / ``max_inserts`` replace the cache's own gate and cap for this
+        step only (a wide step's manager call: `_staged`)."""
+        gate = self.max_distinct if max_distinct is None else max_distinct
+        cap = self.max_inserts if max_inserts is None else max_inserts
         t = self.forwards  # index of this forward in `future`
         self.forwards += 1
         self.step_count += 1
@@ -255,7 +240,7 @@ class LayerCache:
         distinct, _ = self._distinct(ids)
         if self.policy is Policy.OPT:
             self._refresh_belady(t, distinct)
-        if len(distinct) > self.max_distinct:
+        if len(distinct) > gate:
             return StepResult([], True, len(distinct))
 
         wanted: list[int] = []
@@ -268,8 +253,8 @@ class LayerCache:
                     self.prio[s] += 1
             else:
                 wanted.append(e)
-        dropped = max(0, len(wanted) - self.max_inserts)
-        wanted = wanted[: self.max_inserts]
+        dropped = max(0, len(wanted) - cap)
+        wanted = wanted[:cap]
 
         if self.policy is Policy.LFU and self.decay > 0 and step % self.decay == 0:
             self.prio >>= 1

@@ -79,13 +79,8 @@ class RefSlotCache:
 
     def step_wide(self, topk_ids, sources):
         """The kernel's wide manager: no max_distinct gate, at most wide_inserts installs."""
-        ref = self.ref
-        gate, cap = ref.max_distinct, ref.max_inserts
-        ref.max_distinct, ref.max_inserts = ref.num_experts, self.wide_inserts
-        try:
-            r = ref.step(topk_ids.numpy())
-        finally:
-            ref.max_distinct, ref.max_inserts = gate, cap
+        r = self.ref.step(topk_ids.numpy(), max_distinct=self.ref.num_experts,
+                          max_inserts=self.wide_inserts)
         for e, s in r.misses:
             for n, buf in self.slots.items():
                 buf[s] = sources[n][e]
