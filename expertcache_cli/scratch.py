@@ -27,6 +27,19 @@ if TYPE_CHECKING:
     import torch
 
 
+def routed_mask(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E]`` bool: the experts the routing ``ids`` name (padding < 0 or >= E ignored),
+    computed on the ids' device with fixed shapes and no synchronisation."""
+    import torch
+
+    e = num_experts
+    flat = ids.reshape(-1).to(torch.int64)
+    routed = torch.zeros(e + 1, dtype=torch.bool, device=ids.device)
+    # padding goes to the extra entry E, dropped below: a fixed-shape scatter
+    routed.index_fill_(0, torch.where((flat >= 0) & (flat < e), flat, e), True)
+    return routed[:e]
+
+
 def stage_lists(ids: torch.Tensor, table: torch.Tensor, num_experts: int,
                 hit_src: torch.Tensor, hit_dst: torch.Tensor, miss: torch.Tensor,
                 counts: torch.Tensor) -> None:
@@ -44,11 +57,7 @@ def stage_lists(ids: torch.Tensor, table: torch.Tensor, num_experts: int,
 
     e = num_experts
     dev = table.device
-    flat = ids.reshape(-1).to(torch.int64)
-    valid = (flat >= 0) & (flat < e)
-    routed = torch.zeros(e + 1, dtype=torch.bool, device=dev)
-    routed.index_fill_(0, torch.where(valid, flat, e), True)
-    routed = routed[:e]
+    routed = routed_mask(ids.to(dev), e)
     resident = table >= 0
     hit = routed & resident
     missing = routed & ~resident

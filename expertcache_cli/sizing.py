@@ -250,6 +250,7 @@ def plan(
     wider than the slots is staged rather than a trap.
     """
     from .policy import Wide
+    from .scratch import scratch_bytes
 
     try:
         wide_mode = Wide.parse(wide)
@@ -305,7 +306,8 @@ def plan(
     slot_budget = budget - resident_need
     fits_outright = slot_budget >= model.expert_bytes
     per_slot = model.bytes_per_slot
-    scratch = 0 if wide_mode is Wide.IN_PLACE else model.num_experts * model.bytes_per_expert
+    scratch = (0 if wide_mode is Wide.IN_PLACE
+               else scratch_bytes(model.num_experts, model.bytes_per_expert))
     if fits_outright:
         scratch = 0  # the scratch is the cache's, not needed without offload
     slot_budget -= scratch

@@ -88,11 +88,10 @@ class TraceRecorder:
         n = int(topk_ids.numel())
         if n > self.width:
             # wider than a row: its distinct experts (all the rules read), ascending
-            e = self.num_experts
-            flat = topk_ids.reshape(-1).to(torch.int64)
-            routed = torch.zeros(e + 1, dtype=torch.bool, device=self.ring.device)
-            routed.index_fill_(0, torch.where((flat >= 0) & (flat < e), flat, e), True)
-            row = torch.where(routed[:e], self._experts, -1).reshape(1, e).to(self.ring.dtype)
+            from ..scratch import routed_mask
+
+            routed = routed_mask(topk_ids, self.num_experts)
+            row = torch.where(routed, self._experts, -1).reshape(1, -1).to(self.ring.dtype)
         else:
             row = topk_ids.reshape(1, n).to(self.ring.dtype)
             if n < self.width:
