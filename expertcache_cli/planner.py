@@ -65,23 +65,27 @@ def _read_json(path: str | Path, option: str, writer: str) -> Any:
 def link_from_probe(path: str | Path) -> tuple[float, str]:
     """The gather rate a saved `probe-link --json` measured (the cache's own copy path)."""
     data = _read_json(path, "--probe", "probe-link --save")
+    from .probe.report import Rate, gather_row, is_stand_in
+
     if not isinstance(data, dict):
         raise UserError(f"--probe {path}: not a probe-link --json file")
-    if "FALLBACK" in str(data.get("gather_impl", "")):
+    if is_stand_in(str(data.get("gather_impl", ""))):
         raise UserError(f"--probe {path}: its gather is a torch stand-in, not the cache's "
                         "kernel (the kernels were not built there): probe again with them")
-    rows = [r for r in data.get("gather") or [] if isinstance(r, dict)]
-    top_k = (data.get("model") or {}).get("top_k") if isinstance(data.get("model"), dict) else None
-    rate, row = None, None
-    if rows and isinstance(top_k, int):
+    model = data.get("model")
+    top_k = model.get("top_k") if isinstance(model, dict) else None
+    try:
+        rows = [Rate(**r) for r in data.get("gather") or []]
         # the row nearest the model's top_k, as the probe's own conclusion picks it; a
         # `--only gather` probe has these rows but no decode ceilings
-        best = min(rows, key=lambda r: abs(int(str(r.get("path", "_0")).split("_")[1]) - top_k))
-        rate, row = best.get("gbps"), best.get("path")
+        best = gather_row(rows, top_k) if isinstance(top_k, int) else None
+    except (TypeError, ValueError, IndexError):
+        raise UserError(f"--probe {path}: its gather rows are not probe-link's") from None
+    rate = best.gbps if best is not None else None
     if not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
         raise UserError(f"--probe {path}: holds no measured gather rate (its gather rows)")
     where = data.get("device_name", "a GPU")
-    return float(rate), f"probe-link on {where} ({path}: the gather, {row})"
+    return float(rate), f"probe-link on {where} ({path}: the gather, {best.path})"
 
 
 def resident_from_baseline(path: str | Path) -> tuple[float, str]:

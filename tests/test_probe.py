@@ -215,7 +215,7 @@ def test_probe_only_runs_the_named_measurements(monkeypatch):
     rep = probe.probe_link(pin=False, only=["gather"])
     assert calls == ["gather"]
     assert rep.link_class == "" and rep.decode == {}  # no copies, no HBM: no conclusions
-    assert probe.gather_row(rep, rep.model["top_k"]).path == "gather_8"
+    assert probe.gather_row(rep.gather, rep.model["top_k"]).path == "gather_8"
     with pytest.raises(UserError, match="unknown measurement.*known: pinned"):
         probe.probe_link(pin=False, only=["copies"])
     calls.clear()

@@ -35,8 +35,8 @@ def _link(link_gbps: float | None, probe_file: Path | None,
     device_arch(0, hint="give --link-gbps G or --probe FILE (a saved probe-link --json)")
     # the gather at this model's expert slab: the rate the cache's own copies run at
     rep = probe.probe_link(model=model, repeats=3, warmup=1, only=("gather",))
-    row = probe.gather_row(rep, rep.model["top_k"]) if rep.model else None
-    if row is None or "FALLBACK" in rep.gather_impl:
+    row = probe.gather_row(rep.gather, rep.model["top_k"]) if rep.model else None
+    if row is None or probe.is_stand_in(rep.gather_impl):
         why = "; ".join(rep.errors) or "no gather rate"
         raise UserError(f"the link could not be measured here ({why}): give --link-gbps or "
                         "--probe")

@@ -48,6 +48,7 @@ from .report import (
     decode_ceilings,
     fmt_bytes,
     gather_row,
+    is_stand_in,
     summary_lines,
 )
 from .topology import (
@@ -63,9 +64,9 @@ from .topology import (
 __all__ = [
     "DEFAULT_SIZES_MIB", "MEASUREMENTS", "PAGEABLE_SIZES_MIB", "ZERO_COPY_MIB", "LinkReport",
     "Measurement", "MiB", "Rate", "Settings", "classify_link", "conclude", "decode_ceilings",
-    "fmt_bytes", "gather_counts", "gather_row", "parse_cpulist", "pci_bus_id", "pcie_link",
-    "pin_near_gpu", "probe_link", "require_cuda", "row_label", "select", "summary_lines",
-    "_compress", "_read",
+    "fmt_bytes", "gather_counts", "gather_row", "is_stand_in", "parse_cpulist", "pci_bus_id",
+    "pcie_link", "pin_near_gpu", "probe_link", "require_cuda", "row_label", "select",
+    "summary_lines", "_compress", "_read",
 ]
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .report import LinkReport, MiB, Rate
+from .report import FALLBACK, LinkReport, MiB, Rate
 from .timing import _iters_for, _rate, _time_per_call, device_view
 
 DEFAULT_SIZES_MIB = (1, 4, 16, 64, 256, 1024)
@@ -201,7 +201,7 @@ def measure_gather(torch, device: int, tensors: Sequence[tuple[str, int]], num_e
     except Exception as exc:  # no kernels here: measure a stand-in, and say so loudly
         errors.append(f"SlotCache unavailable ({type(exc).__name__}: {exc}); "
                       "gather measured with a torch index_select fallback")
-    impl = "FALLBACK: torch index_select over a UVA view (not the project's kernel)"
+    impl = f"{FALLBACK}: torch index_select over a UVA view (not the project's kernel)"
     views = {k: device_view(torch, v, device).view(e, -1) for k, v in srcs.items()}
     for n in ns:
         dsts = {k: torch.empty((n, v.shape[1]), dtype=v.dtype, device=dev)

@@ -8,6 +8,15 @@ from typing import Any
 
 MiB = 1 << 20
 
+#: how `LinkReport.gather_impl` begins when the cache's kernels could not be used and a
+#: torch stand-in measured the gather instead (a rate nobody may plan with)
+FALLBACK = "FALLBACK"
+
+
+def is_stand_in(gather_impl: str) -> bool:
+    """The gather was measured with the torch stand-in, not the cache's kernel."""
+    return FALLBACK in gather_impl
+
 
 @dataclass
 class Rate:
@@ -129,18 +138,18 @@ def conclude(rep: LinkReport, model, integrated: bool = False) -> None:
         "bytes_per_slot": model.bytes_per_slot,
         "non_expert_bytes": model.non_expert_bytes,
     }
-    best = gather_row(rep, model.top_k)
+    best = gather_row(rep.gather, model.top_k)
     if best is not None and rep.hbm_traffic_gbps:
         rep.decode = decode_ceilings(model, best.gbps, rep.hbm_traffic_gbps)
         rep.decode["gather_row"] = best.path
 
 
-def gather_row(rep: LinkReport, top_k: int) -> Rate | None:
-    """The gather row whose experts a step are nearest the model's top_k: the rate a
-    single decode stream's misses move at."""
-    if not rep.gather:
+def gather_row(rows: list[Rate], top_k: int) -> Rate | None:
+    """The gather row (``gather_N``) whose experts a step are nearest the model's top_k:
+    the rate a single decode stream's misses move at."""
+    if not rows:
         return None
-    return min(rep.gather, key=lambda r: abs(int(r.path.split("_")[1]) - top_k))
+    return min(rows, key=lambda r: abs(int(r.path.split("_")[1]) - top_k))
 
 
 def summary_lines(rep: LinkReport) -> list[str]:
