@@ -206,6 +206,24 @@ class SlotCache:
         """
         import torch
 
+        ids = self._checked_ids(topk_ids)
+        out = torch.empty_like(ids)
+        self._run(self._manage, ids, out.data_ptr(), sources)
+        return out
+
+    def step_wide(self, topk_ids: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> None:
+        """A step too wide for the slots (docs/design.md, Wide steps): the manager with no
+        max_distinct gate (hits refreshed; up to ``wide_inserts`` misses installed and
+        gathered into slots), on torch's current stream, no synchronisation. The ids stay
+        in expert space: the caller stages the step through a `scratch.Scratch`."""
+        if self._manage_wide is None:
+            raise ValueError(f"{self._label()}built without wide steps (wide_inserts=None)")
+        self._run(self._manage_wide, self._checked_ids(topk_ids), 0, sources)
+
+    def _checked_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """``topk_ids`` on this cache's device as int32/int64, contiguous (else ValueError)."""
+        import torch
+
         if topk_ids.device != self.device:
             raise ValueError(
                 f"{self._label()}topk_ids on {topk_ids.device}, cache on {self.device}"
@@ -214,31 +232,17 @@ class SlotCache:
             raise ValueError(
                 f"{self._label()}topk_ids must be int32 or int64, not {topk_ids.dtype}"
             )
-        srcs = [self._source_ptr(key, sources) for key in self.specs]
-        ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-        out = torch.empty_like(ids)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        self._manage(ids.data_ptr(), ids.numel(), ids.dtype == torch.int64, out.data_ptr(),
-                     stream)
-        if self._gather is not None:
-            self._gather(srcs, stream)
-        return out
+        return topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
 
-    def step_wide(self, topk_ids: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> None:
-        """A step too wide for the slots (docs/design.md, Wide steps): the manager with no
-        max_distinct gate (hits refreshed; up to ``wide_inserts`` misses installed and
-        gathered into slots), on torch's current stream, no synchronisation. The ids stay
-        in expert space: the caller stages the step through a `scratch.Scratch`."""
+    def _run(self, manage: binding.ManageLauncher, ids: torch.Tensor, out_ptr: int,
+             sources: Mapping[str, torch.Tensor]) -> None:
+        """One manager launch, then the gather of its installs, on the current stream
+        (sources checked first: a bad one refuses before anything is launched)."""
         import torch
 
-        if self._manage_wide is None:
-            raise ValueError(f"{self._label()}built without wide steps (wide_inserts=None)")
-        if topk_ids.device != self.device or topk_ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{self._label()}topk_ids must be int32/int64 on {self.device}")
         srcs = [self._source_ptr(key, sources) for key in self.specs]
-        ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        self._manage_wide(ids.data_ptr(), ids.numel(), ids.dtype == torch.int64, 0, stream)
+        manage(ids.data_ptr(), ids.numel(), ids.dtype == torch.int64, out_ptr, stream)
         if self._gather is not None:
             self._gather(srcs, stream)
 

@@ -208,7 +208,9 @@ def rebatch(trace: Trace, n: int, padded_tokens: int | None = None) -> Trace:
     if n < 1:
         raise UserError(f"--batch must be >= 1, got {n}")
     ids = trace.topk_ids
-    valid = ((ids >= 0) & (ids < trace.num_experts)).sum(axis=2).max(axis=1)
+    from .policy import gate_widths
+
+    valid = gate_widths(ids, trace.num_experts).max(axis=1)  # valid ids of each step
     if trace.step_tokens is not None:
         single = np.asarray(trace.step_tokens) == 1
     else:
