@@ -285,13 +285,7 @@ class ArmedLayer:
             if pad is not None:  # padded rows pass any valid slot; vLLM drops their output
                 slot_ids = torch.where(pad.unsqueeze(1), 0, slot_ids)
         except Exception as exc:  # refuse at the first call, never break serving
-            self._failed = True
-            log.error(
-                "expertcache: %s: cache step failed (%s: %s); layer back on the stock path",
-                self.decision.layer_name, exc.__class__.__name__, exc,
-            )
-            self.uninstall()
-            return stock(topk_ids)
+            return self._disarm("cache step", exc, stock, topk_ids)
         return self._bound_call(stock, slot_ids, self.slot_params, self.slot_quant_config,
                                 self.decision.num_experts)
 
@@ -305,17 +299,21 @@ class ArmedLayer:
             self.staged.add_(1)
             self.staged_fetched.add_(self.scratch.counts[1])
         except Exception as exc:  # refuse at the first call, never break serving
-            self._failed = True
-            log.error(
-                "expertcache: %s: staged wide step failed (%s: %s); layer back on the stock "
-                "path", self.decision.layer_name, exc.__class__.__name__, exc,
-            )
-            self.uninstall()
-            return stock(topk_ids)
+            return self._disarm("staged wide step", exc, stock, topk_ids)
         # the scratch is indexed by expert id: the ids (padded rows too) go in unchanged,
         # and the tile lookup sees the real expert count without help
         return self._bound_call(stock, topk_ids, self.scratch_params, self.scratch_quant_config,
                                 None)
+
+    def _disarm(self, what: str, exc: Exception, stock: Callable[[Any], Any],
+                topk_ids: Any) -> Any:
+        """A cache call failed: say so once, put the layer back on the stock path for good,
+        and serve this call from it."""
+        self._failed = True
+        log.error("expertcache: %s: %s failed (%s: %s); layer back on the stock path",
+                  self.decision.layer_name, what, exc.__class__.__name__, exc)
+        self.uninstall()
+        return stock(topk_ids)
 
     def _bound_call(self, stock: Callable[[Any], Any], ids: Any, bound: dict[str, Any],
                     quant_config: Any, tile_experts: int | None) -> Any:
