@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -110,7 +111,16 @@ def read_log(log: Path) -> dict:
     return out
 
 
-def run_arm(a: argparse.Namespace) -> dict:
+Measure = Callable[[Server, Path, dict, Callable[[], None]], None]
+
+
+def serve_arm(a: argparse.Namespace, measure: Measure,
+              failures: tuple[type[BaseException], ...]) -> dict:
+    """One arm's server, start to stop, for every bench of this shape: start ``a.argv``
+    (``{port}`` filled in) with ``a.env``, and once healthy call ``measure(server, log,
+    rec, save)`` to fill ``rec`` (``save`` writes it so far). A failure of the kinds in
+    ``failures`` is recorded, not raised; the server is always stopped, its log read,
+    and ``OUT/NAME.json`` written."""
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -121,10 +131,31 @@ def run_arm(a: argparse.Namespace) -> dict:
     rec: dict = {"arm": a.name, "argv": argv, "env": a.env, "status": "started"}
     server = Server(argv=argv, env=env, log_path=log, host="127.0.0.1", port=port)
     t0 = time.time()
+
+    def save() -> None:
+        (out_dir / f"{a.name}.json").write_text(json.dumps(rec, indent=1))
+
     try:
         server.start()
         rec["start_s"] = server.wait_healthy(a.start_timeout)
         rec["smi_healthy"] = smi_memory()
+        measure(server, log, rec, save)
+        rec["status"] = "ok"
+    except failures as exc:
+        rec["status"] = "failed"
+        rec["error"] = str(exc)
+        rec["error_type"] = type(exc).__name__
+    finally:
+        server.stop(grace_s=30)
+        rec["wall_s"] = time.time() - t0
+        if log.exists():
+            rec["log"] = read_log(log)
+        save()
+    return rec
+
+
+def run_arm(a: argparse.Namespace) -> dict:
+    def measure(server: Server, log: Path, rec: dict, save: Callable[[], None]) -> None:
         mid = server.model_id or "model"
         measure_run(server.base_url, mid, PROMPT, a.max_tokens)  # warm-up, discarded
         time.sleep(0.5)
@@ -140,17 +171,8 @@ def run_arm(a: argparse.Namespace) -> dict:
         if a.streams:
             res = measure_run(server.base_url, mid, PROMPT, a.max_tokens // 2, a.streams)
             rec["streams"] = {"n": a.streams, "tok_s": res.tok_s, "tokens": res.tokens}
-        rec["status"] = "ok"
-    except (ServerFailed, RequestFailed, OSError) as exc:
-        rec["status"] = "failed"
-        rec["error"] = str(exc)
-    finally:
-        server.stop(grace_s=30)
-        rec["wall_s"] = time.time() - t0
-        if log.exists():
-            rec["log"] = read_log(log)
-        (out_dir / f"{a.name}.json").write_text(json.dumps(rec, indent=1))
-    return rec
+
+    return serve_arm(a, measure, (ServerFailed, RequestFailed, OSError))
 
 
 def main() -> int:

@@ -28,15 +28,16 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from small_card import read_log, smi_memory  # noqa: E402
+from small_card import serve_arm  # noqa: E402
 
-from expertcache_cli.baseline.server import Server, ServerFailed, free_port, server_env  # noqa: E402
+from expertcache_cli.baseline.server import Server  # noqa: E402
 
 
 def prompt(rng: random.Random, words: int, vocab: int) -> str:
@@ -94,25 +95,9 @@ def decode_rate(results: list[dict]) -> float:
 
 
 def run_arm(a: argparse.Namespace) -> dict:
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    argv = [x.replace("{port}", str(port)) for x in a.argv]
-    env = server_env({k: v for k, v in (e.split("=", 1) for e in a.env)})
-    log = out_dir / f"{a.name}.log"
-    log.unlink(missing_ok=True)
-    rec: dict = {"arm": a.name, "argv": argv, "env": a.env, "status": "started"}
-    server = Server(argv=argv, env=env, log_path=log, host="127.0.0.1", port=port)
     rng = random.Random(a.seed)
-    t_start = time.time()
 
-    def save() -> None:
-        (out_dir / f"{a.name}.json").write_text(json.dumps(rec, indent=1))
-
-    try:
-        server.start()
-        rec["start_s"] = server.wait_healthy(a.start_timeout)
-        rec["smi_healthy"] = smi_memory()
+    def measure(server: Server, log: Path, rec: dict, save: Callable[[], None]) -> None:
         base, mid = server.base_url, server.model_id or "model"
         together(base, mid, [prompt(rng, 64, a.vocab)], 8)  # warm-up, discarded
         rec["ttft"] = {}
@@ -138,17 +123,9 @@ def run_arm(a: argparse.Namespace) -> dict:
         res = together(base, mid, [prompt(greedy_rng, 32, a.vocab)
                                    for _ in range(a.greedy_streams)], a.greedy_tokens)
         rec["greedy"] = [r["text"].split() for r in res]
-        rec["status"] = "ok"
-    except (ServerFailed, OSError, Exception) as exc:  # record any failure, keep the rest
-        rec["status"] = "failed"
-        rec["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        server.stop(grace_s=30)
-        rec["wall_s"] = time.time() - t_start
-        if log.exists():
-            rec["log"] = read_log(log)
-        save()
-    return rec
+
+    # any failure is recorded: what was measured before it is kept
+    return serve_arm(a, measure, (Exception,))
 
 
 def main() -> int:
