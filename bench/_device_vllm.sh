@@ -7,6 +7,23 @@
 export PYTHONPATH="/tmp/site:$PWD" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
 export XDG_CACHE_HOME=/tmp/ec-cache
 
+# One bench arm per server, re-entrant: `bench_arm DIR RUNNER NAME [runner options] --
+# server command` runs `RUNNER NAME --out DIR ...` unless DIR/NAME.json already says ok,
+# then copies DIR's results (JSON whole, logs' last LOG_TAIL bytes) to $OUT.
+bench_save() {
+  cp "$1"/*.json "$OUT/" 2>/dev/null
+  for f in "$1"/*.log; do tail -c "${LOG_TAIL:-400000}" "$f" > "$OUT/$(basename "$f")"; done
+}
+bench_arm() {
+  local dir=$1 runner=$2 name=$3; shift 3
+  if [ -f "$dir/$name.json" ] && grep -q '"status": "ok"' "$dir/$name.json"; then
+    echo "== $name: done before"; return 0
+  fi
+  echo "== $name ($((SECONDS)) s)"
+  python3 "$runner" "$name" --out "$dir" "$@"
+  bench_save "$dir"
+}
+
 device_vllm_setup() {
   local t0=$SECONDS rc=0
   if [ ! -f /tmp/site/vllm/__init__.py ]; then

@@ -31,15 +31,8 @@ VLLM=("$PY" -m vllm.entrypoints.cli.main)
 COMMON=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}"
         --shutdown-timeout 10)
 
-done_ok() { [ -f "/tmp/sc/$1.json" ] && grep -q '"status": "ok"' "/tmp/sc/$1.json"; }
-save() { cp /tmp/sc/*.json "$OUT/" 2>/dev/null; for f in /tmp/sc/*.log; do tail -c 400000 "$f" > "$OUT/$(basename "$f")"; done; }
-arm() {  # arm NAME [small_card options] -- server command
-  local name=$1; shift
-  if done_ok "$name"; then echo "== $name: done before"; return 0; fi
-  echo "== $name ($((SECONDS)) s)"
-  $PY bench/small_card.py "$name" --out /tmp/sc "$@"
-  save
-}
+save() { bench_save /tmp/sc; }
+arm() { bench_arm /tmp/sc bench/small_card.py "$@"; }  # arm NAME [options] -- server command
 ballast() {  # ballast GiB | ballast stop
   if [ "$1" = stop ]; then $PY bench/ballast.py stop; return; fi
   $PY bench/ballast.py stop >/dev/null

@@ -21,15 +21,9 @@ FLAGS=(--load-format dummy --max-model-len 10240 --max-num-seqs 32 --attention-b
 OFFLOAD=(--cpu-offload-gb "${OFFLOAD_GB:-12}" --cpu-offload-params experts)
 WS=(--vocab 8192 ${WS_ARGS:-})
 
-done_ok() { [ -f "/tmp/ws/$1.json" ] && grep -q '"status": "ok"' "/tmp/ws/$1.json"; }
-save() { cp /tmp/ws/*.json "$OUT/" 2>/dev/null; for f in /tmp/ws/*.log; do tail -c 300000 "$f" > "$OUT/$(basename "$f")"; done; }
-arm() {  # arm NAME [wide_steps options] -- server command
-  local name=$1; shift
-  if done_ok "$name"; then echo "== $name: done before"; return 0; fi
-  echo "== $name ($((SECONDS)) s)"
-  $PY bench/wide_steps.py "$name" --out /tmp/ws "${WS[@]}" "$@"
-  save
-}
+LOG_TAIL=300000
+save() { bench_save /tmp/ws; }
+arm() { local name=$1; shift; bench_arm /tmp/ws bench/wide_steps.py "$name" "${WS[@]}" "$@"; }
 
 for step in $STEPS; do
   case $step in
