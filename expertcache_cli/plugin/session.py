@@ -81,11 +81,12 @@ class Session:
             return {"requests": 0, "installs": 0, "read_through_steps": 0,
                     "read_through_decode_steps": 0, "staged_steps": 0, "staged_fetched": 0,
                     "layers": []}
-        stats = torch.stack([a.cache.stats for a in self.armed]).cpu().tolist()
-        rts = torch.cat([a.read_through for a in self.armed]).cpu().tolist()
-        rtd = torch.cat([a.read_through_decode for a in self.armed]).cpu().tolist()
-        stg = torch.cat([a.staged for a in self.armed]).cpu().tolist()
-        fet = torch.cat([a.staged_fetched for a in self.armed]).cpu().tolist()
+        # every layer's counters in one device->host copy (one sync per report)
+        rows = torch.stack([torch.cat([a.cache.stats, a.read_through, a.read_through_decode,
+                                       a.staged, a.staged_fetched]) for a in self.armed])
+        vals = rows.cpu().tolist()
+        stats = [(v[0], v[1]) for v in vals]
+        rts, rtd, stg, fet = ([v[i] for v in vals] for i in range(2, 6))
         layers = [
             {"layer": a.decision.layer_name, "requests": s[0], "installs": s[1],
              "read_through_steps": r, "read_through_decode_steps": d, "staged_steps": g,
