@@ -43,6 +43,19 @@ def parse_int_list(text: str, option: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+def parse_budgets(text: str, num_experts: int) -> list[int]:
+    """``--slots`` for a trace of ``num_experts``: positive and each below E (that many
+    slots hold every expert: nothing to cache)."""
+    budgets = parse_int_list(text, "--slots")
+    bad = [s for s in budgets if s >= num_experts]
+    if bad:
+        raise UserError(
+            f"--slots {bad[0]} is not below the trace's {num_experts} experts "
+            "(that many slots hold every expert: nothing to cache)"
+        )
+    return budgets
+
+
 def passthrough_args(extra: Sequence[str], argv: Sequence[str] | None = None) -> list[str]:
     """The arguments for vLLM: the ones after ``--``. Anything else left over is a word we
     do not know before the ``--``, most likely a typo of one of our own options: refused

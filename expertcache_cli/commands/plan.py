@@ -12,7 +12,7 @@ from rich.console import Console
 
 from ..errors import UserError
 from ..tables import Table
-from . import BATCH_HELP, WIDE_HELP, demo_trace_path, parse_int_list, workload
+from . import BATCH_HELP, WIDE_HELP, demo_trace_path, parse_budgets, workload
 
 console = Console()
 
@@ -135,13 +135,9 @@ def register(app: typer.Typer) -> None:
         link, link_src = _link(link_gbps, probe_file, model)
         res, res_src = _resident(resident_tok_s, baseline)
         inputs = planner.Inputs(per_expert, bytes_src, link, link_src, res, res_src)
-        budgets = (parse_int_list(slots, "--slots") if slots else planner.slot_grid(
+        budgets = (parse_budgets(slots, trace.num_experts) if slots else planner.slot_grid(
             trace.num_experts, trace.top_k,
             trace.num_experts - 1 if fits_upto is None else fits_upto))
-        too_many = [s for s in budgets if s >= trace.num_experts]
-        if too_many:
-            raise UserError(f"--slots {too_many[0]} is not below the trace's "
-                            f"{trace.num_experts} experts")
         serve_model = (str(model) if model and Path(model).is_dir()
                        else f"MODEL --size-from {model}" if model else "MODEL")
         rep = planner.plan_trace(

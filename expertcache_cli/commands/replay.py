@@ -14,7 +14,7 @@ from ..files import atomic_write, check_output
 from ..policy import Policy, Wide
 from ..tables import Table
 from ..trace import Trace, load
-from . import BATCH_HELP, WIDE_HELP, demo_trace_path, parse_int_list, workload
+from . import BATCH_HELP, WIDE_HELP, demo_trace_path, parse_budgets, workload
 
 console = Console()
 err = Console(stderr=True)
@@ -129,13 +129,7 @@ def replay_command(
 
     path = trace_path if trace_path is not None else demo_trace_path()
     trace, mode = workload(load(path), wide, batch)
-    budgets = parse_int_list(slots, "--slots")
-    bad = [s for s in budgets if s >= trace.num_experts]
-    if bad:
-        raise UserError(
-            f"--slots {bad[0]} is not below the trace's {trace.num_experts} experts "
-            "(that many slots hold every expert: nothing to cache)"
-        )
+    budgets = parse_budgets(slots, trace.num_experts)
     policies = parse_policies(policy)
     if decay and Policy.LFU not in policies:
         raise UserError(f"--decay {decay} applies to lfu only (--policy {policy})")
