@@ -101,4 +101,5 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8
   esac
 done
 save
+$PY bench/small_card.py --greedy-report /tmp/sc/*.json | tee "$OUT/greedy.txt"
 echo "steps '$STEPS' done after $SECONDS s"

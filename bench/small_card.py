@@ -9,8 +9,9 @@ serve` for the resident ceiling). Per arm, in one server:
    (the library's own streaming client, `expertcache_cli.baseline.client`): decode tok/s;
 3. the cache counters before and after the measured runs (the plugin's stats lines, with
    ``EXPERT_CACHE_STATS`` set by the caller): installs per decoded token in the runs;
-4. the greedy token ids of one fixed prompt (``logprobs`` off, temperature 0): the
-   cache arm must produce the floor's exactly;
+4. the greedy tokens of one fixed prompt (temperature 0), twice, with each position's
+   top-2 logprob margin: the cache arm must produce the floor's exactly, and where two
+   servers part, `compare_greedy` says whether it was at a near-tie;
 5. optionally ``--streams N`` concurrent streams (the padding check: with the
    recommended ``--max-num-seqs`` no decode-width step may read through);
 6. stop (SIGINT, drain), then from the log: the plugin's startup line (layers armed,
@@ -58,15 +59,47 @@ def smi_memory() -> dict | None:
         return None
 
 
-def greedy_ids(base_url: str, model_id: str, max_tokens: int) -> list[str]:
-    """The greedy completion of PROMPT, as its tokens (word-level tokenizer: one word each)."""
+def greedy_ids(base_url: str, model_id: str, max_tokens: int) -> dict:
+    """The greedy completion of PROMPT, as its tokens (word-level tokenizer: one word
+    each), with each position's margin: the chosen token's logprob minus the runner-up's.
+    Two servers of the same weights can still part at a near-tie (vLLM is not batch
+    invariant by default); the margins say whether a divergence is such a tie."""
     import httpx
 
     body = {"model": model_id, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True}
+            "ignore_eos": True, "logprobs": 2}
     r = httpx.post(base_url + "/v1/completions", json=body, timeout=600)
     r.raise_for_status()
-    return r.json()["choices"][0]["text"].split()
+    choice = r.json()["choices"][0]
+    tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
+    chosen, margins = [], []
+    for top in tops:
+        ranked = sorted((top or {}).values(), reverse=True)
+        chosen.append(ranked[0] if ranked else None)
+        margins.append(ranked[0] - ranked[1] if len(ranked) > 1 else None)
+    return {"tokens": choice["text"].split(), "logprob": chosen, "margin": margins}
+
+
+def compare_greedy(a: dict, b: dict) -> dict:
+    """Where two arms' greedy completions part, and whether that is a near-tie: the first
+    differing position, each arm's margin there, and the largest difference of the chosen
+    token's logprob over the shared prefix (0.0 when the two servers computed the same
+    numbers up to the split)."""
+    a, b = ({"tokens": x} if isinstance(x, list) else x for x in (a, b))  # older files: ids only
+    ta, tb = a["tokens"], b["tokens"]
+    n = min(len(ta), len(tb))
+    split = next((i for i in range(n) if ta[i] != tb[i]), None)
+    upto = n if split is None else split
+    la, lb = a.get("logprob") or [], b.get("logprob") or []
+    diffs = [abs(x - y) for x, y in zip(la[:upto], lb[:upto]) if x is not None and y is not None]
+
+    def margin(arm: dict) -> float | None:
+        m = arm.get("margin") or []
+        return m[split] if split is not None and split < len(m) else None
+
+    return {"identical": split is None and len(ta) == len(tb), "first_difference": split,
+            "compared": n, "margin_a": margin(a), "margin_b": margin(b),
+            "max_logprob_diff_before": max(diffs) if diffs else None}
 
 
 def stats_at(log: Path, offset: int) -> dict | None:
@@ -112,6 +145,30 @@ def read_log(log: Path) -> dict:
 
 
 Measure = Callable[[Server, Path, dict, Callable[[], None]], None]
+
+
+def arm_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options every one-server bench arm takes (its name, where results go, the
+    server's extra environment, how long it may take to start); the bench adds its own."""
+    ap = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    ap.add_argument("name")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--env", action="append", default=[], help="K=V for the server")
+    ap.add_argument("--start-timeout", type=float, default=480)
+    return ap
+
+
+def parse_arm_argv(ap: argparse.ArgumentParser,
+                   argv: list[str] | None = None) -> argparse.Namespace:
+    """The bench's options before ``--``, the server command after it (as ``.argv``):
+    the server's own options must never be parsed as the bench's."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        ap.error("give the server command after --")
+    cut = argv.index("--")
+    a = ap.parse_args(argv[:cut])
+    a.argv = argv[cut + 1:]
+    return a
 
 
 def serve_arm(a: argparse.Namespace, measure: Measure,
@@ -168,6 +225,7 @@ def run_arm(a: argparse.Namespace) -> dict:
         rec["counters_before"], rec["counters_after"] = before, after
         rec["smi_after_runs"] = smi_memory()
         rec["greedy"] = greedy_ids(server.base_url, mid, a.greedy_tokens)
+        rec["greedy_again"] = greedy_ids(server.base_url, mid, a.greedy_tokens)
         if a.streams:
             res = measure_run(server.base_url, mid, PROMPT, a.max_tokens // 2, a.streams)
             rec["streams"] = {"n": a.streams, "tok_s": res.tok_s, "tokens": res.tokens}
@@ -175,23 +233,50 @@ def run_arm(a: argparse.Namespace) -> dict:
     return serve_arm(a, measure, (ServerFailed, RequestFailed, OSError))
 
 
+def greedy_report(paths: list[Path]) -> list[str]:
+    """One line per pair of arms (and per arm against its own second run): identical, or
+    where they part and with what margins."""
+    arms = {}
+    for p in paths:
+        rec = json.loads(p.read_text())
+        if rec.get("greedy"):
+            arms[rec.get("arm", p.stem)] = rec
+    lines = []
+    for name, rec in arms.items():
+        if rec.get("greedy_again"):
+            c = compare_greedy(rec["greedy"], rec["greedy_again"])
+            lines.append(f"{name} vs its own second run: " + describe(c))
+    names = sorted(arms)
+    for i, x in enumerate(names):
+        for y in names[i + 1:]:
+            lines.append(f"{x} vs {y}: " + describe(compare_greedy(arms[x]["greedy"],
+                                                                    arms[y]["greedy"])))
+    return lines
+
+
+def _num(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.4f}"
+
+
+def describe(c: dict) -> str:
+    if c["identical"]:
+        return f"identical ({c['compared']} tokens)"
+    fmt = _num
+    return (f"part at token {c['first_difference']} of {c['compared']}, margins there "
+            f"{fmt(c['margin_a'])} / {fmt(c['margin_b'])}, largest chosen-logprob "
+            f"difference before {fmt(c['max_logprob_diff_before'])}")
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("name")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--env", action="append", default=[], help="K=V for the server")
+    if sys.argv[1:2] == ["--greedy-report"]:
+        print("\n".join(greedy_report([Path(p) for p in sys.argv[2:]])))
+        return 0
+    ap = arm_parser(__doc__)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--greedy-tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=0)
-    ap.add_argument("--start-timeout", type=float, default=480)
-    argv = sys.argv[1:]
-    if "--" not in argv:
-        ap.error("give the server command after --")
-    cut = argv.index("--")
-    a = ap.parse_args(argv[:cut])
-    a.argv = argv[cut + 1:]
-    rec = run_arm(a)
+    rec = run_arm(parse_arm_argv(ap))
     brief = {k: rec.get(k) for k in ("arm", "status", "start_s", "tok_s", "error")}
     lg = rec.get("log") or {}
     brief.update({k: lg.get(k) for k in ("kv_gib", "slots", "armed_layers", "memory_line",

@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from small_card import serve_arm  # noqa: E402
+from small_card import arm_parser, parse_arm_argv, serve_arm  # noqa: E402
 
 from expertcache_cli.baseline.server import Server  # noqa: E402
 
@@ -129,10 +129,7 @@ def run_arm(a: argparse.Namespace) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("name")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--env", action="append", default=[], help="K=V for the server")
+    ap = arm_parser(__doc__)
     ap.add_argument("--prompt-tokens", type=int, nargs="*", default=[512, 2048, 8192])
     ap.add_argument("--ttft-runs", type=int, default=3)
     ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 8, 16, 32])
@@ -141,14 +138,7 @@ def main() -> int:
     ap.add_argument("--greedy-tokens", type=int, default=48)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--start-timeout", type=float, default=480)
-    argv = sys.argv[1:]
-    if "--" not in argv:
-        ap.error("give the server command after --")
-    cut = argv.index("--")
-    a = ap.parse_args(argv[:cut])
-    a.argv = argv[cut + 1:]
-    rec = run_arm(a)
+    rec = run_arm(parse_arm_argv(ap))
     brief = {k: rec.get(k) for k in ("arm", "status", "start_s", "error")}
     brief["ttft_ms"] = {n: round(1000 * v["median_s"], 1) if v.get("median_s") else None
                         for n, v in (rec.get("ttft") or {}).items()}

@@ -40,13 +40,22 @@ if [ "$what" = sanitize ]; then
   # compute-sanitizer over the manager and the gather: memcheck (out-of-bounds, misaligned
   # accesses) and racecheck (shared-memory hazards in the manager's block reductions)
   SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  # --report-api-errors no: cuda-bindings probes driver entry points that this driver
+  # lacks (cuGetProcAddress -> CUDA_ERROR_INVALID_VALUE, 34 of them on the 580 driver);
+  # those are API lookups, not kernel faults, and would fail the run on their own.
+  # racecheck is ~20x slower than memcheck, so it runs the manager's shared-memory
+  # reductions only (the gather and the wide-step copies use no shared memory).
   for tool in memcheck racecheck; do
-    echo "\$ compute-sanitizer --tool $tool pytest (manager tiny-churn/padding, gather, wide)" \
-      > "$OUT/sanitize_$tool.log"
-    timeout 280 "$SAN" --tool "$tool" --error-exitcode 9 --target-processes all \
-      python3 -m pytest -q -p no:cacheprovider tests/device/test_manager.py \
-      tests/device/test_gather.py tests/device/test_wide_steps.py \
-      -k "tiny-churn or padding or gather or wide" >> "$OUT/sanitize_$tool.log" 2>&1
+    if [ "$tool" = memcheck ]; then
+      files=(tests/device/test_manager.py tests/device/test_gather.py tests/device/test_wide_steps.py)
+      sel="tiny-churn or padding or gather or wide"; limit=200
+    else
+      files=(tests/device/test_manager.py); sel="tiny-churn or padding"; limit=330
+    fi
+    echo "\$ compute-sanitizer --tool $tool pytest ${files[*]} -k '$sel'" > "$OUT/sanitize_$tool.log"
+    timeout "$limit" "$SAN" --tool "$tool" --report-api-errors no --error-exitcode 9 \
+      --target-processes all python3 -m pytest -q -p no:cacheprovider "${files[@]}" \
+      -k "$sel" >> "$OUT/sanitize_$tool.log" 2>&1
     echo "exit $?" >> "$OUT/sanitize_$tool.log"
     tail -6 "$OUT/sanitize_$tool.log"
   done

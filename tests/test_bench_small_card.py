@@ -1,0 +1,57 @@
+"""The small-card bench's own logic (bench/small_card.py), without a server."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+small_card = pytest.importorskip("small_card", reason="the bench needs httpx")
+
+
+def arm(tokens, logprob, margin):
+    return {"tokens": tokens, "logprob": logprob, "margin": margin}
+
+
+def test_identical_completions_say_so():
+    a = arm(["w1", "w2"], [-0.1, -0.2], [3.0, 2.0])
+    c = small_card.compare_greedy(a, dict(a))
+    assert c["identical"] and c["first_difference"] is None
+    assert c["max_logprob_diff_before"] == 0.0
+
+
+def test_a_split_reports_the_margins_there_and_the_numbers_before():
+    a = arm(["w1", "w2", "w3"], [-0.1, -0.2, -0.70], [3.0, 2.0, 0.001])
+    b = arm(["w1", "w2", "w9"], [-0.1, -0.25, -0.69], [3.0, 1.9, 0.002])
+    c = small_card.compare_greedy(a, b)
+    assert not c["identical"]
+    assert c["first_difference"] == 2
+    assert (c["margin_a"], c["margin_b"]) == (0.001, 0.002)
+    assert c["max_logprob_diff_before"] == pytest.approx(0.05)
+
+
+def test_older_files_with_ids_only_still_compare():
+    c = small_card.compare_greedy(["w1", "w2"], ["w1", "w3"])
+    assert c["first_difference"] == 1 and c["margin_a"] is None
+
+
+def test_a_shorter_completion_is_not_identical():
+    assert not small_card.compare_greedy(["w1"], ["w1", "w2"])["identical"]
+
+
+def test_greedy_report_names_each_pair_and_each_rerun(tmp_path):
+    same = arm(["w1", "w2"], [-0.1, -0.2], [1.0, 1.0])
+    other = arm(["w1", "w5"], [-0.1, -0.3], [1.0, 0.01])
+    (tmp_path / "floor.json").write_text(json.dumps(
+        {"arm": "floor", "greedy": same, "greedy_again": same}))
+    (tmp_path / "cache.json").write_text(json.dumps({"arm": "cache", "greedy": other}))
+    (tmp_path / "failed.json").write_text(json.dumps({"arm": "failed", "status": "failed"}))
+    lines = small_card.greedy_report(sorted(tmp_path.glob("*.json")))
+    assert lines[0] == "floor vs its own second run: identical (2 tokens)"
+    assert lines[1].startswith("cache vs floor: part at token 1 of 2, margins there 0.0100 / 1.0000")
+    assert len(lines) == 2
