@@ -15,10 +15,10 @@ import os
 import shlex
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import budget, capture, config, sizing, vllm_flags
+from . import budget, capture, config, sizing, vllm_flags, vllm_runner
 from .config import TRUE_WORDS, CacheConfig
 from .errors import UserError
 
@@ -74,11 +74,14 @@ def make_plan(
     device_total_gib: float | None = None,
     plan_file: str | None = None,
     wide: str = "in-place",
+    v2_runner_offloads: Callable[[], bool | None] = vllm_runner.v2_runner_offloads,
 ) -> ServePlan:
     """Size the cache for ``model`` on ``vram_gb`` GiB and compose the `vllm serve` call.
 
     ``device_total_gib``: the GPU vLLM will run on (`gpu_info.device_total_gib`); on a
     bigger GPU than the card, vLLM gets the card's share of it (see `sizing.plan`).
+    ``v2_runner_offloads``: whether the vLLM that will run offloads on its V2 model runner
+    (`vllm_runner`; tests pass their own).
     ``plan_file``: a plan from `expertcache plan --save`; its per-layer budgets and policy
     are served, checked against this card (one per MoE layer, each below E, all of them
     within the bytes of the uniform budget that fits).
@@ -164,6 +167,12 @@ def make_plan(
     ):
         notes.append(f"{config.DISABLE}=1 in your environment: the cache will not arm "
                      "(the control run)")
+    if flag_value([*own, *args], "--cpu-offload-gb") not in (None, "0"):
+        version = capture.installed_vllm_version()
+        extra, note = vllm_runner.offload_runner_env(
+            environ, v2_runner_offloads(), ".".join(map(str, version)) if version else None)
+        env.update(extra)
+        notes += [note] if note else []
     argv = [*(launcher or vllm_command()), "serve", model, *own, *args]
     return ServePlan(model=model, size=size, env=env, argv=argv, notes=notes, per_layer=per_layer)
 

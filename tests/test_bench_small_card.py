@@ -53,5 +53,6 @@ def test_greedy_report_names_each_pair_and_each_rerun(tmp_path):
     (tmp_path / "failed.json").write_text(json.dumps({"arm": "failed", "status": "failed"}))
     lines = small_card.greedy_report(sorted(tmp_path.glob("*.json")))
     assert lines[0] == "floor vs its own second run: identical (2 tokens)"
-    assert lines[1].startswith("cache vs floor: part at token 1 of 2, margins there 0.0100 / 1.0000")
+    assert lines[1].startswith(
+        "cache vs floor: part at token 1 of 2, margins there 0.0100 / 1.0000")
     assert len(lines) == 2

@@ -17,6 +17,7 @@ VLLM = ["vllm"]
 def _plan(**kw):
     kw.setdefault("launcher", VLLM)
     kw.setdefault("environ", {})
+    kw.setdefault("v2_runner_offloads", lambda: True)  # hermetic: not the vLLM installed here
     return make_plan(kw.pop("model", MODEL), kw.pop("vram", 24), **kw)
 
 

@@ -225,3 +225,23 @@ def test_reloaded_or_woken_weights_empty_the_slots(fresh):
     assert seen == ["reload -> vLLM reloaded the weights",
                     "wake:['weights'] -> vLLM woke from sleep (weights may have been reloaded)"]
     assert worker_cls.wake_up.__name__ == "wake_up"
+
+
+def test_a_v2_runner_that_will_not_offload_is_named_before_the_load(fresh, caplog):
+    """vLLM 0.26's V2 runner ignores --cpu-offload-gb: the OOM that follows in vLLM's own
+    load has its reason in the log first, and the load still runs (vLLM decides)."""
+    _fake_vllm(fresh, "0.26.0")
+    worker_cls = _fake_worker_module(fresh)
+    v2 = "vllm.v1.worker.gpu.model_runner"
+    fresh.setitem(sys.modules, v2, types.ModuleType(v2))
+    fresh.setattr(plugin, "_arm_worker", lambda worker, cfg, version: None)
+    plugin.register()
+    w = worker_cls()
+    w.model_runner = type("GPUModelRunner", (), {"__module__": v2})()
+    w.vllm_config = types.SimpleNamespace(offload_config=types.SimpleNamespace(
+        uva=types.SimpleNamespace(cpu_offload_gb=28)))
+    with caplog.at_level("ERROR", logger="vllm.expertcache"):
+        w.load_model()
+    assert w.calls == ["load"]
+    assert "vLLM 0.26.0's V2 model runner never installs the CPU offloader" in caplog.text
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in caplog.text

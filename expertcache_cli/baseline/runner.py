@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import capture, vllm_runner
 from ..errors import UserError
 from . import store as _store
 from .arms import Arm, round_order
@@ -234,6 +235,7 @@ def run_baseline(cfg: BaselineConfig, say: Callable[[str], None] = lambda s: Non
     """Run (or continue) the experiment; returns the results path."""
     cfg.validate()
     template = cfg.server_cmd or default_template()
+    offload_env = _offload_env(cfg, say)
     st, done = open_results(cfg)
     todo = plan_blocks(cfg, done)
     if cfg.resume:
@@ -242,7 +244,7 @@ def run_baseline(cfg: BaselineConfig, say: Callable[[str], None] = lambda s: Non
         with _sigterm_as_interrupt():
             for i, (restart, arm) in enumerate(todo):
                 say(f"[{i + 1}/{len(todo)}] restart {restart}, arm {arm.name}")
-                _run_block(cfg, template, st, restart, arm, say)
+                _run_block(cfg, template, st, restart, arm, say, offload_env)
     except KeyboardInterrupt:
         say(
             f"interrupted: the server was stopped and everything measured is in {cfg.out}; "
@@ -253,6 +255,23 @@ def run_baseline(cfg: BaselineConfig, say: Callable[[str], None] = lambda s: Non
         st.close()
     _fail_when_nothing_ran(cfg.out)
     return cfg.out
+
+
+def _offload_env(cfg: BaselineConfig, say: Callable[[str], None]) -> dict[str, str]:
+    """What the offloading arms' servers need from the environment to offload at all (a
+    vLLM whose V2 model runner ignores --cpu-offload-gb runs them on V1), decided once,
+    before anything starts; a user who forced V2 on is refused here (`vllm_runner`)."""
+    if not any(a.offloaded for a in cfg.arms):
+        return {}
+    if cfg.server_cmd and "{python}" not in cfg.server_cmd:
+        return {}  # another program, maybe another vLLM: nothing here to read it by
+    version = capture.installed_vllm_version()
+    env, note = vllm_runner.offload_runner_env(
+        os.environ, vllm_runner.v2_runner_offloads(),
+        ".".join(map(str, version)) if version else None)
+    if note:
+        say(f"note: {note}")
+    return env
 
 
 class NoRunSucceeded(UserError):
@@ -286,6 +305,7 @@ def _run_block(
     restart: int,
     arm: Arm,
     say: Callable[[str], None],
+    offload_env: dict[str, str] | None = None,
 ) -> None:
     port = cfg.port or free_port(cfg.host)
     argv = build_command(
@@ -297,7 +317,8 @@ def _run_block(
         arm_args=arm.server_args(cfg.cpu_offload_gb, cfg.vllm_args),
         vllm_args=cfg.vllm_args,
     )
-    env = server_env(arm.env(cfg.stats_every))
+    arm_env = {**arm.env(cfg.stats_every), **((offload_env or {}) if arm.offloaded else {})}
+    env = server_env(arm_env)
     safe = arm.name.replace(":", "-")
     sid = uuid.uuid4().hex[:12]
     log_path = cfg.logs / f"r{restart}-{safe}-{sid}.log"
@@ -320,7 +341,7 @@ def _run_block(
                 "model_id": server.model_id,
                 "port": port,
                 "pid": server.proc.pid if server.proc else None,
-                "env": {k: v for k, v in arm.env(cfg.stats_every).items() if v is not None},
+                "env": {k: v for k, v in arm_env.items() if v is not None},
             }
         )
         common = {**base, "server_start_s": start_s, "server_started_at": started_at}

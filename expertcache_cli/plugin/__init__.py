@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from ..config import CacheConfig, ConfigError, from_env
+from ..vllm_runner import runner_ignores_offload
 from . import memory
 from .compat import layout_refusal, version_refusal
 
@@ -177,6 +178,9 @@ def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
     orig_shutdown = worker_cls.shutdown
 
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        why = runner_ignores_offload(self, sys.modules, version)
+        if why:  # vLLM's own failure follows (OOM) or the card is overshot: say why first
+            log.error("expertcache: %s", why)
         out = orig_load(self, *args, **kwargs)
         self._expertcache_session = _arm_worker(self, cfg, version)
         return out
