@@ -134,7 +134,7 @@ def main() -> int:
     ap.add_argument("--ttft-runs", type=int, default=3)
     ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 8, 16, 32])
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--greedy-streams", type=int, default=8)
+    ap.add_argument("--greedy-streams", type=int, default=16)
     ap.add_argument("--greedy-tokens", type=int, default=48)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--seed", type=int, default=0)
