@@ -212,7 +212,7 @@ def plan_trace(
     wide_rows = report.results["staged_steps"] + report.results["read_through_steps"]
     if wide is not Wide.IN_PLACE:
         notes.append(f"wide steps are modelled {wide.value}, the path `serve --wide "
-                     f"{wide.value}` runs (EXPERT_CACHE_WIDE; not yet measured on a GPU)")
+                     f"{wide.value}` runs (EXPERT_CACHE_WIDE)")
     elif int(wide_rows.max()) > 0:
         notes.append("some budgets read wide steps through the host in place (tokens x top_k "
                      "> slots); --wide staged-install predicts the staged path")

@@ -134,7 +134,7 @@ def test_plan_for_a_batch_with_the_staged_path_says_what_it_rests_on():
     data = json.loads(r.stdout)
     assert data["trace"]["batch"] == 16 and data["trace"]["wide"] == "staged-install"
     notes = " ".join(data["notes"])
-    assert "aggregate at 16 streams" in notes and "not yet measured on a GPU" in notes
+    assert "aggregate at 16 streams" in notes and "(EXPERT_CACHE_WIDE)" in notes
     rows = {(x["policy"], x["slots"]): x for x in data["rows"]}
     assert rows[("lru", 96)]["predicted_tok_s"] > rows[("lru", 64)]["predicted_tok_s"]
     inplace = json.loads(_cli("--model", "qwen3-30b-a3b-w8a8", "--probe", str(PROBE),
