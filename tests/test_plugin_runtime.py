@@ -191,12 +191,14 @@ def test_armed_layer_matches_the_stock_path_and_restores_everything():
         # after every call: the layer is back on its full tensors and config
         assert cached.w13_weight.data_ptr() == full_ptr
         assert cached.quant_method.moe_kernel.fused_experts.quant_config is qc_before
-    # the stock kernel sized its tiles for the 16 real experts, never for the 6 slots
-    assert set(TileLookup.seen) == {E} and len(TileLookup.seen) == 120
+    # the stock kernel sized its tiles for the 16 real experts, never for the 6 slots (the
+    # one extra call: the first slot step checked against the stock path)
+    assert set(TileLookup.seen) == {E} and len(TileLookup.seen) == 121
+    assert armed.checked == {"slots": 0.0, "scratch": None}
     assert cached.w13_weight.shape[0] == E and armed.slot_params["w13_weight"].shape[0] == 6
     slot_ptr = armed.cache.slots["w13_weight"].data_ptr()
     assert cached.weights_seen.count(slot_ptr) == served == armed.cache.steps
-    assert cached.weights_seen.count(full_ptr) == 60 - served
+    assert cached.weights_seen.count(full_ptr) == 60 - served + 1
     assert int(armed.read_through) == 60 - served
     assert armed.slot_quant_config.w13_bias.data_ptr() == armed.cache.slots["w13_bias"].data_ptr()
 
@@ -684,3 +686,117 @@ def test_the_wide_step_scratch_is_shared_planned_and_announced(monkeypatch, capl
         x=torch.randn(5, H), topk_weights=w, topk_ids=ids)
     sess.report()
     assert "staged steps=1 (fetched " in caplog.text
+
+
+# -- the slot path can never take a server down ------------------------------------------
+
+def test_an_experts_call_that_raises_on_slot_buffers_falls_back_and_disarms(caplog):
+    """The stock kernel refusing the slot buffers (any exception, at serve time) sends the
+    layer back to the stock path; the call is served from there."""
+    layer = Experts(seed=4)
+    armed = _arm(layer)
+    assert "forward_modular" in layer.__dict__  # the instance hook is installed
+    stock_forward = Experts.forward_modular
+
+    def picky(self, x, topk_weights, topk_ids, **kw):
+        if self.w13_weight.shape[0] != E:
+            raise RuntimeError("illegal memory access (stand-in)")
+        return stock_forward(self, x, topk_weights, topk_ids, **kw)
+
+    armed._stock = picky.__get__(layer)
+    x = torch.randn(1, H)
+    ids, w = _routing(np.random.default_rng(3), 1)
+    with caplog.at_level("ERROR", logger="vllm.expertcache"):
+        out = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    torch.testing.assert_close(out, Experts(seed=4).forward_modular(x=x, topk_weights=w,
+                                                                    topk_ids=ids))
+    assert "experts call on slots failed (RuntimeError: illegal memory access" in caplog.text
+    assert "forward_modular" not in layer.__dict__
+    assert layer.w13_weight.shape[0] == E  # the full tensors are back
+
+
+def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(caplog):
+    """A quant method whose kernel reads something the rebinding does not follow (here: a
+    stand-in that adds a bias when it sees slot-shaped weights) gives a different output;
+    the first call's check against the stock path catches it and serves the stock one."""
+    layer = Experts(seed=5)
+    armed = _arm(layer)
+    stock_forward = Experts.forward_modular
+
+    def off_by_one(self, x, topk_weights, topk_ids, **kw):
+        out = stock_forward(self, x, topk_weights, topk_ids, **kw)
+        return out + 1.0 if self.w13_weight.shape[0] != E else out
+
+    armed._stock = off_by_one.__get__(layer)
+    x = torch.randn(1, H)
+    ids, w = _routing(np.random.default_rng(4), 1)
+    with caplog.at_level("ERROR", logger="vllm.expertcache"):
+        out = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    torch.testing.assert_close(out, Experts(seed=5).forward_modular(x=x, topk_weights=w,
+                                                                    topk_ids=ids))
+    assert armed.checked["slots"] > 0.02
+    assert "the slots path's output differs from the stock path's" in caplog.text
+    assert "forward_modular" not in layer.__dict__
+
+
+def test_all_zero_steps_do_not_count_as_checked():
+    """vLLM's dummy runs feed zeros: equal outputs that prove nothing; the check waits for
+    a real step, and gives up after CHECK_ATTEMPTS such steps."""
+    from expertcache_cli.plugin import runtime
+
+    layer = Experts(seed=6)
+    for bias in ("w13_bias", "w2_bias"):
+        getattr(layer, bias).data.zero_()
+    armed = _arm(layer)
+    ids, w = _routing(np.random.default_rng(6), 1)
+    layer.forward_modular(x=torch.zeros(1, H), topk_weights=w, topk_ids=ids)
+    assert armed.checked["slots"] is None
+    assert armed._check_attempts["slots"] == runtime.CHECK_ATTEMPTS - 1
+    layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
+    assert armed.checked["slots"] == 0.0
+
+
+def test_the_staged_path_is_checked_at_its_first_wide_step():
+    layer = Experts(seed=7)
+    armed = _arm(layer, slots=6, wide_inserts=6)
+    ids, w = _routing(np.random.default_rng(7), 5)  # 10 ids > 6 slots: staged
+    out = layer.forward_modular(x=torch.randn(5, H), topk_weights=w, topk_ids=ids)
+    assert out.shape == (5, H) and armed.checked == {"slots": None, "scratch": 0.0}
+
+
+class _CopyingMethod(Method):
+    """A quant method that hands the kernel a float copy of a per-expert tensor: bound to
+    the slots at arming, the copy would hold the empty slots forever."""
+
+    def get_fused_moe_quant_config(self, layer):
+        return QuantConfig(layer.w13_bias.to(torch.float64), layer.w2_bias)
+
+
+def test_a_quant_config_holding_a_copy_of_a_slot_buffer_is_refused():
+    layer = Experts(seed=8)
+    layer.quant_method = _CopyingMethod()
+    layer.quant_method.moe_kernel.fused_experts.quant_config = QuantConfig(layer.w13_bias,
+                                                                          layer.w2_bias)
+    with pytest.raises(ArmError, match="shaped like slot buffers but not one of them"):
+        _arm(layer)
+
+
+def test_output_difference():
+    from expertcache_cli.plugin.runtime import output_difference as diff
+
+    a = torch.randn(4, 3)
+    assert diff(a, a.clone()) == 0.0
+    assert diff((a, a), (a, a + 0.1)) > 0
+    assert diff(a * 1.001, a) == pytest.approx(0.001, rel=1e-3)
+    assert diff("deferred", a) is None and diff(a, a[:2]) is None
+    assert diff(torch.zeros(2), torch.zeros(2)) is None  # nothing proven
+    assert diff(torch.ones(2), torch.zeros(2)) == float("inf")
+    bad = a.clone()
+    bad[0, 0] = float("nan")
+    assert diff(bad, a) == float("inf")
+    # padded rows are garbage on both paths: left out
+    keep = torch.tensor([True, True, False, True])
+    skewed = a.clone()
+    skewed[2] += 100
+    assert diff(skewed, a, keep) == 0.0
+    assert diff((a, None), (a, None)) == 0.0

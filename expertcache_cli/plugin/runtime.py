@@ -19,6 +19,16 @@ For every armed `RoutedExperts` the plugin replaces the instance's ``forward_mod
 Nothing here reads a device value on the host, and every pointer handed to the kernels
 is fixed when the layer is armed, so vLLM's CUDA graphs capture the whole thing. Python
 runs only when vLLM runs eagerly or captures; a replayed graph repeats the kernels.
+
+The slot path can never take a server down: an exception anywhere in it (the cache step,
+the staging, or the stock experts call on slot buffers) puts that layer back on the stock
+path for good, with the reason logged, and the call is served from there. And each path
+proves itself once: at a layer's first eager call on slots (and on the scratch), the same
+step is also run on the stock path with the full weights, and the outputs must agree
+(`output_difference` within `CHECK_TOLERANCE`), or the layer goes back to the stock path
+and serves the stock result. That one check syncs the device; it is skipped while a CUDA
+graph is being captured and while outputs are all zeros (vLLM's dummy runs), and given up
+after `CHECK_ATTEMPTS` such calls.
 """
 
 from __future__ import annotations
@@ -32,6 +42,55 @@ from typing import Any
 from .arming import Decision
 
 log = logging.getLogger("vllm.expertcache")
+
+#: relative L2 difference allowed between a path's first output and the stock path's. The
+#: same kernel on the same bytes gives 0; a variant kernel for host-resident weights (vLLM
+#: 0.33) differs at rounding level (~1e-3); a wrong expert, scale or bias gives ~1.
+CHECK_TOLERANCE = 0.02
+#: inconclusive first calls (captured, or all-zero outputs) before a path stops checking
+CHECK_ATTEMPTS = 16
+
+
+def output_difference(got: Any, want: Any, keep_rows: Any = None) -> float | None:
+    """The relative L2 difference ``|got - want| / |want|`` over every tensor of two
+    outputs of the experts call (a tensor, or a tuple/list of them: shared experts), over
+    the rows ``keep_rows`` marks (padded rows are garbage on both paths); ``inf`` when
+    ``got`` has non-finite values ``want`` has not; None when there is nothing to compare
+    (a type we do not know, like 0.33's deferred-reduction output, or all zeros)."""
+    import torch
+
+    pairs: list[tuple[Any, Any]] = []
+
+    def collect(a: Any, b: Any) -> bool:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape:
+                return False
+            pairs.append((a, b))
+            return True
+        if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
+            return all(collect(x, y) for x, y in zip(a, b))
+        return a is None and b is None
+
+    if not collect(got, want) or not pairs:
+        return None
+    num = den = 0.0
+    for a, b in pairs:
+        a, b = a.float(), b.float()
+        if keep_rows is not None and a.dim() >= 1 and a.shape[0] == keep_rows.shape[0]:
+            a, b = a[keep_rows], b[keep_rows]
+        if bool((~torch.isfinite(a) & torch.isfinite(b)).any()):
+            return float("inf")
+        num += float((a - b).nan_to_num().square().sum())
+        den += float(b.nan_to_num().square().sum())
+    if den == 0.0:
+        return None if num == 0.0 else float("inf")
+    return (num / den) ** 0.5
+
+
+def _capturing() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def iter_tensors(obj: Any, depth: int = 3) -> Iterable[Any]:
@@ -184,6 +243,10 @@ class ArmedLayer:
                                                                  "the scratch")
         self._failed = False
         self._padding = padding_mask_reader()
+        #: per path ("slots", "scratch"): None until its first output was checked against
+        #: the stock path, then the relative difference; attempts left while inconclusive
+        self.checked: dict[str, float | None] = {"slots": None, "scratch": None}
+        self._check_attempts = {"slots": CHECK_ATTEMPTS, "scratch": CHECK_ATTEMPTS}
 
     # -- rebinding ---------------------------------------------------------------
     def _swap_in(self, bound: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -229,6 +292,7 @@ class ArmedLayer:
                 raise ArmError("quant method returned no quant config while the kernel has one")
             return None
         e = self.decision.num_experts
+        rows = {p.shape[0] for p in bound.values() if p.dim() >= 1}  # S (slots) or E (scratch)
         for t in iter_tensors(qc):
             ptr = t.data_ptr()
             if ptr in full_ptrs:
@@ -237,6 +301,13 @@ class ArmedLayer:
                 raise ArmError(
                     f"the quant config holds a per-expert tensor {tuple(t.shape)} that is "
                     "not mirrored"
+                )
+            if t.dim() >= 1 and t.shape[0] in rows and ptr not in slot_ptrs:
+                # a cast or copy of a slot buffer, made now: it would keep the empty slots
+                # of arming time while the real ones fill
+                raise ArmError(
+                    f"the quant config holds a tensor {tuple(t.shape)} shaped like {what} "
+                    f"but not one of them (a copy made at arming would stay empty)"
                 )
         return qc
 
@@ -259,7 +330,7 @@ class ArmedLayer:
     ) -> Any:
         """vLLM's `RoutedExperts.forward_modular`, served from slots when the step fits."""
 
-        def stock(ids: Any) -> Any:
+        def stock(ids: Any, x: Any = x) -> Any:
             return self._stock(
                 x=x, topk_weights=topk_weights, topk_ids=ids,
                 shared_experts=shared_experts, shared_experts_input=shared_experts_input,
@@ -273,12 +344,20 @@ class ArmedLayer:
             self.recorder.record(self.index, ids)
         wide = not self.cache.fits(topk_ids.numel())
         if wide and self.scratch is not None and not self._failed:
-            return self._staged(ids, topk_ids, stock)
+            return self._checked_call("scratch", stock, x, topk_ids, pad,
+                                      lambda: self._staged(ids, topk_ids, stock))
         if self._failed or wide:
             self.read_through.add_(1)
             if self.decode_tokens is not None and topk_ids.shape[0] <= self.decode_tokens:
                 self.read_through_decode.add_(1)
             return stock(topk_ids)
+        return self._checked_call("slots", stock, x, topk_ids, pad,
+                                  lambda: self._slots(ids, topk_ids, pad, stock))
+
+    def _slots(self, ids: Any, topk_ids: Any, pad: Any, stock: Callable[..., Any]) -> Any:
+        """A step that fits: install the misses, run the stock call bound to the slots."""
+        import torch
+
         params = self.layer._parameters
         try:
             slot_ids = self.cache.step(ids, {n: params[n] for n in self.names})
@@ -287,7 +366,39 @@ class ArmedLayer:
         except Exception as exc:  # refuse at the first call, never break serving
             return self._disarm("cache step", exc, stock, topk_ids)
         return self._bound_call(stock, slot_ids, self.slot_params, self.slot_quant_config,
-                                self.decision.num_experts)
+                                self.decision.num_experts, topk_ids, "experts call on slots")
+
+    def _checked_call(self, path: str, stock: Callable[..., Any], x: Any, topk_ids: Any,
+                      pad: Any, run: Callable[[], Any]) -> Any:
+        """``run()`` (the slot or scratch path), and at the path's first eager call its
+        output checked against the stock path's on the same step (module docstring)."""
+        if (self.checked[path] is not None or self._check_attempts[path] <= 0
+                or not hasattr(x, "clone") or _capturing()):
+            return run()
+        x_ref = x.clone()  # the stock reference must see the input the path saw
+        out = run()
+        if self._failed:  # the path already fell back (and served the stock result)
+            return out
+        want = stock(topk_ids, x=x_ref)
+        keep = None if pad is None else ~pad
+        diff = output_difference(out, want, keep)
+        if diff is None:
+            self._check_attempts[path] -= 1
+            if self._check_attempts[path] == 0:
+                log.debug("expertcache: %s: %s path not checked (%d inconclusive calls)",
+                          self.decision.layer_name, path, CHECK_ATTEMPTS)
+            return out
+        self.checked[path] = diff
+        if diff > CHECK_TOLERANCE:
+            self._failed = True
+            log.error("expertcache: %s: the %s path's output differs from the stock path's on "
+                      "the same step (relative difference %.3g > %g); layer back on the stock "
+                      "path", self.decision.layer_name, path, diff, CHECK_TOLERANCE)
+            self.uninstall()
+            return want
+        log.debug("expertcache: %s: %s path checked against the stock path (relative "
+                  "difference %.3g)", self.decision.layer_name, path, diff)
+        return out
 
     def _staged(self, ids: Any, topk_ids: Any, stock: Callable[[Any], Any]) -> Any:
         """A wide step through the scratch (module docstring); the stock path on failure."""
@@ -303,7 +414,7 @@ class ArmedLayer:
         # the scratch is indexed by expert id: the ids (padded rows too) go in unchanged,
         # and the tile lookup sees the real expert count without help
         return self._bound_call(stock, topk_ids, self.scratch_params, self.scratch_quant_config,
-                                None)
+                                None, topk_ids, "experts call on the scratch")
 
     def _disarm(self, what: str, exc: Exception, stock: Callable[[Any], Any],
                 topk_ids: Any) -> Any:
@@ -316,9 +427,11 @@ class ArmedLayer:
         return stock(topk_ids)
 
     def _bound_call(self, stock: Callable[[Any], Any], ids: Any, bound: dict[str, Any],
-                    quant_config: Any, tile_experts: int | None) -> Any:
+                    quant_config: Any, tile_experts: int | None, topk_ids: Any,
+                    what: str) -> Any:
         """The stock call with the layer's per-expert tensors and quant config bound to
-        ``bound`` for exactly its duration."""
+        ``bound`` for exactly its duration; if it raises, the layer is disarmed and the
+        call served from the stock path on ``topk_ids``."""
         qm = self.layer.quant_method
         experts = self._experts()
         old_qc, old_mqc = experts.quant_config, qm.moe_quant_config
@@ -329,7 +442,10 @@ class ArmedLayer:
                 experts.quant_config = quant_config
                 qm.moe_quant_config = quant_config
             return stock(ids)
+        except Exception as exc:  # never break serving: back to the stock path
+            failed = exc
         finally:
             _TILE_EXPERTS.value = None
             self._swap_out(saved)
             experts.quant_config, qm.moe_quant_config = old_qc, old_mqc
+        return self._disarm(what, failed, stock, topk_ids)
