@@ -27,6 +27,17 @@ Formats (``--format``):
 - ``w4a16``: compressed-tensors ``pack-quantized`` (RedHatAI's W4A16): int4 weights packed
   eight to an int32 ``weight_packed`` [out, in / 8], a bf16 ``weight_scale`` per group of
   128 inputs, ``weight_shape``; symmetric, no zero points; router and LM head bf16.
+- ``gptq``: AutoGPTQ/GPTQModel 4-bit as the Qwen3 GPTQ-Int4 releases ship: ``qweight``
+  int32 [in / 8, out] (eight 4-bit codes down the input dimension), ``qzeros`` int32
+  [in / 128, out / 8], fp16 ``scales`` [in / 128, out], ``g_idx`` [in]; group 128,
+  ``desc_act`` false, symmetric. The router stays bf16 (vLLM finds the quantised layers
+  from the tensors' dtypes). vLLM 0.26 serves the experts with Marlin on Hopper.
+- ``awq``: AutoAWQ GEMM 4-bit: ``qweight`` int32 [in, out / 8] packed in AWQ's column
+  order (0 2 4 6 1 3 5 7), ``qzeros`` int32 [in / 128, out / 8], fp16 ``scales``
+  [in / 128, out]; zero point on, group 128; ``modules_to_not_convert`` names the router.
+- ``nvfp4``: ModelOpt NVFP4: e2m1 codes two to a uint8 ``weight`` [out, in / 2], an e4m3
+  ``weight_scale`` per 16 inputs, float32 ``weight_scale_2`` and ``input_scale`` scalars;
+  ``quant_method: modelopt``, ``quant_algo: NVFP4``, router and LM head in ``ignore``.
 
 ``--vocab 151936 --context 40960 --head-dim 128`` give the real model's vocabulary
 (embeddings and LM head weigh what they do in the real checkpoint, 0.58 GiB each),
@@ -50,7 +61,12 @@ sys.path.insert(0, str(HERE))
 
 import e2e_vllm as shape  # noqa: E402  (the bench model's shape and tokenizer)
 
-FORMATS = ("bf16", "w8a8", "fp8-block", "w4a16")
+FORMATS = ("bf16", "w8a8", "fp8-block", "w4a16", "gptq", "awq", "nvfp4")
+
+#: AutoAWQ's order of eight output columns inside one int32 (vLLM unpacks with its inverse)
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+#: the magnitudes an e2m1 (FP4) code can hold, by its low three bits
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 #: int8 codes are N(0, 1) x CODE_SCALE, rounded and clipped; weight = code x scale, with
 #: scale = std / CODE_SCALE, so a dequantised weight is ~N(0, std) as in the bf16 format
@@ -114,9 +130,44 @@ def w4a16_config() -> dict:
     }
 
 
+def gptq_config() -> dict:
+    """The quantization_config of a 4-bit GPTQ checkpoint (group 128, no act order)."""
+    return {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+            "sym": True, "lm_head": False, "damp_percent": 0.01, "true_sequential": True,
+            "static_groups": False, "checkpoint_format": "gptq"}
+
+
+def awq_config() -> dict:
+    """The quantization_config of a 4-bit AutoAWQ GEMM checkpoint."""
+    return {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+            "version": "gemm", "modules_to_not_convert": ["mlp.gate"]}
+
+
+def nvfp4_config() -> dict:
+    """The quantization_config of a ModelOpt NVFP4 checkpoint (config.json style)."""
+    return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+            "ignore": ["lm_head", "model.layers.*.mlp.gate"], "kv_cache_scheme": None}
+
+
 def quantization_config(fmt: str, layers: int) -> dict | None:
-    return {"w8a8": w8a8_config, "w4a16": w4a16_config}.get(fmt, lambda: (
-        fp8_block_config(layers) if fmt == "fp8-block" else None))()
+    if fmt == "fp8-block":
+        return fp8_block_config(layers)
+    makers = {"w8a8": w8a8_config, "w4a16": w4a16_config, "gptq": gptq_config,
+              "awq": awq_config, "nvfp4": nvfp4_config}
+    return makers[fmt]() if fmt in makers else None
+
+
+def pack_nibbles(codes, dim: int, order: tuple[int, ...] = tuple(range(8))):
+    """Eight 4-bit codes (0..15, int32) to an int32 along ``dim``: code ``order[k]`` of each
+    run of eight goes to bits 4k..4k+3."""
+    import torch
+
+    codes = codes.movedim(dim, -1)
+    runs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 8, 8)
+    packed = torch.zeros(runs.shape[:-1], dtype=torch.int32, device=codes.device)
+    for k, src in enumerate(order):
+        packed |= (runs[..., src] & 0xF) << (4 * k)
+    return packed.movedim(-1, dim).contiguous()
 
 
 def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCAB,
@@ -151,16 +202,37 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
             yield f"{name}.weight", t.to(torch.float8_e4m3fn).cpu()
             yield f"{name}.weight_scale_inv", torch.full(
                 (-(-out // 128), -(-inp // 128)), 0.02, dtype=torch.float32)
-        else:  # w4a16: signed 4-bit codes, eight to an int32 (low nibble first)
+        elif fmt == "w4a16":  # signed 4-bit codes, eight to an int32 (low nibble first)
             codes = (t * 2).round().clamp(-8, 7).to(torch.int32) & 0xF
-            codes = codes.reshape(out, inp // 8, 8)
-            packed = torch.zeros((out, inp // 8), dtype=torch.int32, device=device)
-            for k in range(8):
-                packed |= codes[:, :, k] << (4 * k)
-            yield f"{name}.weight_packed", packed.cpu()
+            yield f"{name}.weight_packed", pack_nibbles(codes, 1).cpu()
             yield f"{name}.weight_scale", torch.full((out, -(-inp // 128)), 0.01,
                                                      dtype=torch.bfloat16)
             yield f"{name}.weight_shape", torch.tensor([out, inp], dtype=torch.int64)
+        elif fmt in ("gptq", "awq"):  # unsigned codes around the zero point 8
+            codes = ((t * 2).round().clamp(-8, 7) + 8).to(torch.int32).t()  # [in, out]
+            groups = -(-inp // 128)
+            if fmt == "gptq":
+                yield f"{name}.qweight", pack_nibbles(codes, 0).cpu()
+                # GPTQ (v1) stores zero - 1 in each nibble
+                yield f"{name}.qzeros", torch.full((groups, out // 8), 0x77777777,
+                                                   dtype=torch.int32)
+                yield f"{name}.scales", torch.full((groups, out), 0.01, dtype=torch.float16)
+                yield f"{name}.g_idx", (torch.arange(inp, dtype=torch.int32) // 128)
+            else:
+                yield f"{name}.qweight", pack_nibbles(codes, 1, AWQ_PACK_ORDER).cpu()
+                yield f"{name}.qzeros", torch.full((groups, out // 8), 0x88888888 - 2**32,
+                                                   dtype=torch.int32)
+                yield f"{name}.scales", torch.full((groups, out), 0.01, dtype=torch.float16)
+        else:  # nvfp4: sign bit + e2m1 magnitude index, two codes a byte (low first)
+            idx = (t.abs() * 2).round().clamp(0, 7).to(torch.int32)
+            codes = idx | ((t < 0).to(torch.int32) << 3)
+            pairs = codes.reshape(out, inp // 2, 2)
+            yield f"{name}.weight", (pairs[..., 0] | (pairs[..., 1] << 4)).to(
+                torch.uint8).cpu()
+            yield f"{name}.weight_scale", torch.ones((out, inp // 16), device=device).to(
+                torch.float8_e4m3fn).cpu()
+            yield f"{name}.weight_scale_2", torch.tensor(0.005, dtype=torch.float32)
+            yield f"{name}.input_scale", torch.tensor(1.0, dtype=torch.float32)
 
     yield "model.embed_tokens.weight", normal(vocab, h, std=1.0)
     for i in range(layers):

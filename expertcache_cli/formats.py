@@ -14,7 +14,7 @@ from typing import Any
 from .errors import UserError
 
 #: Weight formats we can size. Each maps a [out, in] linear layer to its bytes.
-QUANTS = ("bf16", "fp16", "w8a8", "fp8", "fp8-block", "w4a16", "mxfp4")
+QUANTS = ("bf16", "fp16", "w8a8", "fp8", "fp8-block", "w4a16", "mxfp4", "nvfp4")
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,12 @@ def linear_tensors(prefix: str, out: int, inp: int, quant: str, group: int = 128
             Tensor(f"{prefix}_weight", (out, inp // 2), "uint8", out * inp // 2),
             Tensor(f"{prefix}_weight_scale", (out, inp // 32), "e8m0", out * (inp // 32)),
         ]
+    if quant == "nvfp4":  # ModelOpt: e2m1 pairs, an e4m3 scale a 16-block, a global scale
+        return [
+            Tensor(f"{prefix}_weight", (out, inp // 2), "uint8", out * inp // 2),
+            Tensor(f"{prefix}_weight_scale", (out, inp // 16), "fp8_e4m3", out * (inp // 16)),
+            Tensor(f"{prefix}_weight_scale_2", (1,), "fp32", 4),
+        ]
     raise UserError(f"unknown weight format {quant!r}: choose from {', '.join(QUANTS)}")
 
 
@@ -84,6 +90,13 @@ def quant_from_config(cfg: dict[str, Any]) -> str | None:
     method = str(qc.get("quant_method", "")).lower()
     if method == "mxfp4":
         return "mxfp4"
+    if method == "modelopt":
+        algo = str(qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo")
+                   or "").upper()
+        if "FP4" in algo:
+            return "nvfp4"
+        if "FP8" in algo:
+            return "fp8"
     if method == "fp8":
         return "fp8-block" if qc.get("weight_block_size") else "fp8"
     if method in ("gptq", "awq", "awq_marlin", "gptq_marlin"):

@@ -1,0 +1,90 @@
+"""The bench checkpoint writer's quantised layouts (bench/write_checkpoint.py), on the tiny
+CPU shape: the tensor names, shapes and packing vLLM's loaders expect for each format."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the writer needs torch")
+pytest.importorskip("safetensors", reason="the writer needs safetensors")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+@pytest.fixture()
+def writer(monkeypatch):
+    monkeypatch.setenv("EC_E2E_TINY", "1")
+    for name in ("write_checkpoint", "e2e_vllm"):
+        sys.modules.pop(name, None)
+    import write_checkpoint
+
+    return write_checkpoint
+
+
+def _tensors(writer, fmt):
+    return dict(writer.tensors(1, "cpu", fmt, vocab=64))
+
+
+def test_pack_nibbles_puts_code_k_in_bits_4k(writer):
+    codes = torch.arange(16, dtype=torch.int32).reshape(1, 16) % 16
+    packed = writer.pack_nibbles(codes, 1)
+    assert packed.shape == (1, 2)
+    got = [(int(packed[0, 0]) >> (4 * k)) & 0xF for k in range(8)]
+    assert got == list(range(8))
+    awq = writer.pack_nibbles(codes, 1, writer.AWQ_PACK_ORDER)
+    unpacked = [(int(awq[0, 0]) >> (4 * k)) & 0xF for k in range(8)]
+    assert unpacked == list(writer.AWQ_PACK_ORDER)
+    # vLLM unpacks AWQ with the inverse order [0, 4, 1, 5, 2, 6, 3, 7]
+    assert [unpacked[i] for i in (0, 4, 1, 5, 2, 6, 3, 7)] == list(range(8))
+
+
+def test_gptq_layout(writer):
+    shape = writer.shape
+    t = _tensors(writer, "gptq")
+    p = "model.layers.0.mlp.experts.0.gate_proj"
+    h, inter = shape.HIDDEN, shape.MOE_INTER
+    assert t[f"{p}.qweight"].shape == (h // 8, inter) and t[f"{p}.qweight"].dtype == torch.int32
+    assert t[f"{p}.qzeros"].shape == (-(-h // 128), inter // 8)
+    assert t[f"{p}.scales"].dtype == torch.float16
+    assert t[f"{p}.g_idx"].tolist() == [i // 128 for i in range(h)]
+    assert t["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16  # router unquantised
+    assert writer.gptq_config()["desc_act"] is False
+
+
+def test_awq_layout(writer):
+    shape = writer.shape
+    t = _tensors(writer, "awq")
+    p = "model.layers.0.mlp.experts.0.down_proj"
+    h, inter = shape.HIDDEN, shape.MOE_INTER
+    assert t[f"{p}.qweight"].shape == (inter, h // 8)
+    assert t[f"{p}.qzeros"].shape == (-(-inter // 128), h // 8)
+    assert (int(t[f"{p}.qzeros"][0, 0]) & 0xF) == 8
+    assert "mlp.gate" in writer.awq_config()["modules_to_not_convert"]
+
+
+def test_nvfp4_layout(writer):
+    shape = writer.shape
+    t = _tensors(writer, "nvfp4")
+    p = "model.layers.0.mlp.experts.0.up_proj"
+    h, inter = shape.HIDDEN, shape.MOE_INTER
+    assert t[f"{p}.weight"].shape == (inter, h // 2) and t[f"{p}.weight"].dtype == torch.uint8
+    assert t[f"{p}.weight_scale"].shape == (inter, h // 16)
+    assert t[f"{p}.weight_scale"].dtype == torch.float8_e4m3fn
+    assert t[f"{p}.weight_scale_2"].shape == () and t[f"{p}.input_scale"].shape == ()
+    cfg = writer.nvfp4_config()
+    assert cfg["quant_algo"] == "NVFP4" and "lm_head" in cfg["ignore"]
+
+
+@pytest.mark.parametrize("fmt, quant", [("gptq", "w4a16"), ("awq", "w4a16"),
+                                        ("nvfp4", "nvfp4"), ("w8a8", "w8a8")])
+def test_sizing_reads_each_written_config(writer, tmp_path, fmt, quant):
+    from expertcache_cli.formats import quant_from_config
+
+    writer.write(tmp_path / fmt, 1, fmt, vocab=64)
+    cfg = json.loads((tmp_path / fmt / "config.json").read_text())
+    assert quant_from_config(cfg) == quant
