@@ -4,7 +4,7 @@
 # per-layer seeded routers), then one server without the cache (EXPERT_CACHE_DISABLE=1: the
 # floor and the reference tokens) and one with 32 slots: the plugin's startup line (armed,
 # with the tensors it mirrors, or declined with the reason), decode tok/s, greedy tokens.
-#   FORMATS="w8a8 fp8-block w4a16" bash bench/run_formats_on_device.sh
+#   FORMATS="w8a8 fp8-block w4a16 gptq awq nvfp4" bash bench/run_formats_on_device.sh
 set -uo pipefail
 OUT="${OUT:-out}"
 mkdir -p "$OUT" /tmp/fm
@@ -13,7 +13,7 @@ PY=python3
 COMMON=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}"
         --shutdown-timeout 10 --max-model-len 1024 --max-num-seqs 4)
 device_vllm_setup || { echo "setup failed"; exit 1; }
-for fmt in ${FORMATS:-w8a8 fp8-block w4a16}; do
+for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4}; do
   M=/tmp/fm/$fmt
   [ -f $M/model.safetensors.index.json ] || $PY bench/write_checkpoint.py $M --layers 8 \
     --format "$fmt" --vocab 151936 --context 40960 --head-dim 128 2>&1 | tail -1
@@ -31,13 +31,15 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16}; do
   done
   $PY - "$fmt" <<'EOF' | tee -a "$OUT/formats.txt"
 import json, sys
+sys.path.insert(0, "bench")
+from small_card import compare_greedy, describe
 fmt = sys.argv[1]
 f, c = (json.load(open(f"/tmp/fm/{fmt}-{a}.json")) for a in ("floor", "cache"))
 line = (c.get("log") or {}).get("startup_line") or "no startup line"
-same = f.get("greedy") is not None and f.get("greedy") == c.get("greedy")
-print(f"{fmt}: floor {sum(f.get('tok_s') or [0]) / max(1, len(f.get('tok_s') or [])):.1f} tok/s, "
-      f"cache {sum(c.get('tok_s') or [0]) / max(1, len(c.get('tok_s') or [])):.1f}; "
-      f"greedy tokens {'identical' if same else 'DIFFER'}; {line}")
+mean = lambda r: sum(r.get("tok_s") or [0]) / max(1, len(r.get("tok_s") or []))  # noqa: E731
+same = (describe(compare_greedy(f["greedy"], c["greedy"]))
+        if f.get("greedy") and c.get("greedy") else "no greedy tokens")
+print(f"{fmt}: floor {mean(f):.1f} tok/s, cache {mean(c):.1f}; greedy {same}; {line}")
 EOF
 done
 echo "done after $SECONDS s"

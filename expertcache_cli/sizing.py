@@ -353,6 +353,12 @@ def plan(
             f"(at most {max_slots} slots)"
         )
         fits_outright = False
+    elif not model.aligned:
+        verdict = "offload_no_cache"
+        bad = ", ".join(t.name for t in model.expert_tensors if not t.aligned)
+        text = (f"runs only fully offloaded: per-expert tensors ({bad}) are not multiples of "
+                "16 bytes, which the cache's gather cannot move; no cache")
+        planned = 0
     elif planned < k:
         verdict = "offload_no_cache"
         text = (
@@ -388,10 +394,6 @@ def plan(
             + ("; it leaves fewer than top_k slots: serve in place instead"
                if verdict == "offload_no_cache" else
                "; `plan --wide` prices the trade on your trace"))
-    if not model.aligned:
-        bad = [t.name for t in model.expert_tensors if not t.aligned]
-        notes.append(f"per-expert tensors not a multiple of 16 bytes ({', '.join(bad)}): "
-                     "the cache refuses this layer")
     if (verdict in ("cache", "offload_no_cache") and not forced and max_model_len > 8192
             and kv_tokens == max_model_len and kv_reserved > budget // 10):
         short = plan(model, vram_gb, 8192, max_num_seqs, gpu_memory_utilization,

@@ -555,3 +555,21 @@ def test_online_quantization_is_sized_as_vllm_will_hold_it():
     assert any("quantised at load" in n for n in fp8.notes)
     w8a8 = sizing.plan("qwen3-30b-a3b-w8a8", 24, max_model_len=8192, vllm_quantization="fp8")
     assert w8a8.quant == "w8a8"  # already quantised: its own format stands
+
+
+def test_a_model_whose_expert_slabs_the_gather_cannot_move_runs_offloaded_without_cache(
+        tmp_path):
+    """NVFP4's per-expert global scales are 4 and 8 bytes: no cache, and the verdict says so
+    (not 'cache at N slots' beside a note that the cache refuses the model)."""
+    from expertcache_cli import formats
+
+    conf = qwen3_moe_config(hidden_size=256, moe_intermediate_size=128, quantization_config={
+        "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16})
+    assert formats.quant_from_config(conf) == "nvfp4"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(conf))
+    m = model_size.load_model(path)
+    assert not m.aligned
+    p = sizing.plan(m, 1, slots=4)  # a cache asked for: still none
+    assert p.verdict == "offload_no_cache" and p.slots == 0
+    assert "not multiples of 16 bytes" in p.verdict_text and "weight_scale_2" in p.verdict_text
