@@ -119,10 +119,11 @@ def run_arm(a: argparse.Namespace) -> dict:
             rec["decode"][str(s)] = {"tok_s": decode_rate(res),
                                      "tokens": [len(r["times"]) for r in res]}
             save()
-        greedy_rng = random.Random(1234)  # the same prompts in every arm
-        res = together(base, mid, [prompt(greedy_rng, 32, a.vocab)
-                                   for _ in range(a.greedy_streams)], a.greedy_tokens)
-        rec["greedy"] = [r["text"].split() for r in res]
+        if a.greedy_streams:
+            greedy_rng = random.Random(1234)  # the same prompts in every arm
+            res = together(base, mid, [prompt(greedy_rng, 32, a.vocab)
+                                       for _ in range(a.greedy_streams)], a.greedy_tokens)
+            rec["greedy"] = [r["text"].split() for r in res]
 
     # any failure is recorded: what was measured before it is kept
     return serve_arm(a, measure, (Exception,))
