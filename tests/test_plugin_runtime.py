@@ -800,3 +800,63 @@ def test_output_difference():
     skewed[2] += 100
     assert diff(skewed, a, keep) == 0.0
     assert diff((a, None), (a, None)) == 0.0
+
+
+# -- kernel attributes that alias layer parameters (Marlin's g_idx) -----------------------
+
+class _GIdxExperts(Experts):
+    """Marlin-like: the kernel object holds ``w13_g_idx`` (a per-expert input permutation,
+    the layer's own parameter, bound when the kernel was made) and reads it from itself;
+    an act-order-free layer's sort indices are empty [E, 0]."""
+
+    def __init__(self, seed=0, alias=True):
+        super().__init__(seed=seed)
+        g = torch.Generator().manual_seed(100 + seed)
+        perms = torch.stack([torch.randperm(H, generator=g) for _ in range(E)]).to(torch.int32)
+        # int32 [E, 8]: 32 bytes an expert, a 16-byte multiple as the gather needs
+        self.register_parameter("w13_g_idx", torch.nn.Parameter(perms, requires_grad=False))
+        self.w13_g_idx._vllm_is_uva_offloaded = True
+        empty = torch.nn.Parameter(torch.empty(E, 0, dtype=torch.int32), requires_grad=False)
+        self.register_parameter("w13_g_idx_sort_indices", empty)
+        kernel = self.quant_method.moe_kernel.fused_experts
+        kernel.w13_g_idx = self.w13_g_idx if alias else self.w13_g_idx.clone()
+        kernel.w13_g_idx_sort_indices = empty
+
+    def forward_modular(self, x, topk_weights, topk_ids, shared_experts=None,
+                        shared_experts_input=None):
+        kernel = self.quant_method.moe_kernel.fused_experts
+        qc = kernel.quant_config
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for k in range(topk_ids.shape[1]):
+                e = int(topk_ids[t, k])
+                xp = x[t][kernel.w13_g_idx[e].long()]
+                h = self.w13_weight[e] @ xp + qc.w13_bias[e]
+                a = torch.nn.functional.silu(h[:INTER]) * h[INTER:]
+                out[t] += topk_weights[t, k] * (self.w2_weight[e] @ a + qc.w2_bias[e])
+        return out
+
+
+def test_a_kernel_attribute_aliasing_a_layer_parameter_is_rebound_with_it():
+    stock, cached = _GIdxExperts(seed=11), _GIdxExperts(seed=11)
+    armed = _arm(cached, slots=6)
+    assert armed.decision.aliases == [("experts", "w13_g_idx", "w13_g_idx")]
+    assert "w13_g_idx_sort_indices" not in [s.name for s in armed.decision.specs]  # empty
+    kernel = cached.quant_method.moe_kernel.fused_experts
+    full = kernel.w13_g_idx
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        x = torch.randn(1, H)
+        ids, w = _routing(rng, 1)
+        torch.testing.assert_close(cached.forward_modular(x=x, topk_weights=w, topk_ids=ids),
+                                   stock.forward_modular(x=x, topk_weights=w, topk_ids=ids),
+                                   rtol=0, atol=0)
+        assert kernel.w13_g_idx is full  # put back after every call
+    assert armed.checked["slots"] == 0.0 and "forward_modular" in cached.__dict__
+
+
+def test_a_kernel_attribute_that_is_a_copy_is_declined():
+    layer = _GIdxExperts(seed=12, alias=False)
+    d = plan_layer(layer, CacheConfig(slots=6))
+    assert d.action == "decline"
+    assert "holds per-expert tensor(s) w13_g_idx outside the layer" in d.reason

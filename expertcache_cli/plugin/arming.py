@@ -61,6 +61,11 @@ class Decision:
     num_slots: int = 0
     top_k: int = 0
     specs: list[TensorSpec] = field(default_factory=list)
+    #: (owner, attribute, parameter): a kernel or quant-method attribute that is the very
+    #: tensor of a mirrored layer parameter (bound at kernel creation, e.g. Marlin's
+    #: ``w13_g_idx``), rebound to that parameter's slots with it; owner is "experts" or
+    #: "quant_method"
+    aliases: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def armed(self) -> bool:
@@ -86,6 +91,12 @@ def _leading(t: Any) -> int | None:
     return int(shape[0]) if len(shape) >= 1 else None
 
 
+def is_empty(t: Any) -> bool:
+    """A tensor with no elements ([E, 0]: e.g. Marlin's g_idx without act order): nothing
+    to mirror and nothing a kernel can read by expert id."""
+    return any(int(d) == 0 for d in tuple(t.shape))
+
+
 def _per_expert_attrs(obj: Any, num_experts: int) -> list[str]:
     """Tensor attributes of a plain object (quant method, kernel) with leading dim E."""
     found = []
@@ -96,7 +107,7 @@ def _per_expert_attrs(obj: Any, num_experts: int) -> list[str]:
                 if is_tensor(sub) and _leading(sub) == num_experts:
                     found.append(sub_name)
             continue
-        if is_tensor(value) and _leading(value) == num_experts:
+        if is_tensor(value) and _leading(value) == num_experts and not is_empty(value):
             found.append(key)
     return found
 
@@ -168,15 +179,24 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
     for pname, p in _named(layer, "named_parameters"):
         if pname in NON_EXPERT_TENSORS or p is None:
             continue
-        if _leading(p) == num_experts:
+        if _leading(p) == num_experts and not is_empty(p):
             specs_src.append((pname, p))
     for bname, b in _named(layer, "named_buffers"):
         if bname in NON_EXPERT_TENSORS or b is None:
             continue
-        if _leading(b) == num_experts:
+        if _leading(b) == num_experts and not is_empty(b):
             return decline(f"per-expert buffer {bname} of an unknown role")
-    for owner, label in ((qm, qm_name), (experts, experts_name)):
-        held = _per_expert_attrs(owner, num_experts)
+    by_ptr = {(p.data_ptr(), tuple(p.shape)): pname for pname, p in specs_src}
+    aliases: list[tuple[str, str, str]] = []
+    for owner, role, label in ((qm, "quant_method", qm_name), (experts, "experts", experts_name)):
+        held = []
+        for attr in _per_expert_attrs(owner, num_experts):
+            t = getattr(owner, attr, None)
+            pname = by_ptr.get((t.data_ptr(), tuple(t.shape))) if is_tensor(t) else None
+            if pname is None:
+                held.append(attr)
+            else:
+                aliases.append((role, attr, pname))
         if held:
             return decline(
                 f"{label} holds per-expert tensor(s) {', '.join(held)} outside the layer"
@@ -217,7 +237,7 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
                 f"{pname}: {nbytes} bytes per expert is not a multiple of 16 (ragged slab)"
             )
         specs.append(TensorSpec(pname, per_shape, p.dtype, nbytes, pname in offloaded))
-    return Decision(lname, ARM, "", num_experts, slots, top_k, specs)
+    return Decision(lname, ARM, "", num_experts, slots, top_k, specs, aliases)
 
 
 def summary_line(

@@ -249,18 +249,29 @@ class ArmedLayer:
         self._check_attempts = {"slots": CHECK_ATTEMPTS, "scratch": CHECK_ATTEMPTS}
 
     # -- rebinding ---------------------------------------------------------------
+    def _alias_owner(self, role: str) -> Any:
+        return self._experts() if role == "experts" else self.layer.quant_method
+
     def _swap_in(self, bound: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Bind the layer's per-expert parameters, and the kernel attributes that alias
+        them (`Decision.aliases`), to ``bound``; returns what to put back."""
         params = self.layer._parameters
         bound = self.slot_params if bound is None else bound
-        saved = {n: params[n] for n in self.names}
+        saved: dict[str, Any] = {n: params[n] for n in self.names}
         for n in self.names:
             params[n] = bound[n]
+        for role, attr, pname in self.decision.aliases:
+            owner = self._alias_owner(role)
+            saved[f"{role}.{attr}"] = getattr(owner, attr)
+            setattr(owner, attr, bound[pname])
         return saved
 
     def _swap_out(self, saved: dict[str, Any]) -> None:
         params = self.layer._parameters
-        for n, p in saved.items():
-            params[n] = p
+        for role, attr, _ in self.decision.aliases:
+            setattr(self._alias_owner(role), attr, saved[f"{role}.{attr}"])
+        for n in self.names:
+            params[n] = saved[n]
 
     def _experts(self) -> Any:
         return self.layer.quant_method.moe_kernel.fused_experts
@@ -294,6 +305,8 @@ class ArmedLayer:
         e = self.decision.num_experts
         rows = {p.shape[0] for p in bound.values() if p.dim() >= 1}  # S (slots) or E (scratch)
         for t in iter_tensors(qc):
+            if any(int(d) == 0 for d in t.shape):
+                continue  # nothing in it to read by expert id
             ptr = t.data_ptr()
             if ptr in full_ptrs:
                 raise ArmError("the rebuilt quant config still points at full expert storage")
