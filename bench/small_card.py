@@ -115,7 +115,8 @@ def stats_at(log: Path, offset: int) -> dict | None:
 
 def read_log(log: Path) -> dict:
     text = log.read_text(errors="replace")
-    out: dict = {"startup_line": None, "memory_line": None, "final": None, "kv_gib": None,
+    out: dict = {"startup_line": None, "memory_line": None, "check_line": None,
+                 "final": None, "kv_gib": None,
                  "weights_gib": None, "declined": [], "trap": None}
     for line in text.splitlines():
         if "expertcache: vLLM" in line and "armed" in line:
@@ -129,6 +130,8 @@ def read_log(log: Path) -> dict:
                 out["trap"] = line[line.index("TRAP:"):]
         elif "expertcache: memory plan" in line:
             out["memory_line"] = line[line.index("expertcache:"):]
+        elif "expertcache: first-call checks" in line:
+            out["check_line"] = line[line.index("expertcache:"):]
         elif "not armed:" in line and "expertcache:" in line:
             out["declined"].append(line[line.index("expertcache:"):])
         if (m := KV_RE.search(line)):

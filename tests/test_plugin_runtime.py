@@ -327,6 +327,8 @@ def test_arm_model_arms_declines_and_records_a_trace(tmp_path, monkeypatch, capl
     live = json.loads((tmp_path / "t.live.json").read_text())
     assert live["installs"] == sum(int(a.cache.stats[1]) for a in sess.armed) > 0
     assert "final hit rate" in caplog.text and "routing trace written" in caplog.text
+    assert ("first-call checks against the stock path: slots path 2 of 2 layers agreed "
+            "(largest relative difference 0)") in caplog.text
 
 
 def _fake_vllm_layout(monkeypatch):

@@ -127,6 +127,26 @@ class Session:
             t["read_through_decode_steps"], staged, len(self.armed),
         )
 
+    def check_line(self) -> str:
+        """What the first-call checks against the stock path found (`runtime.ArmedLayer`)."""
+        from .runtime import CHECK_TOLERANCE
+
+        parts = []
+        for path in ("slots", "scratch"):
+            seen = [a.checked[path] for a in self.armed if a.checked[path] is not None]
+            if path == "scratch" and not seen:
+                continue
+            ok = [d for d in seen if d <= CHECK_TOLERANCE]
+            text = f"{path} path {len(ok)} of {len(self.armed)} layers agreed"
+            if ok:
+                text += f" (largest relative difference {max(ok):.3g})"
+            if len(seen) > len(ok):
+                text += f", {len(seen) - len(ok)} differed and went back to the stock path"
+            if len(seen) < len(self.armed):
+                text += f", {len(self.armed) - len(seen)} not checked"
+            parts.append(text)
+        return "expertcache: first-call checks against the stock path: " + "; ".join(parts)
+
     def invalidate(self, why: str) -> None:
         """The experts behind the slots changed: empty every layer's slots (they refill
         from the new weights on the next steps)."""
@@ -154,6 +174,7 @@ class Session:
         self._closed = True
         try:
             self.report(final=True)
+            log.info("%s", self.check_line())
             if self.recorder is not None and self.cfg.trace_path:
                 path = self.recorder.save(self.cfg.trace_path, live=self.totals())
                 if path is not None:
