@@ -692,50 +692,52 @@ def test_the_wide_step_scratch_is_shared_planned_and_announced(monkeypatch, capl
 
 # -- the slot path can never take a server down ------------------------------------------
 
-def test_an_experts_call_that_raises_on_slot_buffers_falls_back_and_disarms(caplog):
-    """The stock kernel refusing the slot buffers (any exception, at serve time) sends the
-    layer back to the stock path; the call is served from there."""
-    layer = Experts(seed=4)
+def _one_call_with_a_slot_variant(caplog, seed, variant):
+    """Arm a layer whose experts call is ``variant(out, on_slots)`` of the stock one, serve
+    one decode step; returns the armed layer, what it served and what the stock path
+    gives."""
+    layer = Experts(seed=seed)
     armed = _arm(layer)
     assert "forward_modular" in layer.__dict__  # the instance hook is installed
     stock_forward = Experts.forward_modular
 
-    def picky(self, x, topk_weights, topk_ids, **kw):
-        if self.w13_weight.shape[0] != E:
-            raise RuntimeError("illegal memory access (stand-in)")
-        return stock_forward(self, x, topk_weights, topk_ids, **kw)
+    def changed(self, x, topk_weights, topk_ids, **kw):
+        return variant(lambda: stock_forward(self, x, topk_weights, topk_ids, **kw),
+                       self.w13_weight.shape[0] != E)
 
-    armed._stock = picky.__get__(layer)
+    armed._stock = changed.__get__(layer)
     x = torch.randn(1, H)
-    ids, w = _routing(np.random.default_rng(3), 1)
+    ids, w = _routing(np.random.default_rng(seed), 1)
     with caplog.at_level("ERROR", logger="vllm.expertcache"):
         out = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
-    torch.testing.assert_close(out, Experts(seed=4).forward_modular(x=x, topk_weights=w,
-                                                                    topk_ids=ids))
+    want = Experts(seed=seed).forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    assert layer.w13_weight.shape[0] == E  # the full tensors are back
+    return layer, armed, out, want
+
+
+def test_an_experts_call_that_raises_on_slot_buffers_falls_back_and_disarms(caplog):
+    """The stock kernel refusing the slot buffers (any exception, at serve time) sends the
+    layer back to the stock path; the call is served from there."""
+    def picky(call, on_slots):
+        if on_slots:
+            raise RuntimeError("illegal memory access (stand-in)")
+        return call()
+
+    layer, _, out, want = _one_call_with_a_slot_variant(caplog, 4, picky)
+    torch.testing.assert_close(out, want)
     assert "experts call on slots failed (RuntimeError: illegal memory access" in caplog.text
     assert "forward_modular" not in layer.__dict__
-    assert layer.w13_weight.shape[0] == E  # the full tensors are back
 
 
 def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(caplog):
     """A quant method whose kernel reads something the rebinding does not follow (here: a
     stand-in that adds a bias when it sees slot-shaped weights) gives a different output;
     the first call's check against the stock path catches it and serves the stock one."""
-    layer = Experts(seed=5)
-    armed = _arm(layer)
-    stock_forward = Experts.forward_modular
+    def off_by_one(call, on_slots):
+        return call() + 1.0 if on_slots else call()
 
-    def off_by_one(self, x, topk_weights, topk_ids, **kw):
-        out = stock_forward(self, x, topk_weights, topk_ids, **kw)
-        return out + 1.0 if self.w13_weight.shape[0] != E else out
-
-    armed._stock = off_by_one.__get__(layer)
-    x = torch.randn(1, H)
-    ids, w = _routing(np.random.default_rng(4), 1)
-    with caplog.at_level("ERROR", logger="vllm.expertcache"):
-        out = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
-    torch.testing.assert_close(out, Experts(seed=5).forward_modular(x=x, topk_weights=w,
-                                                                    topk_ids=ids))
+    layer, armed, out, want = _one_call_with_a_slot_variant(caplog, 5, off_by_one)
+    torch.testing.assert_close(out, want)
     assert armed.checked["slots"] > 0.02
     assert "the slots path's output differs from the stock path's" in caplog.text
     assert "forward_modular" not in layer.__dict__
