@@ -64,6 +64,25 @@ def test_parse_arms_rejects(bad):
         parse_arms(bad)
 
 
+def test_a_plan_arm_serves_the_plans_per_layer_budgets(tmp_path):
+    """`baseline --arms plan:PLAN.json` confirms exactly what `serve --plan` deploys."""
+    from expertcache_cli.planner import PLAN_FORMAT
+
+    path = tmp_path / "My Plan.json"  # case and spaces kept: it is a path
+    path.write_text(json.dumps({"format": PLAN_FORMAT, "recommended": {
+        "policy": "lfu", "slots": 48, "per_layer_slots": [40, 56, 48]}}))
+    arm = parse_arm(f"plan:{path}")
+    assert arm.kind == "cache" and arm.name == f"plan:{path}" and arm.slots == 40
+    env = arm.env()
+    assert env["EXPERT_CACHE_SLOTS"] == "40,56,48" and env["EXPERT_CACHE_POLICY"] == "lfu"
+    assert arm.offloaded
+    with pytest.raises(UserError, match="--plan .*cannot read"):
+        parse_arm(f"plan:{tmp_path / 'missing.json'}")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(UserError, match="not an expertcache plan file"):
+        parse_arm(f"plan:{tmp_path / 'bad.json'}")
+
+
 def test_offload_arm_needs_a_size():
     with pytest.raises(UserError, match="--cpu-offload-gb"):
         parse_arm("offload").server_args(None)

@@ -32,6 +32,8 @@ class Arm:
     slots: int | None = None
     policy: str | None = None
     wide: str | None = None
+    #: a ``plan:PLAN.json`` arm: the plan's per-layer budgets, served as `serve --plan` would
+    slots_per_layer: tuple[int, ...] | None = None
 
     @property
     def offloaded(self) -> bool:
@@ -47,7 +49,9 @@ class Arm:
         """
         env: dict[str, str | None] = {k: None for k in config.MEANING}
         if self.kind == "cache":
-            cfg = CacheConfig(slots=self.slots, policy=Policy.parse(self.policy or "lru"),
+            budget = ({"slots_per_layer": self.slots_per_layer} if self.slots_per_layer
+                      else {"slots": self.slots})
+            cfg = CacheConfig(**budget, policy=Policy.parse(self.policy or "lru"),
                               stats_every=stats_every or 0,
                               wide=Wide.parse(self.wide or Wide.IN_PLACE))
         else:
@@ -89,7 +93,16 @@ def _fmt_gb(value: float) -> str:
 
 
 def parse_arm(text: str) -> Arm:
-    """``resident`` | ``offload`` | ``cache:S[:lru|lfu][:in-place|staged|staged-install]``."""
+    """``resident`` | ``offload`` | ``cache:S[:lru|lfu][:in-place|staged|staged-install]`` |
+    ``plan:PLAN.json`` (a `plan --save` file: its per-layer budgets and policy, the way
+    `serve --plan` serves them, so a baseline confirms exactly what is deployed)."""
+    if text.strip().startswith("plan:"):
+        from ..planner import read_plan
+
+        path = text.strip()[len("plan:"):]
+        rec = read_plan(path)
+        return Arm(name=text.strip(), kind="cache", slots=min(rec["per_layer_slots"]),
+                   policy=rec["policy"], slots_per_layer=tuple(rec["per_layer_slots"]))
     t = text.strip().lower()
     if t in ("resident", "offload"):
         return Arm(name=t, kind=t)
@@ -97,7 +110,8 @@ def parse_arm(text: str) -> Arm:
     if not m:
         raise UserError(
             f"bad arm {text!r}: expected resident, offload, cache:SLOTS, cache:SLOTS:lru|lfu, "
-            "optionally :staged or :staged-install (wide steps through a scratch)"
+            "optionally :staged or :staged-install (wide steps through a scratch), or "
+            "plan:PLAN.json"
         )
     slots = int(m.group(1))
     if slots <= 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
+import re
 import signal
 import sys
 import uuid
@@ -319,7 +320,7 @@ def _run_block(
     )
     arm_env = {**arm.env(cfg.stats_every), **((offload_env or {}) if arm.offloaded else {})}
     env = server_env(arm_env)
-    safe = arm.name.replace(":", "-")
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", arm.name).strip("-")  # plan:PATH too
     sid = uuid.uuid4().hex[:12]
     log_path = cfg.logs / f"r{restart}-{safe}-{sid}.log"
     server = Server(argv=argv, env=env, log_path=log_path, host=cfg.host, port=port, server_id=sid)
