@@ -16,6 +16,11 @@
 #             as planned, 5 concurrent streams at the end: the padding check)
 #   resident  the ceiling: every expert in VRAM on the whole H200 (no ballast)
 #   card16    ballast leaves 16 GiB: what size and serve say, and that it serves as said
+#   pad       what CUDA-graph padding costs where vLLM does not mark padded rows (0.26's
+#             V1 runner): the 8-layer random-router checkpoint, 64 slots, 5 streams of 200
+#             tokens, once as vLLM runs them (padded to its 8-graph: 3 rows of dummy
+#             tokens route and install like real ones) and once with an exact 5-graph
+#             (--cudagraph-capture-sizes 1 2 4 5 8); requests, installs and tok/s compared
 #   card24b   the 24 GiB card again: a second floor server (are its greedy tokens its own
 #             from run to run?), the cache without EXPERT_CACHE_STATS (tok/s without the
 #             periodic host sync, for the prediction), and the cache on vLLM's V2 model
@@ -95,6 +100,29 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8
       arm cache24v2 --streams 5 --env EXPERT_CACHE_STATS=480 --env VLLM_USE_V2_MODEL_RUNNER=1 \
         -- "$PY" -m expertcache_cli "${SERVE[@]}"
       ballast stop ;;
+    pad)
+      [ -f /tmp/model/model.safetensors.index.json ] || \
+        $PY bench/write_checkpoint.py /tmp/model --layers 8 2>&1 | tail -1
+      PAD=(serve /tmp/model --vram 141 --slots 64 -- --max-num-seqs 8 --max-model-len 1024
+           "${COMMON[@]}")
+      arm pad8 --runs 1 --streams 5 --max-tokens 400 --env EXPERT_CACHE_STATS=40 \
+        -- "$PY" -m expertcache_cli "${PAD[@]}"
+      arm pad5 --runs 1 --streams 5 --max-tokens 400 --env EXPERT_CACHE_STATS=40 \
+        -- "$PY" -m expertcache_cli "${PAD[@]}" --cudagraph-capture-sizes 1 2 4 5 8
+      $PY - <<'PY' | tee "$OUT/padding.txt"
+import json
+for name in ("pad8", "pad5"):
+    try:
+        st = json.load(open(f"/tmp/sc/{name}.json"))["streams"]
+        b, a = st["counters_before"], st["counters_after"]
+        toks = st["tokens"]
+        print(f"{name}: 5 streams {st['tok_s']:.1f} tok/s; per decoded token "
+              f"{(a['requests'] - b['requests']) / toks:.1f} requests, "
+              f"{(a['installs'] - b['installs']) / toks:.2f} installs (over {toks} tokens)")
+    except (OSError, KeyError, TypeError, ZeroDivisionError) as exc:
+        print(f"{name}: no numbers ({exc!r})")
+PY
+      ;;
     resident)
       arm resident --env EXPERT_CACHE_DISABLE=1 -- "${VLLM[@]}" serve "$MODEL" \
         --max-model-len 8192 --max-num-seqs 8 --max-num-batched-tokens 2048 "${COMMON[@]}" ;;

@@ -13,7 +13,8 @@ serve` for the resident ceiling). Per arm, in one server:
    top-2 logprob margin: the cache arm must produce the floor's exactly, and where two
    servers part, `compare_greedy` says whether it was at a near-tie;
 5. optionally ``--streams N`` concurrent streams (the padding check: with the
-   recommended ``--max-num-seqs`` no decode-width step may read through);
+   recommended ``--max-num-seqs`` no decode-width step may read through), with the
+   counters before and after them (what padded rows cost: requests and installs);
 6. stop (SIGINT, drain), then from the log: the plugin's startup line (layers armed,
    slots), its memory-plan line, vLLM's "Available KV cache memory", and the final
    counters line.
@@ -230,8 +231,13 @@ def run_arm(a: argparse.Namespace) -> dict:
         rec["greedy"] = greedy_ids(server.base_url, mid, a.greedy_tokens)
         rec["greedy_again"] = greedy_ids(server.base_url, mid, a.greedy_tokens)
         if a.streams:
+            time.sleep(0.5)
+            s_before = stats_at(log, log.stat().st_size)
             res = measure_run(server.base_url, mid, PROMPT, a.max_tokens // 2, a.streams)
-            rec["streams"] = {"n": a.streams, "tok_s": res.tok_s, "tokens": res.tokens}
+            time.sleep(0.5)
+            rec["streams"] = {"n": a.streams, "tok_s": res.tok_s, "tokens": res.tokens,
+                              "counters_before": s_before,
+                              "counters_after": stats_at(log, log.stat().st_size)}
 
     return serve_arm(a, measure, (ServerFailed, RequestFailed, OSError))
 
