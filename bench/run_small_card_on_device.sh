@@ -21,10 +21,13 @@
 #             tokens, once as vLLM runs them (padded to its 8-graph: 3 rows of dummy
 #             tokens route and install like real ones) and once with an exact 5-graph
 #             (--cudagraph-capture-sizes 1 2 4 5 8); requests, installs and tok/s compared
+#   predict   the prediction on one checkpoint: resident, cache24's live installs a token
+#             and the probed gather rate against cache24q's tok/s (needs probe, card24,
+#             resident, card24b)
 #   card24b   the 24 GiB card again: a second floor server (are its greedy tokens its own
 #             from run to run?), the cache without EXPERT_CACHE_STATS (tok/s without the
 #             periodic host sync, for the prediction), and the cache on vLLM's V2 model
-#             runner (padded rows masked: 5 streams, installs compared)
+#             runner refused by serve on a vLLM whose V2 runner cannot offload (0.26)
 set -uo pipefail
 OUT="${OUT:-out}"
 mkdir -p "$OUT" /tmp/sc
@@ -97,8 +100,13 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8
              "${COMMON[@]}")
       arm floor24b --runs 2 --env EXPERT_CACHE_DISABLE=1 -- "$PY" -m expertcache_cli "${SERVE[@]}"
       arm cache24q --runs 5 -- "$PY" -m expertcache_cli "${SERVE[@]}"
-      arm cache24v2 --streams 5 --env EXPERT_CACHE_STATS=480 --env VLLM_USE_V2_MODEL_RUNNER=1 \
-        -- "$PY" -m expertcache_cli "${SERVE[@]}"
+      # vLLM 0.26's V2 runner ignores --cpu-offload-gb (died at load, 2026-12-01): serve
+      # must pin V1 by itself and refuse a forced V2, before any server starts
+      DRY=("${SERVE[@]:0:4}" --dry-run "${SERVE[@]:4}")
+      { $PY -m expertcache_cli "${DRY[@]}" 2>&1 | grep -o "VLLM_USE_V2_MODEL_RUNNER=0"
+        VLLM_USE_V2_MODEL_RUNNER=1 $PY -m expertcache_cli "${DRY[@]}"; echo "exit $?"
+      } > "$OUT/v2runner.txt" 2>&1
+      cat "$OUT/v2runner.txt"
       ballast stop ;;
     pad)
       [ -f /tmp/model/model.safetensors.index.json ] || \
@@ -121,6 +129,25 @@ for name in ("pad8", "pad5"):
               f"{(a['installs'] - b['installs']) / toks:.2f} installs (over {toks} tokens)")
     except (OSError, KeyError, TypeError, ZeroDivisionError) as exc:
         print(f"{name}: no numbers ({exc!r})")
+PY
+      ;;
+    predict)  # the issue's check on one checkpoint: tok/s from live installs and the link
+      $PY - "$OUT/probe.json" <<'PY' | tee "$OUT/predict.txt"
+import json, sys
+from expertcache_cli.planner import link_from_probe
+def load(name):
+    return json.load(open(f"/tmp/sc/{name}.json"))
+mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+res, stats, quiet = load("resident"), load("cache24"), load("cache24q")
+gbps, src = link_from_probe(sys.argv[1])
+b, a = stats["counters_before"], stats["counters_after"]
+per_token = (a["installs"] - b["installs"]) / stats["decode_tokens"]
+size = json.load(open(sys.argv[1].replace("probe.json", "size24.json")))
+ms = 1000 / mean(res["tok_s"]) + 1000 * per_token * size["bytes_per_expert"] / (gbps * 1e9)
+got = mean(quiet["tok_s"])
+print(f"resident {mean(res['tok_s']):.2f} tok/s; {per_token:.2f} installs a token "
+      f"(cache24, live); link {gbps:.1f} GB/s ({src}); predicted {1000 / ms:.1f} tok/s; "
+      f"measured without stats {got:.2f} ({got * ms / 1000:.3f} of predicted)")
 PY
       ;;
     resident)
