@@ -72,7 +72,7 @@ for step in $STEPS; do
 import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8)"
       df -h /tmp | tail -1 ;;
     probe)
-      [ -f "$OUT/probe.json" ] || $PY -m expertcache_cli probe-link --save "$OUT/probe.json" \
+      [ -f "$OUT/probe.json" ] || $PY -m expertcache_cli probe-link --only gather --model "$MODEL" --save "$OUT/probe.json" \
         2>&1 | tail -25 ;;
     acct)
       ACCT=(serve /tmp/m8 --vram 141 --slots 120 -- --gpu-memory-utilization 0.3
