@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import budget, capture, config, sizing, vllm_flags, vllm_runner
+from . import budget, capture, config, sizing, vllm_experts, vllm_flags, vllm_runner
 from .config import TRUE_WORDS, CacheConfig
 from .errors import UserError
 
@@ -75,13 +75,15 @@ def make_plan(
     plan_file: str | None = None,
     wide: str = "in-place",
     v2_runner_offloads: Callable[[], bool | None] = vllm_runner.v2_runner_offloads,
+    wna16_triton: Callable[[], bool | None] = vllm_experts.wna16_triton_available,
 ) -> ServePlan:
     """Size the cache for ``model`` on ``vram_gb`` GiB and compose the `vllm serve` call.
 
     ``device_total_gib``: the GPU vLLM will run on (`gpu_info.device_total_gib`); on a
     bigger GPU than the card, vLLM gets the card's share of it (see `sizing.plan`).
     ``v2_runner_offloads``: whether the vLLM that will run offloads on its V2 model runner
-    (`vllm_runner`; tests pass their own).
+    (`vllm_runner`; tests pass their own); ``wna16_triton``: whether it can run 4-bit
+    experts on Triton (`vllm_experts`).
     ``plan_file``: a plan from `expertcache plan --save`; its per-layer budgets and policy
     are served, checked against this card (one per MoE layer, each below E, all of them
     within the bytes of the uniform budget that fits).
@@ -167,11 +169,14 @@ def make_plan(
     ):
         notes.append(f"{config.DISABLE}=1 in your environment: the cache will not arm "
                      "(the control run)")
+    version = capture.installed_vllm_version()
+    vtext = ".".join(map(str, version)) if version else None
     if flag_value([*own, *args], "--cpu-offload-gb") not in (None, "0"):
-        version = capture.installed_vllm_version()
-        extra, note = vllm_runner.offload_runner_env(
-            environ, v2_runner_offloads(), ".".join(map(str, version)) if version else None)
+        extra, note = vllm_runner.offload_runner_env(environ, v2_runner_offloads(), vtext)
         env.update(extra)
+        notes += [note] if note else []
+    if config.SLOTS in env:
+        note = vllm_experts.kernel_note(size.quant, args, wna16_triton(), vtext)
         notes += [note] if note else []
     argv = [*(launcher or vllm_command()), "serve", model, *own, *args]
     return ServePlan(model=model, size=size, env=env, argv=argv, notes=notes, per_layer=per_layer)

@@ -18,6 +18,7 @@ def _plan(**kw):
     kw.setdefault("launcher", VLLM)
     kw.setdefault("environ", {})
     kw.setdefault("v2_runner_offloads", lambda: True)  # hermetic: not the vLLM installed here
+    kw.setdefault("wna16_triton", lambda: True)
     return make_plan(kw.pop("model", MODEL), kw.pop("vram", 24), **kw)
 
 

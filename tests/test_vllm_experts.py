@@ -1,0 +1,70 @@
+"""`vllm_experts`: a cached `serve` of a checkpoint whose experts vLLM runs on a kernel the
+cache does not arm says so before launch, and names the flag where one exists."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from expertcache_cli import vllm_experts
+from expertcache_cli.launch import make_plan
+
+V033 = 'mapping = {\n        "triton": WNA16MoEBackend.TRITON,\n        "marlin": ...'
+V026 = 'mapping = {\n        "marlin": WNA16MoEBackend.MARLIN,\n        "humming": ...'
+
+
+def test_the_oracle_source_decides(tmp_path, monkeypatch):
+    assert vllm_experts.wna16_triton_available(V033) is True
+    assert vllm_experts.wna16_triton_available(V026) is False
+    pkg = tmp_path / "vllm"
+    oracle = pkg.joinpath(*vllm_experts.WNA16_ORACLE)
+    oracle.parent.mkdir(parents=True)
+    oracle.write_text(V033)
+    spec = types.SimpleNamespace(submodule_search_locations=[str(pkg)])
+    monkeypatch.setattr(vllm_experts.importlib.util, "find_spec", lambda name: spec)
+    assert vllm_experts.wna16_triton_available() is True
+    monkeypatch.setattr(vllm_experts.importlib.util, "find_spec", lambda name: None)
+    assert vllm_experts.wna16_triton_available() is None
+
+
+@pytest.mark.parametrize("triton, words", [
+    (True, "add `-- --moe-backend triton`"),
+    (False, "vLLM 0.26 runs them on Marlin"),
+    (None, "from vLLM 0.32 `-- --moe-backend triton`"),
+])
+def test_the_note_for_4_bit_experts(triton, words):
+    note = vllm_experts.kernel_note("w4a16", [], triton, "0.26" if triton is False else None)
+    assert words in note and "does not arm yet" in note
+
+
+def test_no_note_where_the_cache_arms_or_the_user_chose():
+    assert vllm_experts.kernel_note("w8a8", [], True) is None
+    assert vllm_experts.kernel_note("bf16", [], False) is None
+    assert vllm_experts.kernel_note("w4a16", ["--moe-backend", "triton"], True) is None
+    assert "MXFP4" in vllm_experts.kernel_note("mxfp4", [], True)
+
+
+def test_serve_plans_say_it_before_launch(tmp_path):
+    import json
+
+    from tiny_moe import qwen3_moe_config
+
+    gptq = tmp_path / "gptq.json"
+    gptq.write_text(json.dumps(qwen3_moe_config(quantization_config={
+        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True})))
+    bf16 = tmp_path / "bf16.json"
+    bf16.write_text(json.dumps(qwen3_moe_config()))
+
+    def plan(size_from, triton, args=("--max-num-seqs", "1")):
+        return make_plan("org/model", 24, slots=4, size_from=str(size_from), launcher=["vllm"],
+                         environ={}, vllm_args=list(args), v2_runner_offloads=lambda: True,
+                         wna16_triton=lambda: triton)
+
+    w4 = plan(gptq, True)
+    assert w4.size.quant == "w4a16" and "EXPERT_CACHE_SLOTS" in w4.env
+    assert any("add `-- --moe-backend triton`" in n for n in w4.notes)
+    chosen = plan(gptq, True, ("--max-num-seqs", "1", "--moe-backend", "triton"))
+    assert not any("4-bit" in n for n in chosen.notes)
+    assert any("runs them on Marlin" in n for n in plan(gptq, False).notes)
+    assert not any("4-bit" in n for n in plan(bf16, False).notes)
