@@ -21,6 +21,8 @@
 #             tokens, once as vLLM runs them (padded to its 8-graph: 3 rows of dummy
 #             tokens route and install like real ones) and once with an exact 5-graph
 #             (--cudagraph-capture-sizes 1 2 4 5 8); requests, installs and tok/s compared
+#   wide24    the 24 GiB card's prefill: TTFT at 512/2048/4096 tokens and 1-8 stream decode,
+#             cache in place vs `serve --wide staged-install` (scratch in the plan)
 #   predict   the prediction on one checkpoint: resident, cache24's live installs a token
 #             and the probed gather rate against cache24q's tok/s (needs probe, card24,
 #             resident, card24b)
@@ -92,6 +94,16 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8
       fi
       arm "cache$GIB" --streams 5 --env EXPERT_CACHE_STATS=480 \
         -- "$PY" -m expertcache_cli "${SERVE[@]}"
+      ballast stop ;;
+    wide24)  # prefill on the small card: in place vs staged through the scratch
+      ballast 24
+      plan_card 24
+      VARGS=(-- --max-model-len 8192 --max-num-seqs "$SAFE" "${COMMON[@]}")
+      WS=(--prompt-tokens 512 2048 4096 --streams 1 4 8 --greedy-streams 4)
+      bench_arm /tmp/sc bench/wide_steps.py w24in "${WS[@]}" \
+        -- "$PY" -m expertcache_cli serve "$MODEL" --vram 24 "${VARGS[@]}"
+      bench_arm /tmp/sc bench/wide_steps.py w24st "${WS[@]}" \
+        -- "$PY" -m expertcache_cli serve "$MODEL" --vram 24 --wide staged-install "${VARGS[@]}"
       ballast stop ;;
     card24b)
       ballast 24
