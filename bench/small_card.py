@@ -248,7 +248,10 @@ def greedy_report(paths: list[Path]) -> list[str]:
     arms = {}
     for p in paths:
         rec = json.loads(p.read_text())
-        if rec.get("greedy"):
+        g = rec.get("greedy")
+        # this bench's single completion (ids, or ids with margins); not another bench's
+        # list of concurrent streams
+        if isinstance(g, dict) or (isinstance(g, list) and g and isinstance(g[0], str)):
             arms[rec.get("arm", p.stem)] = rec
     lines = []
     for name, rec in arms.items():

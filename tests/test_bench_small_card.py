@@ -51,6 +51,7 @@ def test_greedy_report_names_each_pair_and_each_rerun(tmp_path):
         {"arm": "floor", "greedy": same, "greedy_again": same}))
     (tmp_path / "cache.json").write_text(json.dumps({"arm": "cache", "greedy": other}))
     (tmp_path / "failed.json").write_text(json.dumps({"arm": "failed", "status": "failed"}))
+    (tmp_path / "wide.json").write_text(json.dumps({"arm": "wide", "greedy": [["w1"], ["w2"]]}))
     lines = small_card.greedy_report(sorted(tmp_path.glob("*.json")))
     assert lines[0] == "floor vs its own second run: identical (2 tokens)"
     assert lines[1].startswith(
