@@ -864,3 +864,66 @@ def test_a_kernel_attribute_that_is_a_copy_is_declined():
     d = plan_layer(layer, CacheConfig(slots=6))
     assert d.action == "decline"
     assert "holds per-expert tensor(s) w13_g_idx outside the layer" in d.reason
+
+
+def test_periodic_reports_never_wait_for_the_device(monkeypatch, caplog):
+    """EXPERT_CACHE_STATS: at a due step the counters' copy to pinned memory is started and
+    nothing is logged; later steps log it once the copy's event says it has landed; a
+    report falling due while one is on its way is skipped; close() reads the final
+    numbers itself."""
+    from expertcache_cli.baseline.counters import parse_stats_line
+    from expertcache_cli.plugin import session as session_mod
+
+    layer = Experts(seed=13)
+    armed = _arm(layer)
+    sess = session_mod.Session(CacheConfig(slots=6, stats_every=2), [armed.decision], [armed],
+                               None)
+    real_rows = sess._counter_rows
+    landed = {"now": False}
+    copies: list[object] = []
+
+    class DeviceRows:  # the counters as if they lived on a GPU
+        def __init__(self):
+            self.value = real_rows()
+            self.device = SimpleNamespace(type="cuda")
+            self.shape, self.dtype = self.value.shape, self.value.dtype
+
+    class Pinned:
+        def __init__(self, shape, dtype, pin_memory):
+            assert pin_memory
+            self.value = None
+
+        def copy_(self, src, non_blocking):
+            assert non_blocking
+            self.value = src.value.clone()
+            copies.append(self)
+
+        def tolist(self):
+            return self.value.tolist()
+
+    class Event:
+        def record(self):
+            pass
+
+        def query(self):
+            return landed["now"]
+
+    monkeypatch.setattr(sess, "_counter_rows", DeviceRows)
+    monkeypatch.setattr(torch, "empty", Pinned)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    ids, w = _routing(np.random.default_rng(13), 1)
+    layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
+    sess.after_step()  # 1 layer-step: not due
+    sess.after_step()  # due: the copy starts, nothing logged
+    assert len(copies) == 1 and "hit rate" not in caplog.text
+    sess.after_step()
+    sess.after_step()  # due again while the first is on its way: skipped
+    assert len(copies) == 1 and "hit rate" not in caplog.text
+    landed["now"] = True
+    sess.after_step()  # landed: logged, from the snapshot
+    live = parse_stats_line(caplog.text)
+    assert live and not live["final"] and live["requests"] == TOPK
+    monkeypatch.undo()
+    sess.close()
+    assert parse_stats_line(caplog.text.splitlines()[-2])["final"]

@@ -4,8 +4,11 @@
 about each, builds a `SlotCache` and an `ArmedLayer` for those it may arm, and logs one
 startup line plus one warning per declined layer. The `Session` it returns owns the
 optional trace recorder and the statistics: `after_step` is called once per engine step
-(from the worker's ``execute_model``) and is the only place that ever synchronises, and
-only when ``EXPERT_CACHE_STATS`` or ``EXPERT_CACHE_TRACE`` asked for it.
+(from the worker's ``execute_model``). A periodic report (``EXPERT_CACHE_STATS``) does not
+wait for the device: it starts a copy of every counter into pinned host memory behind the
+step's work and logs the numbers at the first later step that finds the copy done, so
+serving never stalls for it; only the final report at shutdown, the trace's drain
+(``EXPERT_CACHE_TRACE``) and an explicit `Session.totals` synchronise.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class Session:
         self._next_report = cfg.stats_every
         self._last = (0, 0)
         self._closed = False
+        #: a periodic report on its way to the host: (pinned counters, event), or None
+        self._pending: tuple[Any, Any] | None = None
 
     @property
     def slot_bytes(self) -> int:
@@ -73,18 +78,24 @@ class Session:
         return self.slot_bytes + self.scratch_bytes
 
     # -- counters ------------------------------------------------------------------
-    def totals(self) -> dict[str, Any]:
-        """Live counters summed over armed layers, and per layer (syncs)."""
+    def _counter_rows(self) -> Any:
+        """Every armed layer's counters as one device tensor (one row a layer)."""
         import torch
 
+        return torch.stack([torch.cat([a.cache.stats, a.read_through, a.read_through_decode,
+                                       a.staged, a.staged_fetched]) for a in self.armed])
+
+    def totals(self) -> dict[str, Any]:
+        """Live counters summed over armed layers, and per layer (syncs)."""
         if not self.armed:
             return {"requests": 0, "installs": 0, "read_through_steps": 0,
                     "read_through_decode_steps": 0, "staged_steps": 0, "staged_fetched": 0,
                     "layers": []}
-        # every layer's counters in one device->host copy (one sync per report)
-        rows = torch.stack([torch.cat([a.cache.stats, a.read_through, a.read_through_decode,
-                                       a.staged, a.staged_fetched]) for a in self.armed])
-        vals = rows.cpu().tolist()
+        # every layer's counters in one device->host copy
+        return self._totals_from(self._counter_rows().cpu().tolist())
+
+    def _totals_from(self, vals: list[list[int]]) -> dict[str, Any]:
+        """The counters' dict from their rows, as `_counter_rows` lays them out."""
         stats = [(v[0], v[1]) for v in vals]
         rts, rtd, stg, fet = ([v[i] for v in vals] for i in range(2, 6))
         layers = [
@@ -108,8 +119,10 @@ class Session:
             "layers": layers,
         }
 
-    def report(self, final: bool = False) -> None:
-        t = self.totals()
+    def report(self, final: bool = False, totals: dict[str, Any] | None = None) -> None:
+        """Log the hit rate since the last report and overall (``totals``: counters already
+        on the host; read now, with a sync, when not given)."""
+        t = self.totals() if totals is None else totals
         req, ins = t["requests"], t["installs"]
         # experts a staged wide step fetched into the scratch were misses too
         miss = ins + t["staged_fetched"]
@@ -161,17 +174,42 @@ class Session:
         if not self.armed:
             return
         self.layer_steps += len(self.armed)
+        self._poll_report()
         if self.cfg.stats_every and self.layer_steps >= self._next_report:
             self._next_report = self.layer_steps + self.cfg.stats_every
-            self.report()
+            if self._pending is None:  # (one on its way already: this one is skipped)
+                self._request_report()
         if self.recorder is not None:
             self.recorder.maybe_flush()
+
+    def _request_report(self) -> None:
+        """Start the counters' copy to pinned host memory behind the queued work; the
+        report is logged by `_poll_report` once it has landed (never waited for)."""
+        import torch
+
+        rows = self._counter_rows()
+        if rows.device.type != "cuda":  # host counters (tests): nothing to wait for
+            self.report(totals=self._totals_from(rows.tolist()))
+            return
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pending = (host, done)
+
+    def _poll_report(self) -> None:
+        """Log a periodic report whose counters have reached the host (no wait)."""
+        if self._pending is not None and self._pending[1].query():
+            host, _ = self._pending
+            self._pending = None
+            self.report(totals=self._totals_from(host.tolist()))
 
     def close(self) -> None:
         """At shutdown: final counters, and the trace file if one was asked for."""
         if self._closed or not self.armed:
             return
         self._closed = True
+        self._pending = None  # the final report reads the counters as they end
         try:
             self.report(final=True)
             log.info("%s", self.check_line())
