@@ -68,3 +68,26 @@ def test_serve_plans_say_it_before_launch(tmp_path):
     assert not any("4-bit" in n for n in chosen.notes)
     assert any("runs them on Marlin" in n for n in plan(gptq, False).notes)
     assert not any("4-bit" in n for n in plan(bf16, False).notes)
+
+
+def test_size_says_it_too(tmp_path):
+    """`size` is where users decide: the same note, in the model's notes."""
+    import json
+    import subprocess
+    import sys
+
+    from tiny_moe import qwen3_moe_config
+
+    gptq = tmp_path / "config.json"
+    gptq.write_text(json.dumps(qwen3_moe_config(quantization_config={
+        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True})))
+    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "size", "--model", str(gptq),
+                        "--vram", "24", "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    notes = json.loads(r.stdout)["notes"]
+    assert any("4-bit experts" in n and "--moe-backend triton" in n for n in notes)
+    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "size", "--model", str(gptq),
+                        "--vram", "24", "--json", "--", "--moe-backend", "triton"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not any("4-bit" in n for n in json.loads(r.stdout)["notes"])
