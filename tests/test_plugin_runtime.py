@@ -927,3 +927,25 @@ def test_periodic_reports_never_wait_for_the_device(monkeypatch, caplog):
     monkeypatch.undo()
     sess.close()
     assert parse_stats_line(caplog.text.splitlines()[-2])["final"]
+
+
+def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace():
+    """A kernel returning a view of a workspace the next call overwrites would make the
+    reference call overwrite the path's output (equal by aliasing): the check compares a
+    copy, and serves that copy."""
+    layer = Experts(seed=14)
+    armed = _arm(layer)
+    workspace = torch.zeros(1, H)
+    stock_forward = Experts.forward_modular
+
+    def in_workspace(self, x, topk_weights, topk_ids, **kw):
+        out = stock_forward(self, x, topk_weights, topk_ids, **kw)
+        if self.w13_weight.shape[0] != E:
+            out = out + 1.0  # the slot path computes something else
+        workspace.copy_(out)
+        return workspace
+
+    armed._stock = in_workspace.__get__(layer)
+    ids, w = _routing(np.random.default_rng(14), 1)
+    layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
+    assert armed.checked["slots"] > 0.02 and "forward_modular" not in layer.__dict__

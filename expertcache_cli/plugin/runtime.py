@@ -87,6 +87,13 @@ def output_difference(got: Any, want: Any, keep_rows: Any = None) -> float | Non
     return (num / den) ** 0.5
 
 
+def _cloned(out: Any) -> Any:
+    """An experts call's output with every tensor copied (tuples and lists kept)."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(_cloned(o) for o in out)
+    return out.clone() if hasattr(out, "clone") and hasattr(out, "shape") else out
+
+
 def _capturing() -> bool:
     import torch
 
@@ -392,6 +399,8 @@ class ArmedLayer:
         out = run()
         if self._failed:  # the path already fell back (and served the stock result)
             return out
+        # kept apart: a kernel may hand out a view of a workspace the next call reuses
+        out = _cloned(out)
         want = stock(topk_ids, x=x_ref)
         keep = None if pad is None else ~pad
         diff = output_difference(out, want, keep)
