@@ -571,3 +571,37 @@ def test_arm_warnings_word_the_trap_as_size_does():
     assert got[1].startswith("cache:40: sizing trap: a full batch of 8 seqs x top_k 8 = 64 ids "
                              "> 40 slots") and "--max-num-seqs 5" in got[1]
     assert got[2] == f"cache:120: only {p.max_slots} slots fit" and len(got) == 3
+
+
+def test_plugin_state_reads_how_much_of_the_model_the_cache_served(tmp_path):
+    from expertcache_cli.baseline.counters import plugin_state
+
+    log = tmp_path / "s.log"
+    log.write_text(
+        "INFO expertcache: vLLM 0.26.0: armed 8 of 8 MoE layers; 64 of 128 experts/layer\n"
+        "(restarted)\n"
+        "INFO expertcache: vLLM 0.26.0: armed 7 of 8 MoE layers; 64 of 128 experts/layer\n"
+        "ERROR expertcache: model.layers.3.mlp.experts: experts call on slots failed "
+        "(RuntimeError: x); layer back on the stock path\n")
+    assert plugin_state(log) == {"armed": 7, "moe_layers": 8, "fell_back": 1}
+    (tmp_path / "stock.log").write_text("INFO vLLM started\n")
+    assert plugin_state(tmp_path / "stock.log") is None
+    assert plugin_state(tmp_path / "missing.log") is None
+
+
+def test_a_cache_arm_the_cache_did_not_fully_serve_is_flagged():
+    recs = _runs("cache:4", [[10, 12]]) + _runs("offload", [[5, 5]]) + _runs("plan:p.json", [[9]])
+    recs += [{"kind": "counters", "arm": "cache:4", "restart": 0, "counters": {"hit_rate": 0.5},
+              "plugin": {"armed": 6, "moe_layers": 8, "fell_back": 0}},
+             {"kind": "counters", "arm": "plan:p.json", "restart": 0,
+              "counters": {"hit_rate": 0.5}, "plugin": {"armed": 8, "moe_layers": 8,
+                                                        "fell_back": 2}}]
+    s = summarise(recs, {"arms": ["offload", "cache:4", "plan:p.json"], "runs": 1})
+    assert any(w.startswith("cache:4: the plugin armed 6 of 8 MoE layers in 1 of 1 server(s)")
+               for w in s.warnings)
+    assert any(w.startswith("plan:p.json: 2 layer(s) went back to the stock path")
+               for w in s.warnings)
+    # a plan arm is a cache arm: compared with the offload control like one
+    from expertcache_cli.baseline.summary import is_cache_arm
+
+    assert is_cache_arm("plan:p.json") and is_cache_arm("cache:4") and not is_cache_arm("offload")

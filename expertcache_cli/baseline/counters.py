@@ -35,6 +35,11 @@ STATS_LINE_RE = re.compile(
 #: How far back from the end of a log to look; stats lines are frequent and short.
 _TAIL_BYTES = 256 * 1024
 
+#: the plugin's startup line (`plugin.arming.summary_line`) and its fall-back lines
+#: (`plugin.runtime.ArmedLayer`): whether the cache served the whole model
+ARMED_RE = re.compile(r"expertcache: vLLM \S+: armed (?P<armed>\d+) of (?P<layers>\d+) MoE layers")
+FELL_BACK = "layer back on the stock path"
+
 
 def _frac(text: str) -> float | None:
     v = float(text)
@@ -71,3 +76,21 @@ def latest_counters(log_path: str | os.PathLike[str]) -> dict | None:
         if found is not None:
             return found
     return None
+
+
+def plugin_state(log_path: str | os.PathLike[str]) -> dict | None:
+    """How much of the model the cache served, from a server log: the layers armed at
+    startup (of the MoE layers) and how many went back to the stock path while serving
+    (an exception on the slot path, or a first-call check that disagreed); None when the
+    log has no startup line (plugin missing or disabled)."""
+    try:
+        with open(log_path, "rb") as f:
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    starts = list(ARMED_RE.finditer(text))
+    if not starts:
+        return None
+    m = starts[-1]  # the last server start in the log
+    return {"armed": int(m.group("armed")), "moe_layers": int(m.group("layers")),
+            "fell_back": text[m.end():].count(FELL_BACK)}

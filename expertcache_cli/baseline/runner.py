@@ -26,7 +26,7 @@ from ..errors import UserError
 from . import store as _store
 from .arms import Arm, round_order
 from .client import RequestFailed, measure_run
-from .counters import latest_counters
+from .counters import latest_counters, plugin_state
 from .server import (
     Server,
     ServerFailed,
@@ -419,7 +419,8 @@ def _run_block(
     # hit rate, available even when periodic stats (EXPERT_CACHE_STATS) were off.
     final = latest_counters(server.log_path)
     if final is not None:
-        st.append({**base, "kind": "counters", "counters": final, "at": now_iso()})
+        st.append({**base, "kind": "counters", "counters": final, "at": now_iso(),
+                   "plugin": plugin_state(server.log_path)})
 
 
 def load_summary(path: str | os.PathLike[str]):

@@ -209,9 +209,12 @@ def summarise(records: list[dict[str, Any]], meta: dict[str, Any] | None = None)
     # Per arm: the counters of its latest server, preferring the server's final line
     # (written at shutdown) over the last periodic one seen during a run.
     last_counters: dict[str, dict[str, Any]] = {}
+    plugin: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         if r.get("kind") in ("run", "counters") and r.get("counters"):
             last_counters[r["arm"]] = r["counters"]
+        if r.get("kind") == "counters" and r.get("plugin"):
+            plugin.setdefault(r["arm"], []).append(r["plugin"])
 
     arms: list[ArmSummary] = []
     for name in arm_order:
@@ -279,7 +282,7 @@ def summarise(records: list[dict[str, Any]], meta: dict[str, Any] | None = None)
         bursty_runs=bursty,
         meta=meta,
     )
-    summary.warnings = _warnings(summary, meta)
+    summary.warnings = _warnings(summary, meta) + _coverage_warnings(plugin)
     return summary
 
 
@@ -298,6 +301,29 @@ def indistinguishable(a: ArmSummary, b: ArmSummary) -> bool:
         return diff <= t975(df) * se
     scale = max(abs(a.mean_tok_s), abs(b.mean_tok_s))
     return scale == 0 or diff / scale < SAME_REL
+
+
+def is_cache_arm(name: str) -> bool:
+    """``cache:S...`` and ``plan:FILE`` arms run the plugin."""
+    return name.startswith(("cache", "plan:"))
+
+
+def _coverage_warnings(plugin: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """A cache arm is only the cache's number if the cache served every MoE layer: say
+    where some ran on the stock path (declined at startup, or fallen back while serving)."""
+    out = []
+    for arm, states in plugin.items():
+        short = [s for s in states if s["armed"] < s["moe_layers"]]
+        if short:
+            s = short[0]
+            out.append(f"{arm}: the plugin armed {s['armed']} of {s['moe_layers']} MoE layers "
+                       f"in {len(short)} of {len(states)} server(s); the rest ran on the stock "
+                       "path (their reasons are in the server log)")
+        fell = sum(s["fell_back"] for s in states)
+        if fell:
+            out.append(f"{arm}: {fell} layer(s) went back to the stock path while serving "
+                       "(search the server logs for 'layer back on the stock path')")
+    return out
 
 
 def _warnings(s: Summary, meta: dict[str, Any] | None) -> list[str]:
@@ -325,13 +351,13 @@ def _warnings(s: Summary, meta: dict[str, Any] | None) -> list[str]:
     names = {a.arm for a in measured}
     off = s.arm("offload")
     res = s.arm("resident")
-    if "offload" not in names and any(a.arm.startswith("cache") for a in measured):
+    if "offload" not in names and any(is_cache_arm(a.arm) for a in measured):
         out.append(
             "no offload control arm: nothing shows whether the cache is engaged; add 'offload'"
         )
     if off and off.restarts:
         for a in measured:
-            if a.arm.startswith("cache") and indistinguishable(a, off):
+            if is_cache_arm(a.arm) and indistinguishable(a, off):
                 out.append(
                     f"{a.arm} is indistinguishable from the offload control "
                     f"({a.mean_tok_s:.4g} vs {off.mean_tok_s:.4g} tok/s): the cache is probably "
