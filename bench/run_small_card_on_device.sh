@@ -52,6 +52,7 @@ ballast() {  # ballast GiB | ballast stop
 plan_card() {  # plan_card GiB: size and serve's dry run for the card, to $OUT
   $PY -m expertcache_cli size --model "$MODEL" --vram "$1" --json -- --max-model-len 8192 \
     > "$OUT/size$1.json"
+  cp "$OUT/size$1.json" /tmp/sc/  # (a later call's predict step reads it there)
   SAFE=$($PY -c "import json;print(json.load(open('$OUT/size$1.json'))['safe_max_num_seqs'])")
   COLUMNS=200 $PY -m expertcache_cli size --model "$MODEL" --vram "$1" -- --max-model-len 8192 \
     --max-num-seqs "$SAFE" > "$OUT/size$1.txt" 2>&1
@@ -74,7 +75,7 @@ for step in $STEPS; do
 import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8)"
       df -h /tmp | tail -1 ;;
     probe)
-      [ -f "$OUT/probe.json" ] || $PY -m expertcache_cli probe-link --only gather --model "$MODEL" --save "$OUT/probe.json" \
+      [ -f /tmp/sc/probe.json ] || $PY -m expertcache_cli probe-link --only gather --model "$MODEL" --save /tmp/sc/probe.json \
         2>&1 | tail -25 ;;
     acct)
       ACCT=(serve /tmp/m8 --vram 141 --slots 120 -- --gpu-memory-utilization 0.3
@@ -144,7 +145,7 @@ for name in ("pad8", "pad5"):
 PY
       ;;
     predict)  # the issue's check on one checkpoint: tok/s from live installs and the link
-      $PY - "$OUT/probe.json" <<'PY' | tee "$OUT/predict.txt"
+      $PY - /tmp/sc/probe.json <<'PY' | tee "$OUT/predict.txt"
 import json, sys
 from expertcache_cli.planner import link_from_probe
 def load(name):

@@ -40,8 +40,8 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MODEL'), 8,
     plan)  # what the tools predict for this shape, before the servers say
       COLUMNS=160 $PY -m expertcache_cli size --model $MODEL --vram 141 --slots 64 \
         --wide staged-install -- --max-model-len 10240 --max-num-seqs 32 > "$OUT/size.txt" 2>&1
-      [ -f "$OUT/probe.json" ] || $PY -m expertcache_cli probe-link --only gather \
-        --model $MODEL --save "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
+      [ -f /tmp/ws/probe.json ] || $PY -m expertcache_cli probe-link --only gather \
+        --model $MODEL --save /tmp/ws/probe.json > "$OUT/probe.txt" 2>&1
       tail -5 "$OUT/size.txt" ;;
     floor)
       arm floor --env EXPERT_CACHE_DISABLE=1 -- "${VLLM[@]}" serve $MODEL "${OFFLOAD[@]}" "${FLAGS[@]}" ;;
@@ -65,7 +65,7 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MODEL'), 8,
       for n in 16 32; do
         R=$($PY -c "import json; print(json.load(open('/tmp/ws/resident.json'))['decode']['$n']['tok_s'])")
         for mode in in-place staged-install; do
-          $PY -m expertcache_cli plan /tmp/ws/one.npz --model $MODEL --probe "$OUT/probe.json" \
+          $PY -m expertcache_cli plan /tmp/ws/one.npz --model $MODEL --probe /tmp/ws/probe.json \
             --resident-tok-s "$R" --slots 64 --policy lru --batch $n --wide $mode --json \
             > "$OUT/plan-b$n-$mode.json" 2> "$OUT/plan-b$n-$mode.err"
         done
