@@ -949,3 +949,37 @@ def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace():
     ids, w = _routing(np.random.default_rng(14), 1)
     layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
     assert armed.checked["slots"] > 0.02 and "forward_modular" not in layer.__dict__
+
+
+def test_bookkeeping_that_fails_never_takes_serving_down(caplog):
+    """A periodic report or a trace drain that raises is logged once and stops; the step
+    goes on, and shutdown still logs the final counters."""
+    from expertcache_cli.plugin.session import Session
+
+    layer = Experts(seed=15)
+    armed = _arm(layer)
+
+    class BadRecorder:
+        calls = 0
+
+        def maybe_flush(self):
+            BadRecorder.calls += 1
+            raise OSError("disk full")
+
+    sess = Session(CacheConfig(slots=6, stats_every=1), [armed.decision], [armed],
+                   BadRecorder())
+
+    def broken():
+        raise RuntimeError("no pinned memory")
+
+    sess._counter_rows = broken
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    for _ in range(3):
+        sess.after_step()
+    assert caplog.text.count("periodic stats failed (RuntimeError: no pinned memory)") == 1
+    assert caplog.text.count("draining the routing trace failed (OSError: disk full)") == 1
+    assert BadRecorder.calls == 1 and sess.cfg.stats_every == 0
+    del sess._counter_rows  # the final report reads the real counters
+    sess.recorder = None
+    sess.close()
+    assert "final hit rate" in caplog.text

@@ -14,6 +14,7 @@ serving never stalls for it; only the final report at shutdown, the trace's drai
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 from typing import Any
 
@@ -60,6 +61,7 @@ class Session:
         self._closed = False
         #: a periodic report on its way to the host: (pinned counters, event), or None
         self._pending: tuple[Any, Any] | None = None
+        self._draining = True
 
     @property
     def slot_bytes(self) -> int:
@@ -170,17 +172,32 @@ class Session:
                         "the new expert weights", why, len(self.armed))
 
     def after_step(self) -> None:
-        """Once per engine step (host side): periodic stats and trace draining."""
+        """Once per engine step (host side): periodic stats and trace draining. Neither may
+        take serving down: a failure is logged once and that bookkeeping stops."""
         if not self.armed:
             return
         self.layer_steps += len(self.armed)
-        self._poll_report()
-        if self.cfg.stats_every and self.layer_steps >= self._next_report:
-            self._next_report = self.layer_steps + self.cfg.stats_every
-            if self._pending is None:  # (one on its way already: this one is skipped)
-                self._request_report()
-        if self.recorder is not None:
-            self.recorder.maybe_flush()
+        if self.cfg.stats_every:
+            try:
+                self._poll_report()
+                if self.layer_steps >= self._next_report:
+                    self._next_report = self.layer_steps + self.cfg.stats_every
+                    if self._pending is None:  # (one on its way already: skipped)
+                        self._request_report()
+            except Exception as exc:
+                log.error("expertcache: periodic stats failed (%s: %s); no more periodic "
+                          "reports (the final one is still logged at shutdown)",
+                          exc.__class__.__name__, exc)
+                self.cfg = dataclasses.replace(self.cfg, stats_every=0)
+                self._pending = None
+        if self.recorder is not None and self._draining:
+            try:
+                self.recorder.maybe_flush()
+            except Exception as exc:
+                log.error("expertcache: draining the routing trace failed (%s: %s); no more "
+                          "draining while serving (shutdown still tries to write the trace)",
+                          exc.__class__.__name__, exc)
+                self._draining = False
 
     def _request_report(self) -> None:
         """Start the counters' copy to pinned host memory behind the queued work; the
