@@ -211,7 +211,11 @@ def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
             out = orig_memory(self, *args, **kwargs)
             session = getattr(self, "_expertcache_session", None)
             if session is not None:
-                _log_memory_plan(self, session, out)
+                try:
+                    _log_memory_plan(self, session, out)
+                except Exception as exc:  # a log line must never stop vLLM starting
+                    log.warning("expertcache: no memory-plan line (%s: %s)",
+                                exc.__class__.__name__, exc)
             return out
 
         pairs.append((determine_available_memory, orig_memory))
