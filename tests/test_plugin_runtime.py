@@ -983,3 +983,18 @@ def test_bookkeeping_that_fails_never_takes_serving_down(caplog):
     sess.recorder = None
     sess.close()
     assert "final hit rate" in caplog.text
+
+
+def test_the_first_agreeing_check_is_announced_once_a_process(monkeypatch, caplog):
+    from expertcache_cli.plugin import runtime
+
+    monkeypatch.setattr(runtime, "_ANNOUNCED", {})
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    layers = [Experts(seed=16), Experts(seed=17)]
+    for layer in layers:
+        _arm(layer)
+        ids, w = _routing(np.random.default_rng(16), 1)
+        layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
+    lines = [r for r in caplog.records if "agreed with the stock path" in r.getMessage()
+             and r.levelname == "INFO"]
+    assert len(lines) == 1 and "every armed layer is checked once" in lines[0].getMessage()

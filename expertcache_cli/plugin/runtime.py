@@ -49,6 +49,9 @@ log = logging.getLogger("vllm.expertcache")
 CHECK_TOLERANCE = 0.02
 #: inconclusive first calls (captured, or all-zero outputs) before a path stops checking
 CHECK_ATTEMPTS = 16
+#: paths whose first agreeing check this process has announced at INFO (one line, not one
+#: a layer)
+_ANNOUNCED: dict[str, bool] = {}
 
 
 def output_difference(got: Any, want: Any, keep_rows: Any = None) -> float | None:
@@ -418,8 +421,13 @@ class ArmedLayer:
                       "path", self.decision.layer_name, path, diff, CHECK_TOLERANCE)
             self.uninstall()
             return want
-        log.debug("expertcache: %s: %s path checked against the stock path (relative "
-                  "difference %.3g)", self.decision.layer_name, path, diff)
+        first = not _ANNOUNCED.get(path)
+        _ANNOUNCED[path] = True
+        (log.info if first else log.debug)(
+            "expertcache: %s: the %s path agreed with the stock path at its first call "
+            "(relative difference %.3g)%s", self.decision.layer_name, path, diff,
+            "; every armed layer is checked once, the count is logged at shutdown"
+            if first else "")
         return out
 
     def _staged(self, ids: Any, topk_ids: Any, stock: Callable[[Any], Any]) -> Any:
