@@ -731,10 +731,10 @@ def test_an_experts_call_that_raises_on_slot_buffers_falls_back_and_disarms(capl
 
 def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(caplog):
     """A quant method whose kernel reads something the rebinding does not follow (here: a
-    stand-in that adds a bias when it sees slot-shaped weights) gives a different output;
+    stand-in that scales its output when it sees slot-shaped weights) gives a different output;
     the first call's check against the stock path catches it and serves the stock one."""
     def off_by_one(call, on_slots):
-        return call() + 1.0 if on_slots else call()
+        return call() * 1.5 if on_slots else call()
 
     layer, armed, out, want = _one_call_with_a_slot_variant(caplog, 5, off_by_one)
     torch.testing.assert_close(out, want)
@@ -941,7 +941,7 @@ def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace():
     def in_workspace(self, x, topk_weights, topk_ids, **kw):
         out = stock_forward(self, x, topk_weights, topk_ids, **kw)
         if self.w13_weight.shape[0] != E:
-            out = out + 1.0  # the slot path computes something else
+            out = out * 1.5  # the slot path computes something else
         workspace.copy_(out)
         return workspace
 
