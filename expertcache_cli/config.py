@@ -55,7 +55,8 @@ DEFAULT_FRACTION = 0.25
 
 #: the values that turn a boolean variable on (any case); launch.make_plan reads them too
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
-_FALSE = {"", "0", "false", "no", "off"}
+FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+_FALSE = FALSE_WORDS | {""}  # unset reads as off
 
 
 class ConfigError(UserError):

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import budget, capture, config, sizing, vllm_experts, vllm_flags, vllm_runner
+from . import budget, capture, config, installed_vllm, sizing, vllm_experts, vllm_flags, vllm_runner
 from .config import TRUE_WORDS, CacheConfig
 from .errors import UserError
 
@@ -169,8 +169,7 @@ def make_plan(
     ):
         notes.append(f"{config.DISABLE}=1 in your environment: the cache will not arm "
                      "(the control run)")
-    version = capture.installed_vllm_version()
-    vtext = ".".join(map(str, version)) if version else None
+    vtext = installed_vllm.release()
     if flag_value([*own, *args], "--cpu-offload-gb") not in (None, "0"):
         extra, note = vllm_runner.offload_runner_env(environ, v2_runner_offloads(), vtext)
         env.update(extra)
@@ -208,7 +207,7 @@ def _refuse_online_quantization(args: Sequence[str], spec: str) -> None:
 
     m = load_model(spec)
     why = vllm_flags.online_quantization_refusal(args, m.quant, m.name,
-                                                 capture.installed_vllm_version())
+                                                 installed_vllm.version())
     if why:
         raise UserError(why)
 

@@ -13,10 +13,7 @@ vLLM's source, importing nothing.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-from . import vllm_flags
+from . import installed_vllm, vllm_flags
 
 WNA16_ORACLE = ("model_executor", "layers", "fused_moe", "oracle", "int_wna16.py")
 #: the line of the WNA16 oracle that maps ``--moe-backend triton`` to the Triton experts
@@ -27,16 +24,8 @@ def wna16_triton_available(source: str | None = None) -> bool | None:
     """Whether the installed vLLM can run 4-bit experts on Triton (``--moe-backend
     triton``); None without vLLM here. ``source``: the oracle's text (tests)."""
     if source is None:
-        try:
-            spec = importlib.util.find_spec("vllm")
-        except (ImportError, ValueError):
-            return None
-        for root in list(spec.submodule_search_locations or []) if spec else []:
-            path = Path(root).joinpath(*WNA16_ORACLE)
-            if path.is_file():
-                source = path.read_text(errors="replace")
-                break
-        else:
+        source = installed_vllm.source(*WNA16_ORACLE)
+        if source is None:
             return None
     return TRITON_WNA16 in source
 

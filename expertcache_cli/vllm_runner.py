@@ -19,20 +19,17 @@ such a runner. The check reads the installed vLLM's source and imports nothing.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from . import installed_vllm
+from .config import FALSE_WORDS, TRUE_WORDS
 from .errors import UserError
 
 ENV = "VLLM_USE_V2_MODEL_RUNNER"
 V2_RUNNER_FILE = ("v1", "worker", "gpu", "model_runner.py")
 #: the call that makes a runner offload: the V1 runner and the newer V2 runners make it
 INSTALLS_OFFLOADER = "set_offloader("
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
 
 
 def why_no_offload(version: str | None = None) -> str:
@@ -47,17 +44,8 @@ def v2_runner_offloads(source: str | None = None) -> bool | None:
     no vLLM here or no V2 runner in it (nothing to decide). ``source``: the runner's text
     (tests)."""
     if source is None:
-        try:
-            spec = importlib.util.find_spec("vllm")
-        except (ImportError, ValueError):
-            return None
-        roots = list(spec.submodule_search_locations or []) if spec else []
-        for root in roots:
-            path = Path(root).joinpath(*V2_RUNNER_FILE)
-            if path.is_file():
-                source = path.read_text(errors="replace")
-                break
-        else:
+        source = installed_vllm.source(*V2_RUNNER_FILE)
+        if source is None:
             return None
     return INSTALLS_OFFLOADER in source
 
@@ -73,11 +61,11 @@ def offload_runner_env(environ: Mapping[str, str], offloads: bool | None,
     if offloads is not False:
         return {}, None
     raw = environ.get(ENV, "").strip().lower()
-    if raw in _TRUE:
+    if raw in TRUE_WORDS:
         raise UserError(f"{ENV}={environ.get(ENV)} in your environment: {why_no_offload(version)}"
                         f"; unset it (or set {ENV}=0) so that vLLM's V1 runner offloads")
     note = (f"{why_no_offload(version)}: serving on the V1 runner ({ENV}=0)"
-            if raw not in _FALSE else None)
+            if raw not in FALSE_WORDS else None)
     return {ENV: "0"}, note
 
 

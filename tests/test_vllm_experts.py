@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from expertcache_cli import vllm_experts
+from expertcache_cli import installed_vllm, vllm_experts
 from expertcache_cli.launch import make_plan
 
 V033 = 'mapping = {\n        "triton": WNA16MoEBackend.TRITON,\n        "marlin": ...'
@@ -22,9 +22,9 @@ def test_the_oracle_source_decides(tmp_path, monkeypatch):
     oracle.parent.mkdir(parents=True)
     oracle.write_text(V033)
     spec = types.SimpleNamespace(submodule_search_locations=[str(pkg)])
-    monkeypatch.setattr(vllm_experts.importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(installed_vllm.importlib.util, "find_spec", lambda name: spec)
     assert vllm_experts.wna16_triton_available() is True
-    monkeypatch.setattr(vllm_experts.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(installed_vllm.importlib.util, "find_spec", lambda name: None)
     assert vllm_experts.wna16_triton_available() is None
 
 

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from expertcache_cli import vllm_runner
+from expertcache_cli import installed_vllm, vllm_runner
 from expertcache_cli.baseline.arms import parse_arms
 from expertcache_cli.baseline.runner import BaselineConfig, _offload_env, run_baseline
 from expertcache_cli.errors import UserError
@@ -24,7 +24,7 @@ def test_the_runner_source_decides():
 
 
 def test_no_vllm_here_decides_nothing(monkeypatch):
-    monkeypatch.setattr(vllm_runner.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(installed_vllm.importlib.util, "find_spec", lambda name: None)
     assert vllm_runner.v2_runner_offloads() is None
 
 
@@ -33,7 +33,7 @@ def test_the_installed_file_is_read_without_importing_vllm(tmp_path, monkeypatch
     (pkg / "v1" / "worker" / "gpu").mkdir(parents=True)
     (pkg / "v1" / "worker" / "gpu" / "model_runner.py").write_text(V026_LIKE)
     spec = types.SimpleNamespace(submodule_search_locations=[str(pkg)])
-    monkeypatch.setattr(vllm_runner.importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(installed_vllm.importlib.util, "find_spec", lambda name: spec)
     assert vllm_runner.v2_runner_offloads() is False
     (pkg / "v1" / "worker" / "gpu" / "model_runner.py").write_text(V033_LIKE)
     assert vllm_runner.v2_runner_offloads() is True

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import capture, vllm_runner
+from .. import installed_vllm, vllm_runner
 from ..errors import UserError
 from . import store as _store
 from .arms import Arm, round_order
@@ -266,10 +266,9 @@ def _offload_env(cfg: BaselineConfig, say: Callable[[str], None]) -> dict[str, s
         return {}
     if cfg.server_cmd and "{python}" not in cfg.server_cmd:
         return {}  # another program, maybe another vLLM: nothing here to read it by
-    version = capture.installed_vllm_version()
     env, note = vllm_runner.offload_runner_env(
         os.environ, vllm_runner.v2_runner_offloads(),
-        ".".join(map(str, version)) if version else None)
+        installed_vllm.release())
     if note:
         say(f"note: {note}")
     return env

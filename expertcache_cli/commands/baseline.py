@@ -63,7 +63,7 @@ def _refuse_online_quantization(model: str, vllm_args: list[str]) -> None:
     """Offloaded arms with --quantization on an unquantised model: refused before any server
     (vLLM cannot offload experts it quantises while loading). A model sizing cannot read
     (an HF id it does not know) is left to vLLM."""
-    from ..capture import installed_vllm_version
+    from ..installed_vllm import version as installed_vllm_version
     from ..model_size import load_model
     from ..vllm_flags import online_quantization_refusal
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from .. import capture, formats, model_size, sizing, vllm_experts, vllm_flags
+from .. import formats, installed_vllm, model_size, sizing, vllm_experts, vllm_flags
 from ..presets import DEFAULT_PRESET, PRESETS
 from ..tables import Table
 from . import passthrough_args
@@ -194,9 +194,8 @@ def register(app: typer.Typer) -> None:
         if online:
             m = model_size.load_model(Path(model) if Path(model).exists() else model, online)
             m.notes.append(sizing.online_note(common["vllm_quantization"], online))
-        version = capture.installed_vllm_version()
         kernel = vllm_experts.kernel_note(m.quant, args, vllm_experts.wna16_triton_available(),
-                                          ".".join(map(str, version)) if version else None)
+                                          installed_vllm.release())
         if kernel:
             m.notes.append(kernel)
         common.update(slots=slots, fraction=fraction, kv_tokens=kv_tokens,

