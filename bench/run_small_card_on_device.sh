@@ -27,8 +27,8 @@
 #             and the probed gather rate against cache24q's tok/s (needs probe, card24,
 #             resident, card24b)
 #   card24b   the 24 GiB card again: a second floor server (are its greedy tokens its own
-#             from run to run?), the cache without EXPERT_CACHE_STATS (tok/s without the
-#             periodic host sync, for the prediction), and the cache on vLLM's V2 model
+#             from run to run?), the cache without EXPERT_CACHE_STATS (tok/s with no
+#             periodic reports at all, for the prediction), and the cache on vLLM's V2 model
 #             runner refused by serve on a vLLM whose V2 runner cannot offload (0.26)
 set -uo pipefail
 OUT="${OUT:-out}"

@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from expertcache_cli.baseline.client import RequestFailed, measure_run  # noqa: E402
-from expertcache_cli.baseline.counters import parse_stats_line  # noqa: E402
+from expertcache_cli.baseline.counters import latest_counters, parse_stats_line  # noqa: E402
 from expertcache_cli.baseline.server import Server, ServerFailed, free_port, server_env  # noqa: E402
 
 PROMPT = "w17 w923 w4410 w88 w5120 w3 w777 w2048 w60 w1999 w4096 w31 w8000 w12 w640 w5"
@@ -103,15 +103,10 @@ def compare_greedy(a: dict, b: dict) -> dict:
             "max_logprob_diff_before": max(diffs) if diffs else None}
 
 
-def stats_at(log: Path, offset: int) -> dict | None:
-    """The last counters line in the first ``offset`` bytes of the log."""
-    with open(log, "rb") as f:
-        text = f.read(offset).decode("utf-8", errors="replace")
-    for line in reversed(text.splitlines()):
-        got = parse_stats_line(line)
-        if got:
-            return got
-    return None
+def counters_now(log: Path) -> dict | None:
+    """The server's latest counters line, once a last report had time to reach the log."""
+    time.sleep(0.5)
+    return latest_counters(log)
 
 
 def read_log(log: Path) -> dict:
@@ -219,11 +214,9 @@ def run_arm(a: argparse.Namespace) -> dict:
     def measure(server: Server, log: Path, rec: dict, save: Callable[[], None]) -> None:
         mid = server.model_id or "model"
         measure_run(server.base_url, mid, PROMPT, a.max_tokens)  # warm-up, discarded
-        time.sleep(0.5)
-        before = stats_at(log, log.stat().st_size)
+        before = counters_now(log)
         runs = [measure_run(server.base_url, mid, PROMPT, a.max_tokens) for _ in range(a.runs)]
-        time.sleep(0.5)
-        after = stats_at(log, log.stat().st_size)
+        after = counters_now(log)
         rec["tok_s"] = [r.tok_s for r in runs]
         rec["decode_tokens"] = sum(r.tokens - 1 for r in runs)
         rec["counters_before"], rec["counters_after"] = before, after
@@ -231,13 +224,11 @@ def run_arm(a: argparse.Namespace) -> dict:
         rec["greedy"] = greedy_ids(server.base_url, mid, a.greedy_tokens)
         rec["greedy_again"] = greedy_ids(server.base_url, mid, a.greedy_tokens)
         if a.streams:
-            time.sleep(0.5)
-            s_before = stats_at(log, log.stat().st_size)
+            s_before = counters_now(log)
             res = measure_run(server.base_url, mid, PROMPT, a.max_tokens // 2, a.streams)
-            time.sleep(0.5)
             rec["streams"] = {"n": a.streams, "tok_s": res.tok_s, "tokens": res.tokens,
                               "counters_before": s_before,
-                              "counters_after": stats_at(log, log.stat().st_size)}
+                              "counters_after": counters_now(log)}
 
     return serve_arm(a, measure, (ServerFailed, RequestFailed, OSError))
 

@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .arming import Decision
+from .arming import Decision, is_empty
 
 log = logging.getLogger("vllm.expertcache")
 
@@ -315,7 +315,7 @@ class ArmedLayer:
         e = self.decision.num_experts
         rows = {p.shape[0] for p in bound.values() if p.dim() >= 1}  # S (slots) or E (scratch)
         for t in iter_tensors(qc):
-            if any(int(d) == 0 for d in t.shape):
+            if is_empty(t):
                 continue  # nothing in it to read by expert id
             ptr = t.data_ptr()
             if ptr in full_ptrs:
