@@ -26,6 +26,11 @@ bench_arm() {
 
 device_vllm_setup() {
   local t0=$SECONDS rc=0
+  # a call killed at its time limit can leave a vLLM engine and a ballast behind, holding
+  # the GPU: every server of the next call would then fail to start (or measure a smaller
+  # card). The bracket keeps pkill from matching this shell's own command line.
+  pkill -9 -f "[v]llm.entrypoints|[E]ngineCore|[b]allast.py hold" 2>/dev/null && sleep 3
+  rm -f /tmp/expertcache-ballast.pid
   if [ ! -f /tmp/site/vllm/__init__.py ]; then
     mkdir -p /tmp/parts
     for p in .devbundle/p*; do cp "$p"/* /tmp/parts/ 2>/dev/null; done

@@ -106,8 +106,17 @@ def start(leave_gib: float, device: int, timeout_s: float = 120.0) -> dict:
         smi_free_gib=None if smi is None else smi / 1024,
         verified=smi is not None and abs(smi / 1024 - leave_gib) <= 0.25,
         leave_gib=leave_gib,
-        vllm_flags=flags(leave_gib, info["total_gib"]),
     )
+    if abs(info["free_gib"] - leave_gib) > 0.25:
+        # another process already holds the memory (a server a killed run left behind):
+        # every number measured on this "card" would be on a smaller one, or fail to start
+        proc.kill()
+        PIDFILE.unlink(missing_ok=True)
+        raise SystemExit(
+            f"ballast: cannot leave {leave_gib:g} GiB free: {info['free_gib']:.2f} GiB is "
+            f"free with the ballast holding {info['held_gib']:.2f} GiB; another process "
+            "holds the GPU (nvidia-smi lists it)")
+    info["vllm_flags"] = flags(leave_gib, info["total_gib"])
     return info
 
 

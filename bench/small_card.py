@@ -233,9 +233,16 @@ def run_arm(a: argparse.Namespace) -> dict:
     return serve_arm(a, measure, (ServerFailed, RequestFailed, OSError))
 
 
+def served_model(argv: list[str] | None) -> str | None:
+    """The model a server command serves (the word after ``serve``); None when unknown."""
+    argv = argv or []
+    return next((argv[i + 1] for i, w in enumerate(argv[:-1]) if w == "serve"), None)
+
+
 def greedy_report(paths: list[Path]) -> list[str]:
-    """One line per pair of arms (and per arm against its own second run): identical, or
-    where they part and with what margins."""
+    """One line per pair of arms serving the same model (and per arm against its own
+    second run): identical, or where they part and with what margins. Arms of different
+    checkpoints are not compared: their tokens have no reason to agree."""
     arms = {}
     for p in paths:
         rec = json.loads(p.read_text())
@@ -252,6 +259,8 @@ def greedy_report(paths: list[Path]) -> list[str]:
     names = sorted(arms)
     for i, x in enumerate(names):
         for y in names[i + 1:]:
+            if served_model(arms[x].get("argv")) != served_model(arms[y].get("argv")):
+                continue
             lines.append(f"{x} vs {y}: " + describe(compare_greedy(arms[x]["greedy"],
                                                                     arms[y]["greedy"])))
     return lines

@@ -52,8 +52,12 @@ def test_greedy_report_names_each_pair_and_each_rerun(tmp_path):
     (tmp_path / "cache.json").write_text(json.dumps({"arm": "cache", "greedy": other}))
     (tmp_path / "failed.json").write_text(json.dumps({"arm": "failed", "status": "failed"}))
     (tmp_path / "wide.json").write_text(json.dumps({"arm": "wide", "greedy": [["w1"], ["w2"]]}))
+    for name, model in (("pad5", "/tmp/model"), ("pad8", "/tmp/model")):  # another checkpoint
+        (tmp_path / f"{name}.json").write_text(json.dumps(
+            {"arm": name, "greedy": other, "argv": ["python3", "-m", "vllm", "serve", model]}))
     lines = small_card.greedy_report(sorted(tmp_path.glob("*.json")))
     assert lines[0] == "floor vs its own second run: identical (2 tokens)"
     assert lines[1].startswith(
         "cache vs floor: part at token 1 of 2, margins there 0.0100 / 1.0000")
-    assert len(lines) == 2
+    assert lines[2] == "pad5 vs pad8: identical (2 tokens)"
+    assert len(lines) == 3
