@@ -396,6 +396,48 @@ def test_slot_bytes_join_the_weights_vllm_plans_its_kv_cache_around(monkeypatch,
     worker.cache_config.kv_cache_memory_bytes = 2**30
     plugin._log_memory_plan(worker, sess, 2**30)
     assert "--kv-cache-memory fixes the KV cache at 1.00 GiB" in caplog.text
+    assert "cannot hold one" not in caplog.text  # this worker says nothing of its KV specs
+
+
+def test_a_kv_cache_too_small_for_one_sequence_says_how_many_slots_to_drop(monkeypatch, caplog):
+    """vLLM refuses to start when its KV cache cannot hold one --max-model-len sequence;
+    after the slots took their share, the plugin says so first, with the fix in slots."""
+    import expertcache_cli.plugin as plugin
+    import expertcache_cli.slotcache as slotcache_mod
+    from expertcache_cli.plugin import session as session_mod
+
+    monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
+    monkeypatch.setattr(session_mod, "_SESSIONS", [])
+    _fake_vllm_layout(monkeypatch)
+    worker = _worker(_ThreeLayers(), weights=1000)
+    worker.vllm_config.model_config.max_model_len = 8192
+
+    class Spec:  # vLLM's KVCacheSpec: what one max-model-len sequence needs
+        def max_memory_usage_bytes(self, config):
+            assert config is worker.vllm_config
+            return 10_000
+
+    worker.get_kv_cache_spec = lambda: {"l0": Spec(), "l1": Spec()}
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    sess = plugin._arm_worker(worker, CacheConfig(slots=6), "0.26.0")
+    row = sess.slot_bytes // 6  # one slot fewer in both armed layers: 896 B
+    plugin._log_memory_plan(worker, sess, 20_000)
+    assert "cannot hold one" not in caplog.text  # 20,000 B hold the 20,000 B sequence
+    plugin._log_memory_plan(worker, sess, 20_000 - 2 * row + 1)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].startswith(
+        "expertcache: after the slots, vLLM's KV cache (0.00 GiB) cannot hold one "
+        "--max-model-len 8192 sequence (0.00 GiB), so vLLM will refuse to start; serve "
+        "with 2 fewer slots a layer (EXPERT_CACHE_SLOTS=4, or `expertcache serve --slots 4`)"
+        " or --max-model-len at most about 7458"), errors
+
+
+def test_the_shortfall_line_without_slots_to_spare_names_the_context():
+    from expertcache_cli.plugin.memory import kv_shortfall_line
+
+    assert kv_shortfall_line(5, 5, 8192, 1, 4) is None
+    line = kv_shortfall_line(2 * 2**30, 8 * 2**30, 8192, 2**20, 3)
+    assert line.endswith("so vLLM will refuse to start; lower --max-model-len to about 2048")
 
 
 def test_a_runner_that_cannot_count_slots_is_not_armed(monkeypatch, caplog):

@@ -294,3 +294,15 @@ def _log_memory_plan(worker: Any, session: Any, kv_bytes: Any) -> None:
         kv = getattr(worker, "available_kv_cache_memory_bytes", None)
     log.info("%s", memory.kv_line(session.slot_bytes, session.weights_bytes, kv, bool(explicit),
                                   session.scratch_bytes))
+    if kv is None or explicit:
+        return
+    try:
+        need = memory.one_sequence_kv_bytes(worker)
+        max_len = int(worker.vllm_config.model_config.max_model_len)
+    except Exception:  # a vLLM that words its KV specs otherwise: vLLM's own error remains
+        return
+    slots = min(a.decision.num_slots for a in session.armed)
+    row = sum(a.decision.slot_bytes // max(1, a.decision.num_slots) for a in session.armed)
+    line = memory.kv_shortfall_line(kv, need, max_len, row, slots) if need else None
+    if line:
+        log.error("%s", line)

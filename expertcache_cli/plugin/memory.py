@@ -19,6 +19,7 @@ slots, and arming there would silently overshoot, so the model is not armed.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 GiB = 1024**3
@@ -73,3 +74,29 @@ def kv_line(slot_bytes: int, weights_bytes: int, kv_bytes: int | None, explicit:
             "vLLM does not plan from --gpu-memory-utilization: the slots come on top of it"
         )
     return head + f"; vLLM chose {kv_bytes / GiB:.2f} GiB of KV cache"
+
+
+def one_sequence_kv_bytes(worker: Any) -> int | None:
+    """KV bytes vLLM needs to hold one ``--max-model-len`` sequence (its own check's sum
+    over the attention layers' specs); None where this vLLM does not say."""
+    specs = worker.get_kv_cache_spec()
+    config = worker.vllm_config
+    return int(sum(spec.max_memory_usage_bytes(config) for spec in specs.values()))
+
+
+def kv_shortfall_line(kv_bytes: int, need_bytes: int, max_model_len: int,
+                      slot_row_bytes: int, slots: int) -> str | None:
+    """The line that says why vLLM is about to refuse to start, and how to fix it, when
+    its KV cache after the slots cannot hold one ``max_model_len`` sequence; None when it
+    can. ``slot_row_bytes``: what one slot fewer in every armed layer frees."""
+    if kv_bytes >= need_bytes:
+        return None
+    short = need_bytes - kv_bytes
+    fewer = math.ceil(short / slot_row_bytes) if slot_row_bytes > 0 else 0
+    fits = max(0, int(max_model_len * kv_bytes / need_bytes))
+    fix = (f"serve with {fewer} fewer slots a layer (EXPERT_CACHE_SLOTS={slots - fewer}, "
+           f"or `expertcache serve --slots {slots - fewer}`) or --max-model-len at most "
+           f"about {fits}" if 0 < fewer < slots else f"lower --max-model-len to about {fits}")
+    return (f"expertcache: after the slots, vLLM's KV cache ({kv_bytes / GiB:.2f} GiB) cannot "
+            f"hold one --max-model-len {max_model_len} sequence ({need_bytes / GiB:.2f} GiB), "
+            f"so vLLM will refuse to start; {fix}")
