@@ -26,6 +26,9 @@
 #   predict   the prediction on one checkpoint: resident, cache24's live installs a token
 #             and the probed gather rate against cache24q's tok/s (needs probe, card24,
 #             resident, card24b)
+#   mem24     where a staged W8A8 server's profile-run memory goes: vLLM's breakdown and
+#             per-call CUDA memory peaks (bench/kernel_trial EC_BENCH_MEM), in place, staged,
+#             and staged without the first-call check (EC_BENCH_NO_CHECK)
 #   card24b   the 24 GiB card again: a second floor server (are its greedy tokens its own
 #             from run to run?), the cache without EXPERT_CACHE_STATS (tok/s with no
 #             periodic reports at all, for the prediction), and the cache on vLLM's V2 model
@@ -105,6 +108,30 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8
         -- "$PY" -m expertcache_cli serve "$MODEL" --vram 24 "${VARGS[@]}"
       bench_arm /tmp/sc bench/wide_steps.py w24st "${WS[@]}" \
         -- "$PY" -m expertcache_cli serve "$MODEL" --vram 24 --wide staged-install "${VARGS[@]}"
+      ballast stop ;;
+    mem24)  # where the staged W8A8 server's extra ~0.6 GiB comes from (stop 11: KV 0.44
+      # GiB staged vs 0.95 in place): vLLM's own breakdown and the bench memory hook's
+      # per-call peaks, in place / staged / staged without the first-call check; a
+      # 4,096-token context so that the staged server starts
+      ballast 24
+      for v in inplace:- staged:--wide=staged-install nocheck:--wide=staged-install; do
+        name=${v%%:*}; wide=${v#*:}; [ "$wide" = - ] && wide=""
+        extra=(EC_BENCH_MEM=1); [ "$name" = nocheck ] && extra+=(EC_BENCH_NO_CHECK=1)
+        log=/tmp/sc/mem24$name.log
+        env "${extra[@]}" PYTHONPATH="$PWD/bench/kernel_trial:$PYTHONPATH" \
+          timeout 240 $PY -m expertcache_cli serve "$MODEL" --vram 24 ${wide/=/ } -- \
+          --max-model-len 4096 --max-num-seqs 8 --attention-backend TRITON_ATTN --seed 0 \
+          --host 127.0.0.1 --port 8711 > "$log" 2>&1 &
+        pid=$!
+        for _ in $(seq 240); do
+          grep -q -E "Actual usage|Engine core initialization failed" "$log" && break
+          kill -0 $pid 2>/dev/null || break; sleep 1
+        done
+        pkill -9 -f "[v]llm.entrypoints|[E]ngineCore"; wait $pid 2>/dev/null
+        echo "== $name"; grep -h -E "EC_BENCH_MEM|Actual usage|Available KV|memory plan" "$log" \
+          | sed 's/.*\] //' | cut -c1-330 | tee -a "$OUT/mem24.txt"
+      done
+      cp /tmp/sc/mem24*.log "$OUT/" 2>/dev/null
       ballast stop ;;
     card24b)
       ballast 24
