@@ -435,9 +435,12 @@ def test_a_kv_cache_too_small_for_one_sequence_says_how_many_slots_to_drop(monke
 def test_the_shortfall_line_without_slots_to_spare_names_the_context():
     from expertcache_cli.plugin.memory import kv_shortfall_line
 
-    assert kv_shortfall_line(5, 5, 8192, 1, 4) is None
-    line = kv_shortfall_line(2 * 2**30, 8 * 2**30, 8192, 2**20, 3)
+    assert kv_shortfall_line(5, 5, 8192, 1, [4]) is None
+    line = kv_shortfall_line(2 * 2**30, 8 * 2**30, 8192, 2**20, [3, 3])
     assert line.endswith("so vLLM will refuse to start; lower --max-model-len to about 2048")
+    per_layer = kv_shortfall_line(2 * 2**30, 3 * 2**30, 8192, 2**29, [40, 52])
+    assert per_layer.endswith("serve with 2 fewer slots a layer (each entry of the per-layer "
+                              "plan) or --max-model-len at most about 5461")
 
 
 def test_a_runner_that_cannot_count_slots_is_not_armed(monkeypatch, caplog):

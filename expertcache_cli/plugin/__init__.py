@@ -301,7 +301,7 @@ def _log_memory_plan(worker: Any, session: Any, kv_bytes: Any) -> None:
         max_len = int(worker.vllm_config.model_config.max_model_len)
     except Exception:  # a vLLM that words its KV specs otherwise: vLLM's own error remains
         return
-    slots = min(a.decision.num_slots for a in session.armed)
+    slots = [a.decision.num_slots for a in session.armed]
     row = sum(a.decision.slot_bytes // max(1, a.decision.num_slots) for a in session.armed)
     line = memory.kv_shortfall_line(kv, need, max_len, row, slots) if need else None
     if line:

@@ -85,18 +85,24 @@ def one_sequence_kv_bytes(worker: Any) -> int | None:
 
 
 def kv_shortfall_line(kv_bytes: int, need_bytes: int, max_model_len: int,
-                      slot_row_bytes: int, slots: int) -> str | None:
+                      slot_row_bytes: int, slots: list[int]) -> str | None:
     """The line that says why vLLM is about to refuse to start, and how to fix it, when
     its KV cache after the slots cannot hold one ``max_model_len`` sequence; None when it
-    can. ``slot_row_bytes``: what one slot fewer in every armed layer frees."""
+    can. ``slot_row_bytes``: what one slot fewer in every armed layer frees; ``slots``:
+    each armed layer's slot count."""
     if kv_bytes >= need_bytes:
         return None
     short = need_bytes - kv_bytes
     fewer = math.ceil(short / slot_row_bytes) if slot_row_bytes > 0 else 0
     fits = max(0, int(max_model_len * kv_bytes / need_bytes))
-    fix = (f"serve with {fewer} fewer slots a layer (EXPERT_CACHE_SLOTS={slots - fewer}, "
-           f"or `expertcache serve --slots {slots - fewer}`) or --max-model-len at most "
-           f"about {fits}" if 0 < fewer < slots else f"lower --max-model-len to about {fits}")
+    if 0 < fewer < min(slots):
+        uniform = len(set(slots)) == 1
+        to = slots[0] - fewer
+        how = (f" (EXPERT_CACHE_SLOTS={to}, or `expertcache serve --slots {to}`)" if uniform
+               else " (each entry of the per-layer plan)")
+        fix = f"serve with {fewer} fewer slots a layer{how} or --max-model-len at most about {fits}"
+    else:
+        fix = f"lower --max-model-len to about {fits}"
     return (f"expertcache: after the slots, vLLM's KV cache ({kv_bytes / GiB:.2f} GiB) cannot "
             f"hold one --max-model-len {max_model_len} sequence ({need_bytes / GiB:.2f} GiB), "
             f"so vLLM will refuse to start; {fix}")
