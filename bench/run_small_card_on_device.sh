@@ -196,5 +196,5 @@ PY
   esac
 done
 save
-$PY bench/small_card.py --greedy-report /tmp/sc/*.json | tee "$OUT/greedy.txt"
+ls /tmp/sc/*.json > /dev/null 2>&1 && $PY bench/small_card.py --greedy-report /tmp/sc/*.json | tee "$OUT/greedy.txt"
 echo "steps '$STEPS' done after $SECONDS s"
