@@ -1,10 +1,22 @@
 #!/usr/bin/env bash
-# The weight formats users download, served with experts offloaded on the GPU box: for each
-# format an 8-layer checkpoint of the Qwen3-30B-A3B expert shape (bench/write_checkpoint.py,
-# per-layer seeded routers), then one server without the cache (EXPERT_CACHE_DISABLE=1: the
-# floor and the reference tokens) and one with 32 slots: the plugin's startup line (armed,
-# with the tensors it mirrors, or declined with the reason), decode tok/s, greedy tokens.
-#   FORMATS="w8a8 fp8-block w4a16 gptq awq nvfp4" bash bench/run_formats_on_device.sh
+# The weight formats users download, served with experts offloaded on the GPU box (issue
+# 11). For each format an 8-layer checkpoint of the Qwen3-30B-A3B expert shape
+# (bench/write_checkpoint.py, per-layer seeded routers) and one server per arm:
+#   floor     experts offloaded, EXPERT_CACHE_DISABLE=1: the floor and the reference tokens
+#   cache     32 slots, routing over all 128 experts (the missing arm): the startup line
+#             (armed with the tensors it mirrors, or declined with the reason), tok/s, live
+#             installs a token, greedy tokens against the floor's
+#   trial     4-bit formats only: the cache on vLLM 0.26's Marlin experts through the
+#             bench-only hook (bench/kernel_trial), first-call checked like every layer
+# and, where the cache (or the trial) armed, on a second checkpoint whose routers reach
+# only the first 32 experts (`--hot 32`):
+#   resident  every expert in VRAM, stock vLLM (plugin off)
+#   hot       the cache at 32 slots: every read a hit, compared with resident (goal 5%)
+# then, per format, one line: floor, cache, resident and all-hit tok/s, the missing arm
+# against the tok/s predicted from its live installs and the link (`probe-link --only
+# gather --model` at the format's slab size; goal 10%), and whether the greedy tokens equal the floor's.
+# Re-entrant (an arm whose JSON says ok is not run again); split by FORMATS across calls:
+#   FORMATS="w8a8 fp8-block" bash bench/run_formats_on_device.sh
 set -uo pipefail
 OUT="${OUT:-out}"
 mkdir -p "$OUT" /tmp/fm
@@ -13,47 +25,54 @@ PY=python3
 COMMON=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}"
         --shutdown-timeout 10 --max-model-len 1024 --max-num-seqs 4)
 device_vllm_setup || { echo "setup failed"; exit 1; }
+
+run_arm() {  # run_arm NAME [small_card options] -- server command
+  local name=$1; shift
+  if [ -f "/tmp/fm/$name.json" ] && grep -q '"status": "ok"' "/tmp/fm/$name.json"; then
+    return 0
+  fi
+  echo "== $name ($SECONDS s)"
+  $PY bench/small_card.py "$name" --out /tmp/fm --runs 3 "$@" | tail -5
+  cp /tmp/fm/"$name".json "$OUT/"; tail -c 200000 /tmp/fm/"$name".log > "$OUT/$name.log"
+}
+armed() {  # armed NAME: did the server's plugin arm at least one layer?
+  $PY -c "import json,sys; l=(json.load(open(sys.argv[1])).get('log') or {}); \
+s=l.get('startup_line') or ''; sys.exit(0 if ' armed ' in s and ' armed 0 of' not in s else 1)" \
+    "/tmp/fm/$1.json" 2>/dev/null
+}
+
 for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4}; do
-  M=/tmp/fm/$fmt
-  [ -f $M/model.safetensors.index.json ] || $PY bench/write_checkpoint.py $M --layers 8 \
-    --format "$fmt" --vocab 151936 --context 40960 --head-dim 128 2>&1 | tail -1
-  SERVE=(serve "$M" --vram 141 --slots 32 -- "${COMMON[@]}")
-  ARMS="floor cache"
-  # 4-bit formats run on Marlin in vLLM 0.26 (not yet among the kernels the plugin arms):
-  # a third arm tries it through the bench-only hook (bench/kernel_trial), first-call
-  # checked against the stock path like every armed layer
-  case $fmt in w4a16|gptq|awq) ARMS="floor cache trial" ;; esac
-  for arm in $ARMS; do
-    name="$fmt-$arm"
-    if [ -f "/tmp/fm/$name.json" ] && grep -q '"status": "ok"' "/tmp/fm/$name.json"; then
-      continue
-    fi
-    env=(--env EXPERT_CACHE_STATS=400)
-    [ $arm = floor ] && env=(--env EXPERT_CACHE_DISABLE=1)
-    [ $arm = trial ] && env+=(--env EC_BENCH_TRY_KERNELS=MarlinExperts
-                              --env "PYTHONPATH=$PWD/bench/kernel_trial:$PYTHONPATH")
-    $PY bench/small_card.py "$name" --out /tmp/fm --runs 3 "${env[@]}" \
-      -- "$PY" -m expertcache_cli "${SERVE[@]}" | tail -20
-    cp /tmp/fm/"$name".json "$OUT/"; tail -c 200000 /tmp/fm/"$name".log > "$OUT/$name.log"
+  M=/tmp/fm/$fmt H=/tmp/fm/$fmt-hot
+  for dir in "$M" "$H"; do
+    hot=0; [ "$dir" = "$H" ] && hot=32
+    [ -f "$dir/model.safetensors.index.json" ] || $PY bench/write_checkpoint.py "$dir" \
+      --layers 8 --format "$fmt" --vocab 151936 --context 40960 --head-dim 128 --hot $hot \
+      2>&1 | tail -1
   done
-  $PY - "$fmt" <<'EOF' | tee -a "$OUT/formats.txt"
-import json, sys
-sys.path.insert(0, "bench")
-from small_card import compare_greedy, describe
-fmt = sys.argv[1]
-import os
-f = json.load(open(f"/tmp/fm/{fmt}-floor.json"))
-mean = lambda r: sum(r.get("tok_s") or [0]) / max(1, len(r.get("tok_s") or []))  # noqa: E731
-for arm in ("cache", "trial"):
-    if not os.path.exists(f"/tmp/fm/{fmt}-{arm}.json"):
-        continue
-    c = json.load(open(f"/tmp/fm/{fmt}-{arm}.json"))
-    lg = c.get("log") or {}
-    same = (describe(compare_greedy(f["greedy"], c["greedy"]))
-            if f.get("greedy") and c.get("greedy") else "no greedy tokens")
-    print(f"{fmt} {arm}: floor {mean(f):.1f} tok/s, {arm} {mean(c):.1f}; greedy {same}; "
-          f"{lg.get('startup_line') or 'no startup line'}; {lg.get('check_line') or ''}; "
-          f"declined: {(lg.get('declined') or ['-'])[0]}")
-EOF
+  $PY -m expertcache_cli size --model "$M" --vram 141 --json > "/tmp/fm/$fmt-size.json" 2>&1
+  # the gather rate at this format's expert slabs (4-bit experts are a quarter of int8's)
+  [ -f "/tmp/fm/$fmt-probe.json" ] || $PY -m expertcache_cli probe-link --only gather \
+    --model "$M" --save "/tmp/fm/$fmt-probe.json" 2>&1 | tail -2
+  cp "/tmp/fm/$fmt-probe.json" "/tmp/fm/$fmt-size.json" "$OUT/" 2>/dev/null
+  stats=(--env EXPERT_CACHE_STATS=400)
+  trial=(--env EC_BENCH_TRY_KERNELS=MarlinExperts --env "PYTHONPATH=$PWD/bench/kernel_trial:$PYTHONPATH")
+  run_arm "$fmt-floor" --env EXPERT_CACHE_DISABLE=1 \
+    -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots 32 -- "${COMMON[@]}"
+  run_arm "$fmt-cache" "${stats[@]}" \
+    -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots 32 -- "${COMMON[@]}"
+  hot_env=("${stats[@]}")
+  case $fmt in
+    w4a16|gptq|awq)
+      run_arm "$fmt-trial" "${stats[@]}" "${trial[@]}" \
+        -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots 32 -- "${COMMON[@]}"
+      armed "$fmt-cache" || hot_env+=("${trial[@]}") ;;
+  esac
+  if armed "$fmt-cache" || armed "$fmt-trial"; then
+    run_arm "$fmt-resident" --env EXPERT_CACHE_DISABLE=1 \
+      -- "$PY" -m vllm.entrypoints.cli.main serve "$H" "${COMMON[@]}"
+    run_arm "$fmt-hot" "${hot_env[@]}" \
+      -- "$PY" -m expertcache_cli serve "$H" --vram 141 --slots 32 -- "${COMMON[@]}"
+  fi
+  $PY bench/formats_report.py "$fmt" /tmp/fm | tee -a "$OUT/formats.txt"
 done
 echo "done after $SECONDS s"

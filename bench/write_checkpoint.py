@@ -39,6 +39,10 @@ Formats (``--format``):
   ``weight_scale`` per 16 inputs, float32 ``weight_scale_2`` and ``input_scale`` scalars;
   ``quant_method: modelopt``, ``quant_algo: NVFP4``, router and LM head in ``ignore``.
 
+``--hot 32`` routes every layer to its first 32 experts only (the other router rows are
+zero), so a cache of 32 slots hits on (nearly) every read: the all-hit arm that is compared
+with resident.
+
 ``--vocab 151936 --context 40960 --head-dim 128`` give the real model's vocabulary
 (embeddings and LM head weigh what they do in the real checkpoint, 0.58 GiB each),
 context and attention width (32 heads of 128: q 4096 wide, 96 KiB of KV a token), so
@@ -171,8 +175,9 @@ def pack_nibbles(codes, dim: int, order: tuple[int, ...] = tuple(range(8))):
 
 
 def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCAB,
-            head_dim: int | None = None):
-    """(name, tensor) pairs in HF Qwen3-MoE naming, generated on ``device``, on the CPU."""
+            head_dim: int | None = None, hot: int = 0):
+    """(name, tensor) pairs in HF Qwen3-MoE naming, generated on ``device``, on the CPU.
+    ``hot``: route to the first ``hot`` experts of every layer only (`--hot`)."""
     import torch
 
     h, e, inter = shape.HIDDEN, shape.E, shape.MOE_INTER
@@ -246,7 +251,13 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
         yield f"{p}.self_attn.q_norm.weight", ones(hd)
         yield f"{p}.self_attn.k_norm.weight", ones(hd)
         router = torch.Generator(device=device).manual_seed(1000 + i)
-        yield f"{p}.mlp.gate.weight", normal(e, h, std=1.0, gen=router)
+        gate = normal(e, h, std=1.0, gen=router)
+        if hot:
+            # the other experts' rows are zero: their logit is 0 while the top-k of ``hot``
+            # N(0, |h|^2) logits are positive for all but a rare token (all hits in ``hot``
+            # slots; the measured hit rate says how rare)
+            gate[hot:] = 0
+        yield f"{p}.mlp.gate.weight", gate
         for j in range(e):
             x = f"{p}.mlp.experts.{j}"
             yield from linear(f"{x}.gate_proj", inter, h)
@@ -257,7 +268,8 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
 
 
 def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
-          shard_bytes: int = 4 << 30, context: int = 4096, head_dim: int | None = None) -> dict:
+          shard_bytes: int = 4 << 30, context: int = 4096, head_dim: int | None = None,
+          hot: int = 0) -> dict:
     """config + tokenizer (from the e2e bench) and safetensors shards with an index."""
     import json
 
@@ -280,7 +292,9 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
         weight_map.update({name: fname for name in shard})
         shard.clear()
 
-    for name, t in tensors(layers, device, fmt, vocab, head_dim):
+    if not 0 <= hot <= shape.E:
+        raise SystemExit(f"--hot {hot}: between 0 (route to all) and {shape.E}")
+    for name, t in tensors(layers, device, fmt, vocab, head_dim, hot):
         n = t.numel() * t.element_size()
         if size and size + n > shard_bytes:
             flush()
@@ -304,9 +318,13 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=4096, help="max_position_embeddings")
     ap.add_argument("--head-dim", type=int, default=None,
                     help="attention head width (default hidden / heads; Qwen3-30B-A3B: 128)")
+    ap.add_argument("--hot", type=int, default=0,
+                    help="route to the first N experts of every layer only (an all-hit cache "
+                         "at N slots, for the resident comparison); 0: all experts")
     a = ap.parse_args()
     t0 = time.time()
-    info = write(a.out, a.layers, a.format, a.vocab, context=a.context, head_dim=a.head_dim)
+    info = write(a.out, a.layers, a.format, a.vocab, context=a.context, head_dim=a.head_dim,
+                 hot=a.hot)
     print(f"wrote {info['tensors']} tensors, {info['bytes'] / 2**30:.2f} GiB in "
           f"{info['shards']} shards to {a.out} ({a.format}) in {time.time() - t0:.0f} s")
     return 0

@@ -88,3 +88,21 @@ def test_sizing_reads_each_written_config(writer, tmp_path, fmt, quant):
     writer.write(tmp_path / fmt, 1, fmt, vocab=64)
     cfg = json.loads((tmp_path / fmt / "config.json").read_text())
     assert quant_from_config(cfg) == quant
+
+
+def test_hot_routes_to_the_first_experts_only(writer):
+    e, k = writer.shape.E, writer.shape.TOP_K
+    hot = 8
+    t = dict(writer.tensors(2, "cpu", "bf16", vocab=64, hot=hot))
+    full = dict(writer.tensors(2, "cpu", "bf16", vocab=64))
+    for i in range(2):
+        gate = t[f"model.layers.{i}.mlp.gate.weight"]
+        assert gate.shape[0] == e
+        assert gate[hot:].abs().sum() == 0 and (gate[:hot].abs().sum(dim=1) > 0).all()
+        # the hot rows are the same per-layer seeded rows as without --hot
+        assert torch.equal(gate[:hot], full[f"model.layers.{i}.mlp.gate.weight"][:hot])
+    gen = torch.Generator().manual_seed(7)
+    h = torch.randn(2000, writer.shape.HIDDEN, generator=gen)
+    top = (h @ t["model.layers.0.mlp.gate.weight"].float().t()).topk(k, dim=1).indices
+    # top-2 of 8 N(0, |h|^2) logits are both positive unless 7 of 8 are negative (3.5%)
+    assert (top < hot).all(dim=1).float().mean() > 0.9

@@ -1,0 +1,136 @@
+"""One line per weight format from `bench/run_formats_on_device.sh`'s server records.
+
+Why a script of its own: issue 11 asks four things of every format the cache arms, each
+against a number measured in the same run: greedy tokens equal to the floor's, the all-hit
+arm within 5% of resident, and the missing arm within 10% of the tok/s predicted from its
+live installs and the link (`1000 / (1000 / resident + installs a token x bytes an expert
+/ link)`, the planner's own model). It reads `DIR/FMT-{floor,cache,trial,resident,hot}.json`
+(bench/small_card.py records), `DIR/FMT-size.json` (`expertcache size --json`) and
+`DIR/FMT-probe.json` (`probe-link --only gather --model`), and says which goals held.
+
+    python bench/formats_report.py w8a8 /tmp/fm
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from small_card import compare_greedy, describe  # noqa: E402
+
+ALL_HIT_GOAL = 0.05
+PREDICTION_GOAL = 0.10
+
+
+def mean_tok_s(rec: dict | None) -> float | None:
+    runs = (rec or {}).get("tok_s") or []
+    return sum(runs) / len(runs) if runs else None
+
+
+def installs_per_token(rec: dict | None) -> float | None:
+    """Installs a decoded token over the measured runs (the stats lines around them)."""
+    rec = rec or {}
+    b, a, n = rec.get("counters_before"), rec.get("counters_after"), rec.get("decode_tokens")
+    if not (b and a and n):
+        return None
+    return (a["installs"] - b["installs"]) / n
+
+
+def predicted_tok_s(resident: float, per_token: float, bytes_per_expert: int,
+                    gbps: float) -> float:
+    ms = 1000 / resident + 1000 * per_token * bytes_per_expert / (gbps * 1e9)
+    return 1000 / ms
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _startup(rec: dict | None) -> str:
+    log = (rec or {}).get("log") or {}
+    if (rec or {}).get("status") not in (None, "ok"):
+        return f"failed ({(rec or {}).get('error')})"
+    declined = log.get("declined") or []
+    return log.get("startup_line") or (declined[0] if declined else "no startup line")
+
+
+def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
+              gbps: float | None) -> list[str]:
+    """The format's lines: each arm's tok/s, and every goal with its verdict."""
+    floor, res, hot = recs.get("floor"), recs.get("resident"), recs.get("hot")
+    f_tok, r_tok, h_tok = mean_tok_s(floor), mean_tok_s(res), mean_tok_s(hot)
+    lines = [f"{fmt}: floor {_fmt(f_tok)} tok/s, resident {_fmt(r_tok)}"]
+    for arm in ("cache", "trial"):
+        rec = recs.get(arm)
+        if rec is None:
+            continue
+        tok = mean_tok_s(rec)
+        per = installs_per_token(rec)
+        parts = [f"{fmt} {arm}: {_fmt(tok)} tok/s; {_startup(rec)}"]
+        check = ((rec.get("log") or {}).get("check_line")) or ""
+        if check:
+            parts.append(check)
+        if floor and floor.get("greedy") and rec.get("greedy"):
+            parts.append("greedy vs floor " + describe(compare_greedy(floor["greedy"],
+                                                                      rec["greedy"])))
+        if per is not None and r_tok and bytes_per_expert and gbps:
+            want = predicted_tok_s(r_tok, per, bytes_per_expert, gbps)
+            ratio = tok / want if tok else 0.0
+            ok = abs(1 - ratio) <= PREDICTION_GOAL
+            parts.append(f"{per:.2f} installs a token; predicted {want:.1f} tok/s, measured "
+                         f"{ratio:.3f} of it ({'met' if ok else 'NOT met'}: "
+                         f"{PREDICTION_GOAL:.0%})")
+        lines.append("; ".join(parts))
+    if hot is not None:
+        if h_tok and r_tok:
+            ratio = h_tok / r_tok
+            ok = ratio >= 1 - ALL_HIT_GOAL
+            final = (hot.get("log") or {}).get("final") or {}
+            rate = final.get("hit_rate")
+            same = ""
+            if res and res.get("greedy") and hot.get("greedy"):
+                same = "; greedy vs resident " + describe(compare_greedy(res["greedy"],
+                                                                         hot["greedy"]))
+            lines.append(f"{fmt} all-hit (--hot 32, 32 slots): {h_tok:.1f} tok/s = {ratio:.3f} "
+                         f"of resident ({'met' if ok else 'NOT met'}: within "
+                         f"{ALL_HIT_GOAL:.0%}); hit rate "
+                         f"{'-' if rate is None else f'{100 * rate:.2f}%'}{same}")
+        else:
+            lines.append(f"{fmt} all-hit: {_startup(hot)}")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: formats_report.py FORMAT DIR", file=sys.stderr)
+        return 2
+    fmt, d = argv[0], Path(argv[1])
+    recs = {}
+    for arm in ("floor", "cache", "trial", "resident", "hot"):
+        p = d / f"{fmt}-{arm}.json"
+        if p.exists():
+            recs[arm] = json.loads(p.read_text())
+    bytes_per_expert = gbps = None
+    try:
+        bytes_per_expert = int(json.loads((d / f"{fmt}-size.json").read_text())
+                               ["bytes_per_expert"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        from expertcache_cli.errors import UserError
+        from expertcache_cli.planner import link_from_probe
+
+        gbps, _ = link_from_probe(d / f"{fmt}-probe.json")
+    except (OSError, UserError):
+        pass
+    print("\n".join(summarize(fmt, recs, bytes_per_expert, gbps)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,70 @@
+"""The formats report (bench/formats_report.py): each goal of issue 11 computed from the
+server records, met or not, without a server."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+report = pytest.importorskip("formats_report", reason="the bench needs httpx")
+
+GREEDY = {"tokens": ["w1", "w2"], "logprob": [-0.1, -0.2], "margin": [1.0, 1.0]}
+
+
+def rec(tok_s, startup="expertcache: vLLM 0.26.0: armed 8 of 8 MoE layers; ...", installs=None,
+        tokens=1000, hit_rate=None, greedy=GREEDY):
+    r = {"status": "ok", "tok_s": tok_s, "greedy": greedy,
+         "log": {"startup_line": startup, "declined": [], "check_line": None,
+                 "final": {"hit_rate": hit_rate}}}
+    if installs is not None:
+        r.update(counters_before={"installs": 100}, counters_after={"installs": 100 + installs},
+                 decode_tokens=tokens)
+    return r
+
+
+def test_prediction_and_all_hit_goals():
+    # resident 500 tok/s = 2 ms a token; 2 installs a token x 10 MB at 50 GB/s = 0.4 ms more
+    recs = {"floor": rec([50.0], startup=None), "resident": rec([500.0], startup=None),
+            "cache": rec([410.0, 420.0], installs=2000),
+            "hot": rec([480.0], hit_rate=0.9999)}
+    assert report.predicted_tok_s(500.0, 2.0, 10**7, 50.0) == pytest.approx(1000 / 2.4)
+    lines = report.summarize("w8a8", recs, 10**7, 50.0)
+    assert lines[0] == "w8a8: floor 50.0 tok/s, resident 500.0"
+    assert "greedy vs floor identical (2 tokens)" in lines[1]
+    assert ("2.00 installs a token; predicted 416.7 tok/s, measured 0.996 of it (met: 10%)"
+            in lines[1])
+    assert lines[2] == ("w8a8 all-hit (--hot 32, 32 slots): 480.0 tok/s = 0.960 of resident "
+                        "(met: within 5%); hit rate 99.99%; greedy vs resident identical "
+                        "(2 tokens)")
+
+
+def test_goals_not_met_are_said_so_and_a_declined_format_has_no_goals():
+    recs = {"floor": rec([50.0], startup=None), "resident": rec([500.0], startup=None),
+            "cache": rec([300.0], installs=2000), "hot": rec([400.0], hit_rate=0.99)}
+    lines = report.summarize("fp8-block", recs, 10**7, 50.0)
+    assert "(NOT met: 10%)" in lines[1] and "(NOT met: within 5%)" in lines[2]
+    declined = {"floor": rec([50.0], startup=None),
+                "cache": rec([50.2], startup=None, greedy=None)}
+    declined["cache"]["log"]["declined"] = ["expertcache: model.layers.0.mlp.experts: "
+                                            "declined: MarlinExperts ..."]
+    lines = report.summarize("gptq", declined, 10**7, 50.0)
+    assert lines[1] == ("gptq cache: 50.2 tok/s; expertcache: model.layers.0.mlp.experts: "
+                        "declined: MarlinExperts ...")
+    assert len(lines) == 2
+
+
+def test_main_reads_the_run_directory(tmp_path, capsys):
+    (tmp_path / "w8a8-floor.json").write_text(json.dumps(rec([50.0], startup=None)))
+    (tmp_path / "w8a8-cache.json").write_text(json.dumps(rec([400.0], installs=10)))
+    (tmp_path / "w8a8-size.json").write_text(json.dumps({"bytes_per_expert": 4732928}))
+    assert report.main(["w8a8", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "w8a8: floor 50.0 tok/s, resident -"
+    assert out[1].startswith("w8a8 cache: 400.0 tok/s; expertcache: vLLM 0.26.0: armed 8 of 8")
+    assert report.main([]) == 2
