@@ -38,6 +38,8 @@ Formats (``--format``):
 - ``nvfp4``: ModelOpt NVFP4: e2m1 codes two to a uint8 ``weight`` [out, in / 2], an e4m3
   ``weight_scale`` per 16 inputs, float32 ``weight_scale_2`` and ``input_scale`` scalars;
   ``quant_method: modelopt``, ``quant_algo: NVFP4``, router and LM head in ``ignore``.
+- ``mxfp4``: not this shape but gpt-oss-20b's (2880 wide, 32 experts, top-4, biased
+  attention with sinks), as OpenAI ships it: `bench/write_gpt_oss.py` says the layout.
 
 ``--hot 32`` routes every layer to its first 32 experts only (the other router rows are
 zero), so a cache of 32 slots hits on (nearly) every read: the all-hit arm that is compared
@@ -65,7 +67,7 @@ sys.path.insert(0, str(HERE))
 
 import e2e_vllm as shape  # noqa: E402  (the bench model's shape and tokenizer)
 
-FORMATS = ("bf16", "w8a8", "fp8-block", "w4a16", "gptq", "awq", "nvfp4")
+FORMATS = ("bf16", "w8a8", "fp8-block", "w4a16", "gptq", "awq", "nvfp4", "mxfp4")
 
 #: AutoAWQ's order of eight output columns inside one int32 (vLLM unpacks with its inverse)
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -278,9 +280,21 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
 
     if fmt not in FORMATS:
         raise SystemExit(f"--format {fmt!r}: choose from {', '.join(FORMATS)}")
-    shape.write_model(out, layers, vocab_size=vocab, context=context, head_dim=head_dim,
-                      quantization_config=quantization_config(fmt, layers))
+    import write_gpt_oss
+
+    experts = write_gpt_oss.shape().experts if fmt == "mxfp4" else shape.E
+    if not 0 <= hot <= experts:
+        raise SystemExit(f"--hot {hot}: between 0 (route to all) and {experts}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if fmt == "mxfp4":
+        if head_dim is not None:
+            raise SystemExit("--head-dim: gpt-oss's heads are 64 wide; not for --format mxfp4")
+        write_gpt_oss.write_config(out, layers, vocab, context)
+        pairs = write_gpt_oss.tensors(layers, device, vocab, hot)
+    else:
+        shape.write_model(out, layers, vocab_size=vocab, context=context, head_dim=head_dim,
+                          quantization_config=quantization_config(fmt, layers))
+        pairs = tensors(layers, device, fmt, vocab, head_dim, hot)
     weight_map: dict[str, str] = {}
     shard: dict = {}
     size = total = 0
@@ -292,9 +306,7 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
         weight_map.update({name: fname for name in shard})
         shard.clear()
 
-    if not 0 <= hot <= shape.E:
-        raise SystemExit(f"--hot {hot}: between 0 (route to all) and {shape.E}")
-    for name, t in tensors(layers, device, fmt, vocab, head_dim, hot):
+    for name, t in pairs:
         n = t.numel() * t.element_size()
         if size and size + n > shard_bytes:
             flush()

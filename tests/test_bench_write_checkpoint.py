@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 @pytest.fixture()
 def writer(monkeypatch):
     monkeypatch.setenv("EC_E2E_TINY", "1")
-    for name in ("write_checkpoint", "e2e_vllm"):
+    for name in ("write_checkpoint", "e2e_vllm", "write_gpt_oss"):
         sys.modules.pop(name, None)
     import write_checkpoint
 
@@ -106,3 +106,45 @@ def test_hot_routes_to_the_first_experts_only(writer):
     top = (h @ t["model.layers.0.mlp.gate.weight"].float().t()).topk(k, dim=1).indices
     # top-2 of 8 N(0, |h|^2) logits are both positive unless 7 of 8 are negative (3.5%)
     assert (top < hot).all(dim=1).float().mean() > 0.9
+
+
+def test_mxfp4_is_gpt_oss_as_openai_ships_it(writer, tmp_path):
+    import write_gpt_oss
+
+    s = write_gpt_oss.shape()
+    assert s == write_gpt_oss.TINY
+    info = writer.write(tmp_path / "m", 2, "mxfp4", vocab=64, hot=4)
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["architectures"] == ["GptOssForCausalLM"] and cfg["num_local_experts"] == 16
+    assert cfg["quantization_config"]["quant_method"] == "mxfp4"
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
+    assert (tmp_path / "m" / "tokenizer.json").exists() and info["tensors"] > 0
+    t = dict(write_gpt_oss.tensors(1, "cpu", 64, hot=4))
+    p = "model.layers.0.mlp.experts"
+    h, inter, e = s.hidden, s.inter, s.experts
+    assert t[f"{p}.gate_up_proj_blocks"].shape == (e, 2 * inter, h // 32, 16)
+    assert t[f"{p}.gate_up_proj_blocks"].dtype == torch.uint8
+    assert t[f"{p}.gate_up_proj_scales"].shape == (e, 2 * inter, h // 32)
+    assert int(t[f"{p}.gate_up_proj_scales"][0, 0, 0]) == 127 - 6  # e8m0 2^-6
+    assert t[f"{p}.down_proj_blocks"].shape == (e, h, inter // 32, 16)
+    assert t[f"{p}.down_proj_bias"].shape == (e, h)
+    assert t["model.layers.0.self_attn.sinks"].shape == (s.heads,)
+    assert t["model.layers.0.self_attn.q_proj.bias"].shape == (s.heads * s.head_dim,)
+    assert t["model.layers.0.mlp.router.weight"][4:].abs().sum() == 0
+    with pytest.raises(SystemExit, match="--hot 17: between 0"):
+        writer.write(tmp_path / "x", 1, "mxfp4", vocab=64, hot=17)
+
+
+def test_sizing_reads_the_gpt_oss_checkpoint_as_mxfp4(writer, tmp_path):
+    from expertcache_cli import model_size
+
+    writer.write(tmp_path / "m", 2, "mxfp4", vocab=64)
+    m = model_size.load_model(str(tmp_path / "m"))
+    assert m.quant == "mxfp4" and m.num_experts == 16 and m.top_k == 2
+    import write_gpt_oss
+
+    s = write_gpt_oss.shape()
+    # per expert: gate_up and down blocks (half a byte a value), scales (a byte per 32
+    # values), biases (bf16)
+    values = 3 * s.hidden * s.inter
+    assert m.bytes_per_expert == values // 2 + values // 32 + 2 * (2 * s.inter + s.hidden)
