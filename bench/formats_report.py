@@ -96,7 +96,7 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
             if res and res.get("greedy") and hot.get("greedy"):
                 same = "; greedy vs resident " + describe(compare_greedy(res["greedy"],
                                                                          hot["greedy"]))
-            lines.append(f"{fmt} all-hit (--hot 32, 32 slots): {h_tok:.1f} tok/s = {ratio:.3f} "
+            lines.append(f"{fmt} all-hit (--hot N, N slots): {h_tok:.1f} tok/s = {ratio:.3f} "
                          f"of resident ({'met' if ok else 'NOT met'}: within "
                          f"{ALL_HIT_GOAL:.0%}); hit rate "
                          f"{'-' if rate is None else f'{100 * rate:.2f}%'}{same}")

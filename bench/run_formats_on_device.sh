@@ -3,15 +3,16 @@
 # 11). For each format an 8-layer checkpoint of the Qwen3-30B-A3B expert shape
 # (bench/write_checkpoint.py, per-layer seeded routers) and one server per arm:
 #   floor     experts offloaded, EXPERT_CACHE_DISABLE=1: the floor and the reference tokens
-#   cache     32 slots, routing over all 128 experts (the missing arm): the startup line
+#   cache     32 slots (16 of gpt-oss-20b's 32), routing over all experts (the missing
+#             arm): the startup line
 #             (armed with the tensors it mirrors, or declined with the reason), tok/s, live
 #             installs a token, greedy tokens against the floor's
 #   trial     4-bit formats only: the cache on vLLM 0.26's Marlin experts through the
 #             bench-only hook (bench/kernel_trial), first-call checked like every layer
 # and, where the cache (or the trial) armed, on a second checkpoint whose routers reach
-# only the first 32 experts (`--hot 32`):
+# only the first 32 experts (`--hot 32`; 16 for mxfp4):
 #   resident  every expert in VRAM, stock vLLM (plugin off)
-#   hot       the cache at 32 slots: every read a hit, compared with resident (goal 5%)
+#   hot       the cache at as many slots: every read a hit, compared with resident (goal 5%)
 # then, per format, one line: floor, cache, resident and all-hit tok/s, the missing arm
 # against the tok/s predicted from its live installs and the link (`probe-link --only
 # gather --model` at the format's slab size; goal 10%), and whether the greedy tokens equal the floor's.
@@ -41,13 +42,15 @@ s=l.get('startup_line') or ''; sys.exit(0 if ' armed ' in s and ' armed 0 of' no
     "/tmp/fm/$1.json" 2>/dev/null
 }
 
-for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4}; do
+for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
   M=/tmp/fm/$fmt H=/tmp/fm/$fmt-hot
+  # 32 of 128 slots; gpt-oss-20b (mxfp4) has 32 experts a layer: 16 of them
+  S=32 shape=(--vocab 151936 --context 40960 --head-dim 128)
+  [ "$fmt" = mxfp4 ] && S=16 shape=(--vocab 201088 --context 131072)
   for dir in "$M" "$H"; do
-    hot=0; [ "$dir" = "$H" ] && hot=32
+    hot=0; [ "$dir" = "$H" ] && hot=$S
     [ -f "$dir/model.safetensors.index.json" ] || $PY bench/write_checkpoint.py "$dir" \
-      --layers 8 --format "$fmt" --vocab 151936 --context 40960 --head-dim 128 --hot $hot \
-      2>&1 | tail -1
+      --layers 8 --format "$fmt" "${shape[@]}" --hot $hot 2>&1 | tail -1
   done
   $PY -m expertcache_cli size --model "$M" --vram 141 --json > "/tmp/fm/$fmt-size.json" 2>&1
   # the gather rate at this format's expert slabs (4-bit experts are a quarter of int8's)
@@ -57,21 +60,21 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4}; do
   stats=(--env EXPERT_CACHE_STATS=400)
   trial=(--env EC_BENCH_TRY_KERNELS=MarlinExperts --env "PYTHONPATH=$PWD/bench/kernel_trial:$PYTHONPATH")
   run_arm "$fmt-floor" --env EXPERT_CACHE_DISABLE=1 \
-    -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots 32 -- "${COMMON[@]}"
+    -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots "$S" -- "${COMMON[@]}"
   run_arm "$fmt-cache" "${stats[@]}" \
-    -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots 32 -- "${COMMON[@]}"
+    -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots "$S" -- "${COMMON[@]}"
   hot_env=("${stats[@]}")
   case $fmt in
     w4a16|gptq|awq)
       run_arm "$fmt-trial" "${stats[@]}" "${trial[@]}" \
-        -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots 32 -- "${COMMON[@]}"
+        -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots "$S" -- "${COMMON[@]}"
       armed "$fmt-cache" || hot_env+=("${trial[@]}") ;;
   esac
   if armed "$fmt-cache" || armed "$fmt-trial"; then
     run_arm "$fmt-resident" --env EXPERT_CACHE_DISABLE=1 \
       -- "$PY" -m vllm.entrypoints.cli.main serve "$H" "${COMMON[@]}"
     run_arm "$fmt-hot" "${hot_env[@]}" \
-      -- "$PY" -m expertcache_cli serve "$H" --vram 141 --slots 32 -- "${COMMON[@]}"
+      -- "$PY" -m expertcache_cli serve "$H" --vram 141 --slots "$S" -- "${COMMON[@]}"
   fi
   $PY bench/formats_report.py "$fmt" /tmp/fm | tee -a "$OUT/formats.txt"
 done

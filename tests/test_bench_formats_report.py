@@ -39,7 +39,7 @@ def test_prediction_and_all_hit_goals():
     assert "greedy vs floor identical (2 tokens)" in lines[1]
     assert ("2.00 installs a token; predicted 416.7 tok/s, measured 0.996 of it (met: 10%)"
             in lines[1])
-    assert lines[2] == ("w8a8 all-hit (--hot 32, 32 slots): 480.0 tok/s = 0.960 of resident "
+    assert lines[2] == ("w8a8 all-hit (--hot N, N slots): 480.0 tok/s = 0.960 of resident "
                         "(met: within 5%); hit rate 99.99%; greedy vs resident identical "
                         "(2 tokens)")
 
