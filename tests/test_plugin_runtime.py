@@ -529,6 +529,90 @@ def test_rows_vllm_marks_as_padding_install_nothing_and_count_nothing(monkeypatc
     assert torch.allclose(got[:2], want[:2], atol=1e-5)
 
 
+def _v1_worker(count_buf, **parallel):
+    runner_cls = type("GPUModelRunner", (), {"__module__": "vllm.v1.worker.gpu_model_runner"})
+    runner = runner_cls()
+    runner.query_start_loc = SimpleNamespace(gpu=count_buf)
+    pc = SimpleNamespace(data_parallel_size=1, use_ubatching=False,
+                         use_sequence_parallel_moe=False)
+    pc.__dict__.update(parallel)
+    return SimpleNamespace(model_runner=runner, vllm_config=SimpleNamespace(parallel_config=pc))
+
+
+def test_the_v1_runner_real_token_count_is_read_live_and_only_where_rows_are_tokens():
+    from expertcache_cli.plugin import padding
+
+    buf = torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32)  # 2 real tokens, padded to 4 reqs
+    count, why = padding.v1_token_count(_v1_worker(buf))
+    assert count is not None and int(count) == 2 and "query_start_loc" in why
+    buf[-1] = 3
+    assert int(count) == 3  # a view: the next step's value, as a graph replay reads it
+    for kw, word in (({"data_parallel_size": 2}, "data parallel"),
+                     ({"use_ubatching": True}, "use_ubatching"),
+                     ({"use_sequence_parallel_moe": True}, "use_sequence_parallel_moe")):
+        got, why = padding.v1_token_count(_v1_worker(buf, **kw))
+        assert got is None and word in why
+    v2 = _v1_worker(buf)
+    v2.model_runner.__class__.__module__ = "vllm.v1.worker.gpu.model_runner"
+    assert padding.v1_token_count(v2) == (None, "not vLLM's V1 model runner")
+
+
+def test_v1_padding_rows_are_masked_inside_graphs_only(monkeypatch):
+    """Rows at or past the real count are padding, read when a graph is captured (replays
+    read the live count); eager calls (dummy runs with a stale count, the first-call check)
+    see every row as real."""
+    from expertcache_cli.plugin import padding
+
+    buf = torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32)
+    read = padding.mask_reader(buf[-1:], max_tokens=8)
+    monkeypatch.setattr(padding, "_capturing", lambda: False)
+    assert read(4) is None
+    monkeypatch.setattr(padding, "_capturing", lambda: True)
+    assert read(4).tolist() == [False, False, True, True]
+    buf[-1] = 3
+    assert read(4).tolist() == [False, False, False, True]
+    assert read(9) is None  # wider than any graph: not a padded decode batch
+
+
+def test_the_plugin_says_once_where_padding_rows_come_from(monkeypatch, caplog):
+    import expertcache_cli.plugin as plugin
+    from expertcache_cli.plugin import padding
+
+    caplog.set_level("DEBUG", logger="vllm.expertcache")
+    buf = torch.tensor([0, 1, 1], dtype=torch.int32)
+    worker = _v1_worker(buf)
+    worker.vllm_config.scheduler_config = SimpleNamespace(max_num_batched_tokens=8)
+    read = plugin._padding_reader(worker)
+    assert ("CUDA-graph padding rows are kept out of the cache (vLLM's V1 runner: rows past "
+            "query_start_loc's last entry)") in caplog.text
+    monkeypatch.setattr(padding, "_capturing", lambda: True)
+    assert read(2).tolist() == [False, True]
+    plugin._padding_reader(_v1_worker(buf, data_parallel_size=2))
+    assert "padding rows from vLLM's V2 marks only (data parallel" in caplog.text
+
+
+def test_v1_padding_rows_install_nothing_and_count_nothing(monkeypatch):
+    from expertcache_cli.plugin import padding, runtime
+
+    buf = torch.tensor([0, 1, 2, 2], dtype=torch.int32)  # 2 real tokens of a 3-row graph
+    monkeypatch.setattr(padding, "_capturing", lambda: True)
+    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    layer = Experts(seed=4)
+    d = plan_layer(layer, CacheConfig(slots=6))
+    cache = RefSlotCache(d.num_experts, d.num_slots, {s.name: (s.shape, s.dtype) for s in d.specs})
+    armed = ArmedLayer(layer, d, cache, index=0,
+                       padding=padding.mask_reader(buf[-1:], max_tokens=8))
+    armed.install()
+    ids = torch.tensor([[1, 2], [2, 3], [14, 15]], dtype=torch.int32)  # row 2 is padding
+    w, x = torch.rand(3, TOPK), torch.randn(3, H)
+    got = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    assert np.flatnonzero(np.asarray(cache.ref.table) >= 0).tolist() == [1, 2, 3]  # no 14, 15
+    assert cache.stats.tolist() == [3, 3]
+    armed.uninstall()
+    want = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    assert torch.allclose(got[:2], want[:2], atol=1e-5)
+
+
 def test_the_recorder_spills_to_disk_and_writes_the_same_trace(tmp_path):
     """Host memory stays bounded: drained rows go to a spill file, not a Python list; the
     trace written from the spill equals the one from memory, and the spill is removed."""

@@ -251,6 +251,7 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
             model_name=str(getattr(vc.model_config, "model", "")) or None,
             capture_sizes=_capture_sizes(vc),
             refusal=memory.accounting_refusal(worker),
+            padding=_padding_reader(worker),
         )
     except Exception as exc:
         log.exception("expertcache: arming failed (%s); serving on the stock path", exc)
@@ -272,6 +273,20 @@ def _invalidating(orig: Callable[..., Any], why: str) -> Callable[..., Any]:
         return out
 
     return wrapper
+
+
+def _padding_reader(worker: Any) -> Any:
+    """How armed layers tell CUDA-graph padding rows (`padding`), said once in the log."""
+    from . import padding
+
+    count, why = padding.v1_token_count(worker)
+    if count is not None:
+        sc = getattr(getattr(worker, "vllm_config", None), "scheduler_config", None)
+        max_tokens = int(getattr(sc, "max_num_batched_tokens", 0) or 0)
+        log.info("expertcache: CUDA-graph padding rows are kept out of the cache (%s)", why)
+        return padding.mask_reader(count, max_tokens)
+    log.debug("expertcache: padding rows from vLLM's V2 marks only (%s)", why)
+    return padding.mask_reader()
 
 
 def _capture_sizes(vc: Any) -> list[int]:

@@ -170,32 +170,6 @@ def patch_tile_lookup(module: Any) -> bool:
     return True
 
 
-def padding_mask_reader() -> Callable[[int], Any] | None:
-    """How to read which rows of this step are CUDA-graph/DP padding, if vLLM says.
-
-    vLLM's V2 model runner (the default in 0.33; opt-in in 0.26) marks padded rows in
-    ``forward_context.is_padding``, a device bool per token, filled before each step and
-    fixed in address, so reading it inside a captured graph is sound. Padded rows carry
-    the router's ids for garbage hidden states: fed to the manager they would install
-    experts nobody asked for and count as requests. The V1 runner sets nothing (None);
-    then the rows are served like real ones (their outputs are discarded by vLLM).
-    """
-    try:
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-    except ImportError:
-        return None
-
-    def read(n: int) -> Any:
-        if not is_forward_context_available():
-            return None
-        mask = getattr(get_forward_context(), "is_padding", None)
-        if mask is None or mask.dim() != 1 or mask.shape[0] < n:
-            return None
-        return mask[:n]
-
-    return read
-
-
 class ArmError(RuntimeError):
     """Arming one layer failed; the layer stays on the stock path (message is logged)."""
 
@@ -213,8 +187,11 @@ class ArmedLayer:
         recorder: Any | None = None,
         decode_tokens: int | None = None,
         scratch: Any | None = None,
+        padding: Callable[[int], Any] | None = None,
     ) -> None:
         import torch
+
+        from .padding import mask_reader
 
         self.layer = layer
         self.decision = decision
@@ -252,7 +229,9 @@ class ArmedLayer:
             self.scratch_quant_config = self._build_quant_config(self.scratch_params,
                                                                  "the scratch")
         self._failed = False
-        self._padding = padding_mask_reader()
+        #: read(n): the step's padded rows (`padding`; by default the V2 runner's marks),
+        #: None where vLLM does not say
+        self._padding = padding if padding is not None else mask_reader()
         #: per path ("slots", "scratch"): None until its first output was checked against
         #: the stock path, then the relative difference; attempts left while inconclusive
         self.checked: dict[str, float | None] = {"slots": None, "scratch": None}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ..config import CacheConfig
@@ -266,11 +267,13 @@ def _vllm_ranks() -> dict[str, int]:
 
 def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
               max_num_seqs: int | None = None, model_name: str | None = None,
-              capture_sizes: list[int] | None = None, refusal: str | None = None) -> Session:
+              capture_sizes: list[int] | None = None, refusal: str | None = None,
+              padding: Callable[[int], Any] | None = None) -> Session:
     """Plan, build and install the caches of one loaded model; never raises.
 
     ``refusal``: why no slot could be accounted for in vLLM's memory plan (`memory`);
     every layer that would be armed is declined with it, before anything is allocated.
+    ``padding``: how the armed layers read a step's padded rows (`padding.mask_reader`).
     """
     from ..capture import padded
 
@@ -289,7 +292,8 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     for decision, module in ((d, m) for d, (_, m) in zip(decisions, layers) if d.action == ARM):
         try:
             scratch = _scratch_for(module, decision, cfg, scratches)
-            armed.append(_arm_one(module, decision, cfg, len(armed), decode_tokens, scratch))
+            armed.append(_arm_one(module, decision, cfg, len(armed), decode_tokens, scratch,
+                                  padding))
         except Exception as exc:
             decision.action = DECLINE
             decision.reason = f"arming failed: {exc.__class__.__name__}: {exc}"
@@ -386,7 +390,8 @@ def _with_trace(cfg: CacheConfig, path: str) -> CacheConfig:
 
 
 def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
-             decode_tokens: int | None = None, scratch: Any | None = None) -> ArmedLayer:
+             decode_tokens: int | None = None, scratch: Any | None = None,
+             padding: Callable[[int], Any] | None = None) -> ArmedLayer:
     from ..policy import Wide
     from ..slotcache import SlotCache
 
@@ -406,7 +411,7 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
         wide_inserts=wide_inserts,
     )
     armed = ArmedLayer(module, decision, cache, index=index, decode_tokens=decode_tokens,
-                       scratch=scratch)
+                       scratch=scratch, padding=padding)
     armed.install()
     return armed
 

@@ -1,0 +1,87 @@
+"""Which rows of a step are CUDA-graph padding, read on the device.
+
+Why: vLLM pads a decode batch up to its next captured graph size. The padded rows carry
+router ids computed from garbage hidden states; fed to the manager they install experts
+nobody asked for and count as requests. Measured on the H200 with vLLM 0.26's V1 runner
+(bench/RESULTS.md, small-card, padding): 5 streams run as the 8-graph made 46% more expert
+requests, 2.9% more installs and 4.0% less throughput than an exact 5-graph.
+
+Two places vLLM says which rows are real, both device tensors at fixed addresses written
+before each step, so a captured graph reads the current step's value at replay:
+
+- the V2 model runner marks the rows: ``forward_context.is_padding``, a bool per token;
+- the V1 runner marks nothing, but keeps the real token count on the device: its
+  ``query_start_loc`` buffer (cumulative tokens per request) is filled past the last
+  request with the last real value before every step, so its final entry is the number
+  of real tokens, and rows at or past it are padding.
+
+The V1 count is used only inside a graph being captured (replays then read it live): the
+dummy runs vLLM makes while starting leave that entry stale, and the eager calls where the
+first-call check runs see every row. It is used only where a MoE layer's rows are the
+step's tokens in order: one data-parallel rank, no micro-batching, no sequence-parallel MoE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+#: the module of vLLM's V1 GPU model runner (the V2 runner lives in v1/worker/gpu/)
+V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+
+
+def v1_token_count(worker: Any) -> tuple[Any | None, str]:
+    """The device view of the V1 runner's real token count, or None and why not."""
+    import torch
+
+    runner = getattr(worker, "model_runner", None)
+    if type(runner).__module__ != V1_RUNNER_MODULE:
+        return None, "not vLLM's V1 model runner"
+    pc = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    if pc is None:
+        return None, "no parallel config"
+    if int(getattr(pc, "data_parallel_size", 1) or 1) != 1:
+        return None, "data parallel: a MoE layer's rows are several ranks' tokens"
+    for flag in ("use_ubatching", "use_sequence_parallel_moe"):
+        if getattr(pc, flag, False) is True:
+            return None, f"{flag}: a MoE layer's rows are not the step's tokens in order"
+    buf = getattr(getattr(runner, "query_start_loc", None), "gpu", None)
+    if not (isinstance(buf, torch.Tensor) and buf.dim() == 1 and buf.numel() >= 2
+            and not buf.dtype.is_floating_point):
+        return None, "no device query_start_loc buffer"
+    return buf[-1:], "vLLM's V1 runner: rows past query_start_loc's last entry"
+
+
+def mask_reader(token_count: Any | None = None,
+                max_tokens: int = 0) -> Callable[[int], Any] | None:
+    """``read(n)``: the ``[n]`` bool mask of this step's padded rows, or None when vLLM
+    does not say (the rows are then served as real ones; vLLM discards their output)."""
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+    except ImportError:
+        is_forward_context_available = None  # type: ignore[assignment]
+    positions = None
+    if token_count is not None and max_tokens > 0:
+        import torch
+
+        positions = torch.arange(max_tokens, dtype=token_count.dtype,
+                                  device=token_count.device)
+    if is_forward_context_available is None and positions is None:
+        return None
+
+    def read(n: int) -> Any:
+        if is_forward_context_available is not None and is_forward_context_available():
+            mask = getattr(get_forward_context(), "is_padding", None)
+            if mask is not None and mask.dim() == 1 and mask.shape[0] >= n:
+                return mask[:n]
+        if positions is not None and n <= positions.shape[0] and _capturing():
+            return positions[:n] >= token_count
+        return None
+
+    return read
+
+
+def _capturing() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
