@@ -44,14 +44,21 @@ if os.environ.get("EC_BENCH_MEM") == "1":
         _seen[self.index] = n + 1
         torch.cuda.synchronize()
         alloc, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+        # non-torch memory: what the device has in use beyond torch's reserved pool
+        free0, total = torch.cuda.mem_get_info()
+        other0 = total - free0 - torch.cuda.memory_reserved()
         out = _orig_forward(self, x, topk_weights, topk_ids, *args, **kwargs)
         torch.cuda.synchronize()
+        free1, _ = torch.cuda.mem_get_info()
+        other1 = total - free1 - torch.cuda.memory_reserved()
         gib = 2**30
         _log.warning("EC_BENCH_MEM layer %d call %d: %d ids (wide %s): allocated %.3f GiB, "
-                     "peak %.3f -> %.3f GiB (+%.3f above allocated)", self.index, n,
-                     topk_ids.numel(), not self.cache.fits(topk_ids.numel()), alloc / gib,
-                     peak / gib, torch.cuda.max_memory_allocated() / gib,
-                     (torch.cuda.max_memory_allocated() - alloc) / gib)
+                     "peak %.3f -> %.3f GiB (+%.3f above allocated); non-torch %.3f -> %.3f "
+                     "GiB", self.index, n, topk_ids.numel(),
+                     not self.cache.fits(topk_ids.numel()), alloc / gib, peak / gib,
+                     torch.cuda.max_memory_allocated() / gib,
+                     (torch.cuda.max_memory_allocated() - alloc) / gib, other0 / gib,
+                     other1 / gib)
         return out
 
     _rt.ArmedLayer.forward_modular = _forward
