@@ -456,3 +456,29 @@ def test_stop_lets_the_leader_stop_its_engine_so_its_shutdown_completes(tmp_path
         time.sleep(0.05)  # until the engine has its handlers installed
     srv.stop(grace_s=20)
     assert log.read_text().splitlines() == ["ready", "signal SIGTERM", "final counters"]
+
+
+def test_the_failure_cause_is_the_root_not_vllms_wrapper():
+    from expertcache_cli.baseline.runner import failure_cause
+
+    kv = ("(EngineCore pid=6020) ERROR 12-01 05:26:56 [core.py:1330] ValueError: To serve at "
+          "least one request with the model's max seq len (8192), (0.75 GiB KV cache is needed")
+    wrapper = ("(APIServer pid=5938) RuntimeError: Engine core initialization failed. See root "
+               "cause above. Failed core proc(s): {}")
+    plugin = ("(EngineCore pid=6020) ERROR 12-01 05:26:56 [__init__.py:308] expertcache: after "
+              "the slots, vLLM's KV cache (0.44 GiB) cannot hold one --max-model-len 8192 "
+              "sequence (0.75 GiB), so vLLM will refuse to start; serve with 2 fewer slots")
+    assert failure_cause("\n".join([kv, wrapper])).startswith(
+        "ValueError: To serve at least one request")
+    assert failure_cause("\n".join([plugin, kv, wrapper])).startswith(
+        "expertcache: after the slots, vLLM's KV cache (0.44 GiB)")
+    stock = ("ERROR [runtime.py:420] expertcache: model.layers.3.mlp.experts: the slots "
+             "path's output differs from the stock path's; layer back on the stock path")
+    assert failure_cause("\n".join([stock, kv, wrapper])).startswith("ValueError: To serve")
+    assert failure_cause("expertcache: error: VLLM_USE_V2_MODEL_RUNNER=1 in your environment"
+                         ) == "expertcache: error: VLLM_USE_V2_MODEL_RUNNER=1 in your environment"
+    assert failure_cause("ModuleNotFoundError: No module named vllm\n") == (
+        "ModuleNotFoundError: No module named vllm")
+    assert failure_cause("warning: something\nfatal error in the thing\n") == (
+        "fatal error in the thing")
+    assert failure_cause("all fine\n") == ""

@@ -280,6 +280,27 @@ class NoRunSucceeded(UserError):
     exit_code = 1
 
 
+#: vLLM's wrapper around the engine's own failure: true, and never the cause
+_WRAPPERS = ("Engine core initialization failed", "Failed core proc")
+_EXCEPTION = re.compile(r"\b[A-Z]\w*(?:Error|Exception): \S")
+
+
+def failure_cause(log_tail: str) -> str:
+    """The one line of a dead server's log that says why: our own fatal line (`serve`'s
+    refusal, or the plugin's "vLLM will refuse to start", which names the fix), else the
+    last exception line that is not vLLM's wrapper around the real one, else the last line
+    that mentions an error. (The plugin's other errors, a layer back on the stock path,
+    do not stop a server.)"""
+    lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "expertcache: error:" in ln or ("expertcache:" in ln and "refuse to start" in ln):
+            return ln[ln.index("expertcache:"):]
+    for ln in reversed(lines):
+        if _EXCEPTION.search(ln) and not any(w in ln for w in _WRAPPERS):
+            return ln[_EXCEPTION.search(ln).start():]
+    return next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), "")
+
+
 def _fail_when_nothing_ran(path: Path) -> None:
     """No measured run in the results file: say why (the first failure), exit nonzero."""
     _, records = _store.load(path)
@@ -289,8 +310,7 @@ def _fail_when_nothing_ran(path: Path) -> None:
     if not failed:
         return
     first = failed[0]
-    cause = next((ln.strip() for ln in reversed((first.get("log_tail") or "").splitlines())
-                  if "Error" in ln or "error" in ln), "")
+    cause = failure_cause(first.get("log_tail") or "")
     raise NoRunSucceeded(
         f"no run succeeded: all {len(failed)} server(s) failed; the first ({first.get('arm')}, "
         f"{first.get('phase')}): {first.get('reason')}" + (f": {cause}" if cause else "")
