@@ -54,7 +54,8 @@ def _fmt(v: float | None) -> str:
 def _startup(rec: dict | None) -> str:
     log = (rec or {}).get("log") or {}
     if (rec or {}).get("status") not in (None, "ok"):
-        return f"failed ({(rec or {}).get('error')})"
+        rec = rec or {}
+        return f"failed ({rec.get('error')}{': ' + rec['cause'] if rec.get('cause') else ''})"
     declined = log.get("declined") or []
     return log.get("startup_line") or (declined[0] if declined else "no startup line")
 
@@ -64,7 +65,11 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
     """The format's lines: each arm's tok/s, and every goal with its verdict."""
     floor, res, hot = recs.get("floor"), recs.get("resident"), recs.get("hot")
     f_tok, r_tok, h_tok = mean_tok_s(floor), mean_tok_s(res), mean_tok_s(hot)
-    lines = [f"{fmt}: floor {_fmt(f_tok)} tok/s, resident {_fmt(r_tok)}"]
+    head = f"{fmt}: floor {_fmt(f_tok)} tok/s, resident {_fmt(r_tok)}"
+    for name, rec in (("floor", floor), ("resident", res)):
+        if rec is not None and rec.get("status") not in (None, "ok"):
+            head += f"; {name} {_startup(rec)}"  # (vLLM itself could not serve it)
+    lines = [head]
     for arm in ("cache", "trial"):
         rec = recs.get(arm)
         if rec is None:

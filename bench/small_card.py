@@ -206,6 +206,10 @@ def serve_arm(a: argparse.Namespace, measure: Measure,
         rec["wall_s"] = time.time() - t0
         if log.exists():
             rec["log"] = read_log(log)
+            if rec["status"] == "failed":  # the root cause, not vLLM's wrapper around it
+                from expertcache_cli.baseline.runner import failure_cause
+
+                rec["cause"] = failure_cause(log.read_text(errors="replace")[-200_000:])
         save()
     return rec
 
