@@ -9,6 +9,7 @@ live installs and the link (`1000 / (1000 / resident + installs a token x bytes 
 `DIR/FMT-probe.json` (`probe-link --only gather --model`), and says which goals held.
 
     python bench/formats_report.py w8a8 /tmp/fm
+    python bench/formats_report.py --armed /tmp/fm/w8a8-cache.json   # exit 0: armed
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def predicted_tok_s(resident: float, per_token: float, bytes_per_expert: int,
                     gbps: float) -> float:
     ms = 1000 / resident + 1000 * per_token * bytes_per_expert / (gbps * 1e9)
     return 1000 / ms
+
+
+def is_armed(rec: dict | None) -> bool:
+    """Did the server's plugin arm at least one layer (its startup line says so)?"""
+    line = ((rec or {}).get("log") or {}).get("startup_line") or ""
+    return " armed " in line and " armed 0 of " not in line
 
 
 def _fmt(v: float | None) -> str:
@@ -111,6 +118,11 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--armed":  # exit 0 when that server armed a layer
+        try:
+            return 0 if is_armed(json.loads(Path(argv[1]).read_text())) else 1
+        except (OSError, ValueError):
+            return 1
     if len(argv) != 2:
         print("usage: formats_report.py FORMAT DIR", file=sys.stderr)
         return 2

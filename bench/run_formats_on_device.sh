@@ -36,11 +36,7 @@ run_arm() {  # run_arm NAME [small_card options] -- server command
   $PY bench/small_card.py "$name" --out /tmp/fm --runs 3 "$@" | tail -5
   cp /tmp/fm/"$name".json "$OUT/"; tail -c 200000 /tmp/fm/"$name".log > "$OUT/$name.log"
 }
-armed() {  # armed NAME: did the server's plugin arm at least one layer?
-  $PY -c "import json,sys; l=(json.load(open(sys.argv[1])).get('log') or {}); \
-s=l.get('startup_line') or ''; sys.exit(0 if ' armed ' in s and ' armed 0 of' not in s else 1)" \
-    "/tmp/fm/$1.json" 2>/dev/null
-}
+armed() { $PY bench/formats_report.py --armed "/tmp/fm/$1.json"; }  # armed NAME
 
 for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
   M=/tmp/fm/$fmt H=/tmp/fm/$fmt-hot

@@ -75,3 +75,14 @@ def test_main_reads_the_run_directory(tmp_path, capsys):
     assert out[0] == "w8a8: floor 50.0 tok/s, resident -"
     assert out[1].startswith("w8a8 cache: 400.0 tok/s; expertcache: vLLM 0.26.0: armed 8 of 8")
     assert report.main([]) == 2
+
+
+def test_armed_reads_the_startup_line(tmp_path):
+    armed = tmp_path / "a.json"
+    armed.write_text(json.dumps(rec([1.0])))
+    none = tmp_path / "n.json"
+    none.write_text(json.dumps(rec([1.0], startup="expertcache: vLLM 0.26.0: armed 0 of 8 MoE "
+                                                  "layers (MarlinExperts ...)")))
+    assert report.main(["--armed", str(armed)]) == 0
+    assert report.main(["--armed", str(none)]) == 1
+    assert report.main(["--armed", str(tmp_path / "missing.json")]) == 1
