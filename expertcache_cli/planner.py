@@ -4,11 +4,16 @@ The loop a user otherwise closes in their head: replay the trace to count the ex
 that would cross the host link per token at each slot budget, then price them at the
 link's measured rate on top of the resident decode time:
 
-    ms/token = 1000 / R + 1000 x misses_per_token x bytes_per_expert / (link_gbps x 1e9)
+    ms/token = 1000 / R + layer_steps_per_token x step_us / 1000
+               + 1000 x misses_per_token x bytes_per_expert / (link_gbps x 1e9)
 
 ``misses`` are every expert fetched over the link (installs into slots plus the distinct
-ids of read-through steps), ``R`` the fully resident decode rate on the same GPU. On the
-H200 this arithmetic predicted 34.2 and 49.5 tok/s where 34.98 and 50.22 were measured.
+ids of read-through steps), ``R`` the fully resident decode rate on the same GPU, and
+``step_us`` what the cache's step costs per MoE layer even when every expert hits (the
+manager and a gather with nothing to copy: `probe-link`'s ``step`` measurement; 0 when it
+was not measured, and the source says so). On the H200 the arithmetic without the step
+predicted 34.2 and 49.5 tok/s where 34.98 and 50.22 were measured (24 layers), and 270.4
+where 252.6 was measured (48 layers: 0.26 ms a token of cache steps the formula left out).
 Each input says where it came from (given, a saved probe, a baseline results file), so a
 prediction is never quieter about its basis than a measurement.
 
@@ -44,12 +49,16 @@ class Inputs:
     link_source: str
     resident_tok_s: float
     resident_source: str
+    step_us: float = 0.0
+    step_source: str = "not measured (probe-link --only gather,step measures it)"
 
 
-def predict_ms(misses_per_token: float, inputs: Inputs) -> float:
-    """Decode milliseconds per token: resident time plus the misses' bytes over the link."""
-    return 1000.0 / inputs.resident_tok_s + 1000.0 * misses_per_token * inputs.bytes_per_expert / (
-        inputs.link_gbps * 1e9)
+def predict_ms(misses_per_token: float, inputs: Inputs,
+               layer_steps_per_token: float = 0.0) -> float:
+    """Decode milliseconds per token: resident time, the cache's own step in every MoE
+    layer, and the misses' bytes over the link."""
+    return (1000.0 / inputs.resident_tok_s + layer_steps_per_token * inputs.step_us / 1000.0
+            + 1000.0 * misses_per_token * inputs.bytes_per_expert / (inputs.link_gbps * 1e9))
 
 
 def _read_json(path: str | Path, option: str, writer: str) -> Any:
@@ -86,6 +95,17 @@ def link_from_probe(path: str | Path) -> tuple[float, str]:
         raise UserError(f"--probe {path}: holds no measured gather rate (its gather rows)")
     where = data.get("device_name", "a GPU")
     return float(rate), f"probe-link on {where} ({path}: the gather, {best.path})"
+
+
+def step_from_probe(path: str | Path) -> tuple[float, str] | None:
+    """The all-hit cache step a saved `probe-link --json` measured (us per MoE layer), or
+    None when that probe did not measure it."""
+    data = _read_json(path, "--probe", "probe-link --save")
+    us = data.get("step_us") if isinstance(data, dict) else None
+    if not isinstance(us, (int, float)) or not math.isfinite(us) or us <= 0:
+        return None
+    where = data.get("device_name", "a GPU")
+    return float(us), f"probe-link on {where} ({path}: the cache step, every expert a hit)"
 
 
 def resident_from_baseline(path: str | Path) -> tuple[float, str]:
@@ -131,6 +151,8 @@ class PlanReport:
             "link_source": i.link_source,
             "resident_tok_s": i.resident_tok_s,
             "resident_source": i.resident_source,
+            "step_us": i.step_us,
+            "step_source": i.step_source,
             "rows": self.rows,
             "recommended": self.recommended,
             "notes": self.notes,
@@ -169,12 +191,14 @@ def plan_trace(
         raise UserError("--policy: plan recommends a policy the plugin runs: lru or lfu")
     report = replay(trace, online, budgets, wide=wide)
     tokens = max(1, trace.tokens)
+    # every layer runs the cache's step once a step, and a step decodes tokens / steps
+    layer_steps = trace.num_layers * trace.steps / tokens
     rows = []
     for r in report.results.itertuples():
         if Policy.parse(r.policy) not in online:
             continue
         mpt = r.misses / tokens
-        ms = predict_ms(mpt, inputs)
+        ms = predict_ms(mpt, inputs, layer_steps)
         rows.append({
             "policy": r.policy,
             "slots": int(r.slots),
@@ -194,7 +218,7 @@ def plan_trace(
         best = max(fitting, key=lambda r: (round(r["predicted_tok_s"], 6), -r["slots"]))
         pol = Policy.parse(best["policy"])
         (split,) = recommend(trace, pol, [best["slots"]], wide=wide)
-        split_ms = predict_ms(split.misses / tokens, inputs)
+        split_ms = predict_ms(split.misses / tokens, inputs, layer_steps)
         use_split = split.misses < split.uniform_misses
         recommended = {
             "policy": best["policy"],

@@ -36,6 +36,37 @@ def test_the_formula_is_resident_time_plus_the_misses_over_the_link():
     assert planner.predict_ms(0.0, inputs) == pytest.approx(1000 / 465)
 
 
+def test_the_cache_step_is_paid_in_every_moe_layer_every_step():
+    """A single stream decodes a token a step: 48 layers x the all-hit step's cost come on
+    top of resident time, whatever the misses; a re-batched trace of N streams pays it
+    once a step for N tokens."""
+    inputs = planner.Inputs(4_732_928, "given", 48.8, "given", 279.87, "given",
+                            step_us=3.7, step_source="measured")
+    no_step = planner.Inputs(4_732_928, "given", 48.8, "given", 279.87, "given")
+    one = planner.predict_ms(1.30, inputs, 48.0)
+    assert one - planner.predict_ms(1.30, no_step, 48.0) == pytest.approx(48 * 3.7 / 1000)
+    assert planner.predict_ms(1.30, no_step, 48.0) == planner.predict_ms(1.30, no_step)
+    trace = load(TRACE)
+    rows = {}
+    for name, i in (("step", inputs), ("none", no_step)):
+        rep = planner.plan_trace(trace, i, [Policy.LRU], [32], fits_upto=None,
+                                 model={"name": "t"}, serve_model="/m", vram_gb=None)
+        rows[name] = rep.rows[0]["predicted_ms_per_token"]
+        assert rep.to_json()["step_us"] == i.step_us
+    per_token = trace.num_layers * trace.steps / trace.tokens
+    assert rows["step"] - rows["none"] == pytest.approx(per_token * 3.7 / 1000)
+
+
+def test_the_step_is_read_from_a_probe_that_measured_it(tmp_path):
+    assert planner.step_from_probe(PROBE) is None  # this probe predates the measurement
+    data = json.loads(PROBE.read_text())
+    data["step_us"] = 3.71
+    saved = tmp_path / "probe.json"
+    saved.write_text(json.dumps(data))
+    us, src = planner.step_from_probe(saved)
+    assert us == 3.71 and "the cache step" in src and "NVIDIA H200" in src
+
+
 def test_inputs_read_from_a_saved_probe_and_a_baseline_file(tmp_path):
     rate, src = planner.link_from_probe(PROBE)
     assert rate == pytest.approx(49.48, abs=0.01) and "NVIDIA H200" in src

@@ -190,6 +190,8 @@ def _fake_registry(monkeypatch, calls: list[str], fail: str = ""):
         elif self.key == "gather":
             rep.gather = [probe.Rate(f"gather_{n}", n, 1.0, 40.0 + n, 3, 0.0) for n in (1, 8, 32)]
             rep.gather_impl = "fake"
+        elif self.key == "step":
+            rep.step_us = 3.7
 
     for m in meas.MEASUREMENTS.values():
         monkeypatch.setattr(type(m), "run", fake_run)
@@ -221,6 +223,22 @@ def test_probe_only_runs_the_named_measurements(monkeypatch):
     calls.clear()
     probe.probe_link(pin=False, pageable_mib=())  # nothing asked of it: not run, no error
     assert "pageable" not in calls
+
+
+def test_the_cache_step_is_measured_saved_and_read_by_plan(monkeypatch, tmp_path):
+    """`probe-link --only gather,step` saves the all-hit step, and `plan --probe` adds it."""
+    import json
+
+    from expertcache_cli import planner
+
+    calls: list[str] = []
+    _fake_registry(monkeypatch, calls)
+    rep = probe.probe_link(pin=False, only=["gather", "step"])
+    assert calls == ["gather", "step"] and rep.step_us == 3.7
+    saved = tmp_path / "probe.json"
+    saved.write_text(json.dumps(rep.to_json()))
+    assert planner.step_from_probe(saved)[0] == 3.7
+    assert planner.link_from_probe(saved)[0] == 48.0
 
 
 def test_every_measured_row_has_one_label():

@@ -18,7 +18,8 @@ console = Console()
 
 
 def _link(link_gbps: float | None, probe_file: Path | None,
-          model: str | None) -> tuple[float, str]:
+          model: str | None) -> tuple[float, str, tuple[float, str] | None]:
+    """The link rate and its source, and the cache step (us, source) where measured."""
     from .. import planner
 
     if link_gbps is not None and probe_file is not None:
@@ -26,21 +27,24 @@ def _link(link_gbps: float | None, probe_file: Path | None,
     if link_gbps is not None:
         if not math.isfinite(link_gbps) or link_gbps <= 0:
             raise UserError(f"--link-gbps must be a positive number, got {link_gbps}")
-        return link_gbps, "given (--link-gbps)"
+        return link_gbps, "given (--link-gbps)", None
     if probe_file is not None:
-        return planner.link_from_probe(probe_file)
+        return (*planner.link_from_probe(probe_file), planner.step_from_probe(probe_file))
     from .. import probe
     from ..kernel_check import device_arch
 
     device_arch(0, hint="give --link-gbps G or --probe FILE (a saved probe-link --json)")
-    # the gather at this model's expert slab: the rate the cache's own copies run at
-    rep = probe.probe_link(model=model, repeats=3, warmup=1, only=("gather",))
+    # the gather at this model's expert slab: the rate the cache's own copies run at; and
+    # the cache's step when every expert hits
+    rep = probe.probe_link(model=model, repeats=3, warmup=1, only=("gather", "step"))
     row = probe.gather_row(rep.gather, rep.model["top_k"]) if rep.model else None
     if row is None or probe.is_stand_in(rep.gather_impl):
         why = "; ".join(rep.errors) or "no gather rate"
         raise UserError(f"the link could not be measured here ({why}): give --link-gbps or "
                         "--probe")
-    return row.gbps, f"measured now on {rep.device_name} (the gather, {row.path})"
+    step = (rep.step_us, f"measured now on {rep.device_name} (the cache step, every expert "
+            "a hit)") if rep.step_us > 0 else None
+    return row.gbps, f"measured now on {rep.device_name} (the gather, {row.path})", step
 
 
 def _resident(resident_tok_s: float | None, baseline: Path | None) -> tuple[float, str]:
@@ -132,9 +136,11 @@ def register(app: typer.Typer) -> None:
             # a staged mode's scratch comes out of the slots' room, as `size --wide` says
             fits_upto = sizing.plan(m, vram, wide=mode.value,
                                     **plan_kwargs_from_vllm_args(vllm_args)).max_slots
-        link, link_src = _link(link_gbps, probe_file, model)
+        link, link_src, step = _link(link_gbps, probe_file, model)
         res, res_src = _resident(resident_tok_s, baseline)
         inputs = planner.Inputs(per_expert, bytes_src, link, link_src, res, res_src)
+        if step is not None:
+            inputs.step_us, inputs.step_source = step
         budgets = (parse_budgets(slots, trace.num_experts) if slots else planner.slot_grid(
             trace.num_experts, trace.top_k,
             trace.num_experts - 1 if fits_upto is None else fits_upto))
@@ -170,10 +176,11 @@ def register(app: typer.Typer) -> None:
             f"{i.bytes_per_expert:,} B ({i.bytes_source})")
         console.print(f"link {i.link_gbps:.1f} GB/s: {i.link_source}")
         console.print(f"resident {i.resident_tok_s:.1f} tok/s: {i.resident_source}")
+        console.print(f"cache step {i.step_us:.2f} us a MoE layer: {i.step_source}")
         streams = (f"{rep.trace['batch']} streams (aggregate)" if rep.trace.get("batch")
                    else "as traced")
-        t = Table(title=f"predicted decode, {streams}: 1000/R + misses/token x expert bytes "
-                        "/ link")
+        t = Table(title=f"predicted decode, {streams}: 1000/R + layer steps x cache step + "
+                        "misses/token x expert bytes / link")
         for col, keep in (("policy", 9), ("slots", 9), ("misses/token", 6), ("miss rate", 5),
                           ("ms/token", 7), ("tok/s", 9), ("fits", 8)):
             t.add_column(col, justify="left" if col in ("policy", "fits") else "right",

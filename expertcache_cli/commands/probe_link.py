@@ -96,6 +96,10 @@ def register(app: typer.Typer) -> None:
                 f"one 4 KiB host->device copy: {lat['h2d_4KiB_device_us']:.1f} us on the device "
                 f"(back to back), {lat['h2d_4KiB_roundtrip_us']:.1f} us enqueue-to-synchronised"
             )
+        if rep.step_us:
+            console.print(
+                f"the cache's step when every expert hits: {rep.step_us:.2f} us per MoE layer "
+                f"(a CUDA graph of {probe.STEP_LAYERS} layers; `plan --probe` adds it per layer)")
         for line in probe.summary_lines(rep):
             style = "red" if "failed" in line or "FALLBACK" in line else "bold"
             console.print(f"[{style}]{line}[/]")

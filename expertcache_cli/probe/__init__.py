@@ -32,6 +32,7 @@ from .measurements import (
     DEFAULT_SIZES_MIB,
     MEASUREMENTS,
     PAGEABLE_SIZES_MIB,
+    STEP_LAYERS,
     ZERO_COPY_MIB,
     Measurement,
     Settings,
@@ -62,7 +63,8 @@ from .topology import (
 )
 
 __all__ = [
-    "DEFAULT_SIZES_MIB", "MEASUREMENTS", "PAGEABLE_SIZES_MIB", "ZERO_COPY_MIB", "LinkReport",
+    "DEFAULT_SIZES_MIB", "MEASUREMENTS", "PAGEABLE_SIZES_MIB", "STEP_LAYERS", "ZERO_COPY_MIB",
+    "LinkReport",
     "Measurement", "MiB", "Rate", "Settings", "classify_link", "conclude", "decode_ceilings",
     "fmt_bytes", "gather_counts", "gather_row", "is_stand_in", "parse_cpulist", "pci_bus_id",
     "pcie_link", "pin_near_gpu", "probe_link", "require_cuda", "row_label", "select",

@@ -219,6 +219,63 @@ def measure_gather(torch, device: int, tensors: Sequence[tuple[str, int]], num_e
     return out, impl, errors
 
 
+STEP_LAYERS = 48  # layers in the timed graph: a decode graph of a deep MoE model
+STEP_SLAB = 256  # bytes per expert per tensor: a step that hits copies none of them
+
+
+def measure_step(torch, device: int, n_tensors: int, num_experts: int, top_k: int,
+                 repeats: int) -> float:
+    """Microseconds one MoE layer's cache step adds to a decode token when every routed
+    expert is a hit: the manager (with the fused remap) and a gather that finds nothing
+    to copy, for a CUDA graph of `STEP_LAYERS` such steps replayed back to back, as
+    vLLM's decode graphs run them. `plan` adds it per MoE layer to the resident time: it
+    is what a cache costs even when it never misses (resident time has no such step).
+
+    The slabs are tiny (a no-miss step reads none of them); what the step's cost depends
+    on is kept: the expert count, a top_k of routing ids, and the number of per-expert
+    tensors the gather walks. Raises when the kernels are not available or a timed step
+    installed an expert (it would not be the all-hit step)."""
+    from ..slotcache import SlotCache
+
+    dev = torch.device("cuda", device)
+    e = num_experts
+    slots = max(top_k, min(e // 2, 64))
+    names = [f"t{i}" for i in range(n_tensors)]
+    srcs = {n: torch.zeros((e, STEP_SLAB), dtype=torch.uint8, pin_memory=True) for n in names}
+    specs = {n: ((STEP_SLAB,), torch.uint8) for n in names}
+    with torch.cuda.device(dev):
+        caches = [SlotCache(e, slots, specs, policy="lru", device=dev, name=f"step{i}")
+                  for i in range(STEP_LAYERS)]
+        ids = torch.arange(top_k, dtype=torch.int32, device=dev).reshape(1, top_k)
+        for c in caches:
+            c.step(ids, srcs)  # installs this step's experts: every later step hits
+        torch.cuda.synchronize(dev)
+        installs = sum(int(c.stats[1]) for c in caches)
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        outs: list[Any] = []
+        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+            outs.extend(c.step(ids, srcs) for c in caches)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        start = torch.cuda.Event(enable_timing=True)
+        stop = torch.cuda.Event(enable_timing=True)
+        reps, samples = 50, []
+        for _ in range(max(3, repeats)):
+            start.record()
+            for _ in range(reps):
+                graph.replay()
+            stop.record()
+            stop.synchronize()
+            samples.append(start.elapsed_time(stop) * 1e3 / reps / STEP_LAYERS)
+        if sum(int(c.stats[1]) for c in caches) != installs:
+            raise RuntimeError("a timed step installed an expert: not the all-hit step")
+        del graph
+    return statistics.median(samples)
+
+
 # --------------------------------------------------------------------------- the registry
 
 
@@ -343,6 +400,21 @@ class Gather(Measurement):
         rep.gather, rep.gather_impl, errs = measure_gather(torch, s.device, tensors,
                                                            m.num_experts, s.repeats, s.warmup)
         rep.errors.extend(errs)
+
+
+@register
+class Step(Measurement):
+    key = "step"
+    about = "the cache's per-layer step when every expert hits (what plan adds per layer)"
+    title = "cache step"
+
+    def wanted(self, s: Settings) -> bool:
+        return s.model is not None
+
+    def run(self, torch, s: Settings, rep: LinkReport) -> None:
+        m = s.model
+        rep.step_us = measure_step(torch, s.device, len(m.expert_tensors), m.num_experts,
+                                   m.top_k, s.repeats)
 
 
 def row_label(path: str) -> str:

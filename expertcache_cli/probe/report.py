@@ -48,6 +48,7 @@ class LinkReport:
     latency_us: dict[str, float] = field(default_factory=dict)
     hbm_copy_gbps: float = 0.0  # one-way device-to-device copy rate
     hbm_traffic_gbps: float = 0.0  # read + write traffic of that copy
+    step_us: float = 0.0  # the cache's all-hit step per MoE layer (0: not measured)
     link_class: str = ""
     model: dict[str, Any] = field(default_factory=dict)
     decode: dict[str, Any] = field(default_factory=dict)

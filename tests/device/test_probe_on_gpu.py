@@ -28,6 +28,9 @@ def test_probe_small_run_is_complete_and_sane(cuda):
     assert rep.gather and "FALLBACK" not in rep.gather_impl, rep.gather_impl
     assert [r.path for r in rep.gather] == ["gather_1", "gather_8", "gather_32"]
     assert all("INSTALLS" not in r.note for r in rep.gather)
+    # the all-hit cache step, timed in a CUDA graph (measure_step raises if a timed step
+    # installed anything, which rep.errors above would show)
+    assert rep.step_us > 0 and json.loads(json.dumps(rep.to_json()))["step_us"] == rep.step_us
     assert rep.link_class
     assert rep.hbm_traffic_gbps > rep.rate("h2d_pinned").gbps  # HBM beats any host link
     d = rep.decode
