@@ -50,7 +50,7 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
   done
   $PY -m expertcache_cli size --model "$M" --vram 141 --json > "/tmp/fm/$fmt-size.json" 2>&1
   # the gather rate at this format's expert slabs (4-bit experts are a quarter of int8's)
-  [ -f "/tmp/fm/$fmt-probe.json" ] || $PY -m expertcache_cli probe-link --only gather \
+  [ -f "/tmp/fm/$fmt-probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step \
     --model "$M" --save "/tmp/fm/$fmt-probe.json" 2>&1 | tail -2
   cp "/tmp/fm/$fmt-probe.json" "/tmp/fm/$fmt-size.json" "$OUT/" 2>/dev/null
   stats=(--env EXPERT_CACHE_STATS=400)

@@ -35,7 +35,7 @@ baseline() {  # baseline OUT.jsonl ARMS [env...]: one server per arm, resumable
 device_vllm_setup || { echo "setup failed"; exit 1; }
 [ -f /tmp/model/model.safetensors.index.json ] || \
   $PY bench/write_checkpoint.py /tmp/model --layers $LAYERS 2>&1 | tail -1
-[ -f /tmp/pc/probe.json ] || $PY -m expertcache_cli probe-link --only gather --model /tmp/model \
+[ -f /tmp/pc/probe.json ] || $PY -m expertcache_cli probe-link --only gather,step --model /tmp/model \
   --save /tmp/pc/probe.json > "$OUT/probe.txt" 2>&1
 cp /tmp/pc/probe.json "$OUT/"
 baseline /tmp/pc/bl-resident.jsonl resident

@@ -78,7 +78,7 @@ for step in $STEPS; do
 import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8)"
       df -h /tmp | tail -1 ;;
     probe)
-      [ -f /tmp/sc/probe.json ] || $PY -m expertcache_cli probe-link --only gather --model "$MODEL" --save /tmp/sc/probe.json \
+      [ -f /tmp/sc/probe.json ] || $PY -m expertcache_cli probe-link --only gather,step --model "$MODEL" --save /tmp/sc/probe.json \
         2>&1 | tail -25 ;;
     acct)
       ACCT=(serve /tmp/m8 --vram 141 --slots 120 -- --gpu-memory-utilization 0.3
@@ -172,22 +172,31 @@ for name in ("pad8", "pad5"):
 PY
       ;;
     predict)  # the issue's check on one checkpoint: tok/s from live installs and the link
+      # (plan's own formula: resident time, the all-hit cache step in every layer where
+      # the probe measured it, the installs over the link)
       $PY - /tmp/sc/probe.json <<'PY' | tee "$OUT/predict.txt"
 import json, sys
-from expertcache_cli.planner import link_from_probe
+from expertcache_cli import planner
 def load(name):
     return json.load(open(f"/tmp/sc/{name}.json"))
 mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
 res, stats, quiet = load("resident"), load("cache24"), load("cache24q")
-gbps, src = link_from_probe(sys.argv[1])
+gbps, src = planner.link_from_probe(sys.argv[1])
+step = planner.step_from_probe(sys.argv[1]) or (0.0, "not measured")
 b, a = stats["counters_before"], stats["counters_after"]
 per_token = (a["installs"] - b["installs"]) / stats["decode_tokens"]
 size = json.load(open(sys.argv[1].replace("probe.json", "size24.json")))
-ms = 1000 / mean(res["tok_s"]) + 1000 * per_token * size["bytes_per_expert"] / (gbps * 1e9)
+layers = a["layers"]
 got = mean(quiet["tok_s"])
-print(f"resident {mean(res['tok_s']):.2f} tok/s; {per_token:.2f} installs a token "
-      f"(cache24, live); link {gbps:.1f} GB/s ({src}); predicted {1000 / ms:.1f} tok/s; "
-      f"measured without stats {got:.2f} ({got * ms / 1000:.3f} of predicted)")
+for name, us in (("without the cache step", 0.0), (f"with the cache step {step[0]:.2f} us",
+                                                   step[0])):
+    inputs = planner.Inputs(size["bytes_per_expert"], "size", gbps, src, mean(res["tok_s"]),
+                            "resident", step_us=us)
+    ms = planner.predict_ms(per_token, inputs, float(layers))
+    print(f"resident {mean(res['tok_s']):.2f} tok/s; {per_token:.2f} installs a token "
+          f"(cache24, live); link {gbps:.1f} GB/s ({src}); {name} x {layers} layers: "
+          f"predicted {1000 / ms:.1f} tok/s; measured without stats {got:.2f} "
+          f"({got * ms / 1000:.3f} of predicted)")
 PY
       ;;
     resident)

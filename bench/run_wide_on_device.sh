@@ -40,7 +40,7 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MODEL'), 8,
     plan)  # what the tools predict for this shape, before the servers say
       COLUMNS=160 $PY -m expertcache_cli size --model $MODEL --vram 141 --slots 64 \
         --wide staged-install -- --max-model-len 10240 --max-num-seqs 32 > "$OUT/size.txt" 2>&1
-      [ -f /tmp/ws/probe.json ] || $PY -m expertcache_cli probe-link --only gather \
+      [ -f /tmp/ws/probe.json ] || $PY -m expertcache_cli probe-link --only gather,step \
         --model $MODEL --save /tmp/ws/probe.json > "$OUT/probe.txt" 2>&1
       tail -5 "$OUT/size.txt" ;;
     floor)
