@@ -62,4 +62,4 @@ def test_probe_link_lists_its_measurements_without_a_gpu():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     keys = [line.split()[0] for line in r.stdout.splitlines()]
-    assert keys == ["pinned", "pageable", "zero-copy", "hbm", "latency", "gather"]
+    assert keys == ["pinned", "pageable", "zero-copy", "hbm", "latency", "gather", "step"]
