@@ -24,6 +24,8 @@ sys.path.insert(0, str(HERE.parent))
 
 from small_card import compare_greedy, describe  # noqa: E402
 
+from expertcache_cli.baseline.counters import ARMED_RE  # noqa: E402
+
 ALL_HIT_GOAL = 0.05
 PREDICTION_GOAL = 0.10
 
@@ -50,8 +52,8 @@ def predicted_tok_s(resident: float, per_token: float, bytes_per_expert: int,
 
 def is_armed(rec: dict | None) -> bool:
     """Did the server's plugin arm at least one layer (its startup line says so)?"""
-    line = ((rec or {}).get("log") or {}).get("startup_line") or ""
-    return " armed " in line and " armed 0 of " not in line
+    m = ARMED_RE.search(((rec or {}).get("log") or {}).get("startup_line") or "")
+    return m is not None and int(m.group("armed")) > 0
 
 
 def _fmt(v: float | None) -> str:
@@ -61,8 +63,8 @@ def _fmt(v: float | None) -> str:
 def _startup(rec: dict | None) -> str:
     log = (rec or {}).get("log") or {}
     if (rec or {}).get("status") not in (None, "ok"):
-        rec = rec or {}
-        return f"failed ({rec.get('error')}{': ' + rec['cause'] if rec.get('cause') else ''})"
+        cause = ((rec or {}).get("log") or {}).get("cause")
+        return f"failed ({(rec or {}).get('error')}{': ' + cause if cause else ''})"
     declined = log.get("declined") or []
     return log.get("startup_line") or (declined[0] if declined else "no startup line")
 

@@ -40,7 +40,12 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from expertcache_cli.baseline.client import RequestFailed, measure_run  # noqa: E402
-from expertcache_cli.baseline.counters import latest_counters, parse_stats_line  # noqa: E402
+from expertcache_cli.baseline.counters import (  # noqa: E402
+    ARMED_RE,
+    latest_counters,
+    parse_stats_line,
+)
+from expertcache_cli.baseline.runner import failure_cause  # noqa: E402
 from expertcache_cli.baseline.server import Server, ServerFailed, free_port, server_env  # noqa: E402
 
 PROMPT = "w17 w923 w4410 w88 w5120 w3 w777 w2048 w60 w1999 w4096 w31 w8000 w12 w640 w5"
@@ -117,10 +122,10 @@ def read_log(log: Path) -> dict:
     for line in text.splitlines():
         if "expertcache: vLLM" in line and "armed" in line:
             out["startup_line"] = line[line.index("expertcache:"):]
-            m = re.search(r"armed (\d+) of (\d+) MoE layers", line)
+            m = ARMED_RE.search(line)
             s = re.search(r"(\d+) of (\d+) experts/layer as slots", line)
-            out["armed_layers"] = int(m.group(1)) if m else 0
-            out["moe_layers"] = int(m.group(2)) if m else None
+            out["armed_layers"] = int(m.group("armed")) if m else 0
+            out["moe_layers"] = int(m.group("layers")) if m else None
             out["slots"] = int(s.group(1)) if s else None
             if "TRAP:" in line:
                 out["trap"] = line[line.index("TRAP:"):]
@@ -140,6 +145,7 @@ def read_log(log: Path) -> dict:
     if "Traceback" in text or "Error" in text:
         errs = [ln for ln in text.splitlines() if "Error" in ln or "error:" in ln]
         out["errors"] = errs[-5:]
+        out["cause"] = failure_cause(text)  # the root one, not vLLM's wrapper around it
     return out
 
 
@@ -206,10 +212,6 @@ def serve_arm(a: argparse.Namespace, measure: Measure,
         rec["wall_s"] = time.time() - t0
         if log.exists():
             rec["log"] = read_log(log)
-            if rec["status"] == "failed":  # the root cause, not vLLM's wrapper around it
-                from expertcache_cli.baseline.runner import failure_cause
-
-                rec["cause"] = failure_cause(log.read_text(errors="replace")[-200_000:])
         save()
     return rec
 

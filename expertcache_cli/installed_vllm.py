@@ -42,3 +42,14 @@ def source(*parts: str) -> str | None:
         if path.is_file():
             return path.read_text(errors="replace")
     return None
+
+
+def source_says(marker: str, parts: tuple[str, ...], text: str | None = None) -> bool | None:
+    """Whether one file of the installed vLLM (``parts`` below ``vllm/``) contains
+    ``marker``: how the tool reads what a release does without importing it; None when
+    there is no vLLM here or no such file. ``text``: that file's text (tests)."""
+    if text is None:
+        text = source(*parts)
+        if text is None:
+            return None
+    return marker in text

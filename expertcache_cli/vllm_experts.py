@@ -23,11 +23,7 @@ TRITON_WNA16 = '"triton": WNA16MoEBackend.TRITON'
 def wna16_triton_available(source: str | None = None) -> bool | None:
     """Whether the installed vLLM can run 4-bit experts on Triton (``--moe-backend
     triton``); None without vLLM here. ``source``: the oracle's text (tests)."""
-    if source is None:
-        source = installed_vllm.source(*WNA16_ORACLE)
-        if source is None:
-            return None
-    return TRITON_WNA16 in source
+    return installed_vllm.source_says(TRITON_WNA16, WNA16_ORACLE, source)
 
 
 def kernel_note(quant: str, args: list[str], triton: bool | None,

@@ -43,11 +43,7 @@ def v2_runner_offloads(source: str | None = None) -> bool | None:
     """Whether the installed vLLM's V2 runner installs the offloader; None when there is
     no vLLM here or no V2 runner in it (nothing to decide). ``source``: the runner's text
     (tests)."""
-    if source is None:
-        source = installed_vllm.source(*V2_RUNNER_FILE)
-        if source is None:
-            return None
-    return INSTALLS_OFFLOADER in source
+    return installed_vllm.source_says(INSTALLS_OFFLOADER, V2_RUNNER_FILE, source)
 
 
 def offload_runner_env(environ: Mapping[str, str], offloads: bool | None,

@@ -53,12 +53,12 @@ def test_goals_not_met_are_said_so_and_a_declined_format_has_no_goals():
                 "cache": rec([50.2], startup=None, greedy=None)}
     declined["cache"]["log"]["declined"] = ["expertcache: model.layers.0.mlp.experts: "
                                             "declined: MarlinExperts ..."]
-    failed = report.summarize("nvfp4", {"floor": {"status": "failed", "error": "health: exited",
-                                                   "cause": "ValueError: no kernel"}}, None, None)
+    dead = {"status": "failed", "error": "health: exited",
+            "log": {"cause": "ValueError: no kernel"}}
+    failed = report.summarize("nvfp4", {"floor": dead}, None, None)
     assert failed[0] == ("nvfp4: floor - tok/s, resident -; floor failed (health: exited: "
                          "ValueError: no kernel)")
-    assert report._startup({"status": "failed", "error": "health: exited",
-                            "cause": "ValueError: no kernel"}) == (
+    assert report._startup(dead) == (
         "failed (health: exited: ValueError: no kernel)")
     lines = report.summarize("gptq", declined, 10**7, 50.0)
     assert lines[1] == ("gptq cache: 50.2 tok/s; expertcache: model.layers.0.mlp.experts: "

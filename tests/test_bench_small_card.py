@@ -61,3 +61,16 @@ def test_greedy_report_names_each_pair_and_each_rerun(tmp_path):
         "cache vs floor: part at token 1 of 2, margins there 0.0100 / 1.0000")
     assert lines[2] == "pad5 vs pad8: identical (2 tokens)"
     assert len(lines) == 3
+
+
+def test_read_log_finds_the_startup_line_and_the_root_cause(tmp_path):
+    log = tmp_path / "s.log"
+    log.write_text(
+        "(EngineCore) INFO expertcache: vLLM 0.26.0: armed 48 of 48 MoE layers; 82 of 128 "
+        "experts/layer as slots [82 slots/layer (EXPERT_CACHE_SLOTS)]; 17.35 GiB of slots\n"
+        "(EngineCore) ERROR [core.py:1330] ValueError: To serve at least one request with the "
+        "model's max seq len (8192), (0.75 GiB KV cache is needed\n"
+        "(APIServer) RuntimeError: Engine core initialization failed. See root cause above.\n")
+    got = small_card.read_log(log)
+    assert (got["armed_layers"], got["moe_layers"], got["slots"]) == (48, 48, 82)
+    assert got["cause"].startswith("ValueError: To serve at least one request")

@@ -565,9 +565,9 @@ def test_v1_padding_rows_are_masked_inside_graphs_only(monkeypatch):
 
     buf = torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32)
     read = padding.mask_reader(buf[-1:], max_tokens=8)
-    monkeypatch.setattr(padding, "_capturing", lambda: False)
+    monkeypatch.setattr(padding, "capturing", lambda: False)
     assert read(4) is None
-    monkeypatch.setattr(padding, "_capturing", lambda: True)
+    monkeypatch.setattr(padding, "capturing", lambda: True)
     assert read(4).tolist() == [False, False, True, True]
     buf[-1] = 3
     assert read(4).tolist() == [False, False, False, True]
@@ -585,7 +585,7 @@ def test_the_plugin_says_once_where_padding_rows_come_from(monkeypatch, caplog):
     read = plugin._padding_reader(worker)
     assert ("CUDA-graph padding rows are kept out of the cache (vLLM's V1 runner: rows past "
             "query_start_loc's last entry)") in caplog.text
-    monkeypatch.setattr(padding, "_capturing", lambda: True)
+    monkeypatch.setattr(padding, "capturing", lambda: True)
     assert read(2).tolist() == [False, True]
     plugin._padding_reader(_v1_worker(buf, data_parallel_size=2))
     assert "padding rows from vLLM's V2 marks only (data parallel" in caplog.text
@@ -595,7 +595,7 @@ def test_v1_padding_rows_install_nothing_and_count_nothing(monkeypatch):
     from expertcache_cli.plugin import padding, runtime
 
     buf = torch.tensor([0, 1, 2, 2], dtype=torch.int32)  # 2 real tokens of a 3-row graph
-    monkeypatch.setattr(padding, "_capturing", lambda: True)
+    monkeypatch.setattr(padding, "capturing", lambda: True)
     monkeypatch.setattr(runtime, "_capturing", lambda: True)
     layer = Experts(seed=4)
     d = plan_layer(layer, CacheConfig(slots=6))

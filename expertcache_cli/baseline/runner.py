@@ -296,8 +296,8 @@ def failure_cause(log_tail: str) -> str:
         if "expertcache: error:" in ln or ("expertcache:" in ln and "refuse to start" in ln):
             return ln[ln.index("expertcache:"):]
     for ln in reversed(lines):
-        if _EXCEPTION.search(ln) and not any(w in ln for w in _WRAPPERS):
-            return ln[_EXCEPTION.search(ln).start():]
+        if (m := _EXCEPTION.search(ln)) and not any(w in ln for w in _WRAPPERS):
+            return ln[m.start():]
     return next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), "")
 
 

@@ -317,7 +317,7 @@ def _log_memory_plan(worker: Any, session: Any, kv_bytes: Any) -> None:
     except Exception:  # a vLLM that words its KV specs otherwise: vLLM's own error remains
         return
     slots = [a.decision.num_slots for a in session.armed]
-    row = sum(a.decision.slot_bytes // max(1, a.decision.num_slots) for a in session.armed)
+    row = sum(a.decision.bytes_per_slot for a in session.armed)  # one slot fewer everywhere
     line = memory.kv_shortfall_line(kv, need, max_len, row, slots) if need else None
     if line:
         log.error("%s", line)

@@ -72,9 +72,14 @@ class Decision:
         return self.action == ARM
 
     @property
+    def bytes_per_slot(self) -> int:
+        """VRAM one slot takes: one expert's every mirrored tensor."""
+        return sum(s.bytes_per_expert for s in self.specs)
+
+    @property
     def slot_bytes(self) -> int:
         """VRAM the slots of this layer take."""
-        return self.num_slots * sum(s.bytes_per_expert for s in self.specs)
+        return self.num_slots * self.bytes_per_slot
 
 
 def is_tensor(obj: Any) -> bool:

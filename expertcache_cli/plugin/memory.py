@@ -76,9 +76,9 @@ def kv_line(slot_bytes: int, weights_bytes: int, kv_bytes: int | None, explicit:
     return head + f"; vLLM chose {kv_bytes / GiB:.2f} GiB of KV cache"
 
 
-def one_sequence_kv_bytes(worker: Any) -> int | None:
+def one_sequence_kv_bytes(worker: Any) -> int:
     """KV bytes vLLM needs to hold one ``--max-model-len`` sequence (its own check's sum
-    over the attention layers' specs); None where this vLLM does not say."""
+    over the attention layers' specs); raises where this vLLM words its specs otherwise."""
     specs = worker.get_kv_cache_spec()
     config = worker.vllm_config
     return int(sum(spec.max_memory_usage_bytes(config) for spec in specs.values()))

@@ -74,14 +74,15 @@ def mask_reader(token_count: Any | None = None,
             mask = getattr(get_forward_context(), "is_padding", None)
             if mask is not None and mask.dim() == 1 and mask.shape[0] >= n:
                 return mask[:n]
-        if positions is not None and n <= positions.shape[0] and _capturing():
+        if positions is not None and n <= positions.shape[0] and capturing():
             return positions[:n] >= token_count
         return None
 
     return read
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
+    """A CUDA graph is being captured on the current stream (Python runs no more at replay)."""
     import torch
 
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

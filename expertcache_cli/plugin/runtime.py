@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .arming import Decision, is_empty
+from .padding import capturing as _capturing
+from .padding import mask_reader
 
 log = logging.getLogger("vllm.expertcache")
 
@@ -95,12 +97,6 @@ def _cloned(out: Any) -> Any:
     if isinstance(out, (tuple, list)):
         return type(out)(_cloned(o) for o in out)
     return out.clone() if hasattr(out, "clone") and hasattr(out, "shape") else out
-
-
-def _capturing() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def iter_tensors(obj: Any, depth: int = 3) -> Iterable[Any]:
@@ -190,8 +186,6 @@ class ArmedLayer:
         padding: Callable[[int], Any] | None = None,
     ) -> None:
         import torch
-
-        from .padding import mask_reader
 
         self.layer = layer
         self.decision = decision

@@ -257,23 +257,12 @@ def measure_step(torch, device: int, n_tensors: int, num_experts: int, top_k: in
         outs: list[Any] = []
         with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
             outs.extend(c.step(ids, srcs) for c in caches)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph.replay()
-        torch.cuda.synchronize(dev)
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        reps, samples = 50, []
-        for _ in range(max(3, repeats)):
-            start.record()
-            for _ in range(reps):
-                graph.replay()
-            stop.record()
-            stop.synchronize()
-            samples.append(start.elapsed_time(stop) * 1e3 / reps / STEP_LAYERS)
+        # seconds a replay: 50 back-to-back replays a sample, one warm-up replay
+        samples = _time_per_call(torch, graph.replay, 50, max(3, repeats), 1, side)
         if sum(int(c.stats[1]) for c in caches) != installs:
             raise RuntimeError("a timed step installed an expert: not the all-hit step")
         del graph
-    return statistics.median(samples)
+    return statistics.median(samples) * 1e6 / STEP_LAYERS
 
 
 # --------------------------------------------------------------------------- the registry
@@ -385,14 +374,18 @@ class Latency(Measurement):
         rep.latency_us = measure_latency(torch, s.device)
 
 
-@register
-class Gather(Measurement):
-    key = "gather"
-    about = "the cache's SlotCache.step at --model's expert slab, 1/8/32 misses a step"
-    title = "gather"
+class ModelMeasurement(Measurement):
+    """A figure of the cache's own kernels at a model's shape: wanted only with a model."""
 
     def wanted(self, s: Settings) -> bool:
         return s.model is not None
+
+
+@register
+class Gather(ModelMeasurement):
+    key = "gather"
+    about = "the cache's SlotCache.step at --model's expert slab, 1/8/32 misses a step"
+    title = "gather"
 
     def run(self, torch, s: Settings, rep: LinkReport) -> None:
         m = s.model
@@ -403,13 +396,10 @@ class Gather(Measurement):
 
 
 @register
-class Step(Measurement):
+class Step(ModelMeasurement):
     key = "step"
     about = "the cache's per-layer step when every expert hits (what plan adds per layer)"
     title = "cache step"
-
-    def wanted(self, s: Settings) -> bool:
-        return s.model is not None
 
     def run(self, torch, s: Settings, rep: LinkReport) -> None:
         m = s.model
