@@ -119,7 +119,15 @@ def read_log(log: Path) -> dict:
     out: dict = {"startup_line": None, "memory_line": None, "check_line": None,
                  "final": None, "kv_gib": None,
                  "weights_gib": None, "declined": [], "trap": None}
-    for line in text.splitlines():
+    lines = text.splitlines()
+    for i, line in enumerate(lines):  # `serve`'s headline, wrapped by the terminal
+        if line.startswith("expertcache serve:"):
+            rest = [ln.strip() for ln in lines[i + 1:i + 8]]
+            end = next((j for j, ln in enumerate(rest) if not ln or ln.startswith(
+                ("note:", "running:"))), len(rest))
+            out["serve_line"] = " ".join([line.strip(), *rest[:end]])
+            break
+    for line in lines:
         if "expertcache: vLLM" in line and "armed" in line:
             out["startup_line"] = line[line.index("expertcache:"):]
             m = ARMED_RE.search(line)

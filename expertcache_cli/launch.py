@@ -76,6 +76,7 @@ def make_plan(
     wide: str = "in-place",
     v2_runner_offloads: Callable[[], bool | None] = vllm_runner.v2_runner_offloads,
     wna16_triton: Callable[[], bool | None] = vllm_experts.wna16_triton_available,
+    mxfp4_marlin: Callable[[], bool | None] = vllm_experts.mxfp4_marlin_available,
 ) -> ServePlan:
     """Size the cache for ``model`` on ``vram_gb`` GiB and compose the `vllm serve` call.
 
@@ -83,7 +84,8 @@ def make_plan(
     bigger GPU than the card, vLLM gets the card's share of it (see `sizing.plan`).
     ``v2_runner_offloads``: whether the vLLM that will run offloads on its V2 model runner
     (`vllm_runner`; tests pass their own); ``wna16_triton``: whether it can run 4-bit
-    experts on Triton (`vllm_experts`).
+    experts on Triton, ``mxfp4_marlin`` whether it can keep offloaded MXFP4 experts on
+    the host with Marlin (`vllm_experts`).
     ``plan_file``: a plan from `expertcache plan --save`; its per-layer budgets and policy
     are served, checked against this card (one per MoE layer, each below E, all of them
     within the bytes of the uniform budget that fits).
@@ -128,7 +130,8 @@ def make_plan(
         notes.append("every expert fits in VRAM: serving without offload, the cache stays off")
         env = CacheConfig(disabled=True).to_env()
     elif size.verdict == "offload_no_cache":
-        notes.append("too little VRAM for even top_k slots: experts offloaded, the cache off")
+        # (the verdict's text says why: too little room for top_k slots, or ragged slabs)
+        notes.append("experts offloaded, the cache off")
         env = CacheConfig(disabled=True).to_env()
     else:
         if per_layer is not None:
@@ -173,6 +176,9 @@ def make_plan(
     if flag_value([*own, *args], "--cpu-offload-gb") not in (None, "0"):
         extra, note = vllm_runner.offload_runner_env(environ, v2_runner_offloads(), vtext)
         env.update(extra)
+        notes += [note] if note else []
+        flags, note = vllm_experts.offload_backend_args(size.quant, args, mxfp4_marlin(), vtext)
+        own += flags
         notes += [note] if note else []
     if config.SLOTS in env:
         note = vllm_experts.kernel_note(size.quant, args, wna16_triton(), vtext)

@@ -9,15 +9,71 @@ Marlin or OpenAI's triton_kernels. A cached `serve` of such a checkpoint would s
 at the offload floor, every layer declined; this module says so before launch, and names
 the flag where the installed vLLM has a kernel the cache arms. Read from the installed
 vLLM's source, importing nothing.
+
+MXFP4 has a worse trap: on Hopper vLLM (0.26 to 0.33) prefers triton_kernels, whose
+weight processing swaps the expert Parameters for swizzled tensors held as plain
+attributes, which the offloader never re-offloads. Measured on the H200 (vLLM 0.26, an
+8-layer gpt-oss-20b-shaped checkpoint): "Total CPU offloaded parameters: 3.16" GB and
+still 5.8 GiB of weights in VRAM, the whole model. Offloading MXFP4 experts therefore
+needs ``--moe-backend marlin`` (its repacked weights replace the Parameters by name, so
+vLLM moves them back to host memory); `offload_backend_args` adds it, or refuses the
+backends that keep the experts in VRAM.
 """
 
 from __future__ import annotations
 
 from . import installed_vllm, vllm_flags
+from .errors import UserError
 
 WNA16_ORACLE = ("model_executor", "layers", "fused_moe", "oracle", "int_wna16.py")
 #: the line of the WNA16 oracle that maps ``--moe-backend triton`` to the Triton experts
 TRITON_WNA16 = '"triton": WNA16MoEBackend.TRITON'
+
+
+MXFP4_ORACLE = ("model_executor", "layers", "fused_moe", "oracle", "mxfp4.py")
+#: the line of the MXFP4 oracle that maps ``--moe-backend marlin`` to Marlin
+MXFP4_MARLIN = '"marlin": [Mxfp4MoeBackend.MARLIN]'
+#: ``--moe-backend`` values whose MXFP4 weights live outside the layer's Parameters (vLLM's
+#: TRITON_BACKENDS on NVIDIA), so in VRAM whatever ``--cpu-offload-gb`` says
+MXFP4_VRAM_BACKENDS = ("triton", "triton_unfused")
+
+
+def mxfp4_marlin_available(source: str | None = None) -> bool | None:
+    """Whether the installed vLLM can run MXFP4 experts on Marlin (``--moe-backend marlin``);
+    None without vLLM here. ``source``: the oracle's text (tests)."""
+    return installed_vllm.source_says(MXFP4_MARLIN, MXFP4_ORACLE, source)
+
+
+def offload_backend_args(quant: str, args: list[str], marlin: bool | None,
+                         version: str | None = None) -> tuple[list[str], str | None]:
+    """The vLLM flags that keep offloaded ``quant`` experts in host memory, with the note
+    that says why; raises `UserError` when the user's own ``--moe-backend`` (or the
+    installed vLLM) cannot. Only MXFP4 needs any (see the module's docstring)."""
+    if quant != "mxfp4":
+        return [], None
+    which = f"vLLM {version}" if version else "vLLM"
+    stays = ("triton_kernels' MXFP4 layout is held outside the layer's parameters, where "
+             "vLLM's offloader cannot move it, so every expert stays in VRAM whatever "
+             "--cpu-offload-gb says (seen on the H200 with vLLM 0.26)")
+    chosen = vllm_flags.vllm_flag_value(args, "--moe-backend")
+    chosen = chosen.strip().lower() if chosen is not None else None
+    if chosen in (*MXFP4_VRAM_BACKENDS, "auto"):
+        picks = " (on NVIDIA it picks triton_kernels)" if chosen == "auto" else ""
+        raise UserError(
+            f"--moe-backend {chosen}{picks} cannot offload MXFP4 experts: {stays}; drop the flag "
+            "(serve then passes --moe-backend marlin), or serve without offload on a card "
+            "that holds every expert")
+    if chosen is not None:  # the user's kernel (Marlin, FlashInfer): Parameters, offloaded
+        return [], None
+    if marlin is False:
+        raise UserError(
+            f"{which} cannot keep MXFP4 experts in host memory: it has no --moe-backend "
+            f"marlin, and on its default kernel {stays}; upgrade vLLM, or serve without "
+            "offload on a card that holds every expert")
+    return ["--moe-backend", "marlin"], (
+        f"MXFP4 experts offloaded: --moe-backend marlin is passed, because on {which}'s "
+        "default kernel (triton_kernels) they would stay in VRAM: its layout is held outside "
+        "the parameters vLLM's offloader moves")
 
 
 def wna16_triton_available(source: str | None = None) -> bool | None:
@@ -32,8 +88,9 @@ def kernel_note(quant: str, args: list[str], triton: bool | None,
     will pick, or None (a format on Triton experts, or a backend the user chose)."""
     which = f"vLLM {version}" if version else "vLLM"
     if quant == "mxfp4":
-        return (f"{which} runs MXFP4 experts on Marlin or triton_kernels, which the cache "
-                "does not arm yet: every layer will be declined (the offload floor)")
+        return (f"{which} runs offloaded MXFP4 experts on Marlin (`serve` passes "
+                "--moe-backend marlin), which the cache does not arm yet: every layer will be "
+                "declined (the offload floor)")
     if quant != "w4a16" or vllm_flags.vllm_flag_value(args, "--moe-backend") is not None:
         return None
     if triton is None:  # no vLLM here to read: what every release we know does

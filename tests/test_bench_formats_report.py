@@ -31,13 +31,14 @@ def rec(tok_s, startup="expertcache: vLLM 0.26.0: armed 8 of 8 MoE layers; ...",
 def test_prediction_and_all_hit_goals():
     # resident 500 tok/s = 2 ms a token; 2 installs a token x 10 MB at 50 GB/s = 0.4 ms more
     recs = {"floor": rec([50.0], startup=None), "resident": rec([500.0], startup=None),
-            "cache": rec([410.0, 420.0], installs=2000),
+            "cache": rec([410.0, 420.0, 500.0], installs=2000),
             "hot": rec([480.0], hit_rate=0.9999)}
     assert report.predicted_tok_s(500.0, 2.0, 10**7, 50.0) == pytest.approx(1000 / 2.4)
     lines = report.summarize("w8a8", recs, 10**7, 50.0)
-    assert lines[0] == "w8a8: floor 50.0 tok/s, resident 500.0"
+    assert lines[0] == "w8a8: floor 50.0 tok/s; resident 500.0"
     assert "greedy vs floor identical (2 tokens)" in lines[1]
-    assert ("2.00 installs a token; predicted 416.7 tok/s, measured 0.996 of it (met: 10%)"
+    assert lines[1].startswith("w8a8 cache: 420.0 tok/s (410-500); expertcache")  # median
+    assert ("2.00 installs a token; predicted 416.7 tok/s, measured 1.008 of it (met: 10%)"
             in lines[1])
     assert lines[2] == ("w8a8 all-hit (--hot N, N slots): 480.0 tok/s = 0.960 of resident "
                         "(met: within 5%); hit rate 99.99%; greedy vs resident identical "
@@ -56,7 +57,7 @@ def test_goals_not_met_are_said_so_and_a_declined_format_has_no_goals():
     dead = {"status": "failed", "error": "health: exited",
             "log": {"cause": "ValueError: no kernel"}}
     failed = report.summarize("nvfp4", {"floor": dead}, None, None)
-    assert failed[0] == ("nvfp4: floor - tok/s, resident -; floor failed (health: exited: "
+    assert failed[0] == ("nvfp4: floor - tok/s; resident -; floor failed (health: exited: "
                          "ValueError: no kernel)")
     assert report._startup(dead) == (
         "failed (health: exited: ValueError: no kernel)")
@@ -72,7 +73,7 @@ def test_main_reads_the_run_directory(tmp_path, capsys):
     (tmp_path / "w8a8-size.json").write_text(json.dumps({"bytes_per_expert": 4732928}))
     assert report.main(["w8a8", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "w8a8: floor 50.0 tok/s, resident -"
+    assert out[0] == "w8a8: floor 50.0 tok/s; resident -"
     assert out[1].startswith("w8a8 cache: 400.0 tok/s; expertcache: vLLM 0.26.0: armed 8 of 8")
     assert report.main([]) == 2
 
@@ -86,3 +87,39 @@ def test_armed_reads_the_startup_line(tmp_path):
     assert report.main(["--armed", str(armed)]) == 0
     assert report.main(["--armed", str(none)]) == 1
     assert report.main(["--armed", str(tmp_path / "missing.json")]) == 1
+
+
+def test_a_slot_path_the_first_call_check_sent_back_has_no_goals():
+    """GPTQ on Marlin through the bench's trial hook (H200): armed 8 of 8, every layer
+    differed at its first call and went back to the stock path. No prediction is made from
+    an arm that served nothing from its slots, and its all-hit arm says so."""
+    sent_back = rec([256.0], installs=0)
+    sent_back["log"]["check_line"] = ("expertcache: first-call checks against the stock path: "
+                                      "slots path 0 of 8 layers agreed, 8 differed")
+    hot = json.loads(json.dumps(sent_back))
+    recs = {"floor": rec([256.0], startup=None), "resident": rec([690.0], startup=None),
+            "trial": sent_back, "hot": hot}
+    lines = report.summarize("gptq", recs, 10**7, 50.0)
+    assert "predicted" not in lines[1]
+    assert lines[2].startswith("gptq all-hit: 256.0 tok/s, no layer served from its slots")
+    assert report.slot_path_served(rec([1.0]))  # no check line yet: armed is enough
+
+
+def test_a_format_serve_planned_without_the_cache_names_serves_reason():
+    off = rec([236.0], startup=None)
+    off["log"]["serve_line"] = "expertcache serve: nvfp4 on 139.8 GiB: runs only fully offloaded"
+    lines = report.summarize("nvfp4", {"floor": rec([236.0], startup=None), "cache": off},
+                             None, None)
+    assert "cache off by serve's plan: expertcache serve: nvfp4 on 139.8 GiB" in lines[1]
+    assert report._weights({"log": {"weights_gib": 1.26}}) == ", 1.26 GiB of weights in VRAM"
+
+
+def test_served_says_whether_any_layer_passed_its_first_call(tmp_path):
+    ok, back = tmp_path / "ok.json", tmp_path / "back.json"
+    ok.write_text(json.dumps(rec([1.0])))
+    sent_back = rec([1.0])
+    sent_back["log"]["check_line"] = "slots path 0 of 8 layers agreed, 8 differed"
+    back.write_text(json.dumps(sent_back))
+    assert report.main(["--served", str(ok)]) == 0
+    assert report.main(["--served", str(back)]) == 1
+    assert report.main(["--armed", str(back)]) == 0

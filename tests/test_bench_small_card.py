@@ -74,3 +74,18 @@ def test_read_log_finds_the_startup_line_and_the_root_cause(tmp_path):
     got = small_card.read_log(log)
     assert (got["armed_layers"], got["moe_layers"], got["slots"]) == (48, 48, 82)
     assert got["cause"].startswith("ValueError: To serve at least one request")
+
+
+def test_read_log_keeps_serves_wrapped_headline(tmp_path):
+    """`serve` prints its verdict wrapped to the terminal; the record keeps it whole (the
+    formats report names it where serve planned no cache)."""
+    log = tmp_path / "s.log"
+    log.write_text("# expertcache baseline: python3 -m expertcache_cli serve M\n"
+                   "expertcache serve: nvfp4 on 139.8 GiB: runs only fully offloaded: per-expert \n"
+                   "tensors (w13_weight_scale_2) are not multiples of 16 bytes; no cache\n"
+                   "  note: experts offloaded, the cache off\n"
+                   "  running: EXPERT_CACHE_DISABLE=1 vllm serve M\n")
+    got = small_card.read_log(log)
+    assert got["serve_line"] == ("expertcache serve: nvfp4 on 139.8 GiB: runs only fully "
+                                 "offloaded: per-expert tensors (w13_weight_scale_2) are not "
+                                 "multiples of 16 bytes; no cache")

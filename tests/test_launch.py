@@ -19,6 +19,7 @@ def _plan(**kw):
     kw.setdefault("environ", {})
     kw.setdefault("v2_runner_offloads", lambda: True)  # hermetic: not the vLLM installed here
     kw.setdefault("wna16_triton", lambda: True)
+    kw.setdefault("mxfp4_marlin", lambda: True)
     return make_plan(kw.pop("model", MODEL), kw.pop("vram", 24), **kw)
 
 
@@ -279,6 +280,44 @@ def test_online_quantization_with_offloaded_experts_is_refused_with_the_way():
     # the whole model fits: nothing is offloaded, online quantisation is vLLM's business
     big = _plan(vram=141, vllm_args=[*flags, "--quantization", "fp8"])
     assert big.size.verdict == "fits_outright"
+
+
+def test_offloaded_mxfp4_experts_run_on_marlin_or_are_refused():
+    """vLLM's default MXFP4 kernel on NVIDIA (triton_kernels) keeps every expert in VRAM
+    whatever --cpu-offload-gb says (H200, vLLM 0.26: 5.8 GiB of weights in VRAM with 3.16 GB
+    "offloaded"): serve passes --moe-backend marlin, and refuses the backends that cannot."""
+    flags = ["--max-num-seqs", "2", "--max-model-len", "8192"]
+    kw = dict(model="/models/gpt-oss-120b", size_from="gpt-oss-120b", vram=24)
+    p = _plan(**kw, vllm_args=flags)
+    assert p.size.quant == "mxfp4" and p.size.cpu_offload_gb > 0
+    a = p.argv
+    assert a[a.index("--moe-backend") + 1] == "marlin" and a.count("--moe-backend") == 1
+    assert any("--moe-backend marlin is passed" in n for n in p.notes)
+    # the user's own kernel that keeps its Parameters (offloadable) is left alone
+    own = _plan(**kw, vllm_args=[*flags, "--moe-backend", "flashinfer_cutlass"])
+    assert own.argv.count("--moe-backend") == 1 and own.argv[-1] == "flashinfer_cutlass"
+    for bad in ("triton", "triton_unfused", "auto"):
+        with pytest.raises(UserError, match=f"--moe-backend {bad}.* cannot offload MXFP4"):
+            _plan(**kw, vllm_args=[*flags, f"--moe-backend={bad}"])
+    with pytest.raises(UserError, match="vLLM cannot keep MXFP4 experts in host memory"):
+        make_plan("/models/gpt-oss-120b", 24, size_from="gpt-oss-120b", launcher=VLLM,
+                  environ={}, vllm_args=flags, v2_runner_offloads=lambda: True,
+                  wna16_triton=lambda: True, mxfp4_marlin=lambda: False)
+    # nothing offloaded (the whole model fits): vLLM's default kernel is right
+    fits = _plan(**{**kw, "vram": 141}, vllm_args=flags)
+    assert fits.size.verdict == "fits_outright" and "--moe-backend" not in fits.argv
+    # other formats: never touched
+    assert "--moe-backend" not in _plan(vllm_args=["--max-num-seqs", "4"]).argv
+
+
+def test_baseline_gives_offloaded_mxfp4_arms_marlin_and_resident_the_stock_kernel():
+    from expertcache_cli.baseline.arms import parse_arms
+
+    resident, offload, cache = parse_arms("resident,offload,cache:8")
+    extra = ["--moe-backend", "marlin"]
+    assert resident.server_args(30, [], extra) == []
+    assert offload.server_args(30, [], extra)[-2:] == extra
+    assert cache.server_args(30, [], extra)[4:6] == extra
 
 
 def test_baseline_refuses_online_quantization_for_offloaded_arms(tmp_path):

@@ -78,6 +78,25 @@ def test_unsupported_layers_are_declined_with_the_reason(layer, needle):
     assert needle in d.reason
 
 
+def test_experts_held_outside_the_parameters_are_named_as_resident():
+    """vLLM's MXFP4 triton_kernels path deletes the expert Parameters and keeps swizzled
+    tensors as plain attributes: the offloader never moves them (H200, vLLM 0.26: all 5.8
+    GiB in VRAM with experts "offloaded"). The startup line says so, first."""
+    class Swizzled:  # triton_kernels' Tensor wrapper: not a torch tensor
+        pass
+
+    layer = RoutedExperts(quant_method=UnquantizedFusedMoEMethod(monolithic=True))
+    del layer._params["w13_weight"], layer._params["w2_weight"]
+    layer.w13_weight, layer.w2_weight = Swizzled(), Swizzled()
+    d = plan_layer(layer, CFG)
+    assert d.action == DECLINE
+    assert "(w13_weight, w2_weight: Swizzled) outside the layer's parameters" in d.reason
+    assert "--moe-backend marlin" in d.reason
+    # the usual layer (weights are Parameters) is not flagged
+    assert "outside the layer's parameters" not in plan_layer(RoutedExperts(
+        quant_method=UnquantizedFusedMoEMethod(monolithic=True)), CFG).reason
+
+
 def test_per_expert_tensor_held_by_the_quant_method_is_declined():
     qm = UnquantizedFusedMoEMethod()
     qm.w13_scale_cache = FakeTensor((128, 64), "float32")

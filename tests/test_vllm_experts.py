@@ -91,3 +91,59 @@ def test_size_says_it_too(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert not any("4-bit" in n for n in json.loads(r.stdout)["notes"])
+
+
+MXFP4_026 = '"triton": [Mxfp4MoeBackend.TRITON],\n        "marlin": [Mxfp4MoeBackend.MARLIN],'
+
+
+def test_the_mxfp4_oracle_decides_whether_marlin_is_there():
+    assert vllm_experts.mxfp4_marlin_available(MXFP4_026) is True
+    assert vllm_experts.mxfp4_marlin_available('"triton": [Mxfp4MoeBackend.TRITON],') is False
+
+
+@pytest.mark.parametrize("args, marlin, want", [
+    ([], True, ["--moe-backend", "marlin"]),
+    ([], None, ["--moe-backend", "marlin"]),  # no vLLM here to read: what 0.26-0.33 have
+    (["--moe-backend", "marlin"], True, []),
+    (["--moe-backend", "flashinfer_cutlass"], False, []),
+])
+def test_offloaded_mxfp4_gets_marlin_unless_the_user_chose_an_offloadable_kernel(
+        args, marlin, want):
+    flags, note = vllm_experts.offload_backend_args("mxfp4", args, marlin, "0.26")
+    assert flags == want
+    assert (note is not None) == bool(want)
+    if note:
+        assert "vLLM 0.26's default kernel (triton_kernels)" in note
+
+
+@pytest.mark.parametrize("args, marlin, words", [
+    (["--moe-backend", "triton"], True, "--moe-backend triton cannot offload MXFP4"),
+    (["--moe-backend=TRITON_UNFUSED"], True, "--moe-backend triton_unfused cannot"),
+    (["--moe-backend", "auto"], True, "(on NVIDIA it picks triton_kernels) cannot"),
+    ([], False, "vLLM 0.26 cannot keep MXFP4 experts in host memory"),
+])
+def test_offloaded_mxfp4_on_a_kernel_that_keeps_it_in_vram_is_refused(args, marlin, words):
+    from expertcache_cli.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        vllm_experts.offload_backend_args("mxfp4", args, marlin, "0.26")
+    assert words in str(e.value) and "whatever --cpu-offload-gb says" in str(e.value)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "w8a8", "fp8-block", "w4a16", "nvfp4"])
+def test_other_formats_need_no_flag_to_stay_offloaded(quant):
+    assert vllm_experts.offload_backend_args(quant, [], False) == ([], None)
+
+
+def test_size_refuses_an_mxfp4_kernel_that_cannot_offload():
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "expertcache_cli", "size", "--model", "gpt-oss-120b",
+            "--vram", "24"]
+    r = subprocess.run([*base, "--", "--moe-backend", "triton"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "cannot offload MXFP4 experts" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -60,17 +60,21 @@ class Arm:
         return env
 
     def server_args(
-        self, cpu_offload_gb: float | None, vllm_args: list[str] | tuple[str, ...] = ()
+        self, cpu_offload_gb: float | None, vllm_args: list[str] | tuple[str, ...] = (),
+        offload_args: list[str] | tuple[str, ...] = (),
     ) -> list[str]:
-        """vLLM arguments this arm adds: the expert offload for every arm but resident, and
-        a drain on shutdown for cache arms (unless ``vllm_args``, the user's, set one)."""
+        """vLLM arguments this arm adds: the expert offload for every arm but resident (with
+        ``offload_args``, the flags a format needs to stay offloaded:
+        `vllm_experts.offload_backend_args`), and a drain on shutdown for cache arms (unless
+        ``vllm_args``, the user's, set one)."""
         if not self.offloaded:
             return []
         if cpu_offload_gb is None:
             raise UserError(
                 f"arm {self.name!r} offloads experts: pass --cpu-offload-gb GB or --vram GB"
             )
-        args = ["--cpu-offload-gb", _fmt_gb(cpu_offload_gb), "--cpu-offload-params", "experts"]
+        args = ["--cpu-offload-gb", _fmt_gb(cpu_offload_gb), "--cpu-offload-params", "experts",
+                *offload_args]
         if self.kind == "cache" and not any(
             a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in vllm_args
         ):

@@ -59,6 +59,9 @@ class BaselineConfig:
     server_cmd: str | None = None
     vllm_args: list[str] = field(default_factory=list)
     cpu_offload_gb: float | None = None
+    #: flags the offloaded arms need for the model's format to stay offloaded
+    #: (`vllm_experts.offload_backend_args`: MXFP4's --moe-backend marlin)
+    offload_args: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 0
     start_timeout_s: float = 1800.0
@@ -137,6 +140,7 @@ class BaselineConfig:
             "server_cmd": self.server_cmd or default_template(),
             "vllm_args": self.vllm_args,
             "cpu_offload_gb": self.cpu_offload_gb,
+            "offload_args": self.offload_args,
             "stats_every": self.stats_every,
             "created_at": now_iso(),
             "expertcache": __version__,
@@ -334,7 +338,7 @@ def _run_block(
         host=cfg.host,
         port=port,
         arm=arm.name,
-        arm_args=arm.server_args(cfg.cpu_offload_gb, cfg.vllm_args),
+        arm_args=arm.server_args(cfg.cpu_offload_gb, cfg.vllm_args, cfg.offload_args),
         vllm_args=cfg.vllm_args,
     )
     arm_env = {**arm.env(cfg.stats_every), **((offload_env or {}) if arm.offloaded else {})}

@@ -59,21 +59,28 @@ def _vram_offload(model: str, vram: float, vllm_args: list[str], arms: list, con
     return p.cpu_offload_gb, p.share_args
 
 
-def _refuse_online_quantization(model: str, vllm_args: list[str]) -> None:
-    """Offloaded arms with --quantization on an unquantised model: refused before any server
-    (vLLM cannot offload experts it quantises while loading). A model sizing cannot read
-    (an HF id it does not know) is left to vLLM."""
-    from ..installed_vllm import version as installed_vllm_version
+def _offload_checks(model: str, vllm_args: list[str]) -> list[str]:
+    """What the offloaded arms need, checked before any server: --quantization on an
+    unquantised model is refused (vLLM cannot offload experts it quantises while loading),
+    and a format that needs a flag to stay offloaded gets it (MXFP4: --moe-backend marlin),
+    returned for the offloaded arms only. A model sizing cannot read (an HF id it does not
+    know) is left to vLLM."""
+    from .. import installed_vllm, vllm_experts
     from ..model_size import load_model
     from ..vllm_flags import online_quantization_refusal
 
     try:
         m = load_model(model)
     except UserError:
-        return
-    why = online_quantization_refusal(vllm_args, m.quant, m.name, installed_vllm_version())
+        return []
+    why = online_quantization_refusal(vllm_args, m.quant, m.name, installed_vllm.version())
     if why:
         raise UserError(why)
+    flags, note = vllm_experts.offload_backend_args(
+        m.quant, vllm_args, vllm_experts.mxfp4_marlin_available(), installed_vllm.release())
+    if note:
+        err.print(f"note: {note} (offload and cache arms; resident stays stock)")
+    return flags
 
 
 def _plugin_refusals(arms: list, server_cmd: str | None) -> list[str]:
@@ -182,8 +189,8 @@ def run_cmd(
             raise UserError("--vram must be positive")
         cpu_offload_gb, share = _vram_offload(model, vram, vllm_args, arm_list, concurrency)
         vllm_args += share
-    if any(a.offloaded for a in arm_list):
-        _refuse_online_quantization(model, vllm_args)
+    offload_args = _offload_checks(model, vllm_args) if any(
+        a.offloaded for a in arm_list) else []
     cfg = BaselineConfig(
         model=model,
         arms=arm_list,
@@ -197,6 +204,7 @@ def run_cmd(
         server_cmd=server_cmd,
         vllm_args=vllm_args,
         cpu_offload_gb=cpu_offload_gb,
+        offload_args=offload_args,
         host=host,
         port=port,
         start_timeout_s=start_timeout,

@@ -211,6 +211,9 @@ def register(app: typer.Typer) -> None:
             console.print(_cards_table(m, rows))
             return
         p = sizing.plan(m, vram, **common)
+        if p.verdict in ("cache", "offload_no_cache"):  # a kernel that cannot offload: refused
+            vllm_experts.offload_backend_args(m.quant, args, vllm_experts.mxfp4_marlin_available(),
+                                              installed_vllm.release())
         if as_json:
             print(json.dumps(m.to_json() | p.to_json(), indent=2))
             return

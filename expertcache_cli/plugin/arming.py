@@ -164,6 +164,16 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
     if qm is None:
         return decline("no quant method on the layer (unknown layout)")
     qm_name = type(qm).__name__
+    params = dict(_named(layer, "named_parameters"))
+    outside = [n for n in ("w13_weight", "w2_weight")
+               if n not in params and getattr(layer, n, None) is not None]
+    if outside:  # said first: it is about memory, whatever the cache could do
+        kind = type(getattr(layer, outside[0])).__name__
+        return decline(
+            f"{qm_name} holds the experts ({', '.join(outside)}: {kind}) outside the layer's "
+            "parameters, where vLLM's offloader cannot move them: they are in VRAM whatever "
+            "--cpu-offload-gb says (MXFP4 on triton_kernels; --moe-backend marlin keeps "
+            "them on the host)")
     if getattr(qm, "is_monolithic", False):
         return decline(f"{qm_name} routes inside the kernel (monolithic): no ids to remap")
     kernel = getattr(qm, "moe_kernel", None)
