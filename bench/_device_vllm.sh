@@ -29,8 +29,12 @@ device_vllm_setup() {
   # a call killed at its time limit can leave a vLLM engine and a ballast behind, holding
   # the GPU: every server of the next call would then fail to start (or measure a smaller
   # card). The bracket keeps pkill from matching this shell's own command line.
-  pkill -9 -f "[v]llm.entrypoints|[E]ngineCore|[b]allast.py hold" 2>/dev/null && sleep 3
-  rm -f /tmp/expertcache-ballast.pid
+  # EC_KEEP_SERVERS=1: a runner started beside another one (one per GPU of a 2-GPU box,
+  # each with its own CUDA_VISIBLE_DEVICES) must not kill its neighbour's servers
+  if [ -z "${EC_KEEP_SERVERS:-}" ]; then
+    pkill -9 -f "[v]llm.entrypoints|[E]ngineCore|[b]allast.py hold" 2>/dev/null && sleep 3
+    rm -f /tmp/expertcache-ballast.pid
+  fi
   if [ ! -f /tmp/site/vllm/__init__.py ]; then
     mkdir -p /tmp/parts
     for p in .devbundle/p*; do cp "$p"/* /tmp/parts/ 2>/dev/null; done

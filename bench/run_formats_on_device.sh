@@ -41,22 +41,28 @@ run_arm() {  # run_arm NAME [small_card options] -- server command
   cp /tmp/fm/"$name".json "$OUT/"; tail -c 200000 /tmp/fm/"$name".log > "$OUT/$name.log"
 }
 served() { $PY bench/formats_report.py --served "/tmp/fm/$1.json"; }  # served NAME
+done_arm() { [ -f "/tmp/fm/$1.json" ] && grep -q '"status": "ok"' "/tmp/fm/$1.json"; }
+ckpt() {  # ckpt DIR HOT: written when missing (a LAYERS-layer checkpoint is 8-31 GB)
+  [ -f "$1/model.safetensors.index.json" ] || $PY bench/write_checkpoint.py "$1" \
+    --layers "${LAYERS:-24}" --format "$fmt" "${shape[@]}" --hot "$2" 2>&1 | tail -1
+}
 
 for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
   M=/tmp/fm/$fmt H=/tmp/fm/$fmt-hot
   # 32 of 128 slots; gpt-oss-20b (mxfp4) has 32 experts a layer: 16 of them
   S=32 shape=(--vocab 151936 --context 40960 --head-dim 128)
   [ "$fmt" = mxfp4 ] && S=16 shape=(--vocab 201088 --context 131072)
-  for dir in "$M" "$H"; do
-    hot=0; [ "$dir" = "$H" ] && hot=$S
-    [ -f "$dir/model.safetensors.index.json" ] || $PY bench/write_checkpoint.py "$dir" \
-      --layers "${LAYERS:-24}" --format "$fmt" "${shape[@]}" --hot $hot 2>&1 | tail -1
-  done
-  $PY -m expertcache_cli size --model "$M" --vram 141 --json > "/tmp/fm/$fmt-size.json" 2>&1
-  # the gather rate at this format's expert slabs (4-bit experts are a quarter of int8's)
-  [ -f "/tmp/fm/$fmt-probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step \
-    --model "$M" --save "/tmp/fm/$fmt-probe.json" 2>&1 | tail -2
-  cp "/tmp/fm/$fmt-probe.json" "/tmp/fm/$fmt-size.json" "$OUT/" 2>/dev/null
+  trial_fmt=0
+  [[ " w4a16 gptq awq " == *" $fmt "* && " ${TRIAL_FORMATS:-gptq} " == *" $fmt "* ]] && trial_fmt=1
+  if ! done_arm "$fmt-floor" || ! done_arm "$fmt-cache" || \
+     { [ $trial_fmt = 1 ] && ! done_arm "$fmt-trial"; }; then
+    ckpt "$M" 0
+    $PY -m expertcache_cli size --model "$M" --vram 141 --json > "/tmp/fm/$fmt-size.json" 2>&1
+    # the gather rate at this format's expert slabs (4-bit experts are a quarter of int8's)
+    [ -f "/tmp/fm/$fmt-probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step \
+      --model "$M" --save "/tmp/fm/$fmt-probe.json" 2>&1 | tail -2
+    cp "/tmp/fm/$fmt-probe.json" "/tmp/fm/$fmt-size.json" "$OUT/" 2>/dev/null
+  fi
   stats=(--env EXPERT_CACHE_STATS=400)
   trial=(--env EC_BENCH_TRY_KERNELS=MarlinExperts --env "PYTHONPATH=$PWD/bench/kernel_trial:$PYTHONPATH")
   run_arm "$fmt-floor" --env EXPERT_CACHE_DISABLE=1 \
@@ -64,18 +70,22 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
   run_arm "$fmt-cache" "${stats[@]}" \
     -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots "$S" -- "${COMMON[@]}"
   hot_env=("${stats[@]}")
-  if [[ " w4a16 gptq awq " == *" $fmt "* && " ${TRIAL_FORMATS:-gptq} " == *" $fmt "* ]]; then
+  if [ $trial_fmt = 1 ]; then
     run_arm "$fmt-trial" "${stats[@]}" "${trial[@]}" \
       -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots "$S" -- "${COMMON[@]}"
     served "$fmt-cache" || hot_env+=("${trial[@]}")
   fi
   # resident and all-hit only where some layer served from its slots (past its first-call check)
   if served "$fmt-cache" || served "$fmt-trial"; then
+    if ! done_arm "$fmt-resident" || ! done_arm "$fmt-hot"; then ckpt "$H" "$S"; fi
     run_arm "$fmt-resident" --env EXPERT_CACHE_DISABLE=1 \
       -- "$PY" -m vllm.entrypoints.cli.main serve "$H" "${COMMON[@]}"
     run_arm "$fmt-hot" "${hot_env[@]}" \
       -- "$PY" -m expertcache_cli serve "$H" --vram 141 --slots "$S" -- "${COMMON[@]}"
   fi
   $PY bench/formats_report.py "$fmt" /tmp/fm | tee -a "$OUT/formats.txt"
+  # the disk holds two or three formats' checkpoints at a time, not seven
+  if done_arm "$fmt-floor" && done_arm "$fmt-cache"; then rm -rf "$M"; fi
+  if done_arm "$fmt-hot"; then rm -rf "$H"; fi
 done
 echo "done after $SECONDS s"
