@@ -54,6 +54,9 @@ class ModelSize:
     kv_heads: int = 0
     #: tensor-parallel ranks the figures are per (1: the whole model)
     tensor_parallel: int = 1
+    #: one expert as vLLM holds it in host memory when offloaded, where its kernel pads the
+    #: widths (MXFP4 on Marlin, which `serve` offloads it with); 0: ``bytes_per_expert``
+    offloaded_bytes_per_expert: int = 0
 
     def per_rank(self, tp: int) -> ModelSize:
         """The share one of ``tp`` tensor-parallel GPUs holds.
@@ -74,6 +77,7 @@ class ModelSize:
         return dataclasses.replace(
             self,
             bytes_per_expert=sum(t.nbytes for t in tensors),
+            offloaded_bytes_per_expert=ceil_div(self.offloaded_bytes_per_expert, tp),
             expert_tensors=tensors,
             non_expert_bytes=ceil_div(self.non_expert_bytes, tp),
             kv_bytes_per_token=ceil_div(self.kv_bytes_per_token, kv_split),
@@ -95,6 +99,12 @@ class ModelSize:
     @property
     def expert_bytes(self) -> int:
         return self.bytes_per_slot * self.num_experts
+
+    @property
+    def offloaded_expert_bytes(self) -> int:
+        """Every expert as vLLM holds them offloaded: what ``--cpu-offload-gb`` must cover."""
+        per = self.offloaded_bytes_per_expert or self.bytes_per_expert
+        return per * self.num_moe_layers * self.num_experts
 
     @property
     def total_bytes(self) -> int:
@@ -120,6 +130,7 @@ class ModelSize:
             "bytes_per_expert": self.bytes_per_expert,
             "bytes_per_slot": self.bytes_per_slot,
             "expert_bytes": self.expert_bytes,
+            "offloaded_expert_bytes": self.offloaded_expert_bytes,
             "non_expert_bytes": self.non_expert_bytes,
             "total_bytes": self.total_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -301,8 +312,22 @@ def _model_from_config(
     kv_win = sliding * window * kv_layer
     if sliding:
         kv_kind += f", {sliding} of {layers} layers sliding ({window} tokens)"
-    if quant == "mxfp4" and inter % 128:
-        notes.append("vLLM pads mxfp4 expert widths for its kernels; the real slab may be larger")
+    offloaded_per_expert = 0
+    if quant == "mxfp4":
+        # Offloaded MXFP4 experts run on Marlin (`vllm_experts.offload_backend_args`), whose
+        # weights vLLM creates padded: hidden to 256, intermediate to 128 (its oracle's
+        # mxfp4_round_up_hidden_size_and_intermediate_size), and offloads at that size
+        h_pad, i_pad = -(-hidden // 256) * 256, -(-inter // 128) * 128
+        if (h_pad, i_pad) != (hidden, inter):
+            padded = linear_tensors("w13", 2 * i_pad, h_pad, quant) + linear_tensors(
+                "w2", h_pad, i_pad, quant)
+            offloaded_per_expert = sum(t.nbytes for t in padded) + (
+                (2 * i_pad + h_pad) * b16 if has_expert_bias else 0)
+            notes.append(
+                f"offloaded, MXFP4 experts run on Marlin, which pads them (hidden {hidden} -> "
+                f"{h_pad}, intermediate {inter} -> {i_pad}): "
+                f"{offloaded_per_expert / 1e6:.2f} MB an expert in host memory, not "
+                f"{per_expert / 1e6:.2f}; --cpu-offload-gb covers that")
 
     return ModelSize(
         name=name,
@@ -315,6 +340,7 @@ def _model_from_config(
         hidden_size=hidden,
         moe_intermediate_size=inter,
         bytes_per_expert=per_expert,
+        offloaded_bytes_per_expert=offloaded_per_expert,
         expert_tensors=tensors,
         non_expert_bytes=non_expert,
         kv_bytes_per_token=kv_tok,

@@ -406,7 +406,7 @@ def plan(
                 f"--max-model-len 8192 leaves room for {short.max_slots} slots: "
                 f"{short.verdict_text}"
             )
-    offload = math.ceil(model.expert_bytes / GiB + 0.5) if verdict in (
+    offload = math.ceil(model.offloaded_expert_bytes / GiB + 0.5) if verdict in (
         "cache", "offload_no_cache") else 0
 
     return SizePlan(

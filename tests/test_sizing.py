@@ -157,6 +157,16 @@ def test_gpt_oss_20b_mxfp4_with_biases_and_sliding_windows():
     # w2  2880x2880 at 4 bits = 4,147,200 + 259,200 + bias 5,760
     assert m.bytes_per_expert == 8_294_400 + 518_400 + 11_520 + 4_147_200 + 259_200 + 5_760
     assert m.bytes_per_expert == 13_236_480
+    # offloaded, they run on Marlin (serve passes --moe-backend marlin), which vLLM creates
+    # padded (hidden 2880 -> 3072, intermediate 2880 -> 2944) and offloads at that size:
+    # --cpu-offload-gb must cover 14.43 MB an expert, or ~9% of them stay in VRAM
+    w13 = 2 * 2944 * 3072 // 2 + 2 * 2944 * 3072 // 32 + 2 * 2944 * 2
+    w2 = 3072 * 2944 // 2 + 3072 * 2944 // 32 + 3072 * 2
+    assert m.offloaded_expert_bytes == (w13 + w2) * 24 * 32 == 14_431_744 * 24 * 32
+    assert any("Marlin, which pads them" in n for n in m.notes)
+    p = sizing.plan(m, 12)
+    assert p.verdict == "cache"
+    assert p.cpu_offload_gb >= m.offloaded_expert_bytes / 2**30 > m.expert_bytes / 2**30 + 0.5
     # 12 full-attention layers hold every token; 12 sliding ones only 128 tokens
     assert m.kv_bytes_per_token == 12 * 2 * 8 * 64 * 2 == 24_576
     assert m.kv_window_bytes_per_seq == 12 * 128 * 2 * 8 * 64 * 2
