@@ -187,9 +187,7 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
     q, kv = shape.HEADS * hd, shape.KV_HEADS * hd
     g = torch.Generator(device=device).manual_seed(0)
 
-    def normal(*dims: int, std: float = 0.02, gen=None) -> torch.Tensor:
-        t = torch.randn(dims, generator=gen or g, device=device, dtype=torch.float32)
-        return (t * std).to(torch.bfloat16).cpu()
+    from write_gpt_oss import normal
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=torch.bfloat16)
@@ -197,7 +195,7 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
     def linear(name: str, out: int, inp: int):
         """One [out, in] linear layer in the checkpoint's format."""
         if fmt == "bf16":
-            yield f"{name}.weight", normal(out, inp)
+            yield f"{name}.weight", normal(g, out, inp)
             return
         t = torch.randn((out, inp), generator=g, device=device, dtype=torch.float32)
         if fmt == "w8a8":
@@ -241,7 +239,7 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
             yield f"{name}.weight_scale_2", torch.tensor(0.005, dtype=torch.float32)
             yield f"{name}.input_scale", torch.tensor(1.0, dtype=torch.float32)
 
-    yield "model.embed_tokens.weight", normal(vocab, h, std=1.0)
+    yield "model.embed_tokens.weight", normal(g, vocab, h, std=1.0)
     for i in range(layers):
         p = f"model.layers.{i}"
         yield f"{p}.input_layernorm.weight", ones(h)
@@ -253,7 +251,7 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
         yield f"{p}.self_attn.q_norm.weight", ones(hd)
         yield f"{p}.self_attn.k_norm.weight", ones(hd)
         router = torch.Generator(device=device).manual_seed(1000 + i)
-        gate = normal(e, h, std=1.0, gen=router)
+        gate = normal(router, e, h, std=1.0)
         if hot:
             # the other experts' rows are zero: their logit is 0 while the top-k of ``hot``
             # N(0, |h|^2) logits are positive for all but a rare token (all hits in ``hot``
@@ -266,7 +264,7 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
             yield from linear(f"{x}.up_proj", inter, h)
             yield from linear(f"{x}.down_proj", h, inter)
     yield "model.norm.weight", ones(h)
-    yield "lm_head.weight", normal(vocab, h)
+    yield "lm_head.weight", normal(g, vocab, h)
 
 
 def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,

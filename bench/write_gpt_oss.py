@@ -94,6 +94,15 @@ def config(s: Shape, layers: int, vocab: int, context: int) -> dict:
     }
 
 
+def normal(gen, *dims: int, std: float = 0.02):
+    """N(0, std) bf16 weights drawn from ``gen`` on its device, returned on the CPU (both
+    bench checkpoint writers draw every random tensor this way)."""
+    import torch
+
+    t = torch.randn(dims, generator=gen, device=gen.device, dtype=torch.float32)
+    return (t * std).to(torch.bfloat16).cpu()
+
+
 def tensors(layers: int, device: str, vocab: int, hot: int = 0, s: Shape | None = None):
     """(name, tensor) pairs in gpt-oss's HF naming, generated on ``device``, on the CPU."""
     import torch
@@ -102,10 +111,6 @@ def tensors(layers: int, device: str, vocab: int, hot: int = 0, s: Shape | None 
     h, inter, e = s.hidden, s.inter, s.experts
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     g = torch.Generator(device=device).manual_seed(0)
-
-    def normal(*dims: int, std: float = 0.02, gen=None) -> torch.Tensor:
-        t = torch.randn(dims, generator=gen or g, device=device, dtype=torch.float32)
-        return (t * std).to(torch.bfloat16).cpu()
 
     def bf16(*dims: int, value: float = 0.0) -> torch.Tensor:
         return torch.full(dims, value, dtype=torch.bfloat16)
@@ -120,18 +125,18 @@ def tensors(layers: int, device: str, vocab: int, hot: int = 0, s: Shape | None 
                                              dtype=torch.uint8)
         yield f"{prefix}_bias", bf16(e, out)
 
-    yield "model.embed_tokens.weight", normal(vocab, h, std=1.0)
+    yield "model.embed_tokens.weight", normal(g, vocab, h, std=1.0)
     for i in range(layers):
         p = f"model.layers.{i}"
         yield f"{p}.input_layernorm.weight", bf16(h, value=1.0)
         yield f"{p}.post_attention_layernorm.weight", bf16(h, value=1.0)
         for name, out, inp in (("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h),
                                ("o_proj", h, q)):
-            yield f"{p}.self_attn.{name}.weight", normal(out, inp)
+            yield f"{p}.self_attn.{name}.weight", normal(g, out, inp)
             yield f"{p}.self_attn.{name}.bias", bf16(out)
         yield f"{p}.self_attn.sinks", bf16(s.heads)
         router = torch.Generator(device=device).manual_seed(1000 + i)
-        gate = normal(e, h, std=1.0, gen=router)
+        gate = normal(router, e, h, std=1.0)
         if hot:
             gate[hot:] = 0  # as write_checkpoint's --hot: the top-k stay in the first ``hot``
         yield f"{p}.mlp.router.weight", gate
@@ -139,7 +144,7 @@ def tensors(layers: int, device: str, vocab: int, hot: int = 0, s: Shape | None 
         yield from mx(f"{p}.mlp.experts.gate_up_proj", 2 * inter, h)
         yield from mx(f"{p}.mlp.experts.down_proj", h, inter)
     yield "model.norm.weight", bf16(h, value=1.0)
-    yield "lm_head.weight", normal(vocab, h)
+    yield "lm_head.weight", normal(g, vocab, h)
 
 
 def write_config(out: Path, layers: int, vocab: int, context: int) -> None:

@@ -71,9 +71,25 @@ def _read_json(path: str | Path, option: str, writer: str) -> Any:
         raise UserError(f"{option} {path}: not JSON (write it with {writer})") from None
 
 
+def read_probe(path: str | Path) -> tuple[float, str, tuple[float, str] | None]:
+    """A saved `probe-link --json`, read once: the gather rate with its source, and the
+    all-hit cache step (us per MoE layer, source) where that probe measured it."""
+    data = _read_json(path, "--probe", "probe-link --save")
+    return (*_link_of(data, path), _step_of(data, path))
+
+
 def link_from_probe(path: str | Path) -> tuple[float, str]:
     """The gather rate a saved `probe-link --json` measured (the cache's own copy path)."""
-    data = _read_json(path, "--probe", "probe-link --save")
+    return _link_of(_read_json(path, "--probe", "probe-link --save"), path)
+
+
+def step_from_probe(path: str | Path) -> tuple[float, str] | None:
+    """The all-hit cache step a saved `probe-link --json` measured (us per MoE layer), or
+    None when that probe did not measure it."""
+    return _step_of(_read_json(path, "--probe", "probe-link --save"), path)
+
+
+def _link_of(data: Any, path: str | Path) -> tuple[float, str]:
     from .probe.report import Rate, gather_row, is_stand_in
 
     if not isinstance(data, dict):
@@ -97,10 +113,7 @@ def link_from_probe(path: str | Path) -> tuple[float, str]:
     return float(rate), f"probe-link on {where} ({path}: the gather, {best.path})"
 
 
-def step_from_probe(path: str | Path) -> tuple[float, str] | None:
-    """The all-hit cache step a saved `probe-link --json` measured (us per MoE layer), or
-    None when that probe did not measure it."""
-    data = _read_json(path, "--probe", "probe-link --save")
+def _step_of(data: Any, path: str | Path) -> tuple[float, str] | None:
     us = data.get("step_us") if isinstance(data, dict) else None
     if not isinstance(us, (int, float)) or not math.isfinite(us) or us <= 0:
         return None

@@ -29,7 +29,7 @@ def _link(link_gbps: float | None, probe_file: Path | None,
             raise UserError(f"--link-gbps must be a positive number, got {link_gbps}")
         return link_gbps, "given (--link-gbps)", None
     if probe_file is not None:
-        return (*planner.link_from_probe(probe_file), planner.step_from_probe(probe_file))
+        return planner.read_probe(probe_file)
     from .. import probe
     from ..kernel_check import device_arch
 
