@@ -24,31 +24,30 @@
 #   FORMATS="w8a8 fp8-block" bash bench/run_formats_on_device.sh
 set -uo pipefail
 OUT="${OUT:-out}"
-mkdir -p "$OUT" /tmp/fm
+FM="${FM:-/tmp/fm}"  # checkpoints (removed when their arms are done) and records
+mkdir -p "$OUT" "$FM"
 source bench/_device_vllm.sh
-PY=python3
+PY="${PY:-python3}"
 COMMON=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}"
         --shutdown-timeout 10 --max-model-len 1024 --max-num-seqs 4)
 device_vllm_setup || { echo "setup failed"; exit 1; }
 
+done_arm() { [ -f "$FM/$1.json" ] && grep -q '"status": "ok"' "$FM/$1.json"; }
 run_arm() {  # run_arm NAME [small_card options] -- server command
   local name=$1; shift
-  if [ -f "/tmp/fm/$name.json" ] && grep -q '"status": "ok"' "/tmp/fm/$name.json"; then
-    return 0
-  fi
+  done_arm "$name" && return 0
   echo "== $name ($SECONDS s)"
-  $PY bench/small_card.py "$name" --out /tmp/fm --runs 5 "$@" | tail -5
-  cp /tmp/fm/"$name".json "$OUT/"; tail -c 200000 /tmp/fm/"$name".log > "$OUT/$name.log"
+  $PY bench/small_card.py "$name" --out "$FM" --runs 5 "$@" | tail -5
+  cp "$FM/$name.json" "$OUT/"; tail -c 200000 "$FM/$name.log" > "$OUT/$name.log"
 }
-served() { $PY bench/formats_report.py --served "/tmp/fm/$1.json"; }  # served NAME
-done_arm() { [ -f "/tmp/fm/$1.json" ] && grep -q '"status": "ok"' "/tmp/fm/$1.json"; }
+served() { $PY bench/formats_report.py --served "$FM/$1.json"; }  # served NAME
 ckpt() {  # ckpt DIR HOT: written when missing (a LAYERS-layer checkpoint is 8-31 GB)
   [ -f "$1/model.safetensors.index.json" ] || $PY bench/write_checkpoint.py "$1" \
     --layers "${LAYERS:-24}" --format "$fmt" "${shape[@]}" --hot "$2" 2>&1 | tail -1
 }
 
 for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
-  M=/tmp/fm/$fmt H=/tmp/fm/$fmt-hot
+  M=$FM/$fmt H=$FM/$fmt-hot
   # 32 of 128 slots; gpt-oss-20b (mxfp4) has 32 experts a layer: 16 of them
   S=32 shape=(--vocab 151936 --context 40960 --head-dim 128)
   [ "$fmt" = mxfp4 ] && S=16 shape=(--vocab 201088 --context 131072)
@@ -57,11 +56,11 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
   if ! done_arm "$fmt-floor" || ! done_arm "$fmt-cache" || \
      { [ $trial_fmt = 1 ] && ! done_arm "$fmt-trial"; }; then
     ckpt "$M" 0
-    $PY -m expertcache_cli size --model "$M" --vram 141 --json > "/tmp/fm/$fmt-size.json" 2>&1
+    $PY -m expertcache_cli size --model "$M" --vram 141 --json > "$FM/$fmt-size.json" 2>&1
     # the gather rate at this format's expert slabs (4-bit experts are a quarter of int8's)
-    [ -f "/tmp/fm/$fmt-probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step \
-      --model "$M" --save "/tmp/fm/$fmt-probe.json" 2>&1 | tail -2
-    cp "/tmp/fm/$fmt-probe.json" "/tmp/fm/$fmt-size.json" "$OUT/" 2>/dev/null
+    [ -f "$FM/$fmt-probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step \
+      --model "$M" --save "$FM/$fmt-probe.json" 2>&1 | tail -2
+    cp "$FM/$fmt-probe.json" "$FM/$fmt-size.json" "$OUT/" 2>/dev/null
   fi
   stats=(--env EXPERT_CACHE_STATS=400)
   trial=(--env EC_BENCH_TRY_KERNELS=MarlinExperts --env "PYTHONPATH=$PWD/bench/kernel_trial:$PYTHONPATH")
@@ -83,7 +82,7 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
     run_arm "$fmt-hot" "${hot_env[@]}" \
       -- "$PY" -m expertcache_cli serve "$H" --vram 141 --slots "$S" -- "${COMMON[@]}"
   fi
-  $PY bench/formats_report.py "$fmt" /tmp/fm | tee -a "$OUT/formats.txt"
+  $PY bench/formats_report.py "$fmt" "$FM" | tee -a "$OUT/formats.txt"
   # the disk holds two or three formats' checkpoints at a time, not seven
   if done_arm "$fmt-floor" && done_arm "$fmt-cache"; then rm -rf "$M"; fi
   if done_arm "$fmt-hot"; then rm -rf "$H"; fi

@@ -1,0 +1,121 @@
+"""The formats runner's flow (bench/run_formats_on_device.sh) with every GPU step stubbed:
+which arms it starts for an armed, a declined and a sent-back format, that it writes each
+checkpoint only when an arm still needs it and removes it when done, and that a second call
+runs nothing. Device minutes are few; a runner bug must not be found on the device."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("httpx", reason="the formats report imports the bench's server client")
+
+ARMED = "expertcache: vLLM 0.26.0: armed 8 of 8 MoE layers; 32 of 128 experts/layer as slots"
+DECLINED = ("expertcache: vLLM 0.26.0: armed 0 of 8 MoE layers (experts kernel MarlinExperts "
+            "is not known to index weights by id only)")
+
+# what each stubbed server's record says: (startup line, first-call check line)
+ARMS = {
+    "fp8-block-cache": (ARMED, "slots path 8 of 8 layers agreed (largest relative difference 0)"),
+    "fp8-block-hot": (ARMED, "slots path 8 of 8 layers agreed"),
+    "gptq-cache": (DECLINED, None),
+    "gptq-trial": (ARMED, "slots path 0 of 8 layers agreed, 8 differed"),
+}
+
+STUB = r'''#!/usr/bin/env python3
+"""python3 for the runner: GPU steps recorded and faked, the report run for real."""
+import json, os, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+with open(os.environ["STUB_LOG"], "a") as log:
+    log.write(" ".join(args) + "\n")
+if args[0].endswith("formats_report.py"):
+    os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
+if args[0].endswith("write_checkpoint.py"):
+    d = Path(args[1]); d.mkdir(parents=True)
+    (d / "model.safetensors.index.json").write_text("{}")
+elif args[:3] == ["-m", "expertcache_cli", "size"]:
+    print(json.dumps({"bytes_per_expert": 4719744}))
+elif args[:3] == ["-m", "expertcache_cli", "probe-link"]:
+    Path(args[args.index("--save") + 1]).write_text("{}")
+elif args[0].endswith("small_card.py"):
+    name, out = args[1], Path(args[args.index("--out") + 1])
+    startup, check = json.loads(os.environ["STUB_ARMS"]).get(name, [None, None])
+    rec = {"status": "ok", "arm": name, "tok_s": [100.0, 101.0, 99.0],
+           "greedy": {"tokens": ["a"], "logprob": [0.0], "margin": [1.0]},
+           "log": {"startup_line": startup, "check_line": check, "declined": []}}
+    (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
+    (out / f"{name}.log").write_text("log\n")
+'''
+
+
+@pytest.fixture()
+def runner(tmp_path):
+    """A copy of the bench with a stub setup, and a function that runs the runner."""
+    bench = tmp_path / "tree" / "bench"
+    bench.mkdir(parents=True)
+    for f in ("run_formats_on_device.sh", "formats_report.py", "small_card.py"):
+        shutil.copy(ROOT / "bench" / f, bench / f)
+    (bench / "_device_vllm.sh").write_text("device_vllm_setup() { return 0; }\n")
+    stub = tmp_path / "stubpy"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    log = tmp_path / "calls.log"
+
+    def run(formats: str) -> list[str]:
+        log.write_text("")
+        env = {**os.environ, "PY": str(stub), "REAL_PY": sys.executable,
+               "STUB_LOG": str(log), "STUB_ARMS": json.dumps(ARMS), "FORMATS": formats,
+               "FM": str(tmp_path / "fm"), "OUT": str(tmp_path / "out"),
+               "PYTHONPATH": str(ROOT)}
+        r = subprocess.run(["bash", "bench/run_formats_on_device.sh"], cwd=bench.parent,
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return log.read_text().splitlines()
+
+    return run, tmp_path
+
+
+def _servers(calls: list[str]) -> list[str]:
+    return [c.split()[1] for c in calls if c.startswith(str("bench/small_card.py"))]
+
+
+def test_an_armed_format_runs_all_four_arms_and_cleans_up(runner):
+    run, tmp = runner
+    calls = run("fp8-block")
+    assert _servers(calls) == ["fp8-block-floor", "fp8-block-cache", "fp8-block-resident",
+                               "fp8-block-hot"]
+    writes = [c.split()[1] for c in calls if "write_checkpoint.py" in c]
+    assert writes == [str(tmp / "fm" / "fp8-block"), str(tmp / "fm" / "fp8-block-hot")]
+    assert any("--layers 24" in c for c in calls if "write_checkpoint.py" in c)
+    # both checkpoints removed once their arms are done; records and the report kept
+    assert not (tmp / "fm" / "fp8-block").exists() and not (tmp / "fm" / "fp8-block-hot").exists()
+    report = (tmp / "out" / "formats.txt").read_text()
+    assert "fp8-block all-hit (--hot N, N slots): 100.0 tok/s" in report
+    # a second call: every arm done, nothing written or started
+    again = run("fp8-block")
+    assert _servers(again) == [] and not any("write_checkpoint.py" in c for c in again)
+
+
+def test_a_declined_format_with_a_sent_back_trial_gets_no_resident_or_all_hit_arm(runner):
+    run, tmp = runner
+    calls = run("gptq")
+    assert _servers(calls) == ["gptq-floor", "gptq-cache", "gptq-trial"]
+    assert [c.split()[1] for c in calls if "write_checkpoint.py" in c] == [
+        str(tmp / "fm" / "gptq")]  # the hot checkpoint is never needed
+    trial = next(c for c in calls if c.startswith("bench/small_card.py gptq-trial"))
+    assert "EC_BENCH_TRY_KERNELS=MarlinExperts" in trial
+    assert not (tmp / "fm" / "gptq").exists()
+
+
+def test_the_trial_runs_only_for_the_formats_named(runner):
+    run, _ = runner
+    assert _servers(run("awq")) == ["awq-floor", "awq-cache"]  # declined: no trial by default
