@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import budget as rules
-from . import capture
+from . import capture, vllm_experts
 from .errors import UserError
 from .model_size import ModelSize, load_model
 from .vllm_flags import ONLINE_FORMATS
@@ -224,6 +224,7 @@ def plan(
     tensor_parallel_size: int | None = None,
     vllm_quantization: str | None = None,
     wide: str = "in-place",
+    moe_backend: str | None = None,
 ) -> SizePlan:
     """Size the cache for ``model_spec`` on a ``vram_gb`` GiB card (docs/design.md, sizing).
 
@@ -248,6 +249,10 @@ def plan(
     ``wide``: staged modes (`policy.Wide`) keep a scratch of one layer's experts in VRAM
     for steps wider than the slots; it comes out of the slots' room, and a full batch
     wider than the slots is staged rather than a trap.
+    ``moe_backend``: vLLM's ``--moe-backend``; where the experts kernel it leads to is one
+    the plugin declines on every layer (`vllm_experts.declined_kernel`: 4-bit on Marlin,
+    MXFP4), the verdict is offload without the cache, unless ``slots``/``fraction`` force
+    one (a kernel trial).
     """
     from .policy import Wide
     from .scratch import scratch_bytes
@@ -358,6 +363,10 @@ def plan(
         bad = ", ".join(t.name for t in model.expert_tensors if not t.aligned)
         text = (f"runs only fully offloaded: per-expert tensors ({bad}) are not multiples of "
                 "16 bytes, which the cache's gather cannot move; no cache")
+        planned = 0
+    elif (declined := vllm_experts.declined_kernel(model.quant, moe_backend)) and not forced:
+        verdict = "offload_no_cache"
+        text = f"runs only fully offloaded: {declined}; no cache"
         planned = 0
     elif planned < k:
         verdict = "offload_no_cache"

@@ -82,6 +82,22 @@ def wna16_triton_available(source: str | None = None) -> bool | None:
     return installed_vllm.source_says(TRITON_WNA16, WNA16_ORACLE, source)
 
 
+def declined_kernel(quant: str, moe_backend: str | None) -> str | None:
+    """Why the plugin would decline every MoE layer of a ``quant`` checkpoint that vLLM
+    runs with ``--moe-backend moe_backend`` (None: vLLM's default), or None where it can
+    arm them. The same on every vLLM we know (0.26-0.33): 4-bit experts run on Marlin
+    unless Triton is asked for, MXFP4 on Marlin (offloaded) or triton_kernels."""
+    backend = (moe_backend or "auto").strip().lower()
+    if quant == "mxfp4":
+        return ("vLLM runs MXFP4 experts on Marlin (offloaded) or triton_kernels, kernels "
+                "the cache does not arm yet")
+    if quant == "w4a16" and backend != "triton":
+        on = "Marlin" if backend in ("auto", "marlin") else f"--moe-backend {backend}"
+        return (f"vLLM runs these 4-bit experts on {on}, which the cache does not arm yet "
+                "(from vLLM 0.32, `-- --moe-backend triton` runs them on a kernel it arms)")
+    return None
+
+
 def kernel_note(quant: str, args: list[str], triton: bool | None,
                 version: str | None = None) -> str | None:
     """What a cached `serve` of a ``quant`` checkpoint should be told about the kernel vLLM

@@ -23,6 +23,7 @@ VLLM_PLAN_FLAGS: dict[str, tuple[str, type]] = {
     "--kv-cache-dtype": ("kv_cache_dtype", str),
     "--tensor-parallel-size": ("tensor_parallel_size", int),
     "--quantization": ("vllm_quantization", str),
+    "--moe-backend": ("moe_backend", str),
 }
 
 #: vLLM's online quantisations sizing can follow: the --quantization value -> our format

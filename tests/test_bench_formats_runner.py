@@ -85,7 +85,7 @@ def runner(tmp_path):
 
 
 def _servers(calls: list[str]) -> list[str]:
-    return [c.split()[1] for c in calls if c.startswith(str("bench/small_card.py"))]
+    return [c.split()[1] for c in calls if c.startswith("bench/small_card.py")]
 
 
 def test_an_armed_format_runs_all_four_arms_and_cleans_up(runner):

@@ -4,6 +4,7 @@ cache does not arm says so before launch, and names the flag where one exists.""
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 
@@ -71,26 +72,36 @@ def test_serve_plans_say_it_before_launch(tmp_path):
 
 
 def test_size_says_it_too(tmp_path):
-    """`size` is where users decide: the same note, in the model's notes."""
+    """`size` is where users decide: a GPTQ Qwen3-30B-A3B on 16 GiB is offloaded, and on
+    Marlin every layer would be declined, so the verdict is offload without the cache and
+    says why; --slots forces a cache (a kernel trial) with the note; Triton asked for
+    (`--moe-backend triton`) is a cache with no note."""
     import json
     import subprocess
     import sys
 
-    from tiny_moe import qwen3_moe_config
-
+    real = json.loads((Path(__file__).parent / "configs" / "qwen3-30b-a3b.json").read_text())
+    real["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                   "desc_act": False, "sym": True}
     gptq = tmp_path / "config.json"
-    gptq.write_text(json.dumps(qwen3_moe_config(quantization_config={
-        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True})))
-    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "size", "--model", str(gptq),
-                        "--vram", "24", "--json"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    notes = json.loads(r.stdout)["notes"]
-    assert any("4-bit experts" in n and "--moe-backend triton" in n for n in notes)
-    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "size", "--model", str(gptq),
-                        "--vram", "24", "--json", "--", "--moe-backend", "triton"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert not any("4-bit" in n for n in json.loads(r.stdout)["notes"])
+    gptq.write_text(json.dumps(real))
+
+    def size(*extra: str) -> dict:
+        r = subprocess.run([sys.executable, "-m", "expertcache_cli", "size", "--model",
+                            str(gptq), "--vram", "16", "--json", *extra],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    got = size("--", "--max-model-len", "8192")
+    assert got["verdict"] == "offload_no_cache" and got["slots"] == 0
+    assert "4-bit experts on Marlin" in got["verdict_text"]
+    assert "--moe-backend triton" in got["verdict_text"]
+    forced = size("--slots", "8", "--", "--max-model-len", "8192")
+    assert forced["verdict"] == "cache"
+    assert any("4-bit experts" in n for n in forced["notes"])
+    armed = size("--", "--max-model-len", "8192", "--moe-backend", "triton")
+    assert armed["verdict"] == "cache" and not any("4-bit" in n for n in armed["notes"])
 
 
 MXFP4_026 = '"triton": [Mxfp4MoeBackend.TRITON],\n        "marlin": [Mxfp4MoeBackend.MARLIN],'

@@ -194,10 +194,12 @@ def register(app: typer.Typer) -> None:
         if online:
             m = model_size.load_model(Path(model) if Path(model).exists() else model, online)
             m.notes.append(sizing.online_note(common["vllm_quantization"], online))
-        kernel = vllm_experts.kernel_note(m.quant, args, vllm_experts.wna16_triton_available(),
-                                          installed_vllm.release())
-        if kernel:
-            m.notes.append(kernel)
+        if slots is not None or fraction is not None:  # else the verdict itself says it
+            kernel = vllm_experts.kernel_note(m.quant, args,
+                                              vllm_experts.wna16_triton_available(),
+                                              installed_vllm.release())
+            if kernel:
+                m.notes.append(kernel)
         common.update(slots=slots, fraction=fraction, kv_tokens=kv_tokens,
                       overhead_gb=overhead_gb, wide=wide)
         if vram is None:
