@@ -175,3 +175,19 @@ def test_plan_for_a_batch_with_the_staged_path_says_what_it_rests_on():
     assert inplace["rows"][0]["predicted_tok_s"] < rows[(inplace["rows"][0]["policy"], 64)][
         "predicted_tok_s"]
     assert "--wide staged-install predicts" in " ".join(inplace["notes"])
+
+
+def test_a_fast_resident_rate_warns_that_the_host_may_pace_decoding():
+    """H200: an 8-layer model at 614 tok/s resident ran 1.21x the additive prediction
+    (installs hid in GPU idle time); the plan says where its model may not hold."""
+    trace = load(TRACE)
+
+    def notes(resident: float) -> list[str]:
+        inputs = planner.Inputs(4_732_928, "given", 49.4, "given", resident, "given")
+        return planner.plan_trace(trace, inputs, [Policy.LRU], [16], fits_upto=16,
+                                  model={"name": "t"}, serve_model="/m",
+                                  vram_gb=24).notes
+
+    fast = [n for n in notes(614.0) if "host work" in n]
+    assert fast and "1.63 ms a token" in fast[0]
+    assert not any("host work" in n for n in notes(280.0))
