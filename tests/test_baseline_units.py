@@ -573,6 +573,18 @@ def test_arm_warnings_word_the_trap_as_size_does():
     assert got[2] == f"cache:120: only {p.max_slots} slots fit" and len(got) == 3
 
 
+def test_arm_warnings_say_when_size_plans_no_cache_at_all():
+    """gpt-oss's MXFP4 experts run on kernels the plugin declines on every layer: a cache
+    arm would run at the offload floor; the baseline says so before any server starts."""
+    from expertcache_cli.baseline.sizing_bridge import offload_from_vram
+
+    p = offload_from_vram("gpt-oss-120b", 24, ["--max-num-seqs", "1",
+                                               "--max-model-len", "8192"])
+    got = p.arm_warnings(parse_arms("offload,cache:16"), 1)
+    assert len(got) == 1 and got[0].startswith("cache:16: `size` plans no cache for this model")
+    assert "offload floor" in got[0]
+
+
 def test_plugin_state_reads_how_much_of_the_model_the_cache_served(tmp_path):
     from expertcache_cli.baseline.counters import plugin_state
 

@@ -27,6 +27,8 @@ class OffloadPlan:
     graphs: str = ""
     #: the largest safe --max-num-seqs for a slot count, as `size` computes it
     safe_for: Callable[[int], int] = lambda slots: 0
+    #: `size` planned no cache at all (ragged slabs, a kernel the plugin declines): why
+    no_cache: str | None = None
 
     def arm_warnings(self, arms: list, concurrency: int) -> list[str]:
         """What a careful engineer would say about each cache arm's slots before running:
@@ -36,6 +38,10 @@ class OffloadPlan:
         out = []
         k = self.top_k
         for arm in (a for a in arms if a.kind == "cache"):
+            if self.no_cache:
+                out.append(f"{arm.name}: `size` plans no cache for this model ({self.no_cache}): "
+                           "the arm will likely measure the offload floor")
+                continue
             if arm.slots > self.max_slots:
                 out.append(f"{arm.name}: only {self.max_slots} slots fit")
             if arm.slots < concurrency * k:
@@ -72,6 +78,7 @@ def offload_from_vram(
         max_num_seqs=int(p.max_num_seqs),
         max_slots=int(p.max_slots),
         text=p.verdict_text,
+        no_cache=p.verdict_text if p.verdict == "offload_no_cache" else None,
         share_args=_share_args(p, vllm_args),
         graphs=p.graphs,
         safe_for=lambda slots: capture.safe_max_num_seqs(
