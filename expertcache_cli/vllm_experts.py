@@ -100,15 +100,20 @@ def declined_kernel(quant: str, moe_backend: str | None) -> str | None:
 
 def kernel_note(quant: str, args: list[str], triton: bool | None,
                 version: str | None = None) -> str | None:
-    """What a cached `serve` of a ``quant`` checkpoint should be told about the kernel vLLM
-    will pick, or None (a format on Triton experts, or a backend the user chose)."""
+    """What a cache forced onto a ``quant`` checkpoint (``--slots``) should be told about the
+    kernel vLLM will pick, with the installed vLLM's own way out where it has one; None
+    where the plugin arms that kernel (`declined_kernel` decides)."""
     which = f"vLLM {version}" if version else "vLLM"
+    backend = vllm_flags.vllm_flag_value(args, "--moe-backend")
+    if declined_kernel(quant, backend) is None:
+        return None
     if quant == "mxfp4":
         return (f"{which} runs offloaded MXFP4 experts on Marlin (`serve` passes "
                 "--moe-backend marlin), which the cache does not arm yet: every layer will be "
                 "declined (the offload floor)")
-    if quant != "w4a16" or vllm_flags.vllm_flag_value(args, "--moe-backend") is not None:
-        return None
+    if backend not in (None, "auto"):
+        return (f"4-bit experts on --moe-backend {backend}, which the cache does not arm yet: "
+                "every layer will be declined (the offload floor)")
     if triton is None:  # no vLLM here to read: what every release we know does
         return ("4-bit experts: vLLM runs them on Marlin by default, which the cache does not "
                 "arm yet; from vLLM 0.32 `-- --moe-backend triton` runs them on Triton, which "

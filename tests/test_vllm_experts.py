@@ -43,6 +43,8 @@ def test_no_note_where_the_cache_arms_or_the_user_chose():
     assert vllm_experts.kernel_note("w8a8", [], True) is None
     assert vllm_experts.kernel_note("bf16", [], False) is None
     assert vllm_experts.kernel_note("w4a16", ["--moe-backend", "triton"], True) is None
+    chosen = vllm_experts.kernel_note("w4a16", ["--moe-backend", "marlin"], True)
+    assert "on --moe-backend marlin" in chosen and "every layer will be declined" in chosen
     assert "MXFP4" in vllm_experts.kernel_note("mxfp4", [], True)
 
 
