@@ -172,6 +172,9 @@ class SizePlan:
     notes: list[str] = field(default_factory=list)
     wide: str = "in-place"  # what steps wider than the slots do (policy.Wide)
     scratch_bytes: int = 0  # the staged modes' scratch: one layer's experts (0 in place)
+    #: flags the format needs to stay offloaded (MXFP4: --moe-backend marlin;
+    #: `vllm_experts.offload_backend_args`), passed with the offload
+    offload_args: list[str] = field(default_factory=list)
 
     @property
     def shares_device(self) -> bool:
@@ -196,7 +199,7 @@ class SizePlan:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if not self.fits_outright and self.verdict in ("cache", "offload_no_cache"):
             args += ["--cpu-offload-gb", str(self.cpu_offload_gb)]
-            args += ["--cpu-offload-params", "experts"]
+            args += ["--cpu-offload-params", "experts", *self.offload_args]
         return args
 
     def to_json(self) -> dict[str, Any]:
@@ -417,6 +420,10 @@ def plan(
             )
     offload = math.ceil(model.offloaded_expert_bytes / GiB + 0.5) if verdict in (
         "cache", "offload_no_cache") else 0
+    # (a --moe-backend that cannot offload this format is refused here, in one line)
+    offload_args = vllm_experts.offload_backend_args(
+        model.quant, ["--moe-backend", moe_backend] if moe_backend else [], None)[0] if (
+        offload) else []
 
     return SizePlan(
         model=model.name,
@@ -444,6 +451,7 @@ def plan(
         verdict=verdict,
         verdict_text=text,
         cpu_offload_gb=offload,
+        offload_args=offload_args,
         trap=trap,
         trap_ids=trap_ids,
         safe_max_num_seqs=safe,

@@ -306,6 +306,11 @@ def test_offloaded_mxfp4_experts_run_on_marlin_or_are_refused():
     # nothing offloaded (the whole model fits): vLLM's default kernel is right
     fits = _plan(**{**kw, "vram": 141}, vllm_args=flags)
     assert fits.size.verdict == "fits_outright" and "--moe-backend" not in fits.argv
+    # ... unless the user offloads anyway
+    mine = _plan(**{**kw, "vram": 141}, vllm_args=[*flags, "--cpu-offload-gb", "40"])
+    assert mine.argv.count("--moe-backend") == 1 and "marlin" in mine.argv
+    # `size` prints the same vLLM command
+    assert p.size.vllm_args()[-2:] == ["--moe-backend", "marlin"]
     # other formats: never touched
     assert "--moe-backend" not in _plan(vllm_args=["--max-num-seqs", "4"]).argv
 
