@@ -124,6 +124,9 @@ def make_plan(
     own: list[str] = []
     if size.verdict in ("cache", "offload_no_cache"):
         _refuse_online_quantization(args, size_from or model)
+    why = vllm_experts.triton_refusal(size.quant, args, wna16_triton(), installed_vllm.release())
+    if why:
+        raise UserError(why)
     if size.verdict == "does_not_fit":
         raise UserError(f"{size.model} on {vram_gb:g} GiB: {size.verdict_text}")
     if size.verdict == "fits_outright":

@@ -98,6 +98,20 @@ def declined_kernel(quant: str, moe_backend: str | None) -> str | None:
     return None
 
 
+def triton_refusal(quant: str, args: list[str], triton: bool | None,
+                   version: str | None = None) -> str | None:
+    """``--moe-backend triton`` for 4-bit experts on a vLLM that has no such backend (0.26:
+    its WNA16 oracle maps marlin, humming, flashinfer_trtllm, emulation): vLLM would stop
+    at load with a ValueError; this says it before launch, or None."""
+    backend = vllm_flags.vllm_flag_value(args, "--moe-backend")
+    if quant != "w4a16" or (backend or "").strip().lower() != "triton" or triton is not False:
+        return None
+    which = f"vLLM {version}" if version else "the vLLM installed here"
+    return (f"--moe-backend triton: {which} has no Triton kernel for 4-bit experts (it runs "
+            "them on Marlin, which the cache does not arm); vLLM 0.32 and later have one, or "
+            "leave the flag out to serve them offloaded without the cache")
+
+
 def kernel_note(quant: str, args: list[str], triton: bool | None,
                 version: str | None = None) -> str | None:
     """What a cache forced onto a ``quant`` checkpoint (``--slots``) should be told about the

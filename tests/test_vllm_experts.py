@@ -160,3 +160,28 @@ def test_size_refuses_an_mxfp4_kernel_that_cannot_offload():
     assert "Traceback" not in r.stderr
     r = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_triton_for_4_bit_experts_on_a_vllm_without_it_is_refused_before_launch(tmp_path):
+    """vLLM 0.26's WNA16 oracle has no Triton backend: `--moe-backend triton` would stop
+    vLLM at load with a ValueError; serve says so first, in one line."""
+    import json
+
+    from expertcache_cli.errors import UserError
+
+    args = ["--moe-backend", "triton"]
+    why = vllm_experts.triton_refusal("w4a16", args, False, "0.26")
+    assert why.startswith("--moe-backend triton: vLLM 0.26 has no Triton kernel for 4-bit")
+    assert vllm_experts.triton_refusal("w4a16", args, True) is None  # 0.32+
+    assert vllm_experts.triton_refusal("w4a16", args, None) is None  # unknown: vLLM decides
+    assert vllm_experts.triton_refusal("w4a16", [], False) is None
+    assert vllm_experts.triton_refusal("bf16", args, False) is None
+
+    real = json.loads((Path(__file__).parent / "configs" / "qwen3-30b-a3b.json").read_text())
+    real["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                   "desc_act": False, "sym": True}
+    (tmp_path / "config.json").write_text(json.dumps(real))
+    with pytest.raises(UserError, match="has no Triton kernel for 4-bit experts"):
+        make_plan(str(tmp_path), 16, launcher=["vllm"], environ={},
+                  vllm_args=["--max-model-len", "8192", *args],
+                  v2_runner_offloads=lambda: True, wna16_triton=lambda: False)

@@ -74,6 +74,9 @@ def _offload_checks(model: str, vllm_args: list[str]) -> list[str]:
     except UserError:
         return []
     why = online_quantization_refusal(vllm_args, m.quant, m.name, installed_vllm.version())
+    why = why or vllm_experts.triton_refusal(m.quant, vllm_args,
+                                             vllm_experts.wna16_triton_available(),
+                                             installed_vllm.release())
     if why:
         raise UserError(why)
     flags, note = vllm_experts.offload_backend_args(

@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from .. import formats, installed_vllm, model_size, sizing, vllm_experts, vllm_flags
+from ..errors import UserError
 from ..presets import DEFAULT_PRESET, PRESETS
 from ..tables import Table
 from . import passthrough_args
@@ -194,6 +195,10 @@ def register(app: typer.Typer) -> None:
         if online:
             m = model_size.load_model(Path(model) if Path(model).exists() else model, online)
             m.notes.append(sizing.online_note(common["vllm_quantization"], online))
+        why = vllm_experts.triton_refusal(m.quant, args, vllm_experts.wna16_triton_available(),
+                                          installed_vllm.release())
+        if why:
+            raise UserError(why)
         if slots is not None or fraction is not None:  # else the verdict itself says it
             kernel = vllm_experts.kernel_note(m.quant, args,
                                               vllm_experts.wna16_triton_available(),
