@@ -29,6 +29,8 @@ from small_card import compare_greedy, describe  # noqa: E402
 from expertcache_cli.baseline.counters import ARMED_RE  # noqa: E402
 
 ALL_HIT_GOAL = 0.05
+DECLINED_RE = re.compile(
+    r"armed 0 of \d+ MoE layers \((?P<why>.*)\)(; serving on the stock path)?$")
 CHECK_RE = re.compile(r"slots path (\d+) of (\d+) layers agreed")
 PREDICTION_GOAL = 0.10
 
@@ -84,7 +86,7 @@ def _startup(rec: dict | None) -> str:
         return f"failed ({(rec or {}).get('error')}{': ' + cause if cause else ''})"
     declined = log.get("declined") or []
     if not log.get("startup_line") and not declined and log.get("serve_line"):
-        return f"cache off by serve's plan: {log['serve_line']}"
+        return f"cache off by serve's plan: {log['serve_line'].split(' GiB: ', 1)[-1]}"
     return log.get("startup_line") or (declined[0] if declined else "no startup line")
 
 
@@ -154,17 +156,48 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
     return lines
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) == 2 and argv[0] in ("--armed", "--served"):  # exit 0: that server armed
-        test = is_armed if argv[0] == "--armed" else slot_path_served  # (and served) a layer
-        try:
-            return 0 if test(json.loads(Path(argv[1]).read_text())) else 1
-        except (OSError, ValueError):
-            return 1
-    if len(argv) != 2:
-        print("usage: formats_report.py FORMAT DIR", file=sys.stderr)
-        return 2
-    fmt, d = argv[0], Path(argv[1])
+TABLE_HEAD = ("| format | plugin | tokens vs the floor | floor tok/s | cache tok/s (x floor) "
+              "| all-hit / resident | missing arm / predicted |\n| --- | --- | --- | --- | --- "
+              "| --- | --- |")
+
+
+def table_row(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
+              gbps: float | None) -> str:
+    """The format's row of issue 11's table (RESULTS.md and the README take it as is): the
+    arm that served from slots (the cache, else the kernel trial), the goals' ratios."""
+    floor, res, hot = recs.get("floor"), recs.get("resident"), recs.get("hot")
+    arm = next((a for a in ("cache", "trial") if slot_path_served(recs.get(a))), None)
+    rec = recs.get(arm or "cache")
+    f_tok, c_tok = median_tok_s(floor), median_tok_s(rec)
+    if arm:
+        m = ARMED_RE.search(((rec or {}).get("log") or {}).get("startup_line") or "")
+        plugin = f"armed {m.group('armed')} of {m.group('layers')}" if m else "armed"
+        plugin += " (kernel trial)" if arm == "trial" else ""
+    else:
+        said = _startup(rec) if rec else "-"
+        m = DECLINED_RE.search(said)
+        plugin = f"declined: {m.group('why')}" if m else said
+    same = "-"
+    if floor and floor.get("greedy") and rec and rec.get("greedy"):
+        c = compare_greedy(floor["greedy"], rec["greedy"])
+        same = f"identical ({c['compared']})" if c["identical"] else (
+            f"part at {c['first_difference']} of {c['compared']}")
+    speed = "-" if c_tok is None else f"{c_tok:.1f}" + (
+        f" ({c_tok / f_tok:.2f}x)" if f_tok else "")
+    r_tok, h_tok = median_tok_s(res), median_tok_s(hot)
+    all_hit = (f"{h_tok / r_tok:.3f} ({h_tok:.1f} / {r_tok:.1f})"
+               if arm and h_tok and r_tok and slot_path_served(hot) else "-")
+    per = installs_per_token(rec) if arm else None
+    miss = "-"
+    if per is not None and c_tok and r_tok and bytes_per_expert and gbps:
+        want = predicted_tok_s(r_tok, per, bytes_per_expert, gbps)
+        miss = f"{c_tok / want:.3f} ({c_tok:.1f} / {want:.1f})"
+    return (f"| {fmt} | {plugin} | {same} | {_fmt(f_tok)} | {speed} | {all_hit} | {miss} |")
+
+
+def load_run(fmt: str, d: Path) -> tuple[dict[str, dict], int | None, float | None]:
+    """A format's server records, its bytes an expert (`size --json`) and its probed gather
+    rate, from a run directory (missing pieces: absent, None)."""
     recs = {}
     for arm in ("floor", "cache", "trial", "resident", "hot"):
         p = d / f"{fmt}-{arm}.json"
@@ -183,7 +216,26 @@ def main(argv: list[str]) -> int:
         gbps, _ = link_from_probe(d / f"{fmt}-probe.json")
     except (OSError, UserError):
         pass
-    print("\n".join(summarize(fmt, recs, bytes_per_expert, gbps)))
+    return recs, bytes_per_expert, gbps
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] in ("--armed", "--served"):  # exit 0: that server armed
+        test = is_armed if argv[0] == "--armed" else slot_path_served  # (and served) a layer
+        try:
+            return 0 if test(json.loads(Path(argv[1]).read_text())) else 1
+        except (OSError, ValueError):
+            return 1
+    if argv[:1] == ["--table"] and len(argv) >= 3:  # --table DIR FMT...
+        d = Path(argv[1])
+        print("\n".join([TABLE_HEAD, *(table_row(f, *load_run(f, d)) for f in argv[2:])]))
+        return 0
+    if len(argv) != 2:
+        print("usage: formats_report.py FORMAT DIR | --table DIR FORMAT... | "
+              "--armed/--served RECORD", file=sys.stderr)
+        return 2
+    fmt, d = argv[0], Path(argv[1])
+    print("\n".join(summarize(fmt, *load_run(fmt, d))))
     return 0
 
 

@@ -87,4 +87,7 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
   if done_arm "$fmt-floor" && done_arm "$fmt-cache"; then rm -rf "$M"; fi
   if done_arm "$fmt-hot"; then rm -rf "$H"; fi
 done
+# issue 11's table, every format run so far
+$PY bench/formats_report.py --table "$FM" ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4} \
+  > "$OUT/table.md"
 echo "done after $SECONDS s"

@@ -110,7 +110,7 @@ def test_a_format_serve_planned_without_the_cache_names_serves_reason():
     off["log"]["serve_line"] = "expertcache serve: nvfp4 on 139.8 GiB: runs only fully offloaded"
     lines = report.summarize("nvfp4", {"floor": rec([236.0], startup=None), "cache": off},
                              None, None)
-    assert "cache off by serve's plan: expertcache serve: nvfp4 on 139.8 GiB" in lines[1]
+    assert "cache off by serve's plan: runs only fully offloaded" in lines[1]
     assert report._weights({"log": {"weights_gib": 1.26}}) == ", 1.26 GiB of weights in VRAM"
 
 
@@ -123,3 +123,28 @@ def test_served_says_whether_any_layer_passed_its_first_call(tmp_path):
     assert report.main(["--served", str(ok)]) == 0
     assert report.main(["--served", str(back)]) == 1
     assert report.main(["--armed", str(back)]) == 0
+
+
+def test_the_table_row_carries_each_goal_of_an_armed_and_a_declined_format():
+    recs = {"floor": rec([50.0], startup=None), "resident": rec([500.0], startup=None),
+            "cache": rec([410.0, 420.0, 500.0], installs=2000),
+            "hot": rec([480.0], hit_rate=0.9999)}
+    row = report.table_row("w8a8", recs, 10**7, 50.0)
+    assert row == ("| w8a8 | armed 8 of 8 | identical (2) | 50.0 | 420.0 (8.40x) | "
+                   "0.960 (480.0 / 500.0) | 1.008 (420.0 / 416.7) |")
+    declined = {"floor": rec([256.0], startup=None), "cache": rec(
+        [256.0], startup="expertcache: vLLM 0.26.0: armed 0 of 8 MoE layers (experts kernel "
+                         "MarlinExperts is not known (known: TritonExperts)); serving on the "
+                         "stock path")}
+    row = report.table_row("gptq", declined, 10**7, 50.0)
+    assert row.startswith("| gptq | declined: experts kernel MarlinExperts is not known "
+                          "(known: TritonExperts) | identical (2) | 256.0 | 256.0 (1.00x) | - |")
+    assert report.TABLE_HEAD.splitlines()[0].count("|") == row.count("|")
+
+
+def test_main_prints_the_table(tmp_path, capsys):
+    (tmp_path / "w8a8-floor.json").write_text(json.dumps(rec([50.0], startup=None)))
+    (tmp_path / "w8a8-cache.json").write_text(json.dumps(rec([400.0], installs=10)))
+    assert report.main(["--table", str(tmp_path), "w8a8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == report.TABLE_HEAD.splitlines()[0] and out[2].startswith("| w8a8 | armed")
