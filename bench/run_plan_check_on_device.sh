@@ -57,33 +57,15 @@ for kind in ${TRACES:-tasks zipf}; do
     --layers "$LAYERS" --experts 128 --top-k 8 --seed 7 --expert-bytes 9437184 \
     --model "qwen3-30b-a3b shape, $LAYERS layers" > /dev/null
   P=/tmp/pc/plan-$kind-$LAYERS.json
+  J=/tmp/pc/plan-$kind-$LAYERS.out.json  # kept on the box: $OUT is emptied every call
   [ -f "$P" ] || $PY -m expertcache_cli plan "$T" --model "$MODEL" --probe /tmp/pc/probe.json \
     --baseline "/tmp/pc/bl-resident-$LAYERS.jsonl" --slots "$SLOTS" --policy lru --save "$P" --json \
-    > "$OUT/plan-$kind.json" 2> "$OUT/plan-$kind.err"
-  cp "$P" "$OUT/plan-$kind.saved.json" 2>/dev/null
+    > "$J" 2> "$OUT/plan-$kind.err"
+  cp "$J" "$OUT/plan-$kind.json"; cp "$P" "$OUT/plan-$kind.saved.json" 2>/dev/null
   ARMS=$(echo "$SLOTS" | sed 's/\([0-9]\+\)/cache:\1/g'),plan:$P
   baseline "/tmp/pc/bl-$kind-$LAYERS.jsonl" "$ARMS" EC_BENCH_TRACE_ROUTING="$T" \
     PYTHONPATH="$PWD/bench/trace_hook:$PYTHONPATH"
-  $PY - "$OUT/plan-$kind.json" "/tmp/pc/bl-$kind-$LAYERS.jsonl" "$P" <<'PY' | tee "$OUT/compare-$kind.txt"
-import json, sys
-from expertcache_cli.baseline.runner import load_summary
-plan = json.load(open(sys.argv[1]))
-summary, _ = load_summary(sys.argv[2])
-arms = {a.arm: a for a in summary.arms if a.restarts}
-rows = [(f"cache:{r['slots']}", r["predicted_tok_s"], r) for r in plan["rows"]]
-rec = plan.get("recommended") or {}
-if rec.get("per_layer_predicted_tok_s"):
-    rows.append((f"plan:{sys.argv[3]}", rec["per_layer_predicted_tok_s"], None))
-for name, pred, row in rows:
-    arm = arms.get(name)
-    if arm is None:
-        print(f"{name}: not measured")
-        continue
-    live = (arm.counters or {}).get("hit_rate")
-    replayed = f", replayed {1 - row['miss_rate']:.3f}" if row else ""
-    print(f"{name}: predicted {pred:.1f} tok/s, measured {arm.mean_tok_s:.1f} "
-          f"({arm.mean_tok_s / pred:.3f}); hit rate live "
-          f"{live if live is not None else float('nan'):.3f}{replayed}")
-PY
+  $PY bench/plan_check.py "$J" "/tmp/pc/bl-$kind-$LAYERS.jsonl" "$P" \
+    | tee "$OUT/compare-$kind.txt"
 done
 echo "done after $SECONDS s"
