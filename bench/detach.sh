@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Run a bench runner past the device call that starts it (BENCH ONLY).
+#
+# A server killed by a call's 10-minute limit costs its whole start again; a process in its
+# own session (setsid) outlives the call, until the machine goes back (30 s idle). So:
+#   bash bench/detach.sh formats env OUT=/tmp/of FORMATS="fp8-block w4a16" \
+#     bash bench/run_formats_on_device.sh
+# (OUT on the box: the call's own $OUT is emptied before every call), then, in later calls,
+#   RESULTS=/tmp/of bash bench/detach.sh --poll formats 540
+# waits up to 540 s for it to end, prints the tail of its log, packs RESULTS into the call's
+# $OUT (results.tgz, with the log), and says whether it is still running (exit 3) or ended
+# (exit 0; the runner's own status is in /tmp/detached-NAME.rc).
+set -uo pipefail
+if [ "${1:-}" = "--poll" ]; then
+  name=$2 wait_s=${3:-540} t0=$SECONDS
+  while [ ! -f "/tmp/detached-$name.rc" ] && [ $((SECONDS - t0)) -lt "$wait_s" ]; do sleep 5; done
+  tail -n "${TAIL_LINES:-40}" "/tmp/detached-$name.log"
+  if [ -n "${OUT:-}" ] && [ -n "${RESULTS:-}" ] && [ -d "$RESULTS" ]; then
+    cp "/tmp/detached-$name.log" "$RESULTS/" 2>/dev/null
+    tar czf "$OUT/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
+  fi
+  if [ -f "/tmp/detached-$name.rc" ]; then
+    echo "detached $name ended: exit $(cat "/tmp/detached-$name.rc")"; exit 0
+  fi
+  echo "detached $name still running after ${wait_s} s"; exit 3
+fi
+name=$1; shift
+rm -f "/tmp/detached-$name.rc"
+setsid nohup bash -c '"$@"; echo $? > "/tmp/detached-'"$name"'.rc"' _ "$@" \
+  > "/tmp/detached-$name.log" 2>&1 < /dev/null &
+echo "detached $name: pid $!, log /tmp/detached-$name.log"
