@@ -64,9 +64,14 @@ def installs_per_token(rec: dict | None) -> float | None:
 
 
 def predicted_tok_s(resident: float, per_token: float, bytes_per_expert: int,
-                    gbps: float) -> float:
-    ms = 1000 / resident + 1000 * per_token * bytes_per_expert / (gbps * 1e9)
-    return 1000 / ms
+                    gbps: float, step_us: float = 0.0, layers: int = 0) -> float:
+    """The planner's own prediction (`planner.predict_ms`), single stream: every MoE layer
+    runs the cache's step once a token (``step_us`` from the format's probe, 0 if absent)."""
+    from expertcache_cli.planner import Inputs, predict_ms
+
+    inputs = Inputs(bytes_per_expert, "size", gbps, "probe", resident, "resident arm",
+                    step_us)
+    return 1000 / predict_ms(per_token, inputs, layers)
 
 
 def is_armed(rec: dict | None) -> bool:
@@ -100,7 +105,7 @@ def slot_path_served(rec: dict | None) -> bool:
 
 
 def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
-              gbps: float | None) -> list[str]:
+              gbps: float | None, step_us: float = 0.0, layers: int = 0) -> list[str]:
     """The format's lines: each arm's tok/s, and every goal with its verdict."""
     floor, res, hot = recs.get("floor"), recs.get("resident"), recs.get("hot")
     f_tok, r_tok, h_tok = median_tok_s(floor), median_tok_s(res), median_tok_s(hot)
@@ -126,7 +131,7 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
         if not slot_path_served(rec):
             per = None  # nothing served from slots: no installs to predict from
         if per is not None and r_tok and bytes_per_expert and gbps:
-            want = predicted_tok_s(r_tok, per, bytes_per_expert, gbps)
+            want = predicted_tok_s(r_tok, per, bytes_per_expert, gbps, step_us, layers)
             ratio = tok / want if tok else 0.0
             ok = abs(1 - ratio) <= PREDICTION_GOAL
             parts.append(f"{per:.2f} installs a token; predicted {want:.1f} tok/s, measured "
@@ -162,7 +167,7 @@ TABLE_HEAD = ("| format | plugin | tokens vs the floor | floor tok/s | cache tok
 
 
 def table_row(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
-              gbps: float | None) -> str:
+              gbps: float | None, step_us: float = 0.0, layers: int = 0) -> str:
     """The format's row of issue 11's table (RESULTS.md and the README take it as is): the
     arm that served from slots (the cache, else the kernel trial), the goals' ratios."""
     floor, res, hot = recs.get("floor"), recs.get("resident"), recs.get("hot")
@@ -190,33 +195,37 @@ def table_row(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
     per = installs_per_token(rec) if arm else None
     miss = "-"
     if per is not None and c_tok and r_tok and bytes_per_expert and gbps:
-        want = predicted_tok_s(r_tok, per, bytes_per_expert, gbps)
+        want = predicted_tok_s(r_tok, per, bytes_per_expert, gbps, step_us, layers)
         miss = f"{c_tok / want:.3f} ({c_tok:.1f} / {want:.1f})"
     return (f"| {fmt} | {plugin} | {same} | {_fmt(f_tok)} | {speed} | {all_hit} | {miss} |")
 
 
-def load_run(fmt: str, d: Path) -> tuple[dict[str, dict], int | None, float | None]:
-    """A format's server records, its bytes an expert (`size --json`) and its probed gather
-    rate, from a run directory (missing pieces: absent, None)."""
+def load_run(fmt: str, d: Path) -> tuple[dict[str, dict], int | None, float | None, float,
+                                         int]:
+    """A format's server records, its bytes an expert and MoE layers (`size --json`), and
+    its probe's gather rate and cache step, from a run directory (missing: None or 0)."""
     recs = {}
     for arm in ("floor", "cache", "trial", "resident", "hot"):
         p = d / f"{fmt}-{arm}.json"
         if p.exists():
             recs[arm] = json.loads(p.read_text())
     bytes_per_expert = gbps = None
+    step_us, layers = 0.0, 0
     try:
-        bytes_per_expert = int(json.loads((d / f"{fmt}-size.json").read_text())
-                               ["bytes_per_expert"])
+        size = json.loads((d / f"{fmt}-size.json").read_text())
+        bytes_per_expert = int(size["bytes_per_expert"])
+        layers = int(size.get("num_moe_layers") or 0)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     try:
         from expertcache_cli.errors import UserError
-        from expertcache_cli.planner import link_from_probe
+        from expertcache_cli.planner import read_probe
 
-        gbps, _ = link_from_probe(d / f"{fmt}-probe.json")
+        gbps, _, step = read_probe(d / f"{fmt}-probe.json")
+        step_us = step[0] if step else 0.0
     except (OSError, UserError):
         pass
-    return recs, bytes_per_expert, gbps
+    return recs, bytes_per_expert, gbps, step_us, layers
 
 
 def main(argv: list[str]) -> int:

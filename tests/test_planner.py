@@ -178,7 +178,7 @@ def test_plan_for_a_batch_with_the_staged_path_says_what_it_rests_on():
 
 
 def test_a_fast_resident_rate_warns_that_the_host_may_pace_decoding():
-    """H200: an 8-layer model at 614 tok/s resident ran 1.21x the additive prediction
+    """H200: an 8-layer model at 614 tok/s resident ran 1.22x the additive prediction
     (installs hid in GPU idle time); the plan says where its model may not hold."""
     trace = load(TRACE)
 
