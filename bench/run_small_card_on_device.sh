@@ -181,8 +181,8 @@ def load(name):
     return json.load(open(f"/tmp/sc/{name}.json"))
 mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
 res, stats, quiet = load("resident"), load("cache24"), load("cache24q")
-gbps, src = planner.link_from_probe(sys.argv[1])
-step = planner.step_from_probe(sys.argv[1]) or (0.0, "not measured")
+gbps, src, step = planner.read_probe(sys.argv[1])
+step = step or (0.0, "not measured")
 b, a = stats["counters_before"], stats["counters_after"]
 per_token = (a["installs"] - b["installs"]) / stats["decode_tokens"]
 size = json.load(open(sys.argv[1].replace("probe.json", "size24.json")))

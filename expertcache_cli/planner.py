@@ -84,17 +84,6 @@ def read_probe(path: str | Path) -> tuple[float, str, tuple[float, str] | None]:
     return (*_link_of(data, path), _step_of(data, path))
 
 
-def link_from_probe(path: str | Path) -> tuple[float, str]:
-    """The gather rate a saved `probe-link --json` measured (the cache's own copy path)."""
-    return _link_of(_read_json(path, "--probe", "probe-link --save"), path)
-
-
-def step_from_probe(path: str | Path) -> tuple[float, str] | None:
-    """The all-hit cache step a saved `probe-link --json` measured (us per MoE layer), or
-    None when that probe did not measure it."""
-    return _step_of(_read_json(path, "--probe", "probe-link --save"), path)
-
-
 def _link_of(data: Any, path: str | Path) -> tuple[float, str]:
     from .probe.report import Rate, gather_row, is_stand_in
 

@@ -58,44 +58,44 @@ def test_the_cache_step_is_paid_in_every_moe_layer_every_step():
 
 
 def test_the_step_is_read_from_a_probe_that_measured_it(tmp_path):
-    assert planner.step_from_probe(PROBE) is None  # this probe predates the measurement
+    assert planner.read_probe(PROBE)[2] is None  # this probe predates the measurement
     data = json.loads(PROBE.read_text())
     data["step_us"] = 3.71
     saved = tmp_path / "probe.json"
     saved.write_text(json.dumps(data))
-    us, src = planner.step_from_probe(saved)
+    us, src = planner.read_probe(saved)[2]
     assert us == 3.71 and "the cache step" in src and "NVIDIA H200" in src
 
 
 def test_inputs_read_from_a_saved_probe_and_a_baseline_file(tmp_path):
-    rate, src = planner.link_from_probe(PROBE)
+    rate, src = planner.read_probe(PROBE)[:2]
     assert rate == pytest.approx(49.48, abs=0.01) and "NVIDIA H200" in src
     tok_s, src = planner.resident_from_baseline(BASELINE)
     assert tok_s == pytest.approx(605.1, abs=0.1) and "3 restart(s)" in src
     with pytest.raises(UserError, match="not JSON"):
-        planner.link_from_probe(BASELINE)  # JSON lines, not a probe
+        planner.read_probe(BASELINE)[:2]  # JSON lines, not a probe
     other = tmp_path / "other.json"
     other.write_text('{"decode": {}}')
     with pytest.raises(UserError, match="no measured gather rate"):
-        planner.link_from_probe(other)
+        planner.read_probe(other)[:2]
 
 
 def test_a_gather_only_probe_is_read_and_a_stand_in_gather_refused(tmp_path):
     """`probe-link --only gather` saves gather rows but no decode ceilings (no HBM figure):
     the rate is the row nearest the model's top_k, as the full probe's conclusion picks."""
     data = json.loads(PROBE.read_text())
-    full_rate, _ = planner.link_from_probe(PROBE)
+    full_rate, _ = planner.read_probe(PROBE)[:2]
     want = next(r for r in data["gather"] if r["path"] == data["decode"]["gather_row"])
     assert full_rate == want["gbps"]
     data.pop("decode")
     only = tmp_path / "gather-only.json"
     only.write_text(json.dumps(data))
-    rate, src = planner.link_from_probe(only)
+    rate, src = planner.read_probe(only)[:2]
     assert rate == full_rate and want["path"] in src
     data["gather_impl"] = "FALLBACK: torch index_select over a UVA view"
     only.write_text(json.dumps(data))
     with pytest.raises(UserError, match="stand-in"):
-        planner.link_from_probe(only)
+        planner.read_probe(only)[:2]
 
 
 def test_the_recommendation_is_the_fastest_budget_that_fits():

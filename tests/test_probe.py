@@ -237,8 +237,8 @@ def test_the_cache_step_is_measured_saved_and_read_by_plan(monkeypatch, tmp_path
     assert calls == ["gather", "step"] and rep.step_us == 3.7
     saved = tmp_path / "probe.json"
     saved.write_text(json.dumps(rep.to_json()))
-    assert planner.step_from_probe(saved)[0] == 3.7
-    assert planner.link_from_probe(saved)[0] == 48.0
+    assert planner.read_probe(saved)[2][0] == 3.7
+    assert planner.read_probe(saved)[0] == 48.0
 
 
 def test_every_measured_row_has_one_label():
