@@ -89,7 +89,9 @@ class RoutedExperts:
 
     def named_parameters(self, recurse: bool = True):
         assert recurse is False, "the planner must only look at the layer's own tensors"
-        return iter(self._params.items())
+        seen: set[int] = set()  # as torch: a Parameter under two names is listed once
+        return iter([(n, t) for n, t in self._params.items()
+                     if t is None or not (id(t) in seen or seen.add(id(t)))])
 
     def named_buffers(self, recurse: bool = True):
         assert recurse is False

@@ -97,6 +97,21 @@ def test_experts_held_outside_the_parameters_are_named_as_resident():
         quant_method=UnquantizedFusedMoEMethod(monolithic=True)), CFG).reason
 
 
+def test_experts_aliased_under_a_second_name_are_not_called_outside():
+    """Marlin WNA16 (compressed-tensors) and AWQ set ``layer.w13_weight =
+    layer.w13_qweight``: one Parameter under two names, which torch lists once, under the
+    first. H200, vLLM 0.26: the W4A16 and AWQ layers were declined as "outside the layer's
+    parameters" while vLLM had offloaded them (1.4 GiB of weights in VRAM)."""
+    layer = RoutedExperts()
+    w13, w2 = layer._params.pop("w13_weight"), layer._params.pop("w2_weight")
+    layer._params = {"w13_qweight": w13, "w2_qweight": w2, **layer._params,
+                     "w13_weight": w13, "w2_weight": w2}
+    layer.w13_weight, layer.w2_weight = w13, w2
+    assert [n for n, _ in layer.named_parameters(recurse=False)][:2] == [
+        "w13_qweight", "w2_qweight"]
+    assert "outside the layer's parameters" not in plan_layer(layer, CFG).reason
+
+
 def test_per_expert_tensor_held_by_the_quant_method_is_declined():
     qm = UnquantizedFusedMoEMethod()
     qm.w13_scale_cache = FakeTensor((128, 64), "float32")

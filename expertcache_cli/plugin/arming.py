@@ -165,8 +165,11 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
         return decline("no quant method on the layer (unknown layout)")
     qm_name = type(qm).__name__
     params = dict(_named(layer, "named_parameters"))
-    outside = [n for n in ("w13_weight", "w2_weight")
-               if n not in params and getattr(layer, n, None) is not None]
+    # by identity, not name: Marlin WNA16 and AWQ alias ``w13_weight`` to ``w13_qweight``
+    # (one Parameter, two names), which named_parameters lists once, under the first
+    held = [getattr(layer, n, None) for n in ("w13_weight", "w2_weight")]
+    outside = [n for n, t in zip(("w13_weight", "w2_weight"), held, strict=True)
+               if t is not None and not any(t is p for p in params.values())]
     if outside:  # said first: it is about memory, whatever the cache could do
         kind = type(getattr(layer, outside[0])).__name__
         return decline(
