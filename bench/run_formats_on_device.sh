@@ -20,6 +20,9 @@
 # then, per format, one line: floor, cache, resident and all-hit tok/s, the missing arm
 # against the tok/s predicted from its live installs and the link (`probe-link --only
 # gather --model` at the format's slab size; goal 10%), and whether the greedy tokens equal the floor's.
+# PROFILE=1 adds, in the resident and all-hit servers, a torch-profiler record of one
+# request's decode steps and `bench/profile_report.py`'s comparison ($OUT/FMT-profile.txt):
+# where the all-hit cache's time a step goes, kernel by kernel.
 # Re-entrant (an arm whose JSON says ok is not run again); split by FORMATS across calls:
 #   FORMATS="w8a8 fp8-block" bash bench/run_formats_on_device.sh
 set -uo pipefail
@@ -77,10 +80,21 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
   # resident and all-hit only where some layer served from its slots (past its first-call check)
   if served "$fmt-cache" || served "$fmt-trial"; then
     if ! done_arm "$fmt-resident" || ! done_arm "$fmt-hot"; then ckpt "$H" "$S"; fi
-    run_arm "$fmt-resident" --env EXPERT_CACHE_DISABLE=1 \
-      -- "$PY" -m vllm.entrypoints.cli.main serve "$H" "${COMMON[@]}"
-    run_arm "$fmt-hot" "${hot_env[@]}" \
-      -- "$PY" -m expertcache_cli serve "$H" --vram 141 --slots "$S" -- "${COMMON[@]}"
+    # PROFILE=1: both arms also record one request's decode steps (bench/profile_report.py)
+    prof_r=() prof_h=() vprof_r=() vprof_h=()
+    if [ "${PROFILE:-0}" = 1 ]; then
+      prof_r=(--profile "$FM/prof-$fmt-resident") prof_h=(--profile "$FM/prof-$fmt-hot")
+      vprof_r=(--profiler-config "$($PY bench/small_card.py --print-profiler-config "${prof_r[1]}")")
+      vprof_h=(--profiler-config "$($PY bench/small_card.py --print-profiler-config "${prof_h[1]}")")
+    fi
+    run_arm "$fmt-resident" --env EXPERT_CACHE_DISABLE=1 "${prof_r[@]}" \
+      -- "$PY" -m vllm.entrypoints.cli.main serve "$H" "${COMMON[@]}" "${vprof_r[@]}"
+    run_arm "$fmt-hot" "${hot_env[@]}" "${prof_h[@]}" \
+      -- "$PY" -m expertcache_cli serve "$H" --vram 141 --slots "$S" -- "${COMMON[@]}" "${vprof_h[@]}"
+    if [ "${PROFILE:-0}" = 1 ]; then
+      $PY bench/profile_report.py "$FM/prof-$fmt-resident" "$FM/prof-$fmt-hot" \
+        --labels resident,all-hit 2>&1 | tee "$OUT/$fmt-profile.txt"
+    fi
   fi
   $PY bench/formats_report.py "$fmt" "$FM" | tee -a "$OUT/formats.txt"
   # the disk holds two or three formats' checkpoints at a time, not seven

@@ -12,10 +12,12 @@ serve` for the resident ceiling). Per arm, in one server:
 4. the greedy tokens of one fixed prompt (temperature 0), twice, with each position's
    top-2 logprob margin: the cache arm must produce the floor's exactly, and where two
    servers part, `compare_greedy` says whether it was at a near-tie;
-5. optionally ``--streams N`` concurrent streams (the padding check: with the
+5. optionally ``--profile DIR``: one request's decode steps under vLLM's torch profiler
+   (the server started with `profiler_args`; `bench/profile_report.py` reads the traces);
+6. optionally ``--streams N`` concurrent streams (the padding check: with the
    recommended ``--max-num-seqs`` no decode-width step may read through), with the
    counters before and after them (what padded rows cost: requests and installs);
-6. stop (SIGINT, drain), then from the log: the plugin's startup line (layers armed,
+7. stop (SIGINT, drain), then from the log: the plugin's startup line (layers armed,
    slots), its memory-plan line, vLLM's "Available KV cache memory", and the final
    counters line.
 
@@ -106,6 +108,43 @@ def compare_greedy(a: dict, b: dict) -> dict:
     return {"identical": split is None and len(ta) == len(tb), "first_difference": split,
             "compared": n, "margin_a": margin(a), "margin_b": margin(b),
             "max_logprob_diff_before": max(diffs) if diffs else None}
+
+
+#: decode steps one profile records, after skipping the first two engine steps (the
+#: prefill, which reads the host through in a cache arm, and the first decode step)
+PROFILE_STEPS = 32
+PROFILE_SKIP = 2
+
+
+def profiler_args(trace_dir: str) -> list[str]:
+    """vLLM's flags for a server `profile_decode` can record (vLLM 0.26's ProfilerConfig):
+    the torch profiler, no Python stacks (they would dominate the host side), the first
+    `PROFILE_SKIP` steps after /start_profile skipped and `PROFILE_STEPS` recorded."""
+    cfg = {"profiler": "torch", "torch_profiler_dir": trace_dir,
+           "torch_profiler_with_stack": False, "delay_iterations": PROFILE_SKIP,
+           "max_iterations": PROFILE_STEPS}
+    return ["--profiler-config", json.dumps(cfg)]
+
+
+def profile_decode(base_url: str, model_id: str, trace_dir: Path, wait_s: float = 180) -> dict:
+    """One greedy request long enough to cover the profiled steps, between /start_profile
+    and /stop_profile; waits until the trace files appear in ``trace_dir``."""
+    import httpx
+
+    before = set(trace_dir.rglob("*")) if trace_dir.exists() else set()
+    with httpx.Client(base_url=base_url, timeout=300) as c:
+        c.post("/start_profile").raise_for_status()
+        run = measure_run(base_url, model_id, PROMPT, PROFILE_SKIP + PROFILE_STEPS + 16)
+        c.post("/stop_profile").raise_for_status()
+    t0 = time.time()
+    files: list[str] = []
+    while time.time() - t0 < wait_s:
+        files = sorted(str(p) for p in set(trace_dir.rglob("*.json*")) - before)
+        if files:
+            break
+        time.sleep(2)
+    return {"dir": str(trace_dir), "files": files, "tok_s": run.tok_s,
+            "steps_requested": PROFILE_STEPS}
 
 
 def counters_now(log: Path) -> dict | None:
@@ -237,6 +276,9 @@ def run_arm(a: argparse.Namespace) -> dict:
         rec["smi_after_runs"] = smi_memory()
         rec["greedy"] = greedy_ids(server.base_url, mid, a.greedy_tokens)
         rec["greedy_again"] = greedy_ids(server.base_url, mid, a.greedy_tokens)
+        if a.profile:
+            rec["profile"] = profile_decode(server.base_url, mid, Path(a.profile))
+            save()
         if a.streams:
             s_before = counters_now(log)
             res = measure_run(server.base_url, mid, PROMPT, a.max_tokens // 2, a.streams)
@@ -302,6 +344,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--greedy-tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=0)
+    ap.add_argument("--profile", default=None,
+                    help="trace directory: profile one request's decode steps (the server "
+                         "must carry `profiler_args(DIR)`; `--print-profiler-config DIR`)")
+    if sys.argv[1:2] == ["--print-profiler-config"]:  # for the runners: --profiler-config "$(...)"
+        print(profiler_args(sys.argv[2])[1])
+        return 0
     rec = run_arm(parse_arm_argv(ap))
     brief = {k: rec.get(k) for k in ("arm", "status", "start_s", "tok_s", "error")}
     lg = rec.get("log") or {}

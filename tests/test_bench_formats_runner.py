@@ -37,7 +37,8 @@ from pathlib import Path
 args = sys.argv[1:]
 with open(os.environ["STUB_LOG"], "a") as log:
     log.write(" ".join(args) + "\n")
-if args[0].endswith("formats_report.py"):
+if args[0].endswith("formats_report.py") or args[0].endswith("profile_report.py") or \
+        args[1:2] == ["--print-profiler-config"]:
     os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
 if args[0].endswith("write_checkpoint.py"):
     d = Path(args[1]); d.mkdir(parents=True)
@@ -54,6 +55,15 @@ elif args[0].endswith("small_card.py"):
            "log": {"startup_line": startup, "check_line": check, "declined": []}}
     (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
     (out / f"{name}.log").write_text("log\n")
+    if "--profile" in args:  # a trace as vLLM's profiler writes it: 2 steps, 1 or 2 kernels
+        d = Path(args[args.index("--profile") + 1]); d.mkdir(parents=True, exist_ok=True)
+        ev = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 1}] * 2
+        ev += [{"ph": "X", "cat": "kernel", "name": "fused_moe_kernel", "ts": 10 * i, "dur": 5}
+               for i in range(2)]
+        if name.endswith("-hot"):
+            ev += [{"ph": "X", "cat": "kernel", "name": "expert_cache_manage_kernel",
+                    "ts": 10 * i + 6, "dur": 2} for i in range(2)]
+        (d / "w.pt.trace.json").write_text(json.dumps({"traceEvents": ev}))
 '''
 
 
@@ -62,7 +72,8 @@ def runner(tmp_path):
     """A copy of the bench with a stub setup, and a function that runs the runner."""
     bench = tmp_path / "tree" / "bench"
     bench.mkdir(parents=True)
-    for f in ("run_formats_on_device.sh", "formats_report.py", "small_card.py"):
+    for f in ("run_formats_on_device.sh", "formats_report.py", "small_card.py",
+              "profile_report.py"):
         shutil.copy(ROOT / "bench" / f, bench / f)
     (bench / "_device_vllm.sh").write_text("device_vllm_setup() { return 0; }\n")
     stub = tmp_path / "stubpy"
@@ -70,9 +81,9 @@ def runner(tmp_path):
     stub.chmod(0o755)
     log = tmp_path / "calls.log"
 
-    def run(formats: str) -> list[str]:
+    def run(formats: str, **extra: str) -> list[str]:
         log.write_text("")
-        env = {**os.environ, "PY": str(stub), "REAL_PY": sys.executable,
+        env = {**os.environ, **extra, "PY": str(stub), "REAL_PY": sys.executable,
                "STUB_LOG": str(log), "STUB_ARMS": json.dumps(ARMS), "FORMATS": formats,
                "FM": str(tmp_path / "fm"), "OUT": str(tmp_path / "out"),
                "PYTHONPATH": str(ROOT)}
@@ -119,3 +130,20 @@ def test_a_declined_format_with_a_sent_back_trial_gets_no_resident_or_all_hit_ar
 def test_the_trial_runs_only_for_the_formats_named(runner):
     run, _ = runner
     assert _servers(run("awq")) == ["awq-floor", "awq-cache"]  # declined: no trial by default
+
+
+def test_profile_records_both_all_hit_servers_and_compares_them(runner):
+    """PROFILE=1: the resident and all-hit servers carry vLLM's profiler config and record
+    one request; the comparison lands in OUT (where the all-hit cache's ~8 us a layer that
+    the probed step does not explain goes)."""
+    run, tmp = runner
+    calls = run("fp8-block", PROFILE="1")
+    for arm in ("fp8-block-resident", "fp8-block-hot"):
+        call = next(c for c in calls if c.startswith(f"bench/small_card.py {arm} "))
+        assert f"--profile {tmp / 'fm' / ('prof-' + arm)}" in call
+        assert '"profiler": "torch"' in call and f"prof-{arm}" in call.split("--profiler-config")[1]
+    floor = next(c for c in calls if c.startswith("bench/small_card.py fp8-block-floor "))
+    assert "--profile" not in floor
+    report = (tmp / "out" / "fp8-block-profile.txt").read_text()
+    assert "GPU launches a step: resident 1.0, all-hit 2.0 (+1.0)" in report
+    assert "expert_cache_manage_kernel" in report

@@ -1,0 +1,159 @@
+"""Where an all-hit cache's decode time goes: two vLLM profiler traces, kernel by kernel.
+
+Why: with every expert a hit, the cache should cost only its per-layer step (probed at
+~4.1 us a MoE layer on the H200), yet served it costs ~12 us a layer (fp8-block, 24
+layers: 0.874 of resident; the 8-layer bf16 profile and the 48-layer W8A8 run showed the
+same ~11 us). An event window cannot say which part; the GPU's own kernel records can.
+`bench/small_card.py --profile DIR` records the decode steps of one request with vLLM's
+torch profiler (the prefill skipped: it reads the host through in the cache arm); this
+reads the Chrome traces it wrote and prints, per decode step, the GPU's busy time, its
+span (busy plus the gaps between kernels), the kernels launched, and the kernels whose
+time differs most between the two arms.
+
+    python bench/profile_report.py RESIDENT_DIR CACHE_DIR [--labels resident,hot] [--top 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: trace categories that are GPU work
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+#: the host call that replays one captured decode step
+GRAPH_LAUNCH = "cudaGraphLaunch"
+
+
+@dataclass
+class GpuSummary:
+    """One arm's profiled window: GPU work by kernel name, and how many decode steps."""
+
+    steps: int
+    busy_us: float
+    span_us: float
+    launches: int
+    by_name: dict[str, list[float]] = field(default_factory=dict)  # name -> [us, count]
+    files: list[str] = field(default_factory=list)
+
+
+def trace_files(path: Path) -> list[Path]:
+    """The Chrome traces under ``path`` (a file, or a directory vLLM's profiler wrote)."""
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file()
+                  and (p.name.endswith(".json") or p.name.endswith(".json.gz")))
+
+
+def load_events(path: Path) -> list[dict]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data.get("traceEvents", []) if isinstance(data, dict) else data
+
+
+def _busy(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (overlapping kernels count once)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def summarize(path: Path) -> GpuSummary:
+    """Sum the GPU events of every trace under ``path``; steps = graph replays seen."""
+    files = trace_files(path)
+    if not files:
+        raise FileNotFoundError(f"no profiler trace (*.json[.gz]) under {path}")
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    intervals: list[tuple[float, float]] = []
+    steps = 0
+    for f in files:
+        for ev in load_events(f):
+            if ev.get("ph") != "X":
+                continue
+            cat, name = ev.get("cat", ""), ev.get("name", "")
+            if cat in GPU_CATS:
+                ts, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
+                by_name[name][0] += dur
+                by_name[name][1] += 1
+                intervals.append((ts, ts + dur))
+            elif cat == "cuda_runtime" and name == GRAPH_LAUNCH:
+                steps += 1
+    span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0.0
+    return GpuSummary(steps=steps, busy_us=_busy(intervals), span_us=span,
+                      launches=sum(int(c) for _, c in by_name.values()),
+                      by_name=dict(by_name), files=[str(f) for f in files])
+
+
+def short(name: str, width: int = 64) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def compare(a: GpuSummary, b: GpuSummary, labels: tuple[str, str] = ("resident", "cache"),
+            top: int = 15) -> list[str]:
+    """Per decode step: busy, span and launches of both arms, then the kernels whose time
+    a step differs most (b - a), with their launches a step."""
+    for lab, s in zip(labels, (a, b), strict=True):
+        if s.steps <= 0:
+            raise ValueError(f"{lab}: no {GRAPH_LAUNCH} in the trace: no captured decode "
+                             "step was profiled (CUDA graphs off, or only the prefill)")
+    na, nb = a.steps, b.steps
+    la, lb = labels
+    out = [
+        f"decode steps profiled: {la} {na}, {lb} {nb}",
+        f"GPU busy a step: {la} {a.busy_us / na:.1f} us, {lb} {b.busy_us / nb:.1f} us "
+        f"({(b.busy_us / nb - a.busy_us / na):+.1f})",
+        f"GPU span a step (busy + gaps): {la} {a.span_us / na:.1f} us, {lb} "
+        f"{b.span_us / nb:.1f} us ({(b.span_us / nb - a.span_us / na):+.1f})",
+        f"GPU launches a step: {la} {a.launches / na:.1f}, {lb} {b.launches / nb:.1f} "
+        f"({(b.launches / nb - a.launches / na):+.1f})",
+        f"kernels by the difference a step ({lb} - {la}), us a step and launches a step:",
+    ]
+    names = set(a.by_name) | set(b.by_name)
+
+    def per_step(s: GpuSummary, n: str, i: int) -> float:
+        return s.by_name.get(n, [0.0, 0])[i] / s.steps
+
+    diffs = sorted(names, key=lambda n: -abs(per_step(b, n, 0) - per_step(a, n, 0)))
+    for n in diffs[:top]:
+        ua, ub = per_step(a, n, 0), per_step(b, n, 0)
+        ca, cb = per_step(a, n, 1), per_step(b, n, 1)
+        out.append(f"  {ub - ua:+8.1f} us  {la} {ua:8.1f} ({ca:5.1f})  {lb} {ub:8.1f} "
+                   f"({cb:5.1f})  {short(n)}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("a", type=Path)
+    ap.add_argument("b", type=Path)
+    ap.add_argument("--labels", default="resident,cache")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args(argv)
+    labels = tuple(args.labels.split(",", 1))
+    if len(labels) != 2:
+        print("profile_report: --labels takes two names, comma-separated", file=sys.stderr)
+        return 2
+    try:
+        lines = compare(summarize(args.a), summarize(args.b), labels, args.top)
+    except (OSError, ValueError) as exc:
+        print(f"profile_report: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
