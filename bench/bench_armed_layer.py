@@ -6,14 +6,16 @@ Why: served with every expert a hit, fp8-block at 24 layers kept 0.874 of reside
 a MoE layer) while the probed cache step (manager + no-miss gather) is ~4.1 us. The
 difference is either the plugin's own Python path at capture (`ArmedLayer.forward_modular`:
 the padding mask of vLLM's V1 runner, the two ``torch.where`` around the step, the bound
-stock call) or the experts kernel itself on slots. This bench times the first part alone,
+stock call) or the experts kernel itself on slots. Since ABI 2 the manager reads V1's count
+of real rows itself; the bench times both ways. This bench times the first part alone,
 in CUDA graphs of ``--layers`` layers as vLLM captures them, with the real `ArmedLayer`
 around a stock call that only copies its input (the experts' GEMMs left out on purpose):
 
     stock        the stock call alone (the baseline)
     step         the cache's step + the stock call (what `probe-link` measures, plus it)
-    armed        `ArmedLayer.forward_modular`, no padding mask (V2 runner, or none known)
-    armed+mask   the same with the V1 runner's mask (rows past a device token count)
+    armed        `ArmedLayer.forward_modular`, no padding rows known
+    armed+mask   the same, V1's padding rows masked in torch (a compare, two torch.where)
+    armed+count  the same, V1's count of real rows read by the manager (what serves now)
 
 Each printed with its cost over ``stock`` per layer and the ratio of the armed path to the
 step alone. The layers are fp8-block-shaped (Qwen3-30B-A3B-FP8: fp8 w13/w2 and fp32 block
@@ -88,7 +90,7 @@ def main() -> None:
 
     token_count = torch.tensor([args.tokens], dtype=torch.int32, device="cuda")
 
-    def build(padded: bool) -> tuple[list, list]:
+    def build(padding: str) -> tuple[list, list]:
         layers, armed = [], []
         for i in range(L):
             layer = Layer(i)
@@ -96,7 +98,9 @@ def main() -> None:
             assert d.action == ARM, d.reason
             cache = SlotCache(E, S, {s.name: (s.shape, s.dtype) for s in d.specs},
                               policy="lru", device="cuda", name=d.layer_name)
-            pad = mask_reader(token_count, 64) if padded else (lambda n: None)
+            reader = mask_reader(token_count, 64)
+            pad = {"none": lambda n: None, "mask": reader.__call__,  # no .count: masked
+                   "count": reader}[padding]
             a = ArmedLayer(layer, d, cache, index=i, padding=pad)
             a.install()
             layers.append(layer)
@@ -108,16 +112,17 @@ def main() -> None:
                            .astype(np.int32)).cuda()
     x = torch.randn(rows, 2048, dtype=torch.bfloat16, device="cuda")
     w = torch.rand(rows, K, device="cuda")
-    plain, armed_plain = build(False)
-    masked, armed_masked = build(True)
-    for layers in (plain, masked):
+    plain, armed_plain = build("none")
+    masked, armed_masked = build("mask")
+    counted, armed_counted = build("count")
+    for layers in (plain, masked, counted):
         for layer in layers:  # eager: the first-call check, and the installs
             layer.forward_modular(x, w, ids)
-    for a in armed_plain + armed_masked:
+    for a in armed_plain + armed_masked + armed_counted:
         a.cache.check_sources({n: a.layer._parameters[n] for n in a.names})
         assert a.checked["slots"] == 0.0, "the first-call check did not pass"
     torch.cuda.synchronize()
-    every = armed_plain + armed_masked
+    every = armed_plain + armed_masked + armed_counted
 
     def installs() -> int:
         return sum(int(a.cache.stats[1].item()) for a in every)
@@ -137,6 +142,7 @@ def main() -> None:
                               f(x, w, ids)) for a, f in zip(armed_plain, stock, strict=True)]),
         "armed": run(lambda: [layer.forward_modular(x, w, ids) for layer in plain]),
         "armed+mask": run(lambda: [layer.forward_modular(x, w, ids) for layer in masked]),
+        "armed+count": run(lambda: [layer.forward_modular(x, w, ids) for layer in counted]),
     }
     assert installs() == warm, "a timed step missed: not the all-hit steady state"
     print(f"layers={L} E={E} S={S} rows={rows} ({args.tokens} real, the rest padding)")
@@ -145,7 +151,7 @@ def main() -> None:
     for name, us in t.items():
         print(f"| {name} | {us:.2f} | {us - t['stock']:+.2f} |")
     step = t["step"] - t["stock"]
-    for name in ("armed", "armed+mask"):
+    for name in ("armed", "armed+mask", "armed+count"):
         print(f"{name}: {t[name] - t['stock']:.2f} us/layer over stock = "
               f"{(t[name] - t['stock']) / step:.2f}x the step alone ({step:.2f} us)")
 

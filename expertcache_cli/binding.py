@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .policy import Policy
 
-ABI_VERSION = 1  # = EC_ABI_VERSION in expert_cache.cu
+ABI_VERSION = 2  # = EC_ABI_VERSION in expert_cache.cu
 THREADS = 256  # = EC_THREADS: manager block size and gather block size
 MAX_EXPERTS = 16384  # = EC_MAX_EXPERTS
 MAX_SLOTS = 1024  # = EC_MAX_SLOTS
@@ -135,6 +135,8 @@ MANAGE_ARGS: tuple[tuple[str, type], ...] = (
     ("miss_count", ctypes.c_void_p),
     ("out_ids", ctypes.c_void_p),
     ("stats", ctypes.c_void_p),
+    ("real_rows", ctypes.c_void_p),
+    ("row_width", ctypes.c_int),
     ("num_experts", ctypes.c_int),
     ("num_slots", ctypes.c_int),
     ("policy", ctypes.c_int),
@@ -329,13 +331,16 @@ class ManageLauncher:
         fixed = dict(
             ids=0, n_ids=0, ids_is64=0, table=table, slot_expert=slot_expert, prio=prio,
             step=step, miss_expert=miss_expert, miss_slot=miss_slot, miss_count=miss_count,
-            out_ids=0, stats=stats, num_experts=num_experts, num_slots=num_slots,
+            out_ids=0, stats=stats, real_rows=0, row_width=1, num_experts=num_experts,
+            num_slots=num_slots,
             policy=policy, decay=decay, max_distinct=max_distinct, max_inserts=max_inserts,
         )
         #: the arguments in MANAGE_ARGS order, as ctypes values rewritten in place per call
         self.values = [ctype(fixed[name]) for name, ctype in MANAGE_ARGS]
-        self._ids, self._n, self._is64, self._out = (self.values[0], self.values[1],
-                                                     self.values[2], self.values[10])
+        at = {name: i for i, (name, _) in enumerate(MANAGE_ARGS)}
+        self._ids, self._n, self._is64, self._out, self._real, self._width = (
+            self.values[at[k]] for k in ("ids", "n_ids", "ids_is64", "out_ids", "real_rows",
+                                         "row_width"))
         self._params = (ctypes.c_void_p * len(self.values))(
             *[ctypes.addressof(v) for v in self.values]
         )
@@ -343,14 +348,23 @@ class ManageLauncher:
         self.params_addr = ctypes.addressof(self._params)
         self.smem = manage_smem_bytes(num_experts, num_slots)
 
-    def __call__(self, ids: int, n_ids: int, ids_is64: bool, out_ids: int, stream: int) -> None:
-        """Launch one manager step on ``stream`` (raw pointers; `SlotCache` checks tensors)."""
+    def __call__(self, ids: int, n_ids: int, ids_is64: bool, out_ids: int, stream: int,
+                 real_rows: int = 0, row_width: int = 1) -> None:
+        """Launch one manager step on ``stream`` (raw pointers; `SlotCache` checks tensors).
+
+        ``real_rows``: the device address of an int32 count of the rows of ids that are
+        real (0: all are), ``row_width`` ids a row: later rows are CUDA-graph padding, kept
+        out of the step and remapped to slot 0, by the kernel itself (no mask launches)."""
         if n_ids < 0 or n_ids >= 2**31 or (n_ids and not ids):
             raise ValueError(f"bad routing ids: n_ids={n_ids}, pointer={ids:#x}")
+        if real_rows and not 1 <= row_width < 2**31:
+            raise ValueError(f"bad row width {row_width} for the real-rows count")
         self._ids.value = ids or None
         self._n.value = n_ids
         self._is64.value = 1 if ids_is64 else 0
         self._out.value = out_ids or None
+        self._real.value = real_rows or None
+        self._width.value = row_width
         self.kernels.run_manage(self, stream)
 
 

@@ -198,18 +198,38 @@ class SlotCache:
         for key in self.specs:
             self._source_ptr(key, sources)
 
-    def step(self, topk_ids: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def step(self, topk_ids: torch.Tensor, sources: Mapping[str, torch.Tensor],
+             real_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Manage + gather on torch's current stream; returns slot-space ids.
 
         The result has the shape and dtype of ``topk_ids``; padding (< 0 or >= E) passes
-        through unchanged. No host synchronisation happens here.
+        through unchanged. ``real_rows``: a one-element int32 tensor on this device, the
+        number of leading rows of ``topk_ids`` that are real; the rest (CUDA-graph padding)
+        are kept out of the step and come back as slot 0, read by the manager itself at
+        run time (`policy.padding_rows`). No host synchronisation happens here.
         """
         import torch
 
         ids = self._checked_ids(topk_ids)
         out = torch.empty_like(ids)
-        self._run(self._manage, ids, out.data_ptr(), sources)
+        real_ptr, width = 0, 1
+        if real_rows is not None:
+            real_ptr = self._checked_real_rows(real_rows)
+            width = ids.numel() // ids.shape[0] if ids.dim() >= 1 and ids.shape[0] else 1
+        self._run(self._manage, ids, out.data_ptr(), sources, real_ptr, width)
         return out
+
+    def _checked_real_rows(self, real_rows: torch.Tensor) -> int:
+        """The count's address: one int32 on this cache's device (else ValueError)."""
+        import torch
+
+        if (real_rows.device != self.device or real_rows.dtype != torch.int32
+                or real_rows.numel() != 1):
+            raise ValueError(
+                f"{self._label()}real_rows must be one int32 on {self.device}, not "
+                f"{tuple(real_rows.shape)} {real_rows.dtype} on {real_rows.device}"
+            )
+        return real_rows.data_ptr()
 
     def step_wide(self, topk_ids: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> None:
         """A step too wide for the slots (docs/design.md, Wide steps): the manager with no
@@ -235,14 +255,16 @@ class SlotCache:
         return topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
 
     def _run(self, manage: binding.ManageLauncher, ids: torch.Tensor, out_ptr: int,
-             sources: Mapping[str, torch.Tensor]) -> None:
+             sources: Mapping[str, torch.Tensor], real_rows: int = 0,
+             row_width: int = 1) -> None:
         """One manager launch, then the gather of its installs, on the current stream
         (sources checked first: a bad one refuses before anything is launched)."""
         import torch
 
         srcs = [self._source_ptr(key, sources) for key in self.specs]
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        manage(ids.data_ptr(), ids.numel(), ids.dtype == torch.int64, out_ptr, stream)
+        manage(ids.data_ptr(), ids.numel(), ids.dtype == torch.int64, out_ptr, stream,
+               real_rows, row_width)
         if self._gather is not None:
             self._gather(srcs, stream)
 

@@ -23,7 +23,7 @@
 // this ABI; change both together and bump EC_ABI_VERSION.
 #include "ec_compat.h"
 
-#define EC_ABI_VERSION 1
+#define EC_ABI_VERSION 2
 #define EC_THREADS 256              // manager block size; the gather uses the same
 #define EC_MAX_EXPERTS 16384        // bounded by the manager's shared memory (one byte each)
 #define EC_MAX_SLOTS 1024           // bounded by the manager's shared memory (24 bytes each)
@@ -96,6 +96,10 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     int* __restrict__ miss_count,   // [1] out: installs this step
     void* __restrict__ out_ids,     // [n_ids] out (same dtype as ids): slot-space ids, or null
     long long* __restrict__ stats,  // [2] accumulated: distinct ids seen, installs; or null
+    const int* __restrict__ real_rows,  // [1] rows of ids that are real, or null (all are):
+                                        // ids of later rows (CUDA-graph padding) are not
+                                        // requested and remap to slot 0
+    int row_width,                      // ids per row (top_k); used with real_rows only
     int num_experts, int num_slots, int policy, int decay, int max_distinct, int max_inserts) {
     extern __shared__ __align__(16) unsigned char ec_smem[];
     const int E = num_experts;
@@ -117,11 +121,20 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     const int lo = min(tid * chunk, E);
     const int hi = min(lo + chunk, E);
 
+    // Ids at or past n_real belong to padding rows: read as padding by the mark, written
+    // as slot 0 by the remap (any valid slot: the caller discards those rows' output).
+    // Read on the device, so a captured graph takes each replay's own count.
+    int n_real = n_ids;
+    if (real_rows != nullptr) {
+        const long long r = (long long)max(real_rows[0], 0) * (long long)row_width;
+        n_real = (int)min(r, (long long)n_ids);
+    }
+
     // 0. Load the slot state, clear the marks, advance the step.
     int tab_reg[EC_TAB_REGS];
 #pragma unroll
     for (int u = 0; u < EC_TAB_REGS; ++u) tab_reg[u] = (lo + u < hi) ? table[lo + u] : -1;
-    const long long my_id = (tid < n_ids) ? ec_load_id(ids, tid, ids_is64) : -1;
+    const long long my_id = (tid < n_real) ? ec_load_id(ids, tid, ids_is64) : -1;
     for (int s = tid; s < S; s += EC_THREADS) {
         s_prio[s] = prio[s];
         s_sexp[s] = slot_expert[s];
@@ -133,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     // 1. Mark the distinct valid ids. Threads that hit the same expert store the same
     //    byte, so the result does not depend on their order.
     if (my_id >= 0 && my_id < E) s_mark[my_id] = 1;
-    for (int i = tid + EC_THREADS; i < n_ids; i += EC_THREADS) {
+    for (int i = tid + EC_THREADS; i < n_real; i += EC_THREADS) {
         const long long e = ec_load_id(ids, i, ids_is64);
         if (e >= 0 && e < E) s_mark[e] = 1;
     }
@@ -232,12 +245,18 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     }
 
     // 7. Remap the routing ids to slot space through the updated table (fused, so the
-    //    layer needs no separate remap launch). Padding passes through unchanged.
+    //    layer needs no separate remap launch). Padding ids pass through unchanged; the
+    //    ids of padding rows (past n_real) become slot 0.
     if (out_ids != nullptr) {
         if (tid < n_ids)
             ec_store_id(out_ids, tid, ids_is64,
-                        (my_id >= 0 && my_id < E) ? (long long)table[my_id] : my_id);
+                        tid >= n_real ? 0LL
+                        : (my_id >= 0 && my_id < E) ? (long long)table[my_id] : my_id);
         for (int i = tid + EC_THREADS; i < n_ids; i += EC_THREADS) {
+            if (i >= n_real) {
+                ec_store_id(out_ids, i, ids_is64, 0LL);
+                continue;
+            }
             const long long e = ec_load_id(ids, i, ids_is64);
             ec_store_id(out_ids, i, ids_is64, (e >= 0 && e < E) ? (long long)table[e] : e);
         }
@@ -304,9 +323,10 @@ extern "C" long long expert_cache_manage_smem(int num_experts, int num_slots) {
 extern "C" int expert_cache_manage(const void* ids, int n_ids, int ids_is64, int* table,
                                    int* slot_expert, long long* prio, long long* step,
                                    int* miss_expert, int* miss_slot, int* miss_count,
-                                   void* out_ids, long long* stats, int num_experts,
-                                   int num_slots, int policy, int decay, int max_distinct,
-                                   int max_inserts, void* stream) {
+                                   void* out_ids, long long* stats, const int* real_rows,
+                                   int row_width, int num_experts, int num_slots, int policy,
+                                   int decay, int max_distinct, int max_inserts,
+                                   void* stream) {
     if (num_experts < 1 || num_experts > EC_MAX_EXPERTS || num_slots < 1 ||
         num_slots > EC_MAX_SLOTS || n_ids < 0 || max_distinct < 0 || max_inserts < 0)
         return EC_ERR_SIZE;
@@ -315,11 +335,13 @@ extern "C" int expert_cache_manage(const void* ids, int n_ids, int ids_is64, int
         !miss_expert || !miss_slot || !miss_count)
         return EC_ERR_NULL;
     if (ids_is64 != 0 && ids_is64 != 1) return EC_ERR_SIZE;
+    if (real_rows != nullptr && row_width < 1) return EC_ERR_SIZE;
     (void)ec_get_last_error();  // report this launch's error, not an older one
     EC_LAUNCH(expert_cache_manage_kernel, 1, EC_THREADS,
               (size_t)EC_MANAGE_SMEM(num_experts, num_slots), (ec_stream_t)stream, ids, n_ids,
               ids_is64, table, slot_expert, prio, step, miss_expert, miss_slot, miss_count,
-              out_ids, stats, num_experts, num_slots, policy, decay, max_distinct, max_inserts);
+              out_ids, stats, real_rows, row_width, num_experts, num_slots, policy, decay,
+              max_distinct, max_inserts);
     return ec_get_last_error();
 }
 

@@ -60,6 +60,21 @@ def test_manage_call_rewrites_only_the_per_step_values():
     assert smem == binding.manage_smem_bytes(128, 32)
 
 
+def test_real_rows_reach_the_kernel_only_on_the_call_that_gives_them():
+    k = Recorder()
+    launch = k.manage_launcher(**STATE)
+    launch(0xA000, 16, False, 0xB000, stream=1, real_rows=0xD000, row_width=8)
+    launch(0xA000, 16, False, 0xB000, stream=1)
+    names = [n for n, _ in binding.MANAGE_ARGS]
+    (first, _, _), (second, _, _) = k.manage_calls
+    a, b = dict(zip(names, first)), dict(zip(names, second))
+    assert (a["real_rows"], a["row_width"]) == (0xD000, 8)
+    assert (b["real_rows"], b["row_width"]) == (None, 1)  # every row real: the old step
+    with pytest.raises(ValueError, match="row width"):
+        launch(0xA000, 16, False, 0xB000, stream=1, real_rows=0xD000, row_width=0)
+    assert len(k.manage_calls) == 2
+
+
 def test_manage_refusals_launch_nothing():
     k = Recorder()
     with pytest.raises(ValueError, match="num_slots"):

@@ -63,15 +63,17 @@ class RefSlotCache:
         self.ref = LayerCache(self.ref.num_experts, self.num_slots, self.ref.policy,
                               self.ref.decay)
 
-    def step(self, topk_ids, sources):
+    def step(self, topk_ids, sources, real_rows=None):
         ids = topk_ids.numpy()
-        r = self.ref.step(ids)
+        real = None if real_rows is None else int(real_rows.reshape(-1)[0])
+        self.real_rows_seen = getattr(self, "real_rows_seen", []) + [real]
+        r = self.ref.step(ids, real_rows=real)
         for e, s in r.misses:
             for n, buf in self.slots.items():
                 buf[s] = sources[n][e]
         self.stats += torch.tensor([r.distinct, r.miss_count])
         self.steps += 1
-        return torch.from_numpy(self.ref.remap(ids)).to(topk_ids.dtype)
+        return torch.from_numpy(self.ref.remap(ids, real)).to(topk_ids.dtype)
 
     @property
     def table(self):
@@ -591,7 +593,11 @@ def test_the_plugin_says_once_where_padding_rows_come_from(monkeypatch, caplog):
     assert "padding rows from vLLM's V2 marks only (data parallel" in caplog.text
 
 
-def test_v1_padding_rows_install_nothing_and_count_nothing(monkeypatch):
+@pytest.mark.parametrize("route", ["count", "mask"])
+def test_v1_padding_rows_install_nothing_and_count_nothing(monkeypatch, route):
+    """Captured on V1, the manager gets the real-rows count and the ids as they are (no
+    mask launches); with a mask-only reader (a trace being recorded takes this path too),
+    the padded ids are masked first. Both: nothing installed or counted for the padding."""
     from expertcache_cli.plugin import padding, runtime
 
     buf = torch.tensor([0, 1, 2, 2], dtype=torch.int32)  # 2 real tokens of a 3-row graph
@@ -600,17 +606,40 @@ def test_v1_padding_rows_install_nothing_and_count_nothing(monkeypatch):
     layer = Experts(seed=4)
     d = plan_layer(layer, CacheConfig(slots=6))
     cache = RefSlotCache(d.num_experts, d.num_slots, {s.name: (s.shape, s.dtype) for s in d.specs})
+    seen: list[torch.Tensor] = []
+    step = cache.step
+    cache.step = lambda ids, src, **kw: seen.append(ids.clone()) or step(ids, src, **kw)
+    reader = padding.mask_reader(buf[-1:], max_tokens=8)
     armed = ArmedLayer(layer, d, cache, index=0,
-                       padding=padding.mask_reader(buf[-1:], max_tokens=8))
+                       padding=reader if route == "count" else (lambda n: reader(n)))
     armed.install()
     ids = torch.tensor([[1, 2], [2, 3], [14, 15]], dtype=torch.int32)  # row 2 is padding
     w, x = torch.rand(3, TOPK), torch.randn(3, H)
     got = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    if route == "count":
+        assert cache.real_rows_seen == [2] and seen[0].tolist() == ids.tolist()
+    else:
+        assert cache.real_rows_seen == [None] and seen[0].tolist() == [[1, 2], [2, 3],
+                                                                      [-1, -1]]
     assert np.flatnonzero(np.asarray(cache.ref.table) >= 0).tolist() == [1, 2, 3]  # no 14, 15
     assert cache.stats.tolist() == [3, 3]
     armed.uninstall()
     want = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
     assert torch.allclose(got[:2], want[:2], atol=1e-5)
+
+
+def test_the_real_rows_count_is_given_only_where_the_mask_would_come_from_it(monkeypatch):
+    from expertcache_cli.plugin import padding
+
+    buf = torch.tensor([0, 1, 2, 2], dtype=torch.int32)
+    read = padding.mask_reader(buf[-1:], max_tokens=8)
+    monkeypatch.setattr(padding, "capturing", lambda: False)
+    assert read.count(3) is None  # eager: dummy runs and the first-call check see every row
+    monkeypatch.setattr(padding, "capturing", lambda: True)
+    assert int(read.count(3)) == 2
+    assert read.count(9) is None  # wider than any graph
+    wide = padding.mask_reader(torch.tensor([0, 2], dtype=torch.int64)[-1:], max_tokens=8)
+    assert wide.count(2) is None and wide(2).tolist() == [False, False]  # the kernel reads int32
 
 
 def test_the_recorder_spills_to_disk_and_writes_the_same_trace(tmp_path):

@@ -149,6 +149,20 @@ def test_remap_to_slot_space():
     assert c.remap(np.array([[7, 4], [-1, 4]])).tolist() == [[1, 0], [-1, 0]]
 
 
+def test_rows_past_the_real_count_are_padding_and_remap_to_slot_zero():
+    """A captured batch of 3 rows with 1 real token (vLLM's V1 count): the padded rows'
+    ids are not requested (no install, not counted) and come back as slot 0."""
+    c = LayerCache(8, 3)
+    ids = np.array([[5, 6], [1, 2], [3, -1]])
+    r = c.step(ids, real_rows=1)
+    assert r.misses == [(5, 0), (6, 1)] and r.distinct == 2
+    assert c.remap(ids, real_rows=1).tolist() == [[0, 1], [0, 0], [0, 0]]
+    # all rows real (the count past the last row): the plain step; none real: nothing asked
+    assert c.remap(ids, real_rows=9).tolist() == [[0, 1], [-1, -1], [-1, -1]]  # not resident
+    assert c.step(ids, real_rows=0).distinct == 0
+    assert c.remap(np.array([[6, -1]]), real_rows=1).tolist() == [[1, -1]]
+
+
 @pytest.mark.parametrize("bad", ["mru", "", "3"])
 def test_unknown_policy_is_a_clear_error(bad):
     with pytest.raises(ValueError):

@@ -23,7 +23,6 @@ step's tokens in order: one data-parallel rank, no micro-batching, no sequence-p
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 #: the module of vLLM's V1 GPU model runner (the V2 runner lives in v1/worker/gpu/)
@@ -52,33 +51,68 @@ def v1_token_count(worker: Any) -> tuple[Any | None, str]:
     return buf[-1:], "vLLM's V1 runner: rows past query_start_loc's last entry"
 
 
-def mask_reader(token_count: Any | None = None,
-                max_tokens: int = 0) -> Callable[[int], Any] | None:
-    """``read(n)``: the ``[n]`` bool mask of this step's padded rows, or None when vLLM
-    does not say (the rows are then served as real ones; vLLM discards their output)."""
-    try:
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-    except ImportError:
-        is_forward_context_available = None  # type: ignore[assignment]
-    positions = None
-    if token_count is not None and max_tokens > 0:
+class PaddingReader:
+    """How an armed layer reads a step's padded rows: ``reader(n)`` is the ``[n]`` bool mask
+    (None where vLLM does not say; the rows are then served as real ones and vLLM discards
+    their output), ``reader.count(n)`` the device count of real rows where vLLM keeps one
+    (the V1 runner, inside a graph being captured): the manager then reads it itself
+    (`SlotCache.step(real_rows=...)`), with no mask and no ``torch.where`` launches."""
+
+    def __init__(self, token_count: Any | None, max_tokens: int, context: bool) -> None:
+        self.token_count = token_count
+        self.positions = None
+        if token_count is not None and max_tokens > 0:
+            import torch
+
+            self.positions = torch.arange(max_tokens, dtype=token_count.dtype,
+                                          device=token_count.device)
+        self.context = context
+
+    def _v2_mask(self, n: int) -> Any | None:
+        if self.context:
+            from vllm.forward_context import get_forward_context, is_forward_context_available
+
+            if is_forward_context_available():
+                mask = getattr(get_forward_context(), "is_padding", None)
+                if mask is not None and mask.dim() == 1 and mask.shape[0] >= n:
+                    return mask[:n]
+        return None
+
+    def _v1_ready(self, n: int) -> bool:
+        return self.positions is not None and n <= self.positions.shape[0] and capturing()
+
+    def __call__(self, n: int) -> Any | None:
+        mask = self._v2_mask(n)
+        if mask is not None:
+            return mask
+        if self._v1_ready(n):
+            return self.positions[:n] >= self.token_count
+        return None
+
+    def count(self, n: int) -> Any | None:
+        """The real-rows count for the manager: V1's, as one int32, only where the mask
+        would come from it (no V2 marks, capturing, ``n`` within the positions)."""
         import torch
 
-        positions = torch.arange(max_tokens, dtype=token_count.dtype,
-                                  device=token_count.device)
-    if is_forward_context_available is None and positions is None:
-        return None
+        if self.token_count is None or self.token_count.dtype != torch.int32:
+            return None
+        if self._v2_mask(n) is not None or not self._v1_ready(n):
+            return None
+        return self.token_count
 
-    def read(n: int) -> Any:
-        if is_forward_context_available is not None and is_forward_context_available():
-            mask = getattr(get_forward_context(), "is_padding", None)
-            if mask is not None and mask.dim() == 1 and mask.shape[0] >= n:
-                return mask[:n]
-        if positions is not None and n <= positions.shape[0] and capturing():
-            return positions[:n] >= token_count
-        return None
 
-    return read
+def mask_reader(token_count: Any | None = None,
+                max_tokens: int = 0) -> PaddingReader | None:
+    """A `PaddingReader` over vLLM's V2 marks and, given, the V1 runner's device count of
+    real tokens (``token_count``, rows up to ``max_tokens``); None when neither exists."""
+    try:
+        import vllm.forward_context  # noqa: F401
+        context = True
+    except ImportError:
+        context = False
+    if not context and (token_count is None or max_tokens <= 0):
+        return None
+    return PaddingReader(token_count, max_tokens, context)
 
 
 def capturing() -> bool:

@@ -11,7 +11,9 @@ For every armed `RoutedExperts` the plugin replaces the instance's ``forward_mod
   (hits from slots, the rest from host, each once) and the stock method runs on the
   scratch with the ids unchanged;
 - otherwise `SlotCache.step` installs the missing experts into slots and returns the
-  ids in slot space; for the duration of the stock call the layer's per-expert
+  ids in slot space (CUDA-graph padding rows: masked to padding first, or, where vLLM's V1
+  runner keeps the count of real rows on the device, that count handed to the manager,
+  which leaves the rows out itself: three launches a layer fewer, `padding.PaddingReader`); for the duration of the stock call the layer's per-expert
   parameters are the slot buffers and the kernel's quant config is the one the quant
   method itself built from them (so scales, zero points and biases follow the weights),
   then everything is put back.
@@ -334,11 +336,19 @@ class ArmedLayer:
 
         import torch
 
+        wide = not self.cache.fits(topk_ids.numel())
+        # a captured step on V1: the manager reads the real-rows count itself (no mask, no
+        # torch.where: three launches a layer fewer); the trace needs the masked ids
+        count = getattr(self._padding, "count", None)
+        real = (count(topk_ids.shape[0]) if count is not None and not wide
+                and not self._failed and self.recorder is None else None)
+        if real is not None:
+            return self._checked_call("slots", stock, x, topk_ids, None,
+                                      lambda: self._slots(topk_ids, topk_ids, None, stock, real))
         pad = self._padding(topk_ids.shape[0]) if self._padding is not None else None
         ids = topk_ids if pad is None else torch.where(pad.unsqueeze(1), -1, topk_ids)
         if self.recorder is not None:
             self.recorder.record(self.index, ids)
-        wide = not self.cache.fits(topk_ids.numel())
         if wide and self.scratch is not None and not self._failed:
             return self._checked_call("scratch", stock, x, topk_ids, pad,
                                       lambda: self._staged(ids, topk_ids, stock))
@@ -350,13 +360,17 @@ class ArmedLayer:
         return self._checked_call("slots", stock, x, topk_ids, pad,
                                   lambda: self._slots(ids, topk_ids, pad, stock))
 
-    def _slots(self, ids: Any, topk_ids: Any, pad: Any, stock: Callable[..., Any]) -> Any:
-        """A step that fits: install the misses, run the stock call bound to the slots."""
+    def _slots(self, ids: Any, topk_ids: Any, pad: Any, stock: Callable[..., Any],
+               real: Any = None) -> Any:
+        """A step that fits: install the misses, run the stock call bound to the slots
+        (``real``: the device count of real rows, for the manager to read)."""
         import torch
 
         params = self.layer._parameters
         try:
-            slot_ids = self.cache.step(ids, {n: params[n] for n in self.names})
+            sources = {n: params[n] for n in self.names}
+            slot_ids = (self.cache.step(ids, sources) if real is None
+                        else self.cache.step(ids, sources, real_rows=real))
             if pad is not None:  # padded rows pass any valid slot; vLLM drops their output
                 slot_ids = torch.where(pad.unsqueeze(1), 0, slot_ids)
         except Exception as exc:  # refuse at the first call, never break serving

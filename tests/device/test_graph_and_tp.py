@@ -75,6 +75,51 @@ def test_graph_replay_equals_eager(cuda, policy, decay):
 
 
 @pytest.mark.device
+def test_real_rows_in_a_graph_match_the_reference_and_the_masked_step(cuda):
+    """ABI 2: the manager reads the count of real rows itself at each replay (vLLM's V1
+    runner keeps it on the device). Against the reference with ``real_rows``, and against
+    what the plugin did before (mask the padding rows to -1, step, set them to slot 0):
+    the same state, installs and slot ids, with two launches fewer a layer."""
+    torch = cuda
+    from expertcache_cli.slotcache import SlotCache
+
+    E, S, rows = 64, 24, 4
+    specs, sources = _setup(torch, E, seed=11)
+    graphed = SlotCache(E, S, specs, policy="lru", name="graphed")
+    masked = SlotCache(E, S, specs, policy="lru", name="masked")
+    ref = LayerCache(E, S, Policy.LRU, 0)
+    static_ids = torch.zeros((rows, 4), dtype=torch.int32, device="cuda")
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    graphed.check_sources(sources)
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+        static_out = graphed.step(static_ids, sources, real_rows=count)
+    torch.cuda.current_stream().wait_stream(side)
+    rng = np.random.default_rng(4)
+    positions = torch.arange(rows, dtype=torch.int32, device="cuda")
+    seen_counts = set()
+    for t, row in enumerate(_routing(E, 300, tokens=rows, seed=13)):
+        row = row.copy()
+        row[rng.random(row.shape) < 0.1] = -1  # padding ids inside real rows pass through
+        c = int(rng.integers(0, rows + 2))  # 0 (all padding) .. past the last row
+        seen_counts.add(min(c, rows))
+        ids = torch.from_numpy(row).cuda()
+        static_ids.copy_(ids)
+        count.fill_(c)
+        g.replay()
+        res = ref.step(row, real_rows=c)
+        assert_same_state(graphed, ref, f"real rows {c}, step {t}", row, static_out, res,
+                          real_rows=c)
+        pad = (positions >= count).unsqueeze(1)
+        out = torch.where(pad, 0, masked.step(torch.where(pad, -1, ids), sources))
+        assert torch.equal(out, static_out), f"step {t}: folded and masked remaps differ"
+        _assert_caches_equal(torch, masked, graphed, f"real rows {c}, step {t}")
+    assert seen_counts == set(range(rows + 1))
+
+
+@pytest.mark.device
 def test_two_caches_stay_identical(cuda):
     torch = cuda
     from expertcache_cli.slotcache import SlotCache
@@ -142,10 +187,16 @@ def test_library_backend(cuda, tmp_path, monkeypatch):
     lib_h = kernels.lib
     i32 = torch.zeros(4, dtype=torch.int32, device="cuda")
     p = i32.data_ptr()
-    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 64, 0, 0, 0, 0, 0, 0)
+    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 0, 1, 64, 0, 0, 0, 0,
+                                     0, 0)
     assert code == 1001
-    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 64, 8, 7, 0, 8, 8, 0)
+    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 0, 1, 64, 8, 7, 0, 8,
+                                     8, 0)
     assert code == 1002
+    # a real-rows count needs a row width
+    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, p, 0, 64, 8, 0, 0, 8,
+                                     8, 0)
+    assert code == 1001
     srcs = (binding.ctypes.c_void_p * 1)(p)
     dsts = (binding.ctypes.c_void_p * 1)(p)
     bad = (binding.ctypes.c_longlong * 1)(24)
