@@ -35,7 +35,10 @@ COMMON=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}
         --shutdown-timeout 10 --max-model-len 1024 --max-num-seqs 4)
 device_vllm_setup || { echo "setup failed"; exit 1; }
 
-done_arm() { [ -f "$FM/$1.json" ] && grep -q '"status": "ok"' "$FM/$1.json"; }
+# ARMS="resident hot" runs only those arms of each format (the others count as done): the
+# all-hit pair again, say, without the floor and cache servers and their checkpoint
+want_arm() { [ -z "${ARMS:-}" ] || [[ " $ARMS " == *" ${1##*-} "* ]]; }
+done_arm() { ! want_arm "$1" || { [ -f "$FM/$1.json" ] && grep -q '"status": "ok"' "$FM/$1.json"; }; }
 run_arm() {  # run_arm NAME [small_card options] -- server command
   local name=$1; shift
   done_arm "$name" && return 0
@@ -78,7 +81,7 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
     served "$fmt-cache" || hot_env+=("${trial[@]}")
   fi
   # resident and all-hit only where some layer served from its slots (past its first-call check)
-  if served "$fmt-cache" || served "$fmt-trial"; then
+  if served "$fmt-cache" || served "$fmt-trial" || ! want_arm "$fmt-cache"; then
     if ! done_arm "$fmt-resident" || ! done_arm "$fmt-hot"; then ckpt "$H" "$S"; fi
     # PROFILE=1: both arms also record one request's decode steps (bench/profile_report.py)
     prof_r=() prof_h=() vprof_r=() vprof_h=()

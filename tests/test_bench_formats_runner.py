@@ -147,3 +147,12 @@ def test_profile_records_both_all_hit_servers_and_compares_them(runner):
     report = (tmp / "out" / "fp8-block-profile.txt").read_text()
     assert "GPU launches a step: resident 1.0, all-hit 2.0 (+1.0)" in report
     assert "expert_cache_manage_kernel" in report
+
+
+def test_arms_runs_only_the_pair_asked_for_and_writes_only_its_checkpoint(runner):
+    run, tmp = runner
+    calls = run("fp8-block", ARMS="resident hot")
+    assert _servers(calls) == ["fp8-block-resident", "fp8-block-hot"]
+    assert [c.split()[1] for c in calls if "write_checkpoint.py" in c] == [
+        str(tmp / "fm" / "fp8-block-hot")]
+    assert not any("probe-link" in c for c in calls)

@@ -13,10 +13,11 @@ For every armed `RoutedExperts` the plugin replaces the instance's ``forward_mod
 - otherwise `SlotCache.step` installs the missing experts into slots and returns the
   ids in slot space (CUDA-graph padding rows: masked to padding first, or, where vLLM's V1
   runner keeps the count of real rows on the device, that count handed to the manager,
-  which leaves the rows out itself: three launches a layer fewer, `padding.PaddingReader`); for the duration of the stock call the layer's per-expert
-  parameters are the slot buffers and the kernel's quant config is the one the quant
-  method itself built from them (so scales, zero points and biases follow the weights),
-  then everything is put back.
+  which leaves the rows out itself: three launches a layer fewer, `padding.PaddingReader`);
+  for the duration of the stock call the layer's per-expert parameters are the slot
+  buffers and the kernel's quant config is the one the quant method itself built from
+  them (so scales, zero points and biases follow the weights), then everything is put
+  back.
 
 Nothing here reads a device value on the host, and every pointer handed to the kernels
 is fixed when the layer is armed, so vLLM's CUDA graphs capture the whole thing. Python
