@@ -152,6 +152,19 @@ class Experts(torch.nn.Module):
         return out
 
 
+class AliasedExperts(Experts):
+    """vLLM's WNA16 methods (0.26's Marlin ones, 0.33's moe_wna16 on every backend):
+    ``w13_qweight`` registered, then ``layer.w13_weight = layer.w13_qweight``: one Parameter
+    under two names, listed once (the first), read by the experts call under the second."""
+
+    def __init__(self, seed=0):
+        super().__init__(seed=seed)
+        for alias, name in (("w13_weight", "w13_qweight"), ("w2_weight", "w2_qweight")):
+            p = self._parameters.pop(alias)
+            self.register_parameter(name, p)
+            setattr(self, alias, p)  # torch registers the alias, after the first name
+
+
 def _arm(layer, slots=6, recorder=None, wide_inserts=None):
     d = plan_layer(layer, CacheConfig(slots=slots))
     assert d.action == ARM, d.reason
@@ -494,6 +507,26 @@ def test_read_through_decode_steps_are_counted_apart_and_the_line_parses(caplog)
     got = parse_stats_line(caplog.text)
     assert got["final"] and got["read_through_steps"] == 2
     assert got["read_through_decode_steps"] == 1 and got["layers"] == 1
+
+
+def test_a_parameter_registered_under_two_names_is_rebound_under_both():
+    stock, cached = AliasedExperts(seed=2), AliasedExperts(seed=2)
+    assert cached._parameters["w13_weight"] is cached._parameters["w13_qweight"]
+    armed = _arm(cached, slots=6)
+    assert [s.name for s in armed.decision.specs][:2] == ["w13_bias", "w2_bias"]
+    assert armed.param_names["w13_qweight"] == ["w13_qweight", "w13_weight"]
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        x = torch.randn(1, H)
+        ids, w = _routing(rng, 1)
+        want = stock.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+        got = cached.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert armed.checked["slots"] == 0.0 and not armed._failed
+    # the experts call read the slots under the name it uses, and both names are back
+    assert armed.cache.slots["w13_qweight"].data_ptr() in cached.weights_seen
+    assert cached._parameters["w13_weight"] is cached._parameters["w13_qweight"]
+    assert cached.w13_weight.shape[0] == E
 
 
 def test_rows_vllm_marks_as_padding_install_nothing_and_count_nothing(monkeypatch):

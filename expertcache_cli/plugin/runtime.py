@@ -196,6 +196,13 @@ class ArmedLayer:
         self.index = index
         self.recorder = recorder
         self.names = [s.name for s in decision.specs]
+        #: every name a mirrored Parameter is registered under, its own first: vLLM's WNA16
+        #: methods (0.33's moe_wna16 on Triton too) set ``layer.w13_weight =
+        #: layer.w13_qweight``, and the experts call reads ``layer.w13_weight``; rebinding
+        #: one name would leave the kernel on the full host tensor with slot ids
+        params = layer._parameters
+        self.param_names = {n: [n] + [m for m, p in params.items() if p is params[n] and m != n]
+                            for n in self.names}
         # Slot buffers wrapped once as Parameters: a registered parameter can only be
         # replaced by a Parameter, and wrapping shares storage (same pointer forever).
         self.slot_params = {
@@ -243,9 +250,11 @@ class ArmedLayer:
         them (`Decision.aliases`), to ``bound``; returns what to put back."""
         params = self.layer._parameters
         bound = self.slot_params if bound is None else bound
-        saved: dict[str, Any] = {n: params[n] for n in self.names}
+        saved: dict[str, Any] = {}
         for n in self.names:
-            params[n] = bound[n]
+            for m in self.param_names[n]:
+                saved[m] = params[m]
+                params[m] = bound[n]
         for role, attr, pname in self.decision.aliases:
             owner = self._alias_owner(role)
             saved[f"{role}.{attr}"] = getattr(owner, attr)
@@ -257,7 +266,8 @@ class ArmedLayer:
         for role, attr, _ in self.decision.aliases:
             setattr(self._alias_owner(role), attr, saved[f"{role}.{attr}"])
         for n in self.names:
-            params[n] = saved[n]
+            for m in self.param_names[n]:
+                params[m] = saved[m]
 
     def _experts(self) -> Any:
         return self.layer.quant_method.moe_kernel.fused_experts
