@@ -19,13 +19,19 @@
 # On a 2-GPU box the traces run side by side after the resident arm:
 #   TRACES=none bash ...;  then  CUDA_VISIBLE_DEVICES=0 TRACES=tasks EC_KEEP_SERVERS=1 bash ... &
 #   CUDA_VISIBLE_DEVICES=1 TRACES=zipf EC_KEEP_SERVERS=1 OUT=out2 bash ...
+# Detached past a call's 10-minute limit (bench/detach.sh), with no per-baseline limit:
+#   bash bench/detach.sh plan env OUT=/tmp/opc BL_SECONDS=7200 bash bench/run_plan_check_on_device.sh
+#   RESULTS=/tmp/opc bash bench/detach.sh --poll plan 540
+# PY, PC (traces, plans, baselines: /tmp/pc) and MODEL_DIR (/tmp) are overridable (the flow
+# is tested on CPU with stubbed GPU steps: tests/test_bench_plan_check_runner.py).
 set -uo pipefail
 OUT="${OUT:-out}"
-mkdir -p "$OUT" /tmp/pc
+PC="${PC:-/tmp/pc}"  # traces, plans and baselines, kept on the box across calls
+mkdir -p "$OUT" "$PC"
 source bench/_device_vllm.sh
-PY=python3
+PY="${PY:-python3}"
 LAYERS="${LAYERS:-24}"
-MODEL="/tmp/model$LAYERS"
+MODEL="${MODEL_DIR:-/tmp}/model$LAYERS"
 # every expert offloaded: 128 x 9.44 MB = 1.21 GB a layer, and some room
 OFFLOAD_GB=$(( LAYERS * 5 / 4 + 1 ))
 SLOTS="${SLOTS:-16,32,64}"
@@ -45,27 +51,27 @@ baseline() {  # baseline OUT.jsonl ARMS [env...]: one server per arm, resumable
 device_vllm_setup || { echo "setup failed"; exit 1; }
 [ -f "$MODEL/model.safetensors.index.json" ] || \
   $PY bench/write_checkpoint.py "$MODEL" --layers "$LAYERS" 2>&1 | tail -1
-[ -f /tmp/pc/probe.json ] || $PY -m expertcache_cli probe-link --only gather,step --model "$MODEL" \
-  --save /tmp/pc/probe.json > "$OUT/probe.txt" 2>&1
-cp /tmp/pc/probe.json "$OUT/"
-baseline "/tmp/pc/bl-resident-$LAYERS.jsonl" resident
+[ -f $PC/probe.json ] || $PY -m expertcache_cli probe-link --only gather,step --model "$MODEL" \
+  --save $PC/probe.json > "$OUT/probe.txt" 2>&1
+cp $PC/probe.json "$OUT/"
+baseline "$PC/bl-resident-$LAYERS.jsonl" resident
 
 for kind in ${TRACES:-tasks zipf}; do
   [ "$kind" = none ] && continue
-  T=/tmp/pc/$kind-$LAYERS.npz
+  T=$PC/$kind-$LAYERS.npz
   [ -f "$T" ] || $PY -m expertcache_cli trace synth "$T" --kind "$kind" --steps 4000 \
     --layers "$LAYERS" --experts 128 --top-k 8 --seed 7 --expert-bytes 9437184 \
     --model "qwen3-30b-a3b shape, $LAYERS layers" > /dev/null
-  P=/tmp/pc/plan-$kind-$LAYERS.json
-  J=/tmp/pc/plan-$kind-$LAYERS.out.json  # kept on the box: $OUT is emptied every call
-  [ -f "$P" ] || $PY -m expertcache_cli plan "$T" --model "$MODEL" --probe /tmp/pc/probe.json \
-    --baseline "/tmp/pc/bl-resident-$LAYERS.jsonl" --slots "$SLOTS" --policy lru --save "$P" --json \
+  P=$PC/plan-$kind-$LAYERS.json
+  J=$PC/plan-$kind-$LAYERS.out.json  # kept on the box: $OUT is emptied every call
+  [ -f "$P" ] || $PY -m expertcache_cli plan "$T" --model "$MODEL" --probe $PC/probe.json \
+    --baseline "$PC/bl-resident-$LAYERS.jsonl" --slots "$SLOTS" --policy lru --save "$P" --json \
     > "$J" 2> "$OUT/plan-$kind.err"
   cp "$J" "$OUT/plan-$kind.json"; cp "$P" "$OUT/plan-$kind.saved.json" 2>/dev/null
   ARMS=$(echo "$SLOTS" | sed 's/\([0-9]\+\)/cache:\1/g'),plan:$P
-  baseline "/tmp/pc/bl-$kind-$LAYERS.jsonl" "$ARMS" EC_BENCH_TRACE_ROUTING="$T" \
+  baseline "$PC/bl-$kind-$LAYERS.jsonl" "$ARMS" EC_BENCH_TRACE_ROUTING="$T" \
     PYTHONPATH="$PWD/bench/trace_hook:$PYTHONPATH"
-  $PY bench/plan_check.py "$J" "/tmp/pc/bl-$kind-$LAYERS.jsonl" "$P" \
+  $PY bench/plan_check.py "$J" "$PC/bl-$kind-$LAYERS.jsonl" "$P" \
     | tee "$OUT/compare-$kind.txt"
 done
 echo "done after $SECONDS s"

@@ -1,0 +1,118 @@
+"""The plan check's device runner (bench/run_plan_check_on_device.sh) with every GPU step
+stubbed: the resident baseline once, per trace a synthetic trace, `plan` with the probe and
+the resident rate, one baseline over the budgets and the saved plan with the trace-routing
+hook, and the comparison, run for real on what the stubs wrote. A second call starts
+nothing that is done. Device minutes are few; a runner bug must not be found there."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("httpx", reason="the comparison reads baseline files with the bench's client")
+
+STUB = r'''#!/usr/bin/env python3
+"""python3 for the runner: GPU steps recorded and faked, the comparison run for real."""
+import json, os, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+with open(os.environ["STUB_LOG"], "a") as log:
+    log.write(" ".join(args) + "  ENV=" + os.environ.get("EC_BENCH_TRACE_ROUTING", "") + "\n")
+if args[0].endswith("plan_check.py"):
+    os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
+if args[0].endswith("write_checkpoint.py"):
+    d = Path(args[1]); d.mkdir(parents=True)
+    (d / "model.safetensors.index.json").write_text("{}")
+    sys.exit(0)
+mod = args[1:3]
+if mod == ["expertcache_cli", "probe-link"]:
+    Path(args[args.index("--save") + 1]).write_text("{}")
+elif mod == ["expertcache_cli", "trace"]:
+    Path(args[4]).write_bytes(b"npz")  # trace synth PATH ...
+elif mod == ["expertcache_cli", "plan"]:
+    slots = [int(s) for s in args[args.index("--slots") + 1].split(",")]
+    Path(args[args.index("--save") + 1]).write_text("{}")
+    rows = [{"policy": "lru", "slots": s, "miss_rate": 0.5, "predicted_tok_s": 10.0 * s}
+            for s in slots]
+    print(json.dumps({"rows": rows, "recommended": {"per_layer_predicted_tok_s": 700.0}}))
+elif mod == ["expertcache_cli", "baseline"]:
+    out = Path(args[args.index("--out") + 1])
+    arms = args[args.index("--arms") + 1].split(",")
+    lines = [{"kind": "meta", "format": 1, "model": "m", "arms": arms, "runs": 1}]
+    for arm in arms:  # measured: 5% above every prediction
+        tok = 50.0 if arm == "resident" else (
+            10.5 * int(arm.split(":")[1]) if arm.startswith("cache:") else 735.0)
+        lines += [{"kind": "run", "arm": arm, "restart": 0, "run": 0, "tok_s": tok,
+                   "ttft_s": 0.1, "tokens": 8, "server_id": "s-" + arm},
+                  {"kind": "counters", "arm": arm, "restart": 0,
+                   "counters": {"hit_rate": 0.9}}]
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+'''
+
+
+@pytest.fixture()
+def runner(tmp_path):
+    bench = tmp_path / "tree" / "bench"
+    bench.mkdir(parents=True)
+    for f in ("run_plan_check_on_device.sh", "plan_check.py"):
+        shutil.copy(ROOT / "bench" / f, bench / f)
+    (bench / "_device_vllm.sh").write_text("device_vllm_setup() { return 0; }\n")
+    stub = tmp_path / "stubpy"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    log = tmp_path / "calls.log"
+    pc = tmp_path / "pc"
+
+    def run(**extra: str) -> list[str]:
+        log.write_text("")
+        env = {**os.environ, **extra, "PY": str(stub), "REAL_PY": sys.executable,
+               "STUB_LOG": str(log), "OUT": str(tmp_path / "out"), "PC": str(pc),
+               "MODEL_DIR": str(tmp_path / "models"), "PYTHONPATH": str(ROOT)}
+        r = subprocess.run(["bash", "bench/run_plan_check_on_device.sh"], cwd=bench.parent,
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return log.read_text().splitlines()
+
+    return run, tmp_path
+
+
+def _cmd(calls: list[str], what: str) -> list[str]:
+    return [c for c in calls if what in c.split("  ENV=")[0]]
+
+
+def test_one_resident_baseline_then_plan_and_baseline_per_trace(runner):
+    run, tmp = runner
+    calls = run(TRACES="tasks zipf", LAYERS="24")
+    baselines = _cmd(calls, "expertcache_cli baseline")
+    assert len(baselines) == 3
+    assert "--arms resident " in baselines[0] and baselines[0].endswith("ENV=")
+    for kind, call in zip(("tasks", "zipf"), baselines[1:], strict=True):
+        arms = call.split("--arms ")[1].split()[0]
+        assert arms == f"cache:16,cache:32,cache:64,plan:{tmp}/pc/plan-{kind}-24.json"
+        assert call.endswith(f"ENV={tmp}/pc/{kind}-24.npz")  # routing from the trace
+    assert all("--cpu-offload-gb 31" in c for c in baselines)  # 24 layers x 1.25 + 1
+    plans = _cmd(calls, "expertcache_cli plan")
+    assert len(plans) == 2 and all(f"--baseline {tmp}/pc/bl-resident-24.jsonl" in p
+                                   for p in plans)
+    for kind in ("tasks", "zipf"):
+        lines = (tmp / "out" / f"compare-{kind}.txt").read_text().splitlines()
+        assert len(lines) == 4 and all("(1.050, met: 10%)" in line for line in lines), lines
+    # a second call: the checkpoint, probe, traces, plans and baselines are all there
+    again = run(TRACES="tasks zipf", LAYERS="24")
+    assert not _cmd(again, "write_checkpoint.py") and not _cmd(again, "probe-link")
+    assert not _cmd(again, "expertcache_cli plan") and not _cmd(again, "trace synth")
+    assert all("--resume" in c for c in _cmd(again, "expertcache_cli baseline"))
+
+
+def test_traces_none_measures_only_the_resident_rate(runner):
+    run, _ = runner
+    calls = run(TRACES="none", LAYERS="8")
+    assert [c.split("--arms ")[1].split()[0] for c in _cmd(calls, "baseline")] == ["resident"]
+    assert not _cmd(calls, "expertcache_cli plan")
