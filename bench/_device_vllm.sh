@@ -20,7 +20,7 @@ bench_arm() {
     echo "== $name: done before"; return 0
   fi
   echo "== $name ($((SECONDS)) s)"
-  python3 "$runner" "$name" --out "$dir" "$@"
+  "${PY:-python3}" "$runner" "$name" --out "$dir" "$@"
   bench_save "$dir"
 }
 

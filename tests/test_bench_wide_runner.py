@@ -1,0 +1,109 @@
+"""The wide-steps device runner (bench/run_wide_on_device.sh) with every GPU step stubbed:
+the arms it starts and with what, the trace it records, `plan --batch` against the measured
+decode, the closing summary, and that a second call starts nothing done. Device minutes are
+few; a runner bug must not be found on the device."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STUB = r'''#!/usr/bin/env python3
+"""python3 for the runner: GPU steps recorded and faked; inline scripts run for real."""
+import json, os, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+with open(os.environ["STUB_LOG"], "a") as log:
+    log.write(" ".join(args) + "\n")
+if args[0] in ("-", "-c"):
+    os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
+if args[0].endswith("wide_steps.py"):
+    name, out = args[1], Path(args[args.index("--out") + 1])
+    envs = dict(e.split("=", 1) for i, e in enumerate(args) if i and args[i - 1] == "--env")
+    if "EXPERT_CACHE_TRACE" in envs:
+        Path(envs["EXPERT_CACHE_TRACE"]).write_bytes(b"npz")
+    scale = {"floor": 1.0, "inplace": 1.2, "staged": 2.0, "resident": 8.0}.get(name, 1.5)
+    rec = {"arm": name, "status": "ok",
+           "ttft": {"2048": {"median_s": 0.3 / scale}},
+           "decode": {str(n): {"tok_s": 10.0 * n * scale} for n in (1, 16, 32)},
+           "greedy": ["same text"], "log": {"final": {"installs": 1}}}
+    (out / f"{name}.json").write_text(json.dumps(rec))
+    (out / f"{name}.log").write_text("log\n")
+elif args[1:3] == ["expertcache_cli", "size"]:
+    print("size: 64 slots")
+elif args[1:3] == ["expertcache_cli", "probe-link"]:
+    Path(args[args.index("--save") + 1]).write_text("{}")
+elif args[1:3] == ["expertcache_cli", "plan"]:
+    n = int(args[args.index("--batch") + 1])
+    staged = args[args.index("--wide") + 1] == "staged-install"
+    print(json.dumps({"rows": [{"predicted_tok_s": 10.0 * n * (2.0 if staged else 1.2)}]}))
+'''
+
+
+@pytest.fixture()
+def runner(tmp_path):
+    bench = tmp_path / "tree" / "bench"
+    bench.mkdir(parents=True)
+    for f in ("run_wide_on_device.sh", "e2e_vllm.py"):
+        shutil.copy(ROOT / "bench" / f, bench / f)
+    real = (ROOT / "bench" / "_device_vllm.sh").read_text()
+    (bench / "_device_vllm.sh").write_text(real + "\ndevice_vllm_setup() { return 0; }\n")
+    stub = tmp_path / "stubpy"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    log = tmp_path / "calls.log"
+
+    def run(**extra: str) -> tuple[list[str], str]:
+        log.write_text("")
+        env = {**os.environ, **extra, "PY": str(stub), "REAL_PY": sys.executable,
+               "STUB_LOG": str(log), "OUT": str(tmp_path / "out"), "WSD": str(tmp_path / "ws"),
+               "MODEL_DIR": str(tmp_path / "models"), "PYTHONPATH": str(ROOT)}
+        r = subprocess.run(["bash", "bench/run_wide_on_device.sh"], cwd=bench.parent, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return log.read_text().splitlines(), r.stdout
+
+    return run, tmp_path
+
+
+def _arms(calls: list[str]) -> list[str]:
+    return [c.split()[1] for c in calls if c.startswith("bench/wide_steps.py")]
+
+
+def test_every_arm_then_the_predictions_and_the_summary(runner):
+    run, tmp = runner
+    calls, stdout = run()
+    assert _arms(calls) == ["floor", "inplace", "staged", "resident", "trace1"]
+    model = tmp / "models" / "m24w"
+    assert (model / "config.json").exists() and '"num_hidden_layers": 24' in (
+        model / "config.json").read_text()
+    by = {c.split()[1]: c for c in calls if c.startswith("bench/wide_steps.py")}
+    assert "--cpu-offload-gb 31" in by["floor"] and "EXPERT_CACHE_DISABLE=1" in by["floor"]
+    assert "--cpu-offload-gb" not in by["resident"]
+    assert "EXPERT_CACHE_WIDE=staged-install" in by["staged"]
+    assert f"EXPERT_CACHE_TRACE={tmp / 'ws' / 'one.npz'}" in by["trace1"]
+    plans = [c for c in calls if c.startswith("-m expertcache_cli plan")]
+    assert len(plans) == 4 and all("--resident-tok-s" in p for p in plans)
+    predict = (tmp / "out" / "predict.txt").read_text()
+    assert "16 streams in-place: plan --batch 16 predicts 192.0 tok/s, measured 192.0 (1.000)" \
+        in predict
+    assert "32 streams staged-install: plan --batch 32 predicts 640.0 tok/s" in predict
+    assert "in place == staged: True" in stdout
+    assert "staged ok TTFT ms {'2048': 150.0}" in stdout
+    again, _ = run()
+    assert _arms(again) == []
+
+
+def test_steps_pick_the_arms(runner):
+    run, _ = runner
+    calls, _ = run(STEPS="setup ckpt staged0", LAYERS="8")
+    assert _arms(calls) == ["staged0"]
+    assert "--cpu-offload-gb 11" in next(c for c in calls if c.startswith("bench/wide_steps.py"))
