@@ -6,13 +6,10 @@ runs nothing. Device minutes are few; a runner bug must not be found on the devi
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_runner_harness import make_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("httpx", reason="the formats report imports the bench's server client")
@@ -69,30 +66,11 @@ elif args[0].endswith("small_card.py"):
 
 @pytest.fixture()
 def runner(tmp_path):
-    """A copy of the bench with a stub setup, and a function that runs the runner."""
-    bench = tmp_path / "tree" / "bench"
-    bench.mkdir(parents=True)
-    for f in ("run_formats_on_device.sh", "formats_report.py", "small_card.py",
-              "profile_report.py"):
-        shutil.copy(ROOT / "bench" / f, bench / f)
-    (bench / "_device_vllm.sh").write_text("device_vllm_setup() { return 0; }\n")
-    stub = tmp_path / "stubpy"
-    stub.write_text(STUB)
-    stub.chmod(0o755)
-    log = tmp_path / "calls.log"
-
-    def run(formats: str, **extra: str) -> list[str]:
-        log.write_text("")
-        env = {**os.environ, **extra, "PY": str(stub), "REAL_PY": sys.executable,
-               "STUB_LOG": str(log), "STUB_ARMS": json.dumps(ARMS), "FORMATS": formats,
-               "FM": str(tmp_path / "fm"), "OUT": str(tmp_path / "out"),
-               "PYTHONPATH": str(ROOT)}
-        r = subprocess.run(["bash", "bench/run_formats_on_device.sh"], cwd=bench.parent,
-                           env=env, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stdout + r.stderr
-        return log.read_text().splitlines()
-
-    return run, tmp_path
+    """A function that runs the runner for FORMATS, and the folder it writes in."""
+    run = make_runner(tmp_path, "run_formats_on_device.sh",
+                      ("formats_report.py", "small_card.py", "profile_report.py"), STUB,
+                      STUB_ARMS=json.dumps(ARMS), FM=str(tmp_path / "fm"))
+    return (lambda formats, **extra: run(FORMATS=formats, **extra)[0]), tmp_path
 
 
 def _servers(calls: list[str]) -> list[str]:

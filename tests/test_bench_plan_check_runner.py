@@ -6,13 +6,10 @@ nothing that is done. Device minutes are few; a runner bug must not be found the
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_runner_harness import make_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("httpx", reason="the comparison reads baseline files with the bench's client")
@@ -59,28 +56,9 @@ elif mod == ["expertcache_cli", "baseline"]:
 
 @pytest.fixture()
 def runner(tmp_path):
-    bench = tmp_path / "tree" / "bench"
-    bench.mkdir(parents=True)
-    for f in ("run_plan_check_on_device.sh", "plan_check.py"):
-        shutil.copy(ROOT / "bench" / f, bench / f)
-    (bench / "_device_vllm.sh").write_text("device_vllm_setup() { return 0; }\n")
-    stub = tmp_path / "stubpy"
-    stub.write_text(STUB)
-    stub.chmod(0o755)
-    log = tmp_path / "calls.log"
-    pc = tmp_path / "pc"
-
-    def run(**extra: str) -> list[str]:
-        log.write_text("")
-        env = {**os.environ, **extra, "PY": str(stub), "REAL_PY": sys.executable,
-               "STUB_LOG": str(log), "OUT": str(tmp_path / "out"), "PC": str(pc),
-               "MODEL_DIR": str(tmp_path / "models"), "PYTHONPATH": str(ROOT)}
-        r = subprocess.run(["bash", "bench/run_plan_check_on_device.sh"], cwd=bench.parent,
-                           env=env, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stdout + r.stderr
-        return log.read_text().splitlines()
-
-    return run, tmp_path
+    run = make_runner(tmp_path, "run_plan_check_on_device.sh", ("plan_check.py",), STUB,
+                      PC=str(tmp_path / "pc"), MODEL_DIR=str(tmp_path / "models"))
+    return (lambda **extra: run(**extra)[0]), tmp_path
 
 
 def _cmd(calls: list[str], what: str) -> list[str]:

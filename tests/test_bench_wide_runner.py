@@ -5,13 +5,10 @@ few; a runner bug must not be found on the device."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_runner_harness import make_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,27 +47,9 @@ elif args[1:3] == ["expertcache_cli", "plan"]:
 
 @pytest.fixture()
 def runner(tmp_path):
-    bench = tmp_path / "tree" / "bench"
-    bench.mkdir(parents=True)
-    for f in ("run_wide_on_device.sh", "e2e_vllm.py"):
-        shutil.copy(ROOT / "bench" / f, bench / f)
-    real = (ROOT / "bench" / "_device_vllm.sh").read_text()
-    (bench / "_device_vllm.sh").write_text(real + "\ndevice_vllm_setup() { return 0; }\n")
-    stub = tmp_path / "stubpy"
-    stub.write_text(STUB)
-    stub.chmod(0o755)
-    log = tmp_path / "calls.log"
-
-    def run(**extra: str) -> tuple[list[str], str]:
-        log.write_text("")
-        env = {**os.environ, **extra, "PY": str(stub), "REAL_PY": sys.executable,
-               "STUB_LOG": str(log), "OUT": str(tmp_path / "out"), "WSD": str(tmp_path / "ws"),
-               "MODEL_DIR": str(tmp_path / "models"), "PYTHONPATH": str(ROOT)}
-        r = subprocess.run(["bash", "bench/run_wide_on_device.sh"], cwd=bench.parent, env=env,
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stdout + r.stderr
-        return log.read_text().splitlines(), r.stdout
-
+    run = make_runner(tmp_path, "run_wide_on_device.sh", ("e2e_vllm.py",), STUB,
+                      keep_bench_helpers=True, WSD=str(tmp_path / "ws"),
+                      MODEL_DIR=str(tmp_path / "models"))
     return run, tmp_path
 
 

@@ -1,0 +1,47 @@
+"""Run a bench device runner (bench/run_*_on_device.sh) on the CPU with its GPU steps
+stubbed: a copy of the named bench files, a `_device_vllm.sh` whose setup does nothing, and
+a stub `python3` (the runner's ``PY``) that logs every call and fakes or forwards it. Device
+minutes are few; a runner's flow is checked here before any are spent on it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_runner(tmp_path: Path, script: str, files: tuple[str, ...], stub_source: str,
+                keep_bench_helpers: bool = False,
+                **env: str) -> Callable[..., tuple[list[str], str]]:
+    """``run(**extra_env)`` -> (the stub's logged calls, the runner's stdout).
+
+    ``stub_source``: the python the stub runs (it logs to ``$STUB_LOG``; ``$REAL_PY`` is
+    this interpreter, for what it forwards). ``keep_bench_helpers``: keep the real
+    `_device_vllm.sh` helpers (bench_arm, bench_save) and stub only its setup."""
+    bench = tmp_path / "tree" / "bench"
+    bench.mkdir(parents=True)
+    for f in (script, *files):
+        shutil.copy(ROOT / "bench" / f, bench / f)
+    real = (ROOT / "bench" / "_device_vllm.sh").read_text() if keep_bench_helpers else ""
+    (bench / "_device_vllm.sh").write_text(real + "\ndevice_vllm_setup() { return 0; }\n")
+    stub = tmp_path / "stubpy"
+    stub.write_text(stub_source)
+    stub.chmod(0o755)
+    log = tmp_path / "calls.log"
+
+    def run(**extra: str) -> tuple[list[str], str]:
+        log.write_text("")
+        full = {**os.environ, "PY": str(stub), "REAL_PY": sys.executable,
+                "STUB_LOG": str(log), "OUT": str(tmp_path / "out"), "PYTHONPATH": str(ROOT),
+                **env, **extra}
+        r = subprocess.run(["bash", f"bench/{script}"], cwd=bench.parent, env=full,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return log.read_text().splitlines(), r.stdout
+
+    return run
