@@ -51,6 +51,9 @@ def main() -> None:
     header(torch, "bench_armed_layer: the plugin's per-layer path around the cache step")
     L, E, S, K = args.layers, args.experts, args.slots, args.top_k
     rows = 2 * args.tokens  # a padded graph: half the rows real
+    if rows * K > S:
+        ap.error(f"{rows} rows x top-{K} = {rows * K} ids > {S} slots: a wide step, which "
+                 "reads through (not what this bench times); fewer --tokens or more --slots")
     specs = {"w13_weight": ((1536, 2048), torch.float8_e4m3fn),
              "w2_weight": ((2048, 768), torch.float8_e4m3fn),
              "w13_weight_scale_inv": ((12, 16), torch.float32),
