@@ -82,11 +82,15 @@ class Session:
 
     # -- counters ------------------------------------------------------------------
     def _counter_rows(self) -> Any:
-        """Every armed layer's counters as one device tensor (one row a layer)."""
+        """Every armed layer's counters as one device tensor (one row a layer), gathered
+        by one ``torch.cat`` (one launch or a few, not one a layer: a periodic report
+        runs between decode steps, where launches cost the host's time)."""
         import torch
 
-        return torch.stack([torch.cat([a.cache.stats, a.read_through, a.read_through_decode,
-                                       a.staged, a.staged_fetched]) for a in self.armed])
+        parts = [t for a in self.armed for t in (a.cache.stats, a.read_through,
+                                                  a.read_through_decode, a.staged,
+                                                  a.staged_fetched)]
+        return torch.cat(parts).view(len(self.armed), -1)
 
     def totals(self) -> dict[str, Any]:
         """Live counters summed over armed layers, and per layer (syncs)."""
