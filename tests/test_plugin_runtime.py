@@ -529,6 +529,29 @@ def test_a_parameter_registered_under_two_names_is_rebound_under_both():
     assert cached.w13_weight.shape[0] == E
 
 
+def test_a_layer_changed_under_the_cache_is_served_stock_and_left_whole(caplog):
+    """A second name gone after arming (a reload that re-registers the weights): the
+    rebinding fails half-way; what it swapped is put back, the call is served from the
+    stock path and the layer disarmed, with the reason logged: serving goes on."""
+    stock, cached = AliasedExperts(seed=5), AliasedExperts(seed=5)
+    armed = _arm(cached, slots=6)
+    ids, w = _routing(np.random.default_rng(1), 1)
+    x = torch.randn(1, H)
+    cached.forward_modular(x=x, topk_weights=w, topk_ids=ids)  # armed, checked
+    full = cached._parameters["w13_qweight"]
+    # w2's second name is no longer a registered parameter (the stock call still reads it,
+    # as a plain attribute): swapping it raises KeyError after w13's names were swapped
+    del cached._parameters["w2_weight"]
+    object.__setattr__(cached, "w2_weight", cached._parameters["w2_qweight"])
+    caplog.set_level("ERROR", logger="vllm.expertcache")
+    got = cached.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    assert armed._failed and "experts call on slots failed (KeyError" in caplog.text
+    assert cached._parameters["w13_qweight"] is full  # nothing left bound to slots
+    assert cached._parameters["w13_weight"] is full
+    want = stock.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_rows_vllm_marks_as_padding_install_nothing_and_count_nothing(monkeypatch):
     """vLLM's V2 runner marks CUDA-graph padding rows in
     forward_context.is_padding; their ids must not reach the manager (no installs, no

@@ -250,24 +250,30 @@ class ArmedLayer:
         them (`Decision.aliases`), to ``bound``; returns what to put back."""
         params = self.layer._parameters
         bound = self.slot_params if bound is None else bound
-        saved: dict[str, Any] = {}
-        for n in self.names:
-            for m in self.param_names[n]:
-                saved[m] = params[m]
-                params[m] = bound[n]
-        for role, attr, pname in self.decision.aliases:
-            owner = self._alias_owner(role)
-            saved[f"{role}.{attr}"] = getattr(owner, attr)
-            setattr(owner, attr, bound[pname])
+        saved: dict[str, Any] = {}  # parameter names, and "role.attr" for kernel aliases
+        try:
+            for n in self.names:
+                for m in self.param_names[n]:
+                    saved[m] = params[m]
+                    params[m] = bound[n]
+            for role, attr, pname in self.decision.aliases:
+                owner = self._alias_owner(role)
+                saved[f"{role}.{attr}"] = getattr(owner, attr)
+                setattr(owner, attr, bound[pname])
+        except Exception:  # half-bound is worse than unbound: put back what was swapped
+            self._swap_out(saved)
+            raise
         return saved
 
     def _swap_out(self, saved: dict[str, Any]) -> None:
+        """Put back what `_swap_in` swapped (all of it, or the part it got to)."""
         params = self.layer._parameters
-        for role, attr, _ in self.decision.aliases:
-            setattr(self._alias_owner(role), attr, saved[f"{role}.{attr}"])
-        for n in self.names:
-            for m in self.param_names[n]:
-                params[m] = saved[m]
+        for key, value in reversed(saved.items()):
+            if "." in key:  # a kernel attribute (parameter names have no dots)
+                role, attr = key.split(".", 1)
+                setattr(self._alias_owner(role), attr, value)
+            else:
+                params[key] = value
 
     def _experts(self) -> Any:
         return self.layer.quant_method.moe_kernel.fused_experts
@@ -463,7 +469,10 @@ class ArmedLayer:
         qm = self.layer.quant_method
         experts = self._experts()
         old_qc, old_mqc = experts.quant_config, qm.moe_quant_config
-        saved = self._swap_in(bound)
+        try:
+            saved = self._swap_in(bound)
+        except Exception as exc:  # the layer changed under us: back to the stock path
+            return self._disarm(what, exc, stock, topk_ids)
         _TILE_EXPERTS.value = tile_experts
         try:
             if quant_config is not None:
