@@ -27,8 +27,10 @@ LAYERS="${LAYERS:-24}"
 MODEL="${MODEL_DIR:-/tmp}/m${LAYERS}w"
 PY="${PY:-python3}"
 VLLM=("$PY" -m vllm.entrypoints.cli.main)
-FLAGS=(--load-format dummy --max-model-len 10240 --max-num-seqs 32 --attention-backend TRITON_ATTN
-       --seed 0 --host 127.0.0.1 --port "{port}" --shutdown-timeout 10)
+# one step takes a whole 8,192-token prompt: one chunk, so the TTFT link bound is known
+FLAGS=(--load-format dummy --max-model-len 10240 --max-num-seqs 32 --max-num-batched-tokens 8192
+       --attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}"
+       --shutdown-timeout 10)
 # every expert offloaded: 128 x 9.44 MB = 1.21 GB a layer, and some room
 OFFLOAD=(--cpu-offload-gb "${OFFLOAD_GB:-$(( LAYERS * 5 / 4 + 1 ))}" --cpu-offload-params experts)
 WS=(--vocab 8192 ${WS_ARGS:-})
@@ -45,7 +47,12 @@ for step in $STEPS; do
 import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MODEL'), $LAYERS, context=16384)" ;;
     plan)  # what the tools predict for this shape, before the servers say
       COLUMNS=160 $PY -m expertcache_cli size --model $MODEL --vram 141 --slots 64 \
-        --wide staged-install -- --max-model-len 10240 --max-num-seqs 32 > "$OUT/size.txt" 2>&1
+        --wide staged-install -- --max-model-len 10240 --max-num-seqs 32 \
+        --max-num-batched-tokens 8192 > "$OUT/size.txt" 2>&1
+      $PY -m expertcache_cli size --model $MODEL --vram 141 --slots 64 --json -- \
+        --max-model-len 10240 --max-num-seqs 32 --max-num-batched-tokens 8192 \
+        > "$WSD/size.json" 2> "$OUT/size.err"
+      cp "$WSD/size.json" "$OUT/" 2>/dev/null
       [ -f "$WSD/probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step \
         --model $MODEL --save "$WSD/probe.json" > "$OUT/probe.txt" 2>&1
       tail -5 "$OUT/size.txt" ;;
@@ -112,4 +119,9 @@ if "inplace" in rows and "staged" in rows:
     same = rows["inplace"].get("greedy") == rows["staged"].get("greedy")
     print("greedy texts, 16 streams (decode wider than the slots): in place == staged:", same)
 PY
+# issue 15's tables and goals (TTFT against the link bound, decode against the floor)
+if [ -f "$WSD/size.json" ] && [ -f "$WSD/probe.json" ]; then
+  $PY bench/wide_report.py "$WSD" --size "$WSD/size.json" --probe "$WSD/probe.json" \
+    --slots 64 2>&1 | tee "$OUT/wide.md"
+fi
 echo "steps '$STEPS' done after $SECONDS s"

@@ -20,7 +20,7 @@ from pathlib import Path
 args = sys.argv[1:]
 with open(os.environ["STUB_LOG"], "a") as log:
     log.write(" ".join(args) + "\n")
-if args[0] in ("-", "-c"):
+if args[0] in ("-", "-c") or args[0].endswith("wide_report.py"):
     os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
 if args[0].endswith("wide_steps.py"):
     name, out = args[1], Path(args[args.index("--out") + 1])
@@ -35,9 +35,11 @@ if args[0].endswith("wide_steps.py"):
     (out / f"{name}.json").write_text(json.dumps(rec))
     (out / f"{name}.log").write_text("log\n")
 elif args[1:3] == ["expertcache_cli", "size"]:
-    print("size: 64 slots")
-elif args[1:3] == ["expertcache_cli", "probe-link"]:
-    Path(args[args.index("--save") + 1]).write_text("{}")
+    print(json.dumps({"num_layers": 24, "num_moe_layers": 24, "num_experts": 128,
+                      "bytes_per_expert": 9437184, "max_num_batched_tokens": 8192})
+          if "--json" in args else "size: 64 slots")
+elif args[1:3] == ["expertcache_cli", "probe-link"]:  # a real probe's file
+    Path(args[args.index("--save") + 1]).write_text(Path(os.environ["PROBE_SRC"]).read_text())
 elif args[1:3] == ["expertcache_cli", "plan"]:
     n = int(args[args.index("--batch") + 1])
     staged = args[args.index("--wide") + 1] == "staged-install"
@@ -47,9 +49,11 @@ elif args[1:3] == ["expertcache_cli", "plan"]:
 
 @pytest.fixture()
 def runner(tmp_path):
-    run = make_runner(tmp_path, "run_wide_on_device.sh", ("e2e_vllm.py",), STUB,
-                      keep_bench_helpers=True, WSD=str(tmp_path / "ws"),
-                      MODEL_DIR=str(tmp_path / "models"))
+    run = make_runner(tmp_path, "run_wide_on_device.sh", ("e2e_vllm.py", "wide_report.py"),
+                      STUB, keep_bench_helpers=True, WSD=str(tmp_path / "ws"),
+                      MODEL_DIR=str(tmp_path / "models"),
+                      PROBE_SRC=str(ROOT / "bench" / "results" / "formats-h200-2026-12-01-24l"
+                                    / "fp8-block-probe.json"))
     return run, tmp_path
 
 
@@ -77,6 +81,10 @@ def test_every_arm_then_the_predictions_and_the_summary(runner):
     assert "32 streams staged-install: plan --batch 32 predicts 640.0 tok/s" in predict
     assert "in place == staged: True" in stdout
     assert "staged ok TTFT ms {'2048': 150.0}" in stdout
+    wide = (tmp / "out" / "wide.md").read_text()  # issue 15's tables, from the same records
+    assert "| 2048 | 250.0 | 150.0 | 37.5 |" in wide and "TTFT 2048: staged" in wide
+    assert "decode 16 streams: staged 2.00x the floor (met" in wide
+    assert "--max-num-batched-tokens 8192" in by["staged"]
     again, _ = run()
     assert _arms(again) == []
 
