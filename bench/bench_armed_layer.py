@@ -14,7 +14,8 @@ around a stock call that only copies its input (the experts' GEMMs left out on p
     stock        the stock call alone (the baseline)
     step         the cache's step + the stock call (what `probe-link` measures, plus it)
     armed        `ArmedLayer.forward_modular`, no padding rows known
-    armed+mask   the same, V1's padding rows masked in torch (a compare, two torch.where)
+    armed+mask   the same, V1's padding rows masked in torch (a compare, two torch.where
+                 and their two scalar fills: five kernels)
     armed+count  the same, V1's count of real rows read by the manager (what serves now)
 
 Each printed with its cost over ``stock`` per layer and the ratio of the armed path to the

@@ -684,6 +684,55 @@ def test_v1_padding_rows_install_nothing_and_count_nothing(monkeypatch, route):
     assert torch.allclose(got[:2], want[:2], atol=1e-5)
 
 
+@pytest.mark.parametrize("route,launches", [
+    ("count", []),
+    ("mask", ["ge", "scalar_tensor", "where", "scalar_tensor", "where"])])
+def test_a_captured_v1_step_launches_no_torch_kernel_besides_the_cache_step(
+        monkeypatch, route, launches):
+    """What an armed layer adds to a captured decode graph, beside the cache's own step
+    and the experts call: on V1 with the count, nothing (kernel ABI 2 reads it); with a
+    torch mask, a compare and two torch.where with the scalars they fill (on the GPU each
+    a kernel, so five graph nodes a layer; stop 13: the all-hit layer cost ~12 us served
+    against a 4.1 us step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from expertcache_cli.plugin import padding, runtime
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    class Quiet(Experts):  # a stock call that launches nothing, to see the plugin's own
+        def forward_modular(self, x, topk_weights, topk_ids, shared_experts=None,
+                            shared_experts_input=None):
+            return x
+
+    layer = Quiet()
+    d = plan_layer(layer, CacheConfig(slots=6))
+    cache = RefSlotCache(d.num_experts, d.num_slots, {s.name: (s.shape, s.dtype) for s in d.specs})
+    # the cache step launches kernels of its own (what the probe times), no torch op
+    cache.step = lambda ids, sources, real_rows=None: ids
+    buf = torch.tensor([0, 1, 1], dtype=torch.int32)
+    reader = padding.mask_reader(buf[-1:], max_tokens=8)
+    armed = ArmedLayer(layer, d, cache, index=0,
+                       padding=reader if route == "count" else reader.__call__)
+    armed.install()
+    armed.checked["slots"] = 0.0  # (the first-call check is an eager call's business)
+    monkeypatch.setattr(padding, "capturing", lambda: True)
+    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    x, w = torch.randn(2, H), torch.rand(2, TOPK)
+    ids = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+    with Ops() as ops:
+        layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    views = {"slice", "unsqueeze", "view", "alias", "detach", "expand", "select"}
+    assert [n for n in ops.names if n not in views] == launches
+
+
 def test_the_real_rows_count_is_given_only_where_the_mask_would_come_from_it(monkeypatch):
     from expertcache_cli.plugin import padding
 

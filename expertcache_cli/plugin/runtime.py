@@ -13,7 +13,7 @@ For every armed `RoutedExperts` the plugin replaces the instance's ``forward_mod
 - otherwise `SlotCache.step` installs the missing experts into slots and returns the
   ids in slot space (CUDA-graph padding rows: masked to padding first, or, where vLLM's V1
   runner keeps the count of real rows on the device, that count handed to the manager,
-  which leaves the rows out itself: three launches a layer fewer, `padding.PaddingReader`);
+  which leaves the rows out itself: five launches a layer fewer, `padding.PaddingReader`);
   for the duration of the stock call the layer's per-expert parameters are the slot
   buffers and the kernel's quant config is the one the quant method itself built from
   them (so scales, zero points and biases follow the weights), then everything is put
@@ -355,7 +355,8 @@ class ArmedLayer:
 
         wide = not self.cache.fits(topk_ids.numel())
         # a captured step on V1: the manager reads the real-rows count itself (no mask, no
-        # torch.where: three launches a layer fewer); the trace needs the masked ids
+        # torch.where, no scalar fills: five launches a layer fewer); the trace needs the
+        # masked ids
         count = getattr(self._padding, "count", None)
         real = (count(topk_ids.shape[0]) if count is not None and not wide
                 and not self._failed and self.recorder is None else None)
