@@ -124,6 +124,9 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     // Ids at or past n_real belong to padding rows: read as padding by the mark, written
     // as slot 0 by the remap (any valid slot: the caller discards those rows' output).
     // Read on the device, so a captured graph takes each replay's own count.
+    // (this thread's id is loaded before the count arrives, not after: two loads in
+    // flight at once instead of one behind the other)
+    const long long raw_id = (tid < n_ids) ? ec_load_id(ids, tid, ids_is64) : -1;
     int n_real = n_ids;
     if (real_rows != nullptr) {
         const long long r = (long long)max(real_rows[0], 0) * (long long)row_width;
@@ -134,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     int tab_reg[EC_TAB_REGS];
 #pragma unroll
     for (int u = 0; u < EC_TAB_REGS; ++u) tab_reg[u] = (lo + u < hi) ? table[lo + u] : -1;
-    const long long my_id = (tid < n_real) ? ec_load_id(ids, tid, ids_is64) : -1;
+    const long long my_id = (tid < n_real) ? raw_id : -1;
     for (int s = tid; s < S; s += EC_THREADS) {
         s_prio[s] = prio[s];
         s_sexp[s] = slot_expert[s];

@@ -247,6 +247,8 @@ def measure_step(torch, device: int, n_tensors: int, num_experts: int, top_k: in
         caches = [SlotCache(e, slots, specs, policy="lru", device=dev, name=f"step{i}")
                   for i in range(STEP_LAYERS)]
         ids = torch.arange(top_k, dtype=torch.int32, device=dev).reshape(1, top_k)
+        # as served on vLLM's V1 runner: the manager reads the count of real rows (one)
+        real = torch.ones(1, dtype=torch.int32, device=dev)
         for c in caches:
             c.step(ids, srcs)  # installs this step's experts: every later step hits
         torch.cuda.synchronize(dev)
@@ -256,7 +258,7 @@ def measure_step(torch, device: int, n_tensors: int, num_experts: int, top_k: in
         side.wait_stream(torch.cuda.current_stream(dev))
         outs: list[Any] = []
         with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
-            outs.extend(c.step(ids, srcs) for c in caches)
+            outs.extend(c.step(ids, srcs, real_rows=real) for c in caches)
         # seconds a replay: 50 back-to-back replays a sample, one warm-up replay
         samples = _time_per_call(torch, graph.replay, 50, max(3, repeats), 1, side)
         if sum(int(c.stats[1]) for c in caches) != installs:
