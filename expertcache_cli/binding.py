@@ -136,6 +136,7 @@ MANAGE_ARGS: tuple[tuple[str, type], ...] = (
     ("out_ids", ctypes.c_void_p),
     ("stats", ctypes.c_void_p),
     ("real_rows", ctypes.c_void_p),
+    ("pad_rows", ctypes.c_void_p),
     ("row_width", ctypes.c_int),
     ("num_experts", ctypes.c_int),
     ("num_slots", ctypes.c_int),
@@ -331,16 +332,17 @@ class ManageLauncher:
         fixed = dict(
             ids=0, n_ids=0, ids_is64=0, table=table, slot_expert=slot_expert, prio=prio,
             step=step, miss_expert=miss_expert, miss_slot=miss_slot, miss_count=miss_count,
-            out_ids=0, stats=stats, real_rows=0, row_width=1, num_experts=num_experts,
+            out_ids=0, stats=stats, real_rows=0, pad_rows=0, row_width=1,
+            num_experts=num_experts,
             num_slots=num_slots,
             policy=policy, decay=decay, max_distinct=max_distinct, max_inserts=max_inserts,
         )
         #: the arguments in MANAGE_ARGS order, as ctypes values rewritten in place per call
         self.values = [ctype(fixed[name]) for name, ctype in MANAGE_ARGS]
         at = {name: i for i, (name, _) in enumerate(MANAGE_ARGS)}
-        self._ids, self._n, self._is64, self._out, self._real, self._width = (
+        self._ids, self._n, self._is64, self._out, self._real, self._pad, self._width = (
             self.values[at[k]] for k in ("ids", "n_ids", "ids_is64", "out_ids", "real_rows",
-                                         "row_width"))
+                                         "pad_rows", "row_width"))
         self._params = (ctypes.c_void_p * len(self.values))(
             *[ctypes.addressof(v) for v in self.values]
         )
@@ -349,21 +351,23 @@ class ManageLauncher:
         self.smem = manage_smem_bytes(num_experts, num_slots)
 
     def __call__(self, ids: int, n_ids: int, ids_is64: bool, out_ids: int, stream: int,
-                 real_rows: int = 0, row_width: int = 1) -> None:
+                 real_rows: int = 0, row_width: int = 1, pad_rows: int = 0) -> None:
         """Launch one manager step on ``stream`` (raw pointers; `SlotCache` checks tensors).
 
-        ``real_rows``: the device address of an int32 count of the rows of ids that are
-        real (0: all are), ``row_width`` ids a row: later rows are CUDA-graph padding, kept
-        out of the step and remapped to slot 0, by the kernel itself (no mask launches)."""
+        CUDA-graph padding rows, kept out of the step and remapped to slot 0 by the kernel
+        itself (no mask launches), ``row_width`` ids a row: ``real_rows``, the device
+        address of an int32 count of the rows that are real (0: all are), and/or
+        ``pad_rows``, of one byte a row, nonzero for a padding row (0: none marked)."""
         if n_ids < 0 or n_ids >= 2**31 or (n_ids and not ids):
             raise ValueError(f"bad routing ids: n_ids={n_ids}, pointer={ids:#x}")
-        if real_rows and not 1 <= row_width < 2**31:
-            raise ValueError(f"bad row width {row_width} for the real-rows count")
+        if (real_rows or pad_rows) and not 1 <= row_width < 2**31:
+            raise ValueError(f"bad row width {row_width} for the padding rows")
         self._ids.value = ids or None
         self._n.value = n_ids
         self._is64.value = 1 if ids_is64 else 0
         self._out.value = out_ids or None
         self._real.value = real_rows or None
+        self._pad.value = pad_rows or None
         self._width.value = row_width
         self.kernels.run_manage(self, stream)
 

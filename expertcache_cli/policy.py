@@ -226,13 +226,14 @@ class LayerCache:
         return StepResult(r.misses, False, r.distinct, 0, True, r.dropped)
 
     def step(self, ids: Sequence[int] | np.ndarray, *, max_distinct: int | None = None,
-             max_inserts: int | None = None, real_rows: int | None = None) -> StepResult:
+             max_inserts: int | None = None, real_rows: int | None = None,
+             pad_rows: Sequence[bool] | np.ndarray | None = None) -> StepResult:
         """Apply one manager step (docs/design.md, The cache rules) to one forward's ids.
 
         ``max_distinct`` / ``max_inserts`` replace the cache's own gate and cap for this
-        step only (a wide step's manager call: `_staged`). ``real_rows``: rows of ``ids``
-        at or past it are CUDA-graph padding and are not requested (`padding_rows`)."""
-        pad = padding_rows(ids, real_rows)
+        step only (a wide step's manager call: `_staged`). ``real_rows`` / ``pad_rows``:
+        the rows of ``ids`` that are CUDA-graph padding, not requested (`padding_rows`)."""
+        pad = padding_rows(ids, real_rows, pad_rows)
         if pad is not None:
             ids = np.where(pad, -1, np.asarray(ids))
         gate = self.max_distinct if max_distinct is None else max_distinct
@@ -292,14 +293,15 @@ class LayerCache:
         # Belady evicts the furthest next use first: invert so that smaller ranks first.
         return (occupied, -p if self.policy is Policy.OPT else p, s)
 
-    def remap(self, ids: Sequence[int] | np.ndarray, real_rows: int | None = None) -> np.ndarray:
+    def remap(self, ids: Sequence[int] | np.ndarray, real_rows: int | None = None,
+              pad_rows: Sequence[bool] | np.ndarray | None = None) -> np.ndarray:
         """Routing ids in slot space (what the fused-MoE kernel sees after the gather);
-        padding ids pass through, the ids of padding rows (``real_rows``) become slot 0."""
+        padding ids pass through, the ids of padding rows (`padding_rows`) become slot 0."""
         flat = np.asarray(ids)
         out = flat.copy()
         valid = (flat >= 0) & (flat < self.num_experts)
         out[valid] = self.table[flat[valid]]
-        pad = padding_rows(flat, real_rows)
+        pad = padding_rows(flat, real_rows, pad_rows)
         if pad is not None:
             out[pad] = 0
         return out
@@ -314,18 +316,24 @@ class LayerCache:
         }
 
 
-def padding_rows(ids: Sequence[int] | np.ndarray, real_rows: int | None) -> np.ndarray | None:
-    """Where ``ids`` lie in rows (leading index) at or past ``real_rows``: the rows vLLM
-    pads a decode batch with up to its captured graph size, which the manager keeps out of
-    the step and remaps to slot 0 (any valid slot: vLLM drops those rows' output). None:
-    every row is real."""
-    if real_rows is None:
+def padding_rows(ids: Sequence[int] | np.ndarray, real_rows: int | None,
+                 pad_rows: Sequence[bool] | np.ndarray | None = None) -> np.ndarray | None:
+    """Where ``ids`` lie in padding rows (leading index): at or past ``real_rows`` (vLLM's
+    V1 runner keeps that count), or marked in ``pad_rows`` (its V2 runner marks each row).
+    vLLM pads a decode batch up to its captured graph size; the manager keeps those rows
+    out of the step and remaps them to slot 0 (any valid slot: vLLM drops their output).
+    None: every row is real."""
+    if real_rows is None and pad_rows is None:
         return None
-    arr = np.asarray(ids)
-    if arr.ndim == 0:
-        return np.asarray(max(real_rows, 0) <= 0)
-    rows = np.arange(arr.shape[0]).reshape((-1,) + (1,) * (arr.ndim - 1))
-    return np.broadcast_to(rows >= max(real_rows, 0), arr.shape)
+    arr = np.atleast_1d(np.asarray(ids))
+    rows = np.arange(arr.shape[0])
+    pad = np.zeros(arr.shape[0], dtype=bool)
+    if real_rows is not None:
+        pad |= rows >= max(real_rows, 0)
+    if pad_rows is not None:
+        pad |= np.asarray(pad_rows, dtype=bool).reshape(-1)[: arr.shape[0]]
+    mask = np.broadcast_to(pad.reshape((-1,) + (1,) * (arr.ndim - 1)), arr.shape)
+    return mask.reshape(np.asarray(ids).shape)
 
 
 def replay_layer_reference(

@@ -199,24 +199,27 @@ class SlotCache:
             self._source_ptr(key, sources)
 
     def step(self, topk_ids: torch.Tensor, sources: Mapping[str, torch.Tensor],
-             real_rows: torch.Tensor | None = None) -> torch.Tensor:
+             real_rows: torch.Tensor | None = None,
+             pad_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Manage + gather on torch's current stream; returns slot-space ids.
 
         The result has the shape and dtype of ``topk_ids``; padding (< 0 or >= E) passes
-        through unchanged. ``real_rows``: a one-element int32 tensor on this device, the
-        number of leading rows of ``topk_ids`` that are real; the rest (CUDA-graph padding)
-        are kept out of the step and come back as slot 0, read by the manager itself at
-        run time (`policy.padding_rows`). No host synchronisation happens here.
+        through unchanged. CUDA-graph padding rows of ``topk_ids``, kept out of the step
+        and returned as slot 0, read by the manager itself at run time
+        (`policy.padding_rows`): ``real_rows``, a one-element int32 tensor on this device,
+        the number of leading rows that are real (vLLM's V1 runner), and/or ``pad_rows``,
+        a bool (or uint8) tensor with one flag a row (its V2 runner's marks). No host
+        synchronisation happens here.
         """
         import torch
 
         ids = self._checked_ids(topk_ids)
         out = torch.empty_like(ids)
-        real_ptr, width = 0, 1
-        if real_rows is not None:
-            real_ptr = self._checked_real_rows(real_rows)
-            width = ids.numel() // ids.shape[0] if ids.dim() >= 1 and ids.shape[0] else 1
-        self._run(self._manage, ids, out.data_ptr(), sources, real_ptr, width)
+        rows = ids.shape[0] if ids.dim() >= 1 else 1
+        width = ids.numel() // rows if rows else 1
+        real_ptr = 0 if real_rows is None else self._checked_real_rows(real_rows)
+        pad_ptr = 0 if pad_rows is None else self._checked_pad_rows(pad_rows, rows)
+        self._run(self._manage, ids, out.data_ptr(), sources, real_ptr, width, pad_ptr)
         return out
 
     def _checked_real_rows(self, real_rows: torch.Tensor) -> int:
@@ -230,6 +233,20 @@ class SlotCache:
                 f"{tuple(real_rows.shape)} {real_rows.dtype} on {real_rows.device}"
             )
         return real_rows.data_ptr()
+
+    def _checked_pad_rows(self, pad_rows: torch.Tensor, rows: int) -> int:
+        """The marks' address: a contiguous bool/uint8 flag a row on this device."""
+        import torch
+
+        if (pad_rows.device != self.device or pad_rows.dtype not in (torch.bool, torch.uint8)
+                or pad_rows.dim() != 1 or pad_rows.numel() < rows
+                or not pad_rows.is_contiguous()):
+            raise ValueError(
+                f"{self._label()}pad_rows must be {rows} contiguous bool flags on "
+                f"{self.device}, not {tuple(pad_rows.shape)} {pad_rows.dtype} on "
+                f"{pad_rows.device}"
+            )
+        return pad_rows.data_ptr()
 
     def step_wide(self, topk_ids: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> None:
         """A step too wide for the slots (docs/design.md, Wide steps): the manager with no
@@ -256,7 +273,7 @@ class SlotCache:
 
     def _run(self, manage: binding.ManageLauncher, ids: torch.Tensor, out_ptr: int,
              sources: Mapping[str, torch.Tensor], real_rows: int = 0,
-             row_width: int = 1) -> None:
+             row_width: int = 1, pad_rows: int = 0) -> None:
         """One manager launch, then the gather of its installs, on the current stream
         (sources checked first: a bad one refuses before anything is launched)."""
         import torch
@@ -264,7 +281,7 @@ class SlotCache:
         srcs = [self._source_ptr(key, sources) for key in self.specs]
         stream = torch.cuda.current_stream(self.device).cuda_stream
         manage(ids.data_ptr(), ids.numel(), ids.dtype == torch.int64, out_ptr, stream,
-               real_rows, row_width)
+               real_rows, row_width, pad_rows)
         if self._gather is not None:
             self._gather(srcs, stream)
 

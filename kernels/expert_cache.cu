@@ -69,6 +69,12 @@ __device__ __forceinline__ void ec_store_id(void* ids, int i, int ids_is64, long
         ((int*)ids)[i] = (int)v;
 }
 
+// A padding row's id: past the real rows' count, or in a row the runner marked.
+__device__ __forceinline__ bool ec_pad_row(int i, int n_real, const unsigned char* pad_rows,
+                                           int row_width) {
+    return i >= n_real || (pad_rows != nullptr && pad_rows[i / row_width] != 0);
+}
+
 // Step 3 for one expert of R: refresh its slot, or append it to the miss list.
 __device__ __forceinline__ void ec_refresh_or_list(int e, int slot, int policy, long long now,
                                                    long long* s_prio, int* s_miss, int wanted,
@@ -98,8 +104,10 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     long long* __restrict__ stats,  // [2] accumulated: distinct ids seen, installs; or null
     const int* __restrict__ real_rows,  // [1] rows of ids that are real, or null (all are):
                                         // ids of later rows (CUDA-graph padding) are not
-                                        // requested and remap to slot 0
-    int row_width,                      // ids per row (top_k); used with real_rows only
+                                        // requested and remap to slot 0 (vLLM's V1 runner)
+    const unsigned char* __restrict__ pad_rows,  // [rows] nonzero = a padding row, or null
+                                        // (vLLM's V2 runner marks them): the same
+    int row_width,                      // ids per row (top_k), for real_rows / pad_rows
     int num_experts, int num_slots, int policy, int decay, int max_distinct, int max_inserts) {
     extern __shared__ __align__(16) unsigned char ec_smem[];
     const int E = num_experts;
@@ -121,9 +129,10 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     const int lo = min(tid * chunk, E);
     const int hi = min(lo + chunk, E);
 
-    // Ids at or past n_real belong to padding rows: read as padding by the mark, written
-    // as slot 0 by the remap (any valid slot: the caller discards those rows' output).
-    // Read on the device, so a captured graph takes each replay's own count.
+    // Ids at or past n_real, or in a row pad_rows marks, belong to padding rows: read as
+    // padding by the mark, written as slot 0 by the remap (any valid slot: the caller
+    // discards those rows' output). Read on the device, so a captured graph takes each
+    // replay's own count and marks.
     // (this thread's id is loaded before the count arrives, not after: two loads in
     // flight at once instead of one behind the other)
     const long long raw_id = (tid < n_ids) ? ec_load_id(ids, tid, ids_is64) : -1;
@@ -137,7 +146,8 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     int tab_reg[EC_TAB_REGS];
 #pragma unroll
     for (int u = 0; u < EC_TAB_REGS; ++u) tab_reg[u] = (lo + u < hi) ? table[lo + u] : -1;
-    const long long my_id = (tid < n_real) ? raw_id : -1;
+    const bool my_pad = tid < n_ids && ec_pad_row(tid, n_real, pad_rows, row_width);
+    const long long my_id = my_pad ? -1 : raw_id;
     for (int s = tid; s < S; s += EC_THREADS) {
         s_prio[s] = prio[s];
         s_sexp[s] = slot_expert[s];
@@ -150,6 +160,7 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     //    byte, so the result does not depend on their order.
     if (my_id >= 0 && my_id < E) s_mark[my_id] = 1;
     for (int i = tid + EC_THREADS; i < n_real; i += EC_THREADS) {
+        if (ec_pad_row(i, n_real, pad_rows, row_width)) continue;
         const long long e = ec_load_id(ids, i, ids_is64);
         if (e >= 0 && e < E) s_mark[e] = 1;
     }
@@ -249,14 +260,14 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
 
     // 7. Remap the routing ids to slot space through the updated table (fused, so the
     //    layer needs no separate remap launch). Padding ids pass through unchanged; the
-    //    ids of padding rows (past n_real) become slot 0.
+    //    ids of padding rows (past n_real, or marked) become slot 0.
     if (out_ids != nullptr) {
         if (tid < n_ids)
             ec_store_id(out_ids, tid, ids_is64,
-                        tid >= n_real ? 0LL
+                        my_pad ? 0LL
                         : (my_id >= 0 && my_id < E) ? (long long)table[my_id] : my_id);
         for (int i = tid + EC_THREADS; i < n_ids; i += EC_THREADS) {
-            if (i >= n_real) {
+            if (ec_pad_row(i, n_real, pad_rows, row_width)) {
                 ec_store_id(out_ids, i, ids_is64, 0LL);
                 continue;
             }
@@ -327,7 +338,8 @@ extern "C" int expert_cache_manage(const void* ids, int n_ids, int ids_is64, int
                                    int* slot_expert, long long* prio, long long* step,
                                    int* miss_expert, int* miss_slot, int* miss_count,
                                    void* out_ids, long long* stats, const int* real_rows,
-                                   int row_width, int num_experts, int num_slots, int policy,
+                                   const unsigned char* pad_rows, int row_width,
+                                   int num_experts, int num_slots, int policy,
                                    int decay, int max_distinct, int max_inserts,
                                    void* stream) {
     if (num_experts < 1 || num_experts > EC_MAX_EXPERTS || num_slots < 1 ||
@@ -338,13 +350,13 @@ extern "C" int expert_cache_manage(const void* ids, int n_ids, int ids_is64, int
         !miss_expert || !miss_slot || !miss_count)
         return EC_ERR_NULL;
     if (ids_is64 != 0 && ids_is64 != 1) return EC_ERR_SIZE;
-    if (real_rows != nullptr && row_width < 1) return EC_ERR_SIZE;
+    if ((real_rows != nullptr || pad_rows != nullptr) && row_width < 1) return EC_ERR_SIZE;
     (void)ec_get_last_error();  // report this launch's error, not an older one
     EC_LAUNCH(expert_cache_manage_kernel, 1, EC_THREADS,
               (size_t)EC_MANAGE_SMEM(num_experts, num_slots), (ec_stream_t)stream, ids, n_ids,
               ids_is64, table, slot_expert, prio, step, miss_expert, miss_slot, miss_count,
-              out_ids, stats, real_rows, row_width, num_experts, num_slots, policy, decay,
-              max_distinct, max_inserts);
+              out_ids, stats, real_rows, pad_rows, row_width, num_experts, num_slots, policy,
+              decay, max_distinct, max_inserts);
     return ec_get_last_error();
 }
 

@@ -69,10 +69,13 @@ def test_real_rows_reach_the_kernel_only_on_the_call_that_gives_them():
     (first, _, _), (second, _, _) = k.manage_calls
     a, b = dict(zip(names, first)), dict(zip(names, second))
     assert (a["real_rows"], a["row_width"]) == (0xD000, 8)
-    assert (b["real_rows"], b["row_width"]) == (None, 1)  # every row real: the old step
+    assert (b["real_rows"], b["pad_rows"], b["row_width"]) == (None, None, 1)  # all rows real
     with pytest.raises(ValueError, match="row width"):
         launch(0xA000, 16, False, 0xB000, stream=1, real_rows=0xD000, row_width=0)
-    assert len(k.manage_calls) == 2
+    launch(0xA000, 16, False, 0xB000, stream=1, pad_rows=0xE000, row_width=8)
+    c = dict(zip(names, k.manage_calls[2][0]))
+    assert (c["real_rows"], c["pad_rows"], c["row_width"]) == (None, 0xE000, 8)
+    assert len(k.manage_calls) == 3
 
 
 def test_manage_refusals_launch_nothing():

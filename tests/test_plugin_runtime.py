@@ -63,17 +63,20 @@ class RefSlotCache:
         self.ref = LayerCache(self.ref.num_experts, self.num_slots, self.ref.policy,
                               self.ref.decay)
 
-    def step(self, topk_ids, sources, real_rows=None):
+    def step(self, topk_ids, sources, real_rows=None, pad_rows=None):
         ids = topk_ids.numpy()
         real = None if real_rows is None else int(real_rows.reshape(-1)[0])
+        pad = None if pad_rows is None else pad_rows.numpy().astype(bool)
         self.real_rows_seen = getattr(self, "real_rows_seen", []) + [real]
-        r = self.ref.step(ids, real_rows=real)
+        self.pad_rows_seen = getattr(self, "pad_rows_seen", []) + [
+            None if pad is None else pad.tolist()]
+        r = self.ref.step(ids, real_rows=real, pad_rows=pad)
         for e, s in r.misses:
             for n, buf in self.slots.items():
                 buf[s] = sources[n][e]
         self.stats += torch.tensor([r.distinct, r.miss_count])
         self.steps += 1
-        return torch.from_numpy(self.ref.remap(ids, real)).to(topk_ids.dtype)
+        return torch.from_numpy(self.ref.remap(ids, real, pad)).to(topk_ids.dtype)
 
     @property
     def table(self):
@@ -573,13 +576,15 @@ def test_rows_vllm_marks_as_padding_install_nothing_and_count_nothing(monkeypatc
     cache = RefSlotCache(d.num_experts, d.num_slots, {s.name: (s.shape, s.dtype) for s in d.specs})
     seen: list[torch.Tensor] = []
     step = cache.step
-    cache.step = lambda ids, src: seen.append(ids.clone()) or step(ids, src)
+    cache.step = lambda ids, src, **kw: seen.append(ids.clone()) or step(ids, src, **kw)
     armed = ArmedLayer(layer, d, cache, index=0)
     armed.install()
     ids = torch.tensor([[1, 2], [2, 3], [14, 15]], dtype=torch.int32)  # row 2 is padding
     w, x = torch.rand(3, TOPK), torch.randn(3, H)
     got = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
-    assert seen[0].tolist() == [[1, 2], [2, 3], [-1, -1]]
+    # the manager gets the ids as they are and vLLM's marks (it leaves the rows out itself)
+    assert seen[0].tolist() == ids.tolist()
+    assert cache.pad_rows_seen[0] == [False, False, True] and armed.checked["slots"] == 0.0
     assert np.flatnonzero(np.asarray(cache.ref.table) >= 0).tolist() == [1, 2, 3]  # no 14, 15
     assert cache.stats.tolist() == [3, 3]  # requests: the 3 real distinct ids only
     armed.uninstall()
@@ -686,6 +691,7 @@ def test_v1_padding_rows_install_nothing_and_count_nothing(monkeypatch, route):
 
 @pytest.mark.parametrize("route,launches", [
     ("count", []),
+    ("marks", []),
     ("mask", ["ge", "scalar_tensor", "where", "scalar_tensor", "where"])])
 def test_a_captured_v1_step_launches_no_torch_kernel_besides_the_cache_step(
         monkeypatch, route, launches):
@@ -716,11 +722,23 @@ def test_a_captured_v1_step_launches_no_torch_kernel_besides_the_cache_step(
     d = plan_layer(layer, CacheConfig(slots=6))
     cache = RefSlotCache(d.num_experts, d.num_slots, {s.name: (s.shape, s.dtype) for s in d.specs})
     # the cache step launches kernels of its own (what the probe times), no torch op
-    cache.step = lambda ids, sources, real_rows=None: ids
+    cache.step = lambda ids, sources, **rows: ids
     buf = torch.tensor([0, 1, 1], dtype=torch.int32)
     reader = padding.mask_reader(buf[-1:], max_tokens=8)
+    if route == "marks":  # vLLM's V2 runner: its marks in the forward context
+        import sys
+        import types
+
+        fc = types.ModuleType("vllm.forward_context")
+        fc.is_forward_context_available = lambda: True
+        marks = torch.tensor([False, True])  # vLLM's buffer, made before the step
+        fc.get_forward_context = lambda: SimpleNamespace(is_padding=marks)
+        for name in ("vllm", "vllm.forward_context"):
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        sys.modules["vllm.forward_context"] = fc
+        reader = padding.mask_reader()
     armed = ArmedLayer(layer, d, cache, index=0,
-                       padding=reader if route == "count" else reader.__call__)
+                       padding=reader.__call__ if route == "mask" else reader)
     armed.install()
     armed.checked["slots"] = 0.0  # (the first-call check is an eager call's business)
     monkeypatch.setattr(padding, "capturing", lambda: True)
@@ -739,12 +757,12 @@ def test_the_real_rows_count_is_given_only_where_the_mask_would_come_from_it(mon
     buf = torch.tensor([0, 1, 2, 2], dtype=torch.int32)
     read = padding.mask_reader(buf[-1:], max_tokens=8)
     monkeypatch.setattr(padding, "capturing", lambda: False)
-    assert read.count(3) is None  # eager: dummy runs and the first-call check see every row
+    assert read.rows(3) is None  # eager: dummy runs and the first-call check see every row
     monkeypatch.setattr(padding, "capturing", lambda: True)
-    assert int(read.count(3)) == 2
-    assert read.count(9) is None  # wider than any graph
+    assert int(read.rows(3)["real_rows"]) == 2
+    assert read.rows(9) is None  # wider than any graph
     wide = padding.mask_reader(torch.tensor([0, 2], dtype=torch.int64)[-1:], max_tokens=8)
-    assert wide.count(2) is None and wide(2).tolist() == [False, False]  # the kernel reads int32
+    assert wide.rows(2) is None and wide(2).tolist() == [False, False]  # the kernel reads int32
 
 
 def test_the_recorder_spills_to_disk_and_writes_the_same_trace(tmp_path):

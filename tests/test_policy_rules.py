@@ -163,6 +163,17 @@ def test_rows_past_the_real_count_are_padding_and_remap_to_slot_zero():
     assert c.remap(np.array([[6, -1]]), real_rows=1).tolist() == [[1, -1]]
 
 
+def test_rows_the_runner_marks_are_padding_too():
+    """vLLM's V2 runner marks each padded row; the same rule, with the two combined."""
+    c = LayerCache(8, 4)
+    ids = np.array([[5, 6], [1, 2], [3, 4]])
+    r = c.step(ids, pad_rows=[False, True, False])  # 1 and 2 never asked for
+    assert r.distinct == 4 and r.misses == [(3, 0), (4, 1), (5, 2), (6, 3)]
+    assert c.remap(ids, pad_rows=[False, True, False])[1].tolist() == [0, 0]
+    both = c.remap(ids, real_rows=2, pad_rows=[True, False, False])
+    assert both[0].tolist() == [0, 0] and both[2].tolist() == [0, 0]
+
+
 @pytest.mark.parametrize("bad", ["mru", "", "3"])
 def test_unknown_policy_is_a_clear_error(bad):
     with pytest.raises(ValueError):

@@ -54,9 +54,10 @@ def v1_token_count(worker: Any) -> tuple[Any | None, str]:
 class PaddingReader:
     """How an armed layer reads a step's padded rows: ``reader(n)`` is the ``[n]`` bool mask
     (None where vLLM does not say; the rows are then served as real ones and vLLM discards
-    their output), ``reader.count(n)`` the device count of real rows where vLLM keeps one
-    (the V1 runner, inside a graph being captured): the manager then reads it itself
-    (`SlotCache.step(real_rows=...)`), with no mask and no ``torch.where`` launches."""
+    their output), for the paths that mask in torch (the trace, wide steps);
+    ``reader.rows(n)`` the same facts as the cache step takes them, read by the manager
+    itself (`SlotCache.step(real_rows=... / pad_rows=...)`) with no mask and no
+    ``torch.where`` launches: five graph nodes a layer fewer."""
 
     def __init__(self, token_count: Any | None, max_tokens: int, context: bool) -> None:
         self.token_count = token_count
@@ -89,16 +90,19 @@ class PaddingReader:
             return self.positions[:n] >= self.token_count
         return None
 
-    def count(self, n: int) -> Any | None:
-        """The real-rows count for the manager: V1's, as one int32, only where the mask
-        would come from it (no V2 marks, capturing, ``n`` within the positions)."""
+    def rows(self, n: int) -> dict[str, Any] | None:
+        """The padded rows as `SlotCache.step` takes them: V2's marks (``pad_rows``),
+        else V1's real-token count (``real_rows``, one int32, only inside a graph being
+        captured: eager calls see a stale count), else None (every row real)."""
         import torch
 
-        if self.token_count is None or self.token_count.dtype != torch.int32:
-            return None
-        if self._v2_mask(n) is not None or not self._v1_ready(n):
-            return None
-        return self.token_count
+        mask = self._v2_mask(n)
+        if mask is not None:
+            return {"pad_rows": mask} if mask.is_contiguous() else None
+        if (self.token_count is not None and self.token_count.dtype == torch.int32
+                and self._v1_ready(n)):
+            return {"real_rows": self.token_count}
+        return None
 
 
 def mask_reader(token_count: Any | None = None,

@@ -11,9 +11,9 @@ For every armed `RoutedExperts` the plugin replaces the instance's ``forward_mod
   (hits from slots, the rest from host, each once) and the stock method runs on the
   scratch with the ids unchanged;
 - otherwise `SlotCache.step` installs the missing experts into slots and returns the
-  ids in slot space (CUDA-graph padding rows: masked to padding first, or, where vLLM's V1
-  runner keeps the count of real rows on the device, that count handed to the manager,
-  which leaves the rows out itself: five launches a layer fewer, `padding.PaddingReader`);
+  ids in slot space (CUDA-graph padding rows: where vLLM says which they are, its V2
+  marks or its V1 count of real rows, handed to the manager, which leaves them out itself,
+  else masked in torch first: five launches a layer fewer, `padding.PaddingReader`);
   for the duration of the stock call the layer's per-expert parameters are the slot
   buffers and the kernel's quant config is the one the quant method itself built from
   them (so scales, zero points and biases follow the weights), then everything is put
@@ -354,15 +354,16 @@ class ArmedLayer:
         import torch
 
         wide = not self.cache.fits(topk_ids.numel())
-        # a captured step on V1: the manager reads the real-rows count itself (no mask, no
-        # torch.where, no scalar fills: five launches a layer fewer); the trace needs the
-        # masked ids
-        count = getattr(self._padding, "count", None)
-        real = (count(topk_ids.shape[0]) if count is not None and not wide
+        # where vLLM says which rows are padding (V2's marks, V1's count inside a graph),
+        # the manager reads it itself: no mask, no torch.where, no scalar fills, five
+        # launches a layer fewer (the trace and wide steps still mask in torch)
+        rows_of = getattr(self._padding, "rows", None)
+        rows = (rows_of(topk_ids.shape[0]) if rows_of is not None and not wide
                 and not self._failed and self.recorder is None else None)
-        if real is not None:
-            return self._checked_call("slots", stock, x, topk_ids, None,
-                                      lambda: self._slots(topk_ids, topk_ids, None, stock, real))
+        if rows is not None:
+            return self._checked_call(
+                "slots", stock, x, topk_ids, rows.get("pad_rows"),
+                lambda: self._slots(topk_ids, topk_ids, None, stock, rows))
         pad = self._padding(topk_ids.shape[0]) if self._padding is not None else None
         ids = topk_ids if pad is None else torch.where(pad.unsqueeze(1), -1, topk_ids)
         if self.recorder is not None:
@@ -379,16 +380,16 @@ class ArmedLayer:
                                   lambda: self._slots(ids, topk_ids, pad, stock))
 
     def _slots(self, ids: Any, topk_ids: Any, pad: Any, stock: Callable[..., Any],
-               real: Any = None) -> Any:
+               rows: dict[str, Any] | None = None) -> Any:
         """A step that fits: install the misses, run the stock call bound to the slots
-        (``real``: the device count of real rows, for the manager to read)."""
+        (``rows``: the padded rows for the manager to read, `PaddingReader.rows`)."""
         import torch
 
         params = self.layer._parameters
         try:
             sources = {n: params[n] for n in self.names}
-            slot_ids = (self.cache.step(ids, sources) if real is None
-                        else self.cache.step(ids, sources, real_rows=real))
+            slot_ids = (self.cache.step(ids, sources) if rows is None
+                        else self.cache.step(ids, sources, **rows))
             if pad is not None:  # padded rows pass any valid slot; vLLM drops their output
                 slot_ids = torch.where(pad.unsqueeze(1), 0, slot_ids)
         except Exception as exc:  # refuse at the first call, never break serving

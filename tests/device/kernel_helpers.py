@@ -6,7 +6,7 @@ import numpy as np
 
 
 def assert_same_state(cache, ref, ctx: str, ids=None, out=None, result=None,
-                      real_rows=None) -> None:
+                      real_rows=None, pad_rows=None) -> None:
     """Every field of a SlotCache equals the reference LayerCache (and the step's output)."""
     st = cache.state()
     for key in ("table", "slot_expert", "prio"):
@@ -24,6 +24,6 @@ def assert_same_state(cache, ref, ctx: str, ids=None, out=None, result=None,
         )
         assert st["misses"] == result.misses, f"{ctx}: misses {st['misses']} != {result.misses}"
     if ids is not None and out is not None:
-        want = ref.remap(np.asarray(ids), real_rows)
+        want = ref.remap(np.asarray(ids), real_rows, pad_rows)
         got = out.cpu().numpy()
         assert np.array_equal(got, want), f"{ctx}: remapped ids {got.tolist()} != {want.tolist()}"

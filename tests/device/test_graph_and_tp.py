@@ -75,11 +75,13 @@ def test_graph_replay_equals_eager(cuda, policy, decay):
 
 
 @pytest.mark.device
-def test_real_rows_in_a_graph_match_the_reference_and_the_masked_step(cuda):
-    """ABI 2: the manager reads the count of real rows itself at each replay (vLLM's V1
-    runner keeps it on the device). Against the reference with ``real_rows``, and against
-    what the plugin did before (mask the padding rows to -1, step, set them to slot 0):
-    the same state, installs and slot ids, with two launches fewer a layer."""
+@pytest.mark.parametrize("mode", ["count", "marks"])
+def test_real_rows_in_a_graph_match_the_reference_and_the_masked_step(cuda, mode):
+    """ABI 2: the manager reads the padding rows itself at each replay: the count of real
+    rows (vLLM's V1 runner keeps it on the device) or a flag a row (its V2 runner's marks).
+    Against the reference, and against what the plugin did before (mask the padding rows
+    to -1, step, set them to slot 0): the same state, installs and slot ids, with five
+    launches fewer a layer."""
     torch = cuda
     from expertcache_cli.slotcache import SlotCache
 
@@ -90,12 +92,14 @@ def test_real_rows_in_a_graph_match_the_reference_and_the_masked_step(cuda):
     ref = LayerCache(E, S, Policy.LRU, 0)
     static_ids = torch.zeros((rows, 4), dtype=torch.int32, device="cuda")
     count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    marks = torch.zeros(rows, dtype=torch.bool, device="cuda")
     graphed.check_sources(sources)
     g = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    given = {"real_rows": count} if mode == "count" else {"pad_rows": marks}
     with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
-        static_out = graphed.step(static_ids, sources, real_rows=count)
+        static_out = graphed.step(static_ids, sources, **given)
     torch.cuda.current_stream().wait_stream(side)
     rng = np.random.default_rng(4)
     positions = torch.arange(rows, dtype=torch.int32, device="cuda")
@@ -108,11 +112,14 @@ def test_real_rows_in_a_graph_match_the_reference_and_the_masked_step(cuda):
         ids = torch.from_numpy(row).cuda()
         static_ids.copy_(ids)
         count.fill_(c)
+        flags = rng.random(rows) < 0.3  # V2 marks any rows, not only the last ones
+        marks.copy_(torch.from_numpy(flags))
         g.replay()
-        res = ref.step(row, real_rows=c)
-        assert_same_state(graphed, ref, f"real rows {c}, step {t}", row, static_out, res,
-                          real_rows=c)
-        pad = (positions >= count).unsqueeze(1)
+        real, pad_np = (c, None) if mode == "count" else (None, flags)
+        res = ref.step(row, real_rows=real, pad_rows=pad_np)
+        assert_same_state(graphed, ref, f"{mode} {c}/{flags.tolist()}, step {t}", row,
+                          static_out, res, real_rows=real, pad_rows=pad_np)
+        pad = ((positions >= count) if mode == "count" else marks).unsqueeze(1)
         out = torch.where(pad, 0, masked.step(torch.where(pad, -1, ids), sources))
         assert torch.equal(out, static_out), f"step {t}: folded and masked remaps differ"
         _assert_caches_equal(torch, masked, graphed, f"real rows {c}, step {t}")
@@ -187,16 +194,19 @@ def test_library_backend(cuda, tmp_path, monkeypatch):
     lib_h = kernels.lib
     i32 = torch.zeros(4, dtype=torch.int32, device="cuda")
     p = i32.data_ptr()
-    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 0, 1, 64, 0, 0, 0, 0,
-                                     0, 0)
+    # (ids, n, is64, table, slot_expert, prio, step, miss e/s/count, out, stats, real_rows,
+    #  pad_rows, row_width, E, S, policy, decay, max_distinct, max_inserts, stream)
+    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 0, 0, 1, 64, 0, 0, 0,
+                                     0, 0, 0)
     assert code == 1001
-    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 0, 1, 64, 8, 7, 0, 8,
-                                     8, 0)
+    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 0, 0, 1, 64, 8, 7, 0,
+                                     8, 8, 0)
     assert code == 1002
-    # a real-rows count needs a row width
-    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, p, 0, 64, 8, 0, 0, 8,
-                                     8, 0)
-    assert code == 1001
+    # a real-rows count or a row mask needs a row width
+    for real, pad in ((p, 0), (0, p)):
+        code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, real, pad, 0, 64,
+                                         8, 0, 0, 8, 8, 0)
+        assert code == 1001
     srcs = (binding.ctypes.c_void_p * 1)(p)
     dsts = (binding.ctypes.c_void_p * 1)(p)
     bad = (binding.ctypes.c_longlong * 1)(24)
