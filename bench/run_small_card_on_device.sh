@@ -33,19 +33,23 @@
 #             from run to run?), the cache without EXPERT_CACHE_STATS (tok/s with no
 #             periodic reports at all, for the prediction), and the cache on vLLM's V2 model
 #             runner refused by serve on a vLLM whose V2 runner cannot offload (0.26)
+# PY, SC (arm records: /tmp/sc) and MODEL_DIR (checkpoints: /tmp) are overridable: the
+# flow is tested on CPU with stubbed GPU steps (tests/test_bench_small_card_runner.py).
 set -uo pipefail
 OUT="${OUT:-out}"
-mkdir -p "$OUT" /tmp/sc
+export SC="${SC:-/tmp/sc}"
+mkdir -p "$OUT" "$SC"
 source bench/_device_vllm.sh
 STEPS="${STEPS:-setup ckpt probe acct card24 resident card16}"
-MODEL=/tmp/w8a8
-PY=python3
+MD="${MODEL_DIR:-/tmp}"
+MODEL=$MD/w8a8
+PY="${PY:-python3}"
 VLLM=("$PY" -m vllm.entrypoints.cli.main)
 COMMON=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}"
         --shutdown-timeout 10)
 
-save() { bench_save /tmp/sc; }
-arm() { bench_arm /tmp/sc bench/small_card.py "$@"; }  # arm NAME [options] -- server command
+save() { bench_save "$SC"; }
+arm() { bench_arm "$SC" bench/small_card.py "$@"; }  # arm NAME [options] -- server command
 ballast() {  # ballast GiB | ballast stop
   if [ "$1" = stop ]; then $PY bench/ballast.py stop; return; fi
   $PY bench/ballast.py stop >/dev/null
@@ -55,7 +59,7 @@ ballast() {  # ballast GiB | ballast stop
 plan_card() {  # plan_card GiB: size and serve's dry run for the card, to $OUT
   $PY -m expertcache_cli size --model "$MODEL" --vram "$1" --json -- --max-model-len 8192 \
     > "$OUT/size$1.json"
-  cp "$OUT/size$1.json" /tmp/sc/  # (a later call's predict step reads it there)
+  cp "$OUT/size$1.json" "$SC/"  # (a later call's predict step reads it there)
   SAFE=$($PY -c "import json;print(json.load(open('$OUT/size$1.json'))['safe_max_num_seqs'])")
   COLUMNS=200 $PY -m expertcache_cli size --model "$MODEL" --vram "$1" -- --max-model-len 8192 \
     --max-num-seqs "$SAFE" > "$OUT/size$1.txt" 2>&1
@@ -74,14 +78,14 @@ for step in $STEPS; do
           --context 40960 --head-dim 128 2>&1 \
           | tail -3 | tee "$OUT/checkpoint.txt"
       fi
-      [ -f /tmp/m8/config.json ] || $PY -c "import sys; sys.path.insert(0, 'bench'); \
-import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8)"
+      [ -f $MD/m8/config.json ] || $PY -c "import sys; sys.path.insert(0, 'bench'); \
+import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MD/m8'), 8)"
       df -h /tmp | tail -1 ;;
     probe)
-      [ -f /tmp/sc/probe.json ] || $PY -m expertcache_cli probe-link --only gather,step --model "$MODEL" --save /tmp/sc/probe.json \
+      [ -f "$SC/probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step --model "$MODEL" --save "$SC/probe.json" \
         2>&1 | tail -25 ;;
     acct)
-      ACCT=(serve /tmp/m8 --vram 141 --slots 120 -- --gpu-memory-utilization 0.3
+      ACCT=(serve $MD/m8 --vram 141 --slots 120 -- --gpu-memory-utilization 0.3
             --load-format dummy --max-model-len 1024 --max-num-seqs 4 "${COMMON[@]}")
       arm acct_cache --runs 1 --max-tokens 32 -- "$PY" -m expertcache_cli "${ACCT[@]}"
       arm acct_off --runs 1 --max-tokens 32 --env EXPERT_CACHE_DISABLE=1 \
@@ -104,9 +108,9 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8
       plan_card 24
       VARGS=(-- --max-model-len 8192 --max-num-seqs "$SAFE" "${COMMON[@]}")
       WS=(--prompt-tokens 512 2048 4096 --streams 1 4 8 --greedy-streams 4)
-      bench_arm /tmp/sc bench/wide_steps.py w24in "${WS[@]}" \
+      bench_arm "$SC" bench/wide_steps.py w24in "${WS[@]}" \
         -- "$PY" -m expertcache_cli serve "$MODEL" --vram 24 "${VARGS[@]}"
-      bench_arm /tmp/sc bench/wide_steps.py w24st "${WS[@]}" \
+      bench_arm "$SC" bench/wide_steps.py w24st "${WS[@]}" \
         -- "$PY" -m expertcache_cli serve "$MODEL" --vram 24 --wide staged-install "${VARGS[@]}"
       ballast stop ;;
     mem24)  # where the staged W8A8 server's extra ~0.6 GiB comes from (stop 11: KV 0.44
@@ -117,7 +121,7 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8
       for v in inplace:- staged:--wide=staged-install nocheck:--wide=staged-install; do
         name=${v%%:*}; wide=${v#*:}; [ "$wide" = - ] && wide=""
         extra=(EC_BENCH_MEM=1); [ "$name" = nocheck ] && extra+=(EC_BENCH_NO_CHECK=1)
-        log=/tmp/sc/mem24$name.log
+        log=$SC/mem24$name.log
         env "${extra[@]}" PYTHONPATH="$PWD/bench/kernel_trial:$PYTHONPATH" \
           timeout 240 $PY -m expertcache_cli serve "$MODEL" --vram 24 ${wide/=/ } -- \
           --max-model-len 4096 --max-num-seqs 8 --attention-backend TRITON_ATTN --seed 0 \
@@ -131,7 +135,7 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8
         echo "== $name"; grep -h -E "EC_BENCH_MEM|Actual usage|Available KV|memory plan" "$log" \
           | sed 's/.*\] //' | cut -c1-330 | tee -a "$OUT/mem24.txt"
       done
-      cp /tmp/sc/mem24*.log "$OUT/" 2>/dev/null
+      cp "$SC"/mem24*.log "$OUT/" 2>/dev/null
       ballast stop ;;
     card24b)
       ballast 24
@@ -149,19 +153,19 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('/tmp/m8'), 8
       cat "$OUT/v2runner.txt"
       ballast stop ;;
     pad)
-      [ -f /tmp/model/model.safetensors.index.json ] || \
-        $PY bench/write_checkpoint.py /tmp/model --layers 8 2>&1 | tail -1
-      PAD=(serve /tmp/model --vram 141 --slots 64 -- --max-num-seqs 8 --max-model-len 1024
+      [ -f $MD/model/model.safetensors.index.json ] || \
+        $PY bench/write_checkpoint.py $MD/model --layers 8 2>&1 | tail -1
+      PAD=(serve $MD/model --vram 141 --slots 64 -- --max-num-seqs 8 --max-model-len 1024
            "${COMMON[@]}")
       arm pad8 --runs 1 --streams 5 --max-tokens 400 --env EXPERT_CACHE_STATS=40 \
         -- "$PY" -m expertcache_cli "${PAD[@]}"
       arm pad5 --runs 1 --streams 5 --max-tokens 400 --env EXPERT_CACHE_STATS=40 \
         -- "$PY" -m expertcache_cli "${PAD[@]}" --cudagraph-capture-sizes 1 2 4 5 8
       $PY - <<'PY' | tee "$OUT/padding.txt"
-import json
+import json, os
 for name in ("pad8", "pad5"):
     try:
-        st = json.load(open(f"/tmp/sc/{name}.json"))["streams"]
+        st = json.load(open(f"{os.environ['SC']}/{name}.json"))["streams"]
         b, a = st["counters_before"], st["counters_after"]
         toks = st["tokens"]
         print(f"{name}: 5 streams {st['tok_s']:.1f} tok/s; per decoded token "
@@ -174,11 +178,11 @@ PY
     predict)  # the issue's check on one checkpoint: tok/s from live installs and the link
       # (plan's own formula: resident time, the all-hit cache step in every layer where
       # the probe measured it, the installs over the link)
-      $PY - /tmp/sc/probe.json <<'PY' | tee "$OUT/predict.txt"
-import json, sys
+      $PY - "$SC/probe.json" <<'PY' | tee "$OUT/predict.txt"
+import json, os, sys
 from expertcache_cli import planner
 def load(name):
-    return json.load(open(f"/tmp/sc/{name}.json"))
+    return json.load(open(f"{os.environ['SC']}/{name}.json"))
 mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
 res, stats, quiet = load("resident"), load("cache24"), load("cache24q")
 gbps, src, step = planner.read_probe(sys.argv[1])
@@ -205,5 +209,5 @@ PY
   esac
 done
 save
-ls /tmp/sc/*.json > /dev/null 2>&1 && $PY bench/small_card.py --greedy-report /tmp/sc/*.json | tee "$OUT/greedy.txt"
+ls "$SC"/*.json > /dev/null 2>&1 && $PY bench/small_card.py --greedy-report "$SC"/*.json | tee "$OUT/greedy.txt"
 echo "steps '$STEPS' done after $SECONDS s"

@@ -1,0 +1,86 @@
+"""The small-card device runner (bench/run_small_card_on_device.sh) with every GPU step
+stubbed (the ballast, nvidia-smi, the servers): the 24 GiB card's arms with the flags
+`size` planned, and `mem24`'s three profile-run servers (in place, staged, staged without
+the first-call check) with the memory hook, their lines collected. Device minutes are few;
+a runner bug must not be found on the device."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from bench_runner_harness import make_runner
+
+STUB = r'''#!/usr/bin/env python3
+"""python3 for the runner: GPU steps recorded and faked; inline scripts run for real."""
+import json, os, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+env = ",".join(k + "=" + os.environ[k] for k in ("EC_BENCH_MEM", "EC_BENCH_NO_CHECK")
+               if k in os.environ)
+with open(os.environ["STUB_LOG"], "a") as log:
+    log.write(" ".join(args) + ("  ENV=" + env if env else "") + "\n")
+if args[0] in ("-", "-c") or args[1:2] == ["--greedy-report"]:
+    os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
+if args[0].endswith("ballast.py"):
+    print(json.dumps({"verb": args[1]}))
+elif args[0].endswith("small_card.py"):
+    name, out = args[1], Path(args[args.index("--out") + 1])
+    (out / f"{name}.json").write_text(json.dumps({"arm": name, "status": "ok",
+                                                  "greedy": ["a", "b"]}))
+    (out / f"{name}.log").write_text("log\n")
+elif args[1:3] == ["expertcache_cli", "size"]:
+    print(json.dumps({"safe_max_num_seqs": 8}) if "--json" in args else "size text")
+elif args[1:3] == ["expertcache_cli", "serve"] and "--dry-run" in args:
+    print("serve: dry run")
+elif args[1:3] == ["expertcache_cli", "serve"]:  # mem24: the lines the runner waits for
+    wide = "staged" if "--wide" in args else "in place"
+    print(f"(EngineCore) WARNING [x] EC_BENCH_MEM layer 0 call 0: {wide}")
+    print("(EngineCore) INFO [x] Actual usage is 20.0 GiB for weight")
+    print("(EngineCore) INFO [x] Available KV cache memory: 0.44 GiB")
+'''
+
+
+@pytest.fixture()
+def runner(tmp_path):
+    binp = tmp_path / "bin"
+    binp.mkdir()
+    smi = binp / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'memory.used, memory.free, memory.total'\n")
+    smi.chmod(0o755)
+    run = make_runner(tmp_path, "run_small_card_on_device.sh", ("small_card.py",), STUB,
+                      keep_bench_helpers=True, SC=str(tmp_path / "sc"),
+                      MODEL_DIR=str(tmp_path / "models"),
+                      PATH=f"{binp}{os.pathsep}{os.environ['PATH']}")
+    return run, tmp_path
+
+
+def test_card24_runs_the_floor_and_the_cache_with_what_size_planned(runner):
+    run, tmp = runner
+    calls, _ = run(STEPS="setup card24")
+    servers = [c for c in calls if c.startswith("bench/small_card.py")
+               and "--greedy-report" not in c]
+    assert [c.split()[1] for c in servers] == ["floor24", "cache24"]
+    assert all("--max-num-seqs 8" in c and "--vram 24" in c for c in servers)
+    assert "EXPERT_CACHE_DISABLE=1" in servers[0] and "--streams 5" in servers[1]
+    ballast = [c for c in calls if c.startswith("bench/ballast.py")]
+    assert ballast[0].startswith("bench/ballast.py stop") and "start --leave 24" in ballast[1]
+    assert ballast[-1] == "bench/ballast.py stop"  # the card is given back
+    assert (tmp / "out" / "size24.json").exists() and (tmp / "sc" / "size24.json").exists()
+
+
+def test_mem24_starts_three_servers_with_the_memory_hook_and_keeps_their_lines(runner):
+    run, tmp = runner
+    calls, stdout = run(STEPS="setup mem24")
+    serves = [c for c in calls if c.startswith("-m expertcache_cli serve")]
+    assert len(serves) == 3
+    assert "--wide" not in serves[0] and serves[0].endswith("ENV=EC_BENCH_MEM=1")
+    assert "--wide staged-install" in serves[1] and serves[1].endswith("ENV=EC_BENCH_MEM=1")
+    assert serves[2].endswith("ENV=EC_BENCH_MEM=1,EC_BENCH_NO_CHECK=1")
+    assert all("--max-model-len 4096" in c for c in serves)
+    text = (tmp / "out" / "mem24.txt").read_text()
+    assert text.count("Available KV cache memory: 0.44 GiB") == 3
+    assert "EC_BENCH_MEM layer 0 call 0: staged" in text
+    for name in ("inplace", "staged", "nocheck"):
+        assert (tmp / "out" / f"mem24{name}.log").exists()
