@@ -167,11 +167,11 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
     params = dict(_named(layer, "named_parameters"))
     # by identity, not name: Marlin WNA16 and AWQ alias ``w13_weight`` to ``w13_qweight``
     # (one Parameter, two names), which named_parameters lists once, under the first
-    held = [getattr(layer, n, None) for n in ("w13_weight", "w2_weight")]
-    outside = [n for n, t in zip(("w13_weight", "w2_weight"), held, strict=True)
-               if t is not None and not any(t is p for p in params.values())]
+    outside = {n: t for n in ("w13_weight", "w2_weight")
+               if (t := getattr(layer, n, None)) is not None
+               and not any(t is p for p in params.values())}
     if outside:  # said first: it is about memory, whatever the cache could do
-        kind = type(getattr(layer, outside[0])).__name__
+        kind = type(next(iter(outside.values()))).__name__
         return decline(
             f"{qm_name} holds the experts ({', '.join(outside)}: {kind}) outside the layer's "
             "parameters, where vLLM's offloader cannot move them: they are in VRAM whatever "
@@ -194,7 +194,7 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
 
     # Rule 4: the per-expert tensors, and nothing per-expert we could not rebind.
     specs_src: list[tuple[str, Any]] = []
-    for pname, p in _named(layer, "named_parameters"):
+    for pname, p in params.items():
         if pname in NON_EXPERT_TENSORS or p is None:
             continue
         if _leading(p) == num_experts and not is_empty(p):

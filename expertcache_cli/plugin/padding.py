@@ -62,11 +62,14 @@ class PaddingReader:
     def __init__(self, token_count: Any | None, max_tokens: int, context: bool) -> None:
         self.token_count = token_count
         self.positions = None
+        #: the manager reads the count as one int32 (else the torch mask serves)
+        self.count_readable = False
         if token_count is not None and max_tokens > 0:
             import torch
 
             self.positions = torch.arange(max_tokens, dtype=token_count.dtype,
                                           device=token_count.device)
+            self.count_readable = token_count.dtype == torch.int32
         self.context = context
 
     def _v2_mask(self, n: int) -> Any | None:
@@ -94,13 +97,10 @@ class PaddingReader:
         """The padded rows as `SlotCache.step` takes them: V2's marks (``pad_rows``),
         else V1's real-token count (``real_rows``, one int32, only inside a graph being
         captured: eager calls see a stale count), else None (every row real)."""
-        import torch
-
         mask = self._v2_mask(n)
         if mask is not None:
             return {"pad_rows": mask} if mask.is_contiguous() else None
-        if (self.token_count is not None and self.token_count.dtype == torch.int32
-                and self._v1_ready(n)):
+        if self.count_readable and self._v1_ready(n):
             return {"real_rows": self.token_count}
         return None
 

@@ -388,8 +388,7 @@ class ArmedLayer:
         params = self.layer._parameters
         try:
             sources = {n: params[n] for n in self.names}
-            slot_ids = (self.cache.step(ids, sources) if rows is None
-                        else self.cache.step(ids, sources, **rows))
+            slot_ids = self.cache.step(ids, sources, **(rows or {}))
             if pad is not None:  # padded rows pass any valid slot; vLLM drops their output
                 slot_ids = torch.where(pad.unsqueeze(1), 0, slot_ids)
         except Exception as exc:  # refuse at the first call, never break serving
