@@ -22,6 +22,9 @@
 # Detached past a call's 10-minute limit (bench/detach.sh), with no per-baseline limit:
 #   bash bench/detach.sh plan env OUT=/tmp/opc BL_SECONDS=7200 bash bench/run_plan_check_on_device.sh
 #   RESULTS=/tmp/opc bash bench/detach.sh --poll plan 540
+# PLAN_ARM=0 leaves the saved plan's arm out (one server fewer a trace: the per-layer plan
+# against uniform needs measuring once, not per trace). A resident baseline file already in
+# $PC (say, copied from bench/results/) is not run again.
 # PY, PC (traces, plans, baselines: /tmp/pc) and MODEL_DIR (/tmp) are overridable (the flow
 # is tested on CPU with stubbed GPU steps: tests/test_bench_plan_check_runner.py).
 set -uo pipefail
@@ -68,7 +71,8 @@ for kind in ${TRACES:-tasks zipf}; do
     --baseline "$PC/bl-resident-$LAYERS.jsonl" --slots "$SLOTS" --policy lru --save "$P" --json \
     > "$J" 2> "$OUT/plan-$kind.err"
   cp "$J" "$OUT/plan-$kind.json"; cp "$P" "$OUT/plan-$kind.saved.json" 2>/dev/null
-  ARMS=$(echo "$SLOTS" | sed 's/\([0-9]\+\)/cache:\1/g'),plan:$P
+  ARMS=$(echo "$SLOTS" | sed 's/\([0-9]\+\)/cache:\1/g')
+  [ "${PLAN_ARM:-1}" = 0 ] || ARMS="$ARMS,plan:$P"
   baseline "$PC/bl-$kind-$LAYERS.jsonl" "$ARMS" EC_BENCH_TRACE_ROUTING="$T" \
     PYTHONPATH="$PWD/bench/trace_hook:$PYTHONPATH"
   $PY bench/plan_check.py "$J" "$PC/bl-$kind-$LAYERS.jsonl" "$P" \

@@ -94,3 +94,15 @@ def test_traces_none_measures_only_the_resident_rate(runner):
     calls = run(TRACES="none", LAYERS="8")
     assert [c.split("--arms ")[1].split()[0] for c in _cmd(calls, "baseline")] == ["resident"]
     assert not _cmd(calls, "expertcache_cli plan")
+
+
+def test_plan_arm_can_be_left_out_and_a_copied_resident_baseline_is_reused(runner):
+    run, tmp = runner
+    (tmp / "pc").mkdir(parents=True, exist_ok=True)
+    src = ROOT / "bench/results/plan-check-h200-2026-12-01-24l/bl-resident-24.jsonl"
+    (tmp / "pc/bl-resident-24.jsonl").write_text(src.read_text())
+    calls = run(TRACES="zipf", LAYERS="24", PLAN_ARM="0")
+    baselines = _cmd(calls, "expertcache_cli baseline")
+    # the copied resident file is complete: resumed, nothing left to run in it
+    assert "--arms cache:16,cache:32,cache:64 " in baselines[-1]
+    assert not any("plan:" in c for c in baselines)
