@@ -17,6 +17,12 @@ around a stock call that only copies its input (the experts' GEMMs left out on p
     armed+mask   the same, V1's padding rows masked in torch (a compare, two torch.where
                  and their two scalar fills: five kernels)
     armed+count  the same, V1's count of real rows read by the manager (what serves now)
+    ... no PDL   armed+count launched without programmatic dependent launch
+                 (EXPERT_CACHE_PDL=0; with it, the default on sm_90+, the gather starts
+                 behind the manager and the manager behind the stock call before it)
+    ... cold     before each layer a kernel writes --thrash-mib of other memory (L2 is 50
+                 MiB), as a served step's other layers do: the cache state is cold, as
+                 served; over "stock, cold"
 
 Each printed with its cost over ``stock`` per layer and the ratio of the armed path to the
 step alone. The layers are fp8-block-shaped (Qwen3-30B-A3B-FP8: fp8 w13/w2 and fp32 block
@@ -39,10 +45,12 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=1, help="decode rows a step (padded: 2x)")
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--thrash-mib", type=int, default=96)
     args = ap.parse_args()
 
     import torch
 
+    from expertcache_cli import binding
     from expertcache_cli.config import CacheConfig
     from expertcache_cli.plugin.arming import ARM, plan_layer
     from expertcache_cli.plugin.padding import mask_reader
@@ -138,6 +146,17 @@ def main() -> None:
     def run(body):
         return graph_time(torch, lambda s: body(), 200) / L * 1e6
 
+    kernels = binding.get_kernels(torch.cuda.current_device())
+    pdl_default = kernels.pdl
+    thrash = torch.empty(args.thrash_mib << 20, dtype=torch.uint8, device="cuda")
+
+    def cold(fns):
+        def body():
+            for f in fns:
+                thrash.add_(1)
+                f(x, w, ids)
+        return body
+
     t = {
         "empty kernel": graph_time(torch, lambda s: [base.launch_empty(s) for _ in range(L)],
                                    200) / L * 1e6,
@@ -148,14 +167,29 @@ def main() -> None:
         "armed+mask": run(lambda: [layer.forward_modular(x, w, ids) for layer in masked]),
         "armed+count": run(lambda: [layer.forward_modular(x, w, ids) for layer in counted]),
     }
+    cold_stock = graph_time(torch, lambda s: cold(stock)(), 50) / L * 1e6
+    counted_fns = [layer.forward_modular for layer in counted]
+    t["armed+count, cold"] = (graph_time(torch, lambda s: cold(counted_fns)(), 50) / L * 1e6
+                              - cold_stock + t["stock"])
+    if kernels.pdl_supported:
+        kernels.set_pdl(not pdl_default)
+        other = "no PDL" if pdl_default else "PDL"
+        t[f"armed+count, {other}"] = run(lambda: [f(x, w, ids) for f in counted_fns])
+        t[f"armed+count, cold, {other}"] = (
+            graph_time(torch, lambda s: cold(counted_fns)(), 50) / L * 1e6
+            - cold_stock + t["stock"])
+        kernels.set_pdl(pdl_default)
     assert installs() == warm, "a timed step missed: not the all-hit steady state"
-    print(f"layers={L} E={E} S={S} rows={rows} ({args.tokens} real, the rest padding)")
+    print(f"layers={L} E={E} S={S} rows={rows} ({args.tokens} real, the rest padding); "
+          f"PDL {'on' if pdl_default else 'off'} by default here; cold rows: "
+          f"{args.thrash_mib} MiB written before each layer, taken off with 'stock, cold' "
+          f"({cold_stock:.2f} us a layer)")
     print("| graph per layer | us/layer | over stock |")
     print("|---|---|---|")
     for name, us in t.items():
         print(f"| {name} | {us:.2f} | {us - t['stock']:+.2f} |")
     step = t["step"] - t["stock"]
-    for name in ("armed", "armed+mask", "armed+count"):
+    for name in [n for n in t if n.startswith("armed")]:
         print(f"{name}: {t[name] - t['stock']:.2f} us/layer over stock = "
               f"{(t[name] - t['stock']) / step:.2f}x the step alone ({step:.2f} us)")
 

@@ -7,7 +7,7 @@ module is the only Python code that knows their signatures. It can drive either 
 
 * ``NvrtcKernels`` (default): the source compiled by NVRTC for this GPU (see
   `kernel_build`), loaded with the driver API from `cuda-bindings`, launched with
-  ``cuLaunchKernel`` on the caller's stream. The checks the C wrappers would do are done
+  ``cuLaunchKernelEx`` on the caller's stream. The checks the C wrappers would do are done
   here, before launching.
 * ``LibraryKernels``: a shared library built by ``kernels/build.sh`` and named by
   ``EXPERT_CACHE_LIB``, called through ctypes.
@@ -17,6 +17,12 @@ once, so a call only rewrites the few values that change (ids, output, source po
 the per-layer Python cost stays small, and nothing here ever synchronises with the device.
 They hand themselves to the backend (`Kernels.run_manage` / `run_gather`), the only code
 that differs between the two builds.
+
+Both launch with programmatic dependent launch (PDL) on sm_90 and newer unless
+``EXPERT_CACHE_PDL=0``: a launch may begin while the kernel before it in the stream ends,
+and waits inside (``ec_grid_wait``) before reading what that kernel wrote. It hides the
+launch of the gather behind the manager, and the manager's start behind the router; CUDA
+graphs capture it as programmatic edges. The measured gain is in ``bench/RESULTS.md``.
 If you change an argument here, change the .cu file with it and bump ``ABI_VERSION``.
 """
 
@@ -31,7 +37,7 @@ from pathlib import Path
 
 from .policy import Policy
 
-ABI_VERSION = 2  # = EC_ABI_VERSION in expert_cache.cu
+ABI_VERSION = 3  # = EC_ABI_VERSION in expert_cache.cu
 THREADS = 256  # = EC_THREADS: manager block size and gather block size
 MAX_EXPERTS = 16384  # = EC_MAX_EXPERTS
 MAX_SLOTS = 1024  # = EC_MAX_SLOTS
@@ -157,6 +163,19 @@ class Kernels(ABC):
 
     backend = "?"
     description = ""
+    #: whether launches use programmatic dependent launch now (`set_pdl`)
+    pdl = False
+    #: whether this GPU has it (compute capability 9.0 or newer)
+    pdl_supported = False
+
+    def set_pdl(self, on: bool) -> bool:
+        """Launch with PDL from now on where the GPU has it; returns what is in force.
+
+        Why a switch and not a constant: the benches time both ways in one process, and
+        ``EXPERT_CACHE_PDL=0`` is the way back should a driver mishandle it.
+        """
+        self.pdl = bool(on) and self.pdl_supported
+        return self.pdl
 
     def manage_launcher(self, **fixed: int) -> ManageLauncher:
         return ManageLauncher(self, **fixed)
@@ -188,6 +207,8 @@ class NvrtcKernels(Kernels):
             ) from None
         self._driver = driver
         major, minor = torch.cuda.get_device_capability(device_index)
+        self.pdl_supported = major >= 9
+        self._pdl_configs: dict[tuple[int, int, int], object] = {}
         self.image = kernel_build.cached_image(major * 10 + minor)
         with torch.cuda.device(device_index):
             torch.empty(1, device=f"cuda:{device_index}")  # make the primary context current
@@ -213,6 +234,9 @@ class NvrtcKernels(Kernels):
                 self._module, b"expert_cache_gather_kernel"
             )
             self._check(err, "cuModuleGetFunction(expert_cache_gather_kernel)")
+        from .config import pdl_from_env
+
+        self.set_pdl(pdl_from_env())
         self.description = (
             f"NVRTC {self.image.kind} for sm_{self.image.arch} ({self.image.path}"
             f"{', cached' if self.image.cached else ', compiled now'})"
@@ -223,12 +247,38 @@ class NvrtcKernels(Kernels):
             _, name = self._driver.cuGetErrorName(err)
             raise KernelError(f"{what} failed: {name.decode() if name else int(err)}")
 
+    def _pdl_config(self, fn, grid: int, smem: int):
+        """The launch configuration with the PDL attribute, built once per (kernel, grid,
+        shared memory): a call only sets its stream."""
+        key = (int(fn), grid, smem)
+        cfg = self._pdl_configs.get(key)
+        if cfg is None:
+            d = self._driver
+            attr = d.CUlaunchAttribute()
+            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg = d.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = THREADS, 1, 1
+            cfg.sharedMemBytes = smem
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+            self._pdl_configs[key] = cfg
+        return cfg
+
     def launch(self, fn, grid: int, smem: int, stream: int, params_addr: int) -> None:
-        (err,) = self._driver.cuLaunchKernel(
-            fn, grid, 1, 1, THREADS, 1, 1, smem, stream, params_addr, 0
-        )
+        if self.pdl:
+            cfg = self._pdl_config(fn, grid, smem)
+            cfg.hStream = self._driver.CUstream(stream)
+            (err,) = self._driver.cuLaunchKernelEx(cfg, fn, params_addr, 0)
+            what = "cuLaunchKernelEx"
+        else:
+            (err,) = self._driver.cuLaunchKernel(
+                fn, grid, 1, 1, THREADS, 1, 1, smem, stream, params_addr, 0
+            )
+            what = "cuLaunchKernel"
         if int(err) != 0:
-            self._check(err, "cuLaunchKernel")
+            self._check(err, what)
 
     def run_manage(self, call: ManageLauncher, stream: int) -> None:
         self.launch(self.manage_fn, 1, call.smem, stream, call.params_addr)
@@ -246,7 +296,7 @@ class LibraryKernels(Kernels):
 
     backend = "library"
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, device_index: int | None = None) -> None:
         from . import config, kernel_build
 
         path = Path(path)
@@ -268,6 +318,8 @@ class LibraryKernels(Kernels):
             )
         lib.expert_cache_manage.restype = ctypes.c_int
         lib.expert_cache_manage.argtypes = [t for _, t in MANAGE_ARGS] + [ctypes.c_void_p]
+        lib.expert_cache_set_pdl.restype = ctypes.c_int
+        lib.expert_cache_set_pdl.argtypes = [ctypes.c_int]
         lib.expert_cache_gather.restype = ctypes.c_int
         lib.expert_cache_gather.argtypes = [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -276,6 +328,16 @@ class LibraryKernels(Kernels):
         self.lib = lib
         self.path = path
         self.description = f"shared library {path}"
+        if device_index is not None:
+            import torch
+
+            self.pdl_supported = torch.cuda.get_device_capability(device_index)[0] >= 9
+        self.set_pdl(config.pdl_from_env())
+
+    def set_pdl(self, on: bool) -> bool:
+        # the library's switch is one per process: every device it serves shares it
+        self.lib.expert_cache_set_pdl(int(super().set_pdl(on)))
+        return self.pdl
 
     def run_manage(self, call: ManageLauncher, stream: int) -> None:
         raise_for_code(self.lib.expert_cache_manage(*call.values, stream), "expert_cache_manage")
@@ -454,6 +516,6 @@ def get_kernels(device_index: int) -> Kernels:
             from .config import LIB
 
             lib = os.environ.get(LIB)
-            k = LibraryKernels(lib) if lib else NvrtcKernels(device_index)
+            k = LibraryKernels(lib, device_index) if lib else NvrtcKernels(device_index)
             _LOADED[device_index] = k
         return k

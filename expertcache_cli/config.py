@@ -30,6 +30,7 @@ LIB = "EXPERT_CACHE_LIB"
 STATS = "EXPERT_CACHE_STATS"
 TRACE = "EXPERT_CACHE_TRACE"
 WIDE = "EXPERT_CACHE_WIDE"
+PDL = "EXPERT_CACHE_PDL"
 
 #: every variable the plugin reads, with a one-line meaning (README and docs/plugin.md)
 ENV_VARS: dict[str, str] = {
@@ -43,11 +44,13 @@ ENV_VARS: dict[str, str] = {
     TRACE: "record the routing of every armed layer into this .npz at exit",
     WIDE: "steps wider than the slots: in-place (default), staged or staged-install "
           "(through a VRAM scratch of one layer's experts)",
+    PDL: "0 = launch the cache's kernels without programmatic dependent launch "
+         "(on by default on sm_90 and newer: each kernel starts while the one before it ends)",
 }
 
 #: the variables that change what a server measures or writes: a launcher that states a
 #: configuration (`baseline`'s arms) clears every one it does not set. (LIB only picks
-#: where the same kernels come from.)
+#: where the same kernels come from, PDL only how they are launched.)
 MEANING = (SLOTS, FRACTION, POLICY, DECAY, DISABLE, STATS, TRACE, WIDE)
 
 #: slots as a fraction of the experts when neither SLOTS nor FRACTION is given
@@ -84,6 +87,7 @@ class CacheConfig:
     stats_every: int = 0
     trace_path: str | None = None
     wide: Wide = Wide.IN_PLACE
+    pdl: bool = True
 
     def slots_for(self, num_experts: int, index: int | None = None) -> int:
         """Slots for the ``index``-th MoE layer, of ``num_experts`` experts; ValueError when
@@ -149,6 +153,8 @@ class CacheConfig:
             env[TRACE] = self.trace_path
         if self.wide is not Wide.IN_PLACE:
             env[WIDE] = self.wide.value
+        if not self.pdl:
+            env[PDL] = "0"
         return env
 
 
@@ -176,6 +182,13 @@ def _bool(env: Mapping[str, str], name: str) -> bool:
     if raw in _FALSE:
         return False
     raise ConfigError(f"{name}={env.get(name)!r}: expected 1 or 0")
+
+
+def pdl_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the kernels may use programmatic dependent launch (unset: yes; where the GPU
+    has it, which `binding` decides)."""
+    env = os.environ if env is None else env
+    return True if env.get(PDL, "").strip() == "" else _bool(env, PDL)
 
 
 def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
@@ -254,4 +267,5 @@ def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
         stats_every=stats_every,
         trace_path=trace_path,
         wide=wide,
+        pdl=pdl_from_env(env),
     )

@@ -3,7 +3,9 @@
 // The kernels are written in the subset of C++ that CUDA and HIP share (__global__,
 // __shared__, __syncthreads, block-level shared-memory reductions, no warp intrinsics),
 // so porting between vendors means editing this header only: the runtime include, the
-// stream type, the last-error query, the launch macro, and the 16-byte copy unit.
+// stream type, the last-error query, the launch macros, the 16-byte copy unit, and the
+// two NVIDIA-only latency hints (programmatic dependent launch, L2 prefetch), which are
+// no-ops wherever they do not exist.
 //
 // Three ways this header is compiled:
 //   * nvcc (shared library, host wrappers included)          -> CUDA runtime
@@ -24,6 +26,8 @@ typedef uint4 ec_vec16;
 #  define ec_get_last_error() ((int)hipGetLastError())
 #  define EC_LAUNCH(kernel, grid, block, shmem, stream, ...) \
       hipLaunchKernelGGL(kernel, grid, block, shmem, stream, __VA_ARGS__)
+#  define EC_LAUNCH_PDL(pdl, kernel, grid, block, shmem, stream, ...) \
+      hipLaunchKernelGGL(kernel, grid, block, shmem, stream, __VA_ARGS__)
 #else
 #  include <cuda_runtime.h>
 typedef cudaStream_t ec_stream_t;
@@ -31,6 +35,43 @@ typedef uint4 ec_vec16;
 #  define ec_get_last_error() ((int)cudaGetLastError())
 #  define EC_LAUNCH(kernel, grid, block, shmem, stream, ...) \
       kernel<<<(grid), (block), (shmem), (stream)>>>(__VA_ARGS__)
+// The launch with programmatic stream serialization when `pdl` is nonzero (the kernel may
+// start while the one before it in the stream finishes, and waits in ec_grid_wait()).
+#  define EC_LAUNCH_PDL(pdl, kernel, grid, block, shmem, strm, ...)                     \
+      do {                                                                             \
+          cudaLaunchAttribute ec_attr[1];                                              \
+          ec_attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;          \
+          ec_attr[0].val.programmaticStreamSerializationAllowed = 1;                   \
+          cudaLaunchConfig_t ec_cfg = {};                                              \
+          ec_cfg.gridDim = dim3(grid);                                                 \
+          ec_cfg.blockDim = dim3(block);                                               \
+          ec_cfg.dynamicSmemBytes = (shmem);                                           \
+          ec_cfg.stream = (strm);                                                      \
+          ec_cfg.attrs = ec_attr;                                                      \
+          ec_cfg.numAttrs = (pdl) ? 1 : 0;                                             \
+          (void)cudaLaunchKernelEx(&ec_cfg, kernel, __VA_ARGS__);                      \
+      } while (0)
+#endif
+
+// Programmatic dependent launch (sm_90 and newer). A kernel launched with it may begin
+// while the kernel before it in the stream is still finishing: ec_grid_wait() blocks until
+// that kernel has completed and its memory is visible, so nothing before it may read what
+// an earlier kernel writes. ec_grid_release_dependents() lets the next kernel, if it was
+// launched with PDL, begin now (it still waits for this one in its own ec_grid_wait()).
+// Both do nothing in a launch without PDL and on other architectures or vendors.
+// ec_prefetch_l2(p) asks for p's line in L2 and reads no value: safe before the wait,
+// because L2 is where every SM's writes meet, so a line fetched early is not stale.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && !defined(__HIP_PLATFORM_AMD__)
+#  define ec_grid_wait() asm volatile("griddepcontrol.wait;" ::: "memory")
+#  define ec_grid_release_dependents() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#  define ec_grid_wait() ((void)0)
+#  define ec_grid_release_dependents() ((void)0)
+#endif
+#if defined(__CUDA_ARCH__) && !defined(__HIP_PLATFORM_AMD__)
+#  define ec_prefetch_l2(p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p))
+#else
+#  define ec_prefetch_l2(p) ((void)(p))
 #endif
 
 // 16 bytes, the unit every gather lane moves (a slab must be a multiple of it).

@@ -23,7 +23,7 @@
 // this ABI; change both together and bump EC_ABI_VERSION.
 #include "ec_compat.h"
 
-#define EC_ABI_VERSION 2
+#define EC_ABI_VERSION 3
 #define EC_THREADS 256              // manager block size; the gather uses the same
 #define EC_MAX_EXPERTS 16384        // bounded by the manager's shared memory (one byte each)
 #define EC_MAX_SLOTS 1024           // bounded by the manager's shared memory (24 bytes each)
@@ -135,6 +135,18 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     // replay's own count and marks.
     // (this thread's id is loaded before the count arrives, not after: two loads in
     // flight at once instead of one behind the other)
+    // Launched with PDL (binding.py), this kernel may begin while the one before it (the
+    // router, which writes ids) finishes: warm L2 with this layer's state meanwhile (cold
+    // in serving: a whole decode step of other layers ran since this layer's last call),
+    // then wait for it, and let the gather behind this launch start (it waits for this
+    // kernel in turn). Without PDL the three are no-ops or harmless hints.
+    for (int e = tid * 32; e < E; e += EC_THREADS * 32) ec_prefetch_l2(table + e);
+    for (int s = tid * 32; s < S; s += EC_THREADS * 32) ec_prefetch_l2(slot_expert + s);
+    for (int s = tid * 16; s < S; s += EC_THREADS * 16) ec_prefetch_l2(prio + s);
+    if (tid == 0) ec_prefetch_l2(step);
+    ec_grid_wait();
+    ec_grid_release_dependents();
+
     const long long raw_id = (tid < n_ids) ? ec_load_id(ids, tid, ids_is64) : -1;
     int n_real = n_ids;
     if (real_rows != nullptr) {
@@ -288,6 +300,7 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
 extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_gather_kernel(
     const int* __restrict__ miss_expert, const int* __restrict__ miss_slot,
     const int* __restrict__ miss_count, EcGatherParams p) {
+    ec_grid_wait();  // PDL: launched early behind the manager; its miss list is read below
     const long long total = (long long)miss_count[0] * p.per_miss;  // 16-byte units
     long long idx = (long long)blockIdx.x * EC_THREADS + threadIdx.x;
     if ((long long)blockIdx.x * EC_THREADS >= total) return;  // no work: leave at once
@@ -330,6 +343,16 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_gather_ker
 
 extern "C" int expert_cache_abi_version(void) { return EC_ABI_VERSION; }
 
+// Programmatic dependent launch for every later launch of this process (0 = off, the
+// default; binding.py turns it on for sm_90 and newer unless EXPERT_CACHE_PDL=0).
+// Returns the previous setting.
+static int ec_pdl = 0;
+extern "C" int expert_cache_set_pdl(int on) {
+    const int old = ec_pdl;
+    ec_pdl = on != 0;
+    return old;
+}
+
 extern "C" long long expert_cache_manage_smem(int num_experts, int num_slots) {
     return EC_MANAGE_SMEM(num_experts, num_slots);
 }
@@ -352,11 +375,11 @@ extern "C" int expert_cache_manage(const void* ids, int n_ids, int ids_is64, int
     if (ids_is64 != 0 && ids_is64 != 1) return EC_ERR_SIZE;
     if ((real_rows != nullptr || pad_rows != nullptr) && row_width < 1) return EC_ERR_SIZE;
     (void)ec_get_last_error();  // report this launch's error, not an older one
-    EC_LAUNCH(expert_cache_manage_kernel, 1, EC_THREADS,
-              (size_t)EC_MANAGE_SMEM(num_experts, num_slots), (ec_stream_t)stream, ids, n_ids,
-              ids_is64, table, slot_expert, prio, step, miss_expert, miss_slot, miss_count,
-              out_ids, stats, real_rows, pad_rows, row_width, num_experts, num_slots, policy,
-              decay, max_distinct, max_inserts);
+    EC_LAUNCH_PDL(ec_pdl, expert_cache_manage_kernel, 1, EC_THREADS,
+                  (size_t)EC_MANAGE_SMEM(num_experts, num_slots), (ec_stream_t)stream, ids,
+                  n_ids, ids_is64, table, slot_expert, prio, step, miss_expert, miss_slot,
+                  miss_count, out_ids, stats, real_rows, pad_rows, row_width, num_experts,
+                  num_slots, policy, decay, max_distinct, max_inserts);
     return ec_get_last_error();
 }
 
@@ -385,8 +408,8 @@ extern "C" int expert_cache_gather(const int* miss_expert, const int* miss_slot,
             p.per_miss += p.vecs[t];
         }
         p.n_tensors = n;
-        EC_LAUNCH(expert_cache_gather_kernel, grid, EC_THREADS, 0, (ec_stream_t)stream,
-                  miss_expert, miss_slot, miss_count, p);
+        EC_LAUNCH_PDL(ec_pdl, expert_cache_gather_kernel, grid, EC_THREADS, 0,
+                      (ec_stream_t)stream, miss_expert, miss_slot, miss_count, p);
         const int err = ec_get_last_error();
         if (err != 0) return err;
     }

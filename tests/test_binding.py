@@ -160,3 +160,80 @@ def test_gather_refusals_launch_nothing():
     assert k.gather_calls == []
     g([0x1000, 0x2000], stream=4)
     assert k.gather_calls == [([0x1000, 0x2000], 4)]
+
+
+class FakeDriver:
+    """The cuda-bindings calls `NvrtcKernels.launch` makes, recorded; the launch-config
+    structs are the real ones (they need no GPU), so a misuse of their API fails here."""
+
+    def __init__(self) -> None:
+        from cuda.bindings import driver
+
+        self.real = driver
+        self.CUlaunchAttribute = driver.CUlaunchAttribute
+        self.CUlaunchAttributeID = driver.CUlaunchAttributeID
+        self.CUlaunchConfig = driver.CUlaunchConfig
+        self.CUstream = driver.CUstream
+        self.calls: list[tuple] = []
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        self.calls.append(("plain", fn, gx, bx, smem, stream, params))
+        return (0,)
+
+    def cuLaunchKernelEx(self, cfg, fn, params, extra):
+        attrs = [(a.id, a.value.programmaticStreamSerializationAllowed)
+                 for a in cfg.attrs[: cfg.numAttrs]]
+        self.calls.append(("ex", fn, cfg.gridDimX, cfg.blockDimX, cfg.sharedMemBytes,
+                           int(cfg.hStream), params, attrs))
+        return (0,)
+
+
+def _nvrtc_without_gpu(supported: bool) -> binding.NvrtcKernels:
+    pytest.importorskip("cuda.bindings")
+    k = object.__new__(binding.NvrtcKernels)
+    k._driver = FakeDriver()
+    k._pdl_configs = {}
+    k.pdl_supported = supported
+    return k
+
+
+def test_pdl_launches_carry_the_attribute_and_each_call_its_own_stream():
+    k = _nvrtc_without_gpu(supported=True)
+    assert k.set_pdl(True) is True
+    k.launch(7, 528, 0, 11, 0x100)
+    k.launch(7, 528, 0, 12, 0x200)
+    k.launch(9, 1, 4096, 12, 0x300)
+    pss = k._driver.real.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert k._driver.calls == [
+        ("ex", 7, 528, binding.THREADS, 0, 11, 0x100, [(pss, 1)]),
+        ("ex", 7, 528, binding.THREADS, 0, 12, 0x200, [(pss, 1)]),
+        ("ex", 9, 1, binding.THREADS, 4096, 12, 0x300, [(pss, 1)]),
+    ]
+    assert len(k._pdl_configs) == 2  # one config per (kernel, grid, smem), reused
+    k.set_pdl(False)
+    k.launch(7, 528, 0, 13, 0x400)
+    assert k._driver.calls[-1] == ("plain", 7, 528, binding.THREADS, 0, 13, 0x400)
+
+
+def test_pdl_is_never_used_where_the_gpu_lacks_it():
+    k = _nvrtc_without_gpu(supported=False)
+    assert k.set_pdl(True) is False and k.pdl is False
+    k.launch(7, 528, 0, 11, 0x100)
+    assert k._driver.calls[0][0] == "plain"
+
+
+def test_library_pdl_switch_reaches_the_library_only_where_supported():
+    k = object.__new__(binding.LibraryKernels)
+    seen = []
+
+    class Lib:
+        def expert_cache_set_pdl(self, on):
+            seen.append(on)
+            return 0
+
+    k.lib = Lib()
+    k.pdl_supported = True
+    assert k.set_pdl(True) is True and k.set_pdl(False) is False
+    k.pdl_supported = False
+    assert k.set_pdl(True) is False
+    assert seen == [1, 0, 0]

@@ -139,3 +139,21 @@ def test_per_layer_slots_are_parsed_and_looked_up_by_layer():
     with pytest.raises(ConfigError, match="both set"):
         from_env({"EXPERT_CACHE_SLOTS": "4,5", "EXPERT_CACHE_FRACTION": "0.5"})
     assert from_env(CacheConfig(slots_per_layer=(7, 8)).to_env()).slots_per_layer == (7, 8)
+
+
+@pytest.mark.parametrize(("value", "want"), [
+    (None, True), ("", True), ("1", True), ("on", True), ("0", False), ("no", False),
+    ("OFF", False),
+])
+def test_pdl_switch_reads_as_the_other_booleans_and_defaults_on(value, want):
+    from expertcache_cli.config import pdl_from_env
+
+    env = {} if value is None else {"EXPERT_CACHE_PDL": value}
+    assert pdl_from_env(env) is want
+    assert from_env(env).pdl is want
+    assert from_env(from_env(env).to_env()).pdl is want
+
+
+def test_a_bad_pdl_value_is_one_clear_error():
+    with pytest.raises(ConfigError, match="EXPERT_CACHE_PDL='maybe': expected 1 or 0"):
+        from_env({"EXPERT_CACHE_PDL": "maybe"})

@@ -46,6 +46,27 @@ def test_nvrtc_ptx_sm90_has_both_kernels():
         assert re.search(rf"\.entry\s+{name}\s*\(", ptx), f"{name} missing from the PTX"
 
 
+def _entry_bodies(ptx: str) -> dict[str, str]:
+    parts = re.split(r"\.entry\s+(\w+)\s*\(", ptx)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_pdl_waits_are_in_both_kernels_on_sm90_and_absent_before():
+    """Each kernel waits for the one before it (griddepcontrol.wait) where PDL exists, and
+    the manager releases the gather; sm_80 has no PDL, so nothing of it is emitted."""
+    _needs_nvrtc()
+    bodies = _entry_bodies(kernel_build.nvrtc_compile(90, "ptx").decode(errors="replace"))
+    for name in kernel_build.KERNEL_ENTRY_POINTS:
+        assert "griddepcontrol.wait" in bodies[name], f"{name} does not wait under PDL"
+    manage = bodies["expert_cache_manage_kernel"]
+    assert "griddepcontrol.launch_dependents" in manage
+    # the state prefetches come first, the wait before the first load of the ids
+    assert manage.index("prefetch.global.L2") < manage.index("griddepcontrol.wait")
+    assert manage.index("griddepcontrol.wait") < manage.index("ld.global")
+    sm80 = kernel_build.nvrtc_compile(80, "ptx").decode(errors="replace")
+    assert "griddepcontrol" not in sm80
+
+
 def test_nvrtc_compile_leaves_shared_bytes_objects_alone():
     # NVRTC fills caller-provided buffers; handing it CPython's shared one-byte object
     # (what `b" " * 1` is) once turned every b" " in the process into b"\x00".

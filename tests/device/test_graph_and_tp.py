@@ -164,9 +164,63 @@ def test_device_replay_matches_reference(cuda):
 
 
 @pytest.mark.device
-def test_library_backend(cuda, tmp_path, monkeypatch):
+def test_pdl_graph_of_layers_equals_the_reference_and_the_plain_launch(cuda):
+    """Programmatic dependent launch (the default on sm_90+): in a graph of 8 layers, each
+    layer's ids written by a torch kernel just before its manager (the router's place), the
+    manager starts early and must still read this replay's ids, and the gather behind it
+    this step's miss list. Two sets of caches, one captured with PDL and one without,
+    replayed 150 steps: identical to each other and to the reference, state and slots."""
+    torch = cuda
+    from expertcache_cli import binding
+    from expertcache_cli.slotcache import SlotCache
+
+    kernels = binding.get_kernels(torch.cuda.current_device())
+    if not kernels.pdl_supported:
+        pytest.skip("this GPU has no programmatic dependent launch (sm_90 and newer)")
+    assert kernels.pdl, "PDL is the default where the GPU has it (EXPERT_CACHE_PDL unset)"
+    E, S, L = 64, 16, 8
+    specs, sources = _setup(torch, E, seed=3)
+    step_in = torch.zeros((4, 4), dtype=torch.int32, device="cuda")
+    ids_bufs = [torch.zeros_like(step_in) for _ in range(L)]
+    sets, graphs, outs = {}, {}, {}
+    for pdl in (True, False):
+        kernels.set_pdl(pdl)
+        caches = [SlotCache(E, S, specs, policy="lru", name=f"pdl{pdl}-{i}") for i in range(L)]
+        for c in caches:
+            c.check_sources(sources)
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+            o = []
+            for i, c in enumerate(caches):
+                # a kernel (not a copy node) writes this layer's ids right before the step
+                torch.remainder(step_in + 7 * i, E, out=ids_bufs[i])
+                o.append(c.step(ids_bufs[i], sources))
+        torch.cuda.current_stream().wait_stream(side)
+        sets[pdl], graphs[pdl], outs[pdl] = caches, g, o
+    kernels.set_pdl(True)
+    refs = [LayerCache(E, S, Policy.LRU, 0) for _ in range(L)]
+    for t, row in enumerate(_routing(E, 150, seed=4)):
+        step_in.copy_(torch.from_numpy(row))
+        for pdl in (True, False):
+            graphs[pdl].replay()
+        torch.cuda.synchronize()
+        for i in range(L):
+            layer_row = (row + 7 * i) % E
+            res = refs[i].step(layer_row)
+            assert torch.equal(outs[True][i], outs[False][i]), f"step {t} layer {i}: remap"
+            _assert_caches_equal(torch, sets[True][i], sets[False][i], f"step {t} layer {i}")
+            assert_same_state(sets[True][i], refs[i], f"PDL step {t} layer {i}", layer_row,
+                              outs[True][i], res)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("pdl", [True, False])
+def test_library_backend(cuda, tmp_path, monkeypatch, pdl):
     """The nvcc shared library (EXPERT_CACHE_LIB) gives the same results as the
-    reference, and its wrappers refuse bad arguments with a code instead of launching."""
+    reference, launched with PDL or without, and its wrappers refuse bad arguments with a
+    code instead of launching."""
     torch = cuda
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not on PATH: the ahead-of-time library cannot be built here")
@@ -175,7 +229,8 @@ def test_library_backend(cuda, tmp_path, monkeypatch):
 
     major, minor = torch.cuda.get_device_capability()
     lib = kernel_build.build_shared_library(tmp_path / "libec.so", (major * 10 + minor,))
-    kernels = binding.LibraryKernels(lib)
+    kernels = binding.LibraryKernels(lib, torch.cuda.current_device())
+    assert kernels.set_pdl(pdl) == (pdl and major >= 9)
     monkeypatch.setitem(binding._LOADED, torch.cuda.current_device(), kernels)
     E, S = 64, 24
     specs, sources = _setup(torch, E, seed=5)
