@@ -153,6 +153,26 @@ MANAGE_ARGS: tuple[tuple[str, type], ...] = (
 )
 
 
+#: the first driver whose stream capture records programmatic dependent launches
+PDL_MIN_DRIVER = 12030
+
+
+def driver_version() -> int:
+    """The CUDA driver's version (12030 = 12.3), 0 where none can be asked."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_int(0)
+        return v.value if lib.cuDriverGetVersion(ctypes.byref(v)) == 0 else 0
+    except OSError:
+        return 0
+
+
+def pdl_possible(capability_major: int, driver: int) -> bool:
+    """PDL needs sm_90 or newer and a driver whose CUDA graphs capture it; anything older
+    launches plainly (a refused launch inside vLLM's graph capture would end the capture)."""
+    return capability_major >= 9 and driver >= PDL_MIN_DRIVER
+
+
 class Kernels(ABC):
     """A loaded build of the kernels for one device; use `get_kernels`.
 
@@ -207,7 +227,7 @@ class NvrtcKernels(Kernels):
             ) from None
         self._driver = driver
         major, minor = torch.cuda.get_device_capability(device_index)
-        self.pdl_supported = major >= 9
+        self.pdl_supported = pdl_possible(major, driver_version())
         self._pdl_configs: dict[tuple[int, int, int], object] = {}
         self.image = kernel_build.cached_image(major * 10 + minor)
         with torch.cuda.device(device_index):
@@ -331,7 +351,8 @@ class LibraryKernels(Kernels):
         if device_index is not None:
             import torch
 
-            self.pdl_supported = torch.cuda.get_device_capability(device_index)[0] >= 9
+            self.pdl_supported = pdl_possible(
+                torch.cuda.get_device_capability(device_index)[0], driver_version())
         self.set_pdl(config.pdl_from_env())
 
     def set_pdl(self, on: bool) -> bool:

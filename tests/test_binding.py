@@ -237,3 +237,18 @@ def test_library_pdl_switch_reaches_the_library_only_where_supported():
     k.pdl_supported = False
     assert k.set_pdl(True) is False
     assert seen == [1, 0, 0]
+
+
+@pytest.mark.parametrize(("major", "driver", "want"), [
+    (9, 12030, True), (12, 13000, True), (9, 12020, False), (8, 13000, False), (9, 0, False),
+])
+def test_pdl_needs_hopper_or_newer_and_a_driver_that_captures_it(major, driver, want):
+    assert binding.pdl_possible(major, driver) is want
+
+
+def test_driver_version_is_zero_without_a_driver(monkeypatch):
+    def no_lib(name):
+        raise OSError(name)
+
+    monkeypatch.setattr(binding.ctypes, "CDLL", no_lib)
+    assert binding.driver_version() == 0
