@@ -185,7 +185,7 @@ class Kernels(ABC):
     description = ""
     #: whether launches use programmatic dependent launch now (`set_pdl`)
     pdl = False
-    #: whether this GPU has it (compute capability 9.0 or newer)
+    #: whether this GPU and driver have it (`pdl_possible`)
     pdl_supported = False
 
     def set_pdl(self, on: bool) -> bool:
@@ -260,6 +260,7 @@ class NvrtcKernels(Kernels):
         self.description = (
             f"NVRTC {self.image.kind} for sm_{self.image.arch} ({self.image.path}"
             f"{', cached' if self.image.cached else ', compiled now'})"
+            f"{', programmatic dependent launch' if self.pdl else ''}"
         )
 
     def _check(self, err, what: str) -> None:
@@ -347,13 +348,14 @@ class LibraryKernels(Kernels):
         ]
         self.lib = lib
         self.path = path
-        self.description = f"shared library {path}"
         if device_index is not None:
             import torch
 
             self.pdl_supported = pdl_possible(
                 torch.cuda.get_device_capability(device_index)[0], driver_version())
         self.set_pdl(config.pdl_from_env())
+        self.description = (f"shared library {path}"
+                            f"{', programmatic dependent launch' if self.pdl else ''}")
 
     def set_pdl(self, on: bool) -> bool:
         # the library's switch is one per process: every device it serves shares it
