@@ -183,23 +183,25 @@ def test_pdl_graph_of_layers_equals_the_reference_and_the_plain_launch(cuda):
     step_in = torch.zeros((4, 4), dtype=torch.int32, device="cuda")
     ids_bufs = [torch.zeros_like(step_in) for _ in range(L)]
     sets, graphs, outs = {}, {}, {}
-    for pdl in (True, False):
-        kernels.set_pdl(pdl)
-        caches = [SlotCache(E, S, specs, policy="lru", name=f"pdl{pdl}-{i}") for i in range(L)]
-        for c in caches:
-            c.check_sources(sources)
-        g = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
-            o = []
-            for i, c in enumerate(caches):
-                # a kernel (not a copy node) writes this layer's ids right before the step
-                torch.remainder(step_in + 7 * i, E, out=ids_bufs[i])
-                o.append(c.step(ids_bufs[i], sources))
-        torch.cuda.current_stream().wait_stream(side)
-        sets[pdl], graphs[pdl], outs[pdl] = caches, g, o
-    kernels.set_pdl(True)
+    try:
+        for pdl in (True, False):
+            kernels.set_pdl(pdl)
+            caches = [SlotCache(E, S, specs, policy="lru", name=f"pdl{pdl}-{i}") for i in range(L)]
+            for c in caches:
+                c.check_sources(sources)
+            g = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+                o = []
+                for i, c in enumerate(caches):
+                    # a kernel (not a copy node) writes this layer's ids right before the step
+                    torch.remainder(step_in + 7 * i, E, out=ids_bufs[i])
+                    o.append(c.step(ids_bufs[i], sources))
+            torch.cuda.current_stream().wait_stream(side)
+            sets[pdl], graphs[pdl], outs[pdl] = caches, g, o
+    finally:
+        kernels.set_pdl(True)  # the process default, for the tests after this one
     refs = [LayerCache(E, S, Policy.LRU, 0) for _ in range(L)]
     for t, row in enumerate(_routing(E, 150, seed=4)):
         step_in.copy_(torch.from_numpy(row))
