@@ -17,9 +17,10 @@ around a stock call that only copies its input (the experts' GEMMs left out on p
     armed+mask   the same, V1's padding rows masked in torch (a compare, two torch.where
                  and their two scalar fills: five kernels)
     armed+count  the same, V1's count of real rows read by the manager (what serves now)
-    ... no PDL   armed+count launched without programmatic dependent launch
-                 (EXPERT_CACHE_PDL=0; with it, the default on sm_90+, the gather starts
-                 behind the manager and the manager behind the stock call before it)
+    ... PDL      armed+count launched with programmatic dependent launch where the GPU
+                 has it (EXPERT_CACHE_PDL=1, off by default: the gather starts behind the
+                 manager and the manager behind the stock call before it); the row is
+                 labelled "no PDL" instead when the run's default is on
     ... cold     before each layer a kernel writes --thrash-mib of other memory (L2 is 50
                  MiB), as a served step's other layers do: the cache state is cold, as
                  served; over "stock, cold"

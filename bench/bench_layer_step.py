@@ -9,14 +9,14 @@ holds every layer once and is replayed many times. Same-run baselines: a graph o
 empty kernel per layer, of the manager alone, and of the no-miss gather alone.
 Goal: <= 5 us per layer.
 
-Two ways of launching, timed in the same run: with programmatic dependent launch (PDL,
-the default on sm_90 and newer: the gather starts behind the manager, the manager behind
-whatever ran before it) and without (``EXPERT_CACHE_PDL=0``). And two states of memory:
-warm (every layer's cache state stays in L2 across the graph, as in a bench) and cold
-(before each layer a kernel that writes --thrash-mib of other memory, as a served decode
-step's other layers do; its own cost is measured with an empty kernel behind it and taken
-off), which is what served all-hit layers see (H200, fp8-block, 24 layers: the manager
-took 3.56 us a call in vLLM's profile against ~2.4 us warm here).
+Two ways of launching, timed in the same run where the GPU has PDL: with programmatic
+dependent launch (``EXPERT_CACHE_PDL=1``, sm_90 and newer: the gather starts behind the
+manager, the manager behind whatever ran before it) and without (the default). And two
+states of memory: warm (every layer's cache state stays in L2 across the graph, as in a
+bench) and cold (before each layer a kernel that writes --thrash-mib of other memory, as a
+served decode step's other layers do; its own cost is measured with an empty kernel behind
+it and taken off), which is what served all-hit layers see (H200, fp8-block, 24 layers:
+the manager took 3.56 us a call in vLLM's profile against ~2.4 us warm here).
 """
 
 from __future__ import annotations

@@ -18,11 +18,12 @@ the per-layer Python cost stays small, and nothing here ever synchronises with t
 They hand themselves to the backend (`Kernels.run_manage` / `run_gather`), the only code
 that differs between the two builds.
 
-Both launch with programmatic dependent launch (PDL) on sm_90 and newer unless
-``EXPERT_CACHE_PDL=0``: a launch may begin while the kernel before it in the stream ends,
-and waits inside (``ec_grid_wait``) before reading what that kernel wrote. It hides the
-launch of the gather behind the manager, and the manager's start behind the router; CUDA
-graphs capture it as programmatic edges. The measured gain is in ``bench/RESULTS.md``.
+Both can launch with programmatic dependent launch (PDL) on sm_90 and newer
+(``EXPERT_CACHE_PDL=1``; off by default until its device test and benches have run): a
+launch may begin while the kernel before it in the stream ends, and waits inside
+(``ec_grid_wait``) before reading what that kernel wrote. It hides the launch of the
+gather behind the manager, and the manager's start behind the router; CUDA graphs capture
+it as programmatic edges.
 If you change an argument here, change the .cu file with it and bump ``ABI_VERSION``.
 """
 
