@@ -143,7 +143,10 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     for (int e = tid * 32; e < E; e += EC_THREADS * 32) ec_prefetch_l2(table + e);
     for (int s = tid * 32; s < S; s += EC_THREADS * 32) ec_prefetch_l2(slot_expert + s);
     for (int s = tid * 16; s < S; s += EC_THREADS * 16) ec_prefetch_l2(prio + s);
-    if (tid == 0) ec_prefetch_l2(step);
+    if (tid == 0) {
+        ec_prefetch_l2(step);
+        if (stats != nullptr) ec_prefetch_l2(stats);
+    }
     ec_grid_wait();
     ec_grid_release_dependents();
 
@@ -165,7 +168,17 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
         s_sexp[s] = slot_expert[s];
     }
     for (int e = tid; e < E; e += EC_THREADS) s_mark[e] = 0;
-    if (tid == 0) s_step = step[0] + 1;
+    // thread 0 also reads the counters now, with the rest of the state, rather than at the
+    // end, where a cold read (served, a whole decode step ran since) would be the last
+    // thing the kernel waits for
+    long long seen_before = 0, installs_before = 0;
+    if (tid == 0) {
+        s_step = step[0] + 1;
+        if (stats != nullptr) {
+            seen_before = stats[0];
+            installs_before = stats[1];
+        }
+    }
     __syncthreads();
 
     // 1. Mark the distinct valid ids. Threads that hit the same expert store the same
@@ -291,8 +304,8 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
         step[0] = now;
         miss_count[0] = installs;
         if (stats != nullptr) {
-            stats[0] += n_distinct;
-            stats[1] += installs;
+            stats[0] = seen_before + n_distinct;
+            stats[1] = installs_before + installs;
         }
     }
 }
