@@ -191,7 +191,7 @@ def _fake_registry(monkeypatch, calls: list[str], fail: str = ""):
             rep.gather = [probe.Rate(f"gather_{n}", n, 1.0, 40.0 + n, 3, 0.0) for n in (1, 8, 32)]
             rep.gather_impl = "fake"
         elif self.key == "step":
-            rep.step_us = 3.7
+            rep.step_us, rep.step_cold_us = 3.7, 4.9
 
     for m in meas.MEASUREMENTS.values():
         monkeypatch.setattr(type(m), "run", fake_run)
@@ -246,3 +246,26 @@ def test_every_measured_row_has_one_label():
     assert len(labels) == len(set(labels))
     assert probe.row_label("zero_copy_read").startswith("SM zero-copy")
     assert probe.row_label("unlabelled") == "unlabelled"
+
+
+def test_probe_link_prints_the_cold_step_beside_the_warm_one(monkeypatch, tmp_path):
+    """Both all-hit step figures reach the user and the saved file; plan reads the warm
+    one (`step_us`) until the device has compared the cold one with served profiles."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from expertcache_cli import planner
+    from expertcache_cli.cli import app
+
+    calls: list[str] = []
+    _fake_registry(monkeypatch, calls)
+    out = tmp_path / "probe.json"
+    r = CliRunner().invoke(app, ["probe-link", "--only", "gather,step", "--save", str(out)],
+                           env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "every expert hits: 3.70 us per MoE layer" in r.output
+    assert "evicted from L2 before each layer" in r.output and "4.90 us" in r.output
+    saved = json.loads(out.read_text())
+    assert (saved["step_us"], saved["step_cold_us"]) == (3.7, 4.9)
+    assert planner.read_probe(out)[2][0] == 3.7

@@ -100,6 +100,10 @@ def register(app: typer.Typer) -> None:
             console.print(
                 f"the cache's step when every expert hits: {rep.step_us:.2f} us per MoE layer "
                 f"(a CUDA graph of {probe.STEP_LAYERS} layers; `plan --probe` adds it per layer)")
+        if rep.step_cold_us:
+            console.print(
+                f"the same with its state evicted from L2 before each layer, as between two "
+                f"calls of a layer in decoding: {rep.step_cold_us:.2f} us per MoE layer")
         for line in probe.summary_lines(rep):
             style = "red" if "failed" in line or "FALLBACK" in line else "bold"
             console.print(f"[{style}]{line}[/]")

@@ -49,6 +49,7 @@ class LinkReport:
     hbm_copy_gbps: float = 0.0  # one-way device-to-device copy rate
     hbm_traffic_gbps: float = 0.0  # read + write traffic of that copy
     step_us: float = 0.0  # the cache's all-hit step per MoE layer (0: not measured)
+    step_cold_us: float = 0.0  # the same with its state evicted from L2 before each layer
     link_class: str = ""
     model: dict[str, Any] = field(default_factory=dict)
     decode: dict[str, Any] = field(default_factory=dict)

@@ -31,6 +31,8 @@ def test_probe_small_run_is_complete_and_sane(cuda):
     # the all-hit cache step, timed in a CUDA graph (measure_step raises if a timed step
     # installed anything, which rep.errors above would show)
     assert rep.step_us > 0 and json.loads(json.dumps(rep.to_json()))["step_us"] == rep.step_us
+    # with its state evicted from L2 before each layer (as served) the step costs more
+    assert rep.step_cold_us > rep.step_us * 0.9, (rep.step_cold_us, rep.step_us)
     assert rep.link_class
     assert rep.hbm_traffic_gbps > rep.rate("h2d_pinned").gbps  # HBM beats any host link
     d = rep.decode
