@@ -129,12 +129,6 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     const int lo = min(tid * chunk, E);
     const int hi = min(lo + chunk, E);
 
-    // Ids at or past n_real, or in a row pad_rows marks, belong to padding rows: read as
-    // padding by the mark, written as slot 0 by the remap (any valid slot: the caller
-    // discards those rows' output). Read on the device, so a captured graph takes each
-    // replay's own count and marks.
-    // (this thread's id is loaded before the count arrives, not after: two loads in
-    // flight at once instead of one behind the other)
     // Launched with PDL (binding.py), this kernel may begin while the one before it (the
     // router, which writes ids) finishes: warm L2 with this layer's state meanwhile (cold
     // in serving: a whole decode step of other layers ran since this layer's last call),
@@ -150,6 +144,12 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     ec_grid_wait();
     ec_grid_release_dependents();
 
+    // Ids at or past n_real, or in a row pad_rows marks, belong to padding rows: read as
+    // padding by the mark, written as slot 0 by the remap (any valid slot: the caller
+    // discards those rows' output). Read on the device, so a captured graph takes each
+    // replay's own count and marks.
+    // (this thread's id is loaded before the count arrives, not after: two loads in
+    // flight at once instead of one behind the other)
     const long long raw_id = (tid < n_ids) ? ec_load_id(ids, tid, ids_is64) : -1;
     int n_real = n_ids;
     if (real_rows != nullptr) {
@@ -357,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_gather_ker
 extern "C" int expert_cache_abi_version(void) { return EC_ABI_VERSION; }
 
 // Programmatic dependent launch for every later launch of this process (0 = off, the
-// default; binding.py turns it on for sm_90 and newer unless EXPERT_CACHE_PDL=0).
+// default; binding.py turns it on with EXPERT_CACHE_PDL=1 on sm_90+ with a 12.3+ driver).
 // Returns the previous setting.
 static int ec_pdl = 0;
 extern "C" int expert_cache_set_pdl(int on) {
