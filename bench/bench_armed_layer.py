@@ -21,9 +21,9 @@ around a stock call that only copies its input (the experts' GEMMs left out on p
                  has it (EXPERT_CACHE_PDL=1, off by default: the gather starts behind the
                  manager and the manager behind the stock call before it); the row is
                  labelled "no PDL" instead when the run's default is on
-    ... cold     before each layer a kernel writes --thrash-mib of other memory (L2 is 50
-                 MiB), as a served step's other layers do: the cache state is cold, as
-                 served; over "stock, cold"
+    ... cold     before each layer a kernel writes other memory (twice the L2 unless
+                 --thrash-mib says: what probe-link's cold step writes), as a served step's
+                 other layers do: the cache state is cold, as served; over "stock, cold"
 
 Each printed with its cost over ``stock`` per layer and the ratio of the armed path to the
 step alone. The layers are fp8-block-shaped (Qwen3-30B-A3B-FP8: fp8 w13/w2 and fp32 block
@@ -46,7 +46,9 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=1, help="decode rows a step (padded: 2x)")
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--thrash-mib", type=int, default=96)
+    ap.add_argument("--thrash-mib", type=int, default=None,
+                    help="memory written before each layer in the cold rows "
+                         "(default: probe-link's, twice the GPU's L2)")
     args = ap.parse_args()
 
     import torch
@@ -56,6 +58,7 @@ def main() -> None:
     from expertcache_cli.plugin.arming import ARM, plan_layer
     from expertcache_cli.plugin.padding import mask_reader
     from expertcache_cli.plugin.runtime import ArmedLayer
+    from expertcache_cli.probe.measurements import evict_bytes
     from expertcache_cli.slotcache import SlotCache
 
     header(torch, "bench_armed_layer: the plugin's per-layer path around the cache step")
@@ -149,12 +152,14 @@ def main() -> None:
 
     kernels = binding.get_kernels(torch.cuda.current_device())
     pdl_default = kernels.pdl
-    thrash = torch.empty(args.thrash_mib << 20, dtype=torch.uint8, device="cuda")
+    thrash_bytes = (args.thrash_mib << 20 if args.thrash_mib
+                    else evict_bytes(torch, torch.cuda.current_device()))
+    thrash = torch.empty(thrash_bytes, dtype=torch.uint8, device="cuda")
 
     def cold(fns):
         def body():
             for f in fns:
-                thrash.add_(1)
+                thrash.fill_(1)
                 f(x, w, ids)
         return body
 
@@ -183,7 +188,7 @@ def main() -> None:
     assert installs() == warm, "a timed step missed: not the all-hit steady state"
     print(f"layers={L} E={E} S={S} rows={rows} ({args.tokens} real, the rest padding); "
           f"PDL {'on' if pdl_default else 'off'} by default here; cold rows: "
-          f"{args.thrash_mib} MiB written before each layer, taken off with 'stock, cold' "
+          f"{thrash_bytes >> 20} MiB written before each layer, taken off with 'stock, cold' "
           f"({cold_stock:.2f} us a layer)")
     print("| graph per layer | us/layer | over stock |")
     print("|---|---|---|")

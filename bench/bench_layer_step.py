@@ -13,10 +13,11 @@ Two ways of launching, timed in the same run where the GPU has PDL: with program
 dependent launch (``EXPERT_CACHE_PDL=1``, sm_90 and newer: the gather starts behind the
 manager, the manager behind whatever ran before it) and without (the default). And two
 states of memory: warm (every layer's cache state stays in L2 across the graph, as in a
-bench) and cold (before each layer a kernel that writes --thrash-mib of other memory, as a
-served decode step's other layers do; its own cost is measured with an empty kernel behind
-it and taken off), which is what served all-hit layers see (H200, fp8-block, 24 layers:
-the manager took 3.56 us a call in vLLM's profile against ~2.4 us warm here).
+bench) and cold (before each layer a kernel that writes other memory, twice the L2 as
+probe-link's cold step does unless --thrash-mib says, as a served decode step's other
+layers do; its own cost is measured with an empty kernel behind it and taken off), which
+is what served all-hit layers see (H200, fp8-block, 24 layers: the manager took 3.56 us a
+call in vLLM's profile against ~2.4 us warm here).
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--ids", type=int, default=32, help="routing ids per step (tokens x top_k)")
-    ap.add_argument("--thrash-mib", type=int, default=96,
-                    help="memory written before each layer in the cold rows (L2 is 50 MiB)")
+    ap.add_argument("--thrash-mib", type=int, default=None,
+                    help="memory written before each layer in the cold rows "
+                         "(default: probe-link's, twice the GPU's L2)")
     args = ap.parse_args()
 
     import torch
 
     from expertcache_cli import binding
+    from expertcache_cli.probe.measurements import evict_bytes
     from expertcache_cli.slotcache import SlotCache
 
     header(torch, "bench_layer_step: per-layer manager + no-miss gather + remap, CUDA graph")
@@ -85,13 +88,15 @@ def main() -> None:
 
     kernels = binding.get_kernels(torch.cuda.current_device())
     pdl_default = kernels.pdl
-    thrash = torch.empty(args.thrash_mib << 20, dtype=torch.uint8, device="cuda")
+    thrash_bytes = (args.thrash_mib << 20 if args.thrash_mib
+                    else evict_bytes(torch, torch.cuda.current_device()))
+    thrash = torch.empty(thrash_bytes, dtype=torch.uint8, device="cuda")
 
     def cold(body):  # before each layer, a kernel that evicts L2 (as other layers do)
         def run(stream):
             outs.clear()
             for c in caches:
-                thrash.add_(1)
+                thrash.fill_(1)
                 body(c, stream)
         return run
 
@@ -119,7 +124,7 @@ def main() -> None:
     after = sum(c.stats[1].item() for c in caches)
     assert after == installs == L * len(set(ids.flatten().tolist())), "steady state had misses"
     print(f"layers={L} E={E} S={S} ids={W}; PDL on this GPU: "
-          f"{'yes' if kernels.pdl_supported else 'no'}; cold rows: {args.thrash_mib} MiB "
+          f"{'yes' if kernels.pdl_supported else 'no'}; cold rows: {thrash_bytes >> 20} MiB "
           f"written before each layer, its cost ({(t_cold_empty - t_empty) * 1e6:.2f} us "
           "a layer) taken off")
     print("| graph of one node kind per layer | us/layer | vs empty node |")
