@@ -22,9 +22,16 @@ sys.path.insert(0, str(HERE.parent))
 GOAL = 0.10
 
 
+def _arm_name(row: dict) -> str:
+    """The `baseline` arm that serves a plan row: ``cache:S`` for LRU (the default),
+    ``cache:S:POLICY`` for another policy."""
+    policy = row.get("policy", "lru")
+    return f"cache:{row['slots']}" + ("" if policy == "lru" else f":{policy}")
+
+
 def compare(plan: dict, arms: dict, saved_plan: str) -> list[str]:
     """``plan``: `plan --json`'s output; ``arms``: measured arms by name (`ArmSummary`)."""
-    rows = [(f"cache:{r['slots']}", r["predicted_tok_s"], r) for r in plan.get("rows", [])]
+    rows = [(_arm_name(r), r["predicted_tok_s"], r) for r in plan.get("rows", [])]
     rec = plan.get("recommended") or {}
     if rec.get("per_layer_predicted_tok_s"):
         rows.append((f"plan:{saved_plan}", rec["per_layer_predicted_tok_s"], None))

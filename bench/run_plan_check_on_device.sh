@@ -25,6 +25,9 @@
 # PLAN_ARM=0 leaves the saved plan's arm out (one server fewer a trace: the per-layer plan
 # against uniform needs measuring once, not per trace). A resident baseline file already in
 # $PC (say, copied from bench/results/) is not run again.
+# POLICY=lfu plans and serves that policy (arms cache:S:lfu; files named -lfu): on a trace
+# whose LRU hit rates equal another's (tasks and zipf do, to 0.003), the other policy is
+# where their locality differs (zipf: LFU misses 35% at 16 slots, LRU 41%).
 # PY, PC (traces, plans, baselines: /tmp/pc) and MODEL_DIR (/tmp) are overridable (the flow
 # is tested on CPU with stubbed GPU steps: tests/test_bench_plan_check_runner.py).
 set -uo pipefail
@@ -38,6 +41,8 @@ MODEL="${MODEL_DIR:-/tmp}/model$LAYERS"
 # every expert offloaded: 128 x 9.44 MB = 1.21 GB a layer, and some room
 OFFLOAD_GB=$(( LAYERS * 5 / 4 + 1 ))
 SLOTS="${SLOTS:-16,32,64}"
+POLICY="${POLICY:-lru}"
+SFX=""; [ "$POLICY" = lru ] || SFX="-$POLICY"  # LRU keeps the first run's file names
 VLLM_ARGS=(--attention-backend TRITON_ATTN --max-num-seqs 4 --max-model-len 1024 --seed 0)
 
 baseline() {  # baseline OUT.jsonl ARMS [env...]: one server per arm, resumable
@@ -65,17 +70,17 @@ for kind in ${TRACES:-tasks zipf}; do
   [ -f "$T" ] || $PY -m expertcache_cli trace synth "$T" --kind "$kind" --steps 4000 \
     --layers "$LAYERS" --experts 128 --top-k 8 --seed 7 --expert-bytes 9437184 \
     --model "qwen3-30b-a3b shape, $LAYERS layers" > /dev/null
-  P=$PC/plan-$kind-$LAYERS.json
-  J=$PC/plan-$kind-$LAYERS.out.json  # kept on the box: $OUT is emptied every call
+  P=$PC/plan-$kind$SFX-$LAYERS.json
+  J=$PC/plan-$kind$SFX-$LAYERS.out.json  # kept on the box: $OUT is emptied every call
+  B=$PC/bl-$kind$SFX-$LAYERS.jsonl
   [ -f "$P" ] || $PY -m expertcache_cli plan "$T" --model "$MODEL" --probe $PC/probe.json \
-    --baseline "$PC/bl-resident-$LAYERS.jsonl" --slots "$SLOTS" --policy lru --save "$P" --json \
-    > "$J" 2> "$OUT/plan-$kind.err"
-  cp "$J" "$OUT/plan-$kind.json"; cp "$P" "$OUT/plan-$kind.saved.json" 2>/dev/null
-  ARMS=$(echo "$SLOTS" | sed 's/\([0-9]\+\)/cache:\1/g')
+    --baseline "$PC/bl-resident-$LAYERS.jsonl" --slots "$SLOTS" --policy "$POLICY" --save "$P" --json \
+    > "$J" 2> "$OUT/plan-$kind$SFX.err"
+  cp "$J" "$OUT/plan-$kind$SFX.json"; cp "$P" "$OUT/plan-$kind$SFX.saved.json" 2>/dev/null
+  ARMS=$(echo "$SLOTS" | sed "s/\([0-9]\+\)/cache:\1${SFX/-/:}/g")
   [ "${PLAN_ARM:-1}" = 0 ] || ARMS="$ARMS,plan:$P"
-  baseline "$PC/bl-$kind-$LAYERS.jsonl" "$ARMS" EC_BENCH_TRACE_ROUTING="$T" \
+  baseline "$B" "$ARMS" EC_BENCH_TRACE_ROUTING="$T" \
     PYTHONPATH="$PWD/bench/trace_hook:$PYTHONPATH"
-  $PY bench/plan_check.py "$J" "$PC/bl-$kind-$LAYERS.jsonl" "$P" \
-    | tee "$OUT/compare-$kind.txt"
+  $PY bench/plan_check.py "$J" "$B" "$P" | tee "$OUT/compare-$kind$SFX.txt"
 done
 echo "done after $SECONDS s"

@@ -19,7 +19,7 @@ They hand themselves to the backend (`Kernels.run_manage` / `run_gather`), the o
 that differs between the two builds.
 
 Both can launch with programmatic dependent launch (PDL) on sm_90 and newer
-(``EXPERT_CACHE_PDL=1``; off by default until its device test and benches have run): a
+(on by default where the GPU and driver have it; ``EXPERT_CACHE_PDL=0`` turns it off): a
 launch may begin while the kernel before it in the stream ends, and waits inside
 (``ec_grid_wait``) before reading what that kernel wrote. It hides the launch of the
 gather behind the manager, and the manager's start behind the router; CUDA graphs capture

@@ -36,7 +36,8 @@ elif mod == ["expertcache_cli", "trace"]:
 elif mod == ["expertcache_cli", "plan"]:
     slots = [int(s) for s in args[args.index("--slots") + 1].split(",")]
     Path(args[args.index("--save") + 1]).write_text("{}")
-    rows = [{"policy": "lru", "slots": s, "miss_rate": 0.5, "predicted_tok_s": 10.0 * s}
+    policy = args[args.index("--policy") + 1]
+    rows = [{"policy": policy, "slots": s, "miss_rate": 0.5, "predicted_tok_s": 10.0 * s}
             for s in slots]
     print(json.dumps({"rows": rows, "recommended": {"per_layer_predicted_tok_s": 700.0}}))
 elif mod == ["expertcache_cli", "baseline"]:
@@ -106,3 +107,21 @@ def test_plan_arm_can_be_left_out_and_a_copied_resident_baseline_is_reused(runne
     # the copied resident file is complete: resumed, nothing left to run in it
     assert "--arms cache:16,cache:32,cache:64 " in baselines[-1]
     assert not any("plan:" in c for c in baselines)
+
+
+def test_another_policy_plans_and_serves_it_beside_the_lru_files(runner):
+    run, tmp = runner
+    run(TRACES="zipf", LAYERS="24", PLAN_ARM="0")
+    calls = run(TRACES="zipf", LAYERS="24", PLAN_ARM="0", POLICY="lfu")
+    plans = _cmd(calls, "expertcache_cli plan")
+    assert len(plans) == 1 and "--policy lfu" in plans[0]
+    assert f"--save {tmp}/pc/plan-zipf-lfu-24.json" in plans[0]
+    baselines = _cmd(calls, "expertcache_cli baseline")
+    assert "--arms cache:16:lfu,cache:32:lfu,cache:64:lfu " in baselines[-1]
+    assert f"--out {tmp}/pc/bl-zipf-lfu-24.jsonl" in baselines[-1]
+    assert "--resume" not in baselines[-1]  # not the LRU run's file
+    lines = (tmp / "out" / "compare-zipf-lfu.txt").read_text().splitlines()
+    assert [line.split(":")[0] + ":" + line.split(":")[1] for line in lines[:3]] == [
+        "cache:16", "cache:32", "cache:64"]
+    assert all(":lfu: predicted" in line and "(1.050, met: 10%)" in line
+               for line in lines[:3]), lines

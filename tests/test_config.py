@@ -142,10 +142,10 @@ def test_per_layer_slots_are_parsed_and_looked_up_by_layer():
 
 
 @pytest.mark.parametrize(("value", "want"), [
-    (None, False), ("", False), ("1", True), ("on", True), ("0", False), ("no", False),
+    (None, True), ("", True), ("1", True), ("on", True), ("0", False), ("no", False),
     ("OFF", False),
 ])
-def test_pdl_switch_reads_as_the_other_booleans_and_defaults_off(value, want):
+def test_pdl_switch_reads_as_the_other_booleans_and_defaults_on(value, want):
     from expertcache_cli.config import pdl_from_env
 
     env = {} if value is None else {"EXPERT_CACHE_PDL": value}
