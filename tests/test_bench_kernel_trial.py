@@ -41,3 +41,46 @@ def test_the_no_check_and_memory_hooks_act_only_when_asked():
 
     assert run({}) == f"{runtime.CHECK_ATTEMPTS} forward_modular" and runtime.CHECK_ATTEMPTS > 0
     assert run({"EC_BENCH_NO_CHECK": "1", "EC_BENCH_MEM": "1"}) == "0 _forward"
+
+
+MEM_PROBE = r'''
+import logging, sys, types
+import torch
+
+state = {"alloc": 10 * 2**30, "peak": 10 * 2**30}
+torch.cuda.synchronize = lambda: None
+torch.cuda.memory_allocated = lambda: state["alloc"]
+torch.cuda.max_memory_allocated = lambda: state["peak"]
+torch.cuda.is_current_stream_capturing = lambda: False
+logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")
+
+from expertcache_cli.plugin import runtime as r
+
+def stock(ids, x=None):  # the check's reference call (the second) raises the peak
+    stock.calls += 1
+    if stock.calls == 2:
+        state["peak"] += 2**29
+    return torch.ones(2, 4)
+stock.calls = 0
+
+layer = types.SimpleNamespace(index=7, checked={"scratch": None},
+                              _check_attempts={"scratch": 4}, _failed=False,
+                              decision=types.SimpleNamespace(layer_name="L7"))
+out = r.ArmedLayer._checked_call(layer, "scratch", stock, torch.ones(2, 4),
+                                 torch.zeros(2, 8, dtype=torch.int64), None,
+                                 lambda: stock(None))
+print("checked", layer.checked["scratch"])
+'''
+
+
+def test_the_memory_hook_pins_a_peak_rise_on_the_checks_reference_call():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EC_BENCH_")}
+    env.update(EC_BENCH_MEM="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "bench" / "kernel_trial"), str(ROOT)]))
+    out = subprocess.run([sys.executable, "-c", MEM_PROBE], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    lines = [line for line in out.splitlines() if "EC_BENCH_MEM" in line]
+    assert len(lines) == 1, out
+    assert ("layer 7 scratch path, the check's reference call: 16 ids" in lines[0]
+            and "peak 10.000 -> 10.500 GiB (+0.500 above allocated)" in lines[0]), lines
+    assert "checked 0.0" in out

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -1047,6 +1049,59 @@ def test_the_staged_path_is_checked_at_its_first_wide_step():
     ids, w = _routing(np.random.default_rng(7), 5)  # 10 ids > 6 slots: staged
     out = layer.forward_modular(x=torch.randn(5, H), topk_weights=w, topk_ids=ids)
     assert out.shape == (5, H) and armed.checked == {"slots": None, "scratch": 0.0}
+
+
+def test_the_check_reruns_only_the_first_rows_of_a_wide_step(monkeypatch):
+    """The reference call of the check runs the stock path on the first CHECK_ROWS tokens
+    only (its activations would add to vLLM's profile peak); the path's output is served
+    whole, and it agrees with a full stock call."""
+    from expertcache_cli.plugin import runtime
+
+    monkeypatch.setattr(runtime, "CHECK_ROWS", 2)
+    layer = Experts(seed=7)
+    armed = _arm(layer, slots=6, wide_inserts=6)
+    seen = []
+    stock_forward = armed._stock
+
+    def counting(**kw):
+        seen.append((kw["topk_ids"].shape[0], kw["topk_weights"].shape[0], kw["x"].shape[0]))
+        return stock_forward(**kw)
+
+    armed._stock = counting
+    ids, w = _routing(np.random.default_rng(7), 5)  # 10 ids > 6 slots: staged
+    x = torch.randn(5, H)
+    want = Experts.forward_modular(layer, x.clone(), w, ids)
+    out = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    assert seen == [(5, 5, 5), (2, 2, 2)]  # the path (on the scratch), then 2 rows
+    assert armed.checked["scratch"] == 0.0
+    torch.testing.assert_close(out, want)
+
+
+def test_a_failed_check_on_first_rows_serves_the_whole_stock_step(monkeypatch, caplog):
+    """A path that computes something else, caught on the first rows: the whole step is
+    served from the stock path (every row, not the reference's few)."""
+    from expertcache_cli.plugin import runtime
+
+    monkeypatch.setattr(runtime, "CHECK_ROWS", 2)
+    layer = Experts(seed=8)
+    armed = _arm(layer, slots=6, wide_inserts=6)
+    stock_forward = armed._stock
+
+    def wrong_on_scratch(**kw):
+        out = stock_forward(**kw)
+        return out * 1.5 if layer.w13_weight.data_ptr() != armed.layer_w13_ptr else out
+
+    armed.layer_w13_ptr = layer.w13_weight.data_ptr()
+    armed._stock = wrong_on_scratch
+    ids, w = _routing(np.random.default_rng(8), 5)
+    x = torch.randn(5, H)
+    want = Experts.forward_modular(layer, x.clone(), w, ids)
+    with caplog.at_level(logging.ERROR, logger="vllm.expertcache"):
+        out = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    assert armed.checked["scratch"] > 0.02
+    assert out.shape == (5, H)
+    torch.testing.assert_close(out, want)
+    assert "the scratch path's output differs" in caplog.text
 
 
 class _CopyingMethod(Method):
