@@ -12,10 +12,9 @@ replays to the live install count. Skipped (with the reason) where torch is miss
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
-
-import logging
 
 import numpy as np
 import pytest
