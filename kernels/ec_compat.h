@@ -1,11 +1,12 @@
 // ec_compat.h: the whole vendor-specific surface of expert_cache.cu.
 //
 // The kernels are written in the subset of C++ that CUDA and HIP share (__global__,
-// __shared__, __syncthreads, block-level shared-memory reductions, no warp intrinsics),
-// so porting between vendors means editing this header only: the runtime include, the
-// stream type, the last-error query, the launch macros, the 16-byte copy unit, and the
-// two NVIDIA-only latency hints (programmatic dependent launch, L2 prefetch), which are
-// no-ops wherever they do not exist.
+// __shared__, __syncthreads, block-level shared-memory reductions, and one warp shuffle
+// whose width comes from here), so porting between vendors means editing this header
+// only: the runtime include, the stream type, the last-error query, the launch macros,
+// the warp width and shuffle, the 16-byte copy unit, and the two NVIDIA-only latency
+// hints (programmatic dependent launch, L2 prefetch), which are no-ops wherever they do
+// not exist.
 //
 // Three ways this header is compiled:
 //   * nvcc (shared library, host wrappers included)          -> CUDA runtime
@@ -76,3 +77,14 @@ typedef uint4 ec_vec16;
 
 // 16 bytes, the unit every gather lane moves (a slab must be a multiple of it).
 static_assert(sizeof(ec_vec16) == 16, "ec_vec16 must be 16 bytes");
+
+// The warp: its width and an up-shuffle of an int across all its lanes (every lane of the
+// warp calls it). The manager's scan is warp-synchronous within a warp and shared-memory
+// between warps, so one block barrier replaces a barrier per scan round.
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+#  define EC_WARP 64
+#  define ec_shfl_up(v, d) __shfl_up((v), (d))
+#else
+#  define EC_WARP 32
+#  define ec_shfl_up(v, d) __shfl_up_sync(0xffffffffu, (v), (d))
+#endif

@@ -30,6 +30,7 @@
 #define EC_GATHER_MAX_TENSORS 8     // per launch; the host wrapper splits wider calls
 #define EC_GATHER_UNROLL 4          // independent 16-byte loads in flight per lane
 #define EC_TAB_REGS 4               // table entries per manager thread held in registers
+static_assert(EC_THREADS % EC_WARP == 0, "the manager's scan takes whole warps");
 
 #define EC_POLICY_LRU 0             // = expertcache_cli.policy.Policy.LRU
 #define EC_POLICY_LFU 1             // = expertcache_cli.policy.Policy.LFU
@@ -163,6 +164,9 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     for (int u = 0; u < EC_TAB_REGS; ++u) tab_reg[u] = (lo + u < hi) ? table[lo + u] : -1;
     const bool my_pad = tid < n_ids && ec_pad_row(tid, n_real, pad_rows, row_width);
     const long long my_id = my_pad ? -1 : raw_id;
+    // the slot of this thread's id, read now so that its latency hides behind the barriers
+    // below: the remap takes it when the step installs nothing (the table is then final)
+    const int my_slot_now = (my_id >= 0 && my_id < E) ? table[my_id] : -1;
     for (int s = tid; s < S; s += EC_THREADS) {
         s_prio[s] = prio[s];
         s_sexp[s] = slot_expert[s];
@@ -200,21 +204,26 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
         if (lo + u < hi && s_mark[lo + u]) mine += (tab_reg[u] < 0) ? 0x10001 : 0x10000;
     for (int e = lo + EC_TAB_REGS; e < hi; ++e)
         if (s_mark[e]) mine += (table[e] < 0) ? 0x10001 : 0x10000;
-    int* buf_in = s_scan;
-    int* buf_out = s_scan + EC_THREADS;
-    buf_in[tid] = mine;
-    __syncthreads();
-    for (int off = 1; off < EC_THREADS; off <<= 1) {  // Hillis-Steele, one sync per round
-        int v = buf_in[tid];
-        if (tid >= off) v += buf_in[tid - off];
-        buf_out[tid] = v;
-        __syncthreads();
-        int* t = buf_in;
-        buf_in = buf_out;
-        buf_out = t;
+    // Inclusive scan within each warp by shuffles, then every thread adds the totals of the
+    // warps before its own from shared memory: one block barrier in all.
+    const int lane = tid % EC_WARP;
+    const int warp = tid / EC_WARP;
+    int incl = mine;
+#pragma unroll
+    for (int d = 1; d < EC_WARP; d <<= 1) {
+        const int y = ec_shfl_up(incl, d);
+        if (lane >= d) incl += y;
     }
-    const int total = buf_in[EC_THREADS - 1];
-    const int before = buf_in[tid] - mine;  // exclusive prefix
+    if (lane == EC_WARP - 1) s_scan[warp] = incl;
+    __syncthreads();
+    int base = 0, total = 0;
+#pragma unroll
+    for (int w = 0; w < EC_THREADS / EC_WARP; ++w) {
+        const int t = s_scan[w];
+        base += (w < warp) ? t : 0;
+        total += t;
+    }
+    const int before = base + incl - mine;  // exclusive prefix
     const int n_distinct = total >> 16;
     const int n_missing = total & 0xffff;
     const long long now = s_step;
@@ -222,65 +231,81 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
 
     if (n_distinct <= max_distinct) {  // else: read-through step, nothing else changes
         const int wanted = min(n_missing, max_inserts);
-        // 3. Refresh resident experts of R (each owns a distinct slot: no conflicts) and
-        //    list the first `wanted` misses in ascending expert order.
-        int rank = before & 0xffff;
-#pragma unroll
-        for (int u = 0; u < EC_TAB_REGS; ++u)
-            if (lo + u < hi && s_mark[lo + u])
-                ec_refresh_or_list(lo + u, tab_reg[u], policy, now, s_prio, s_miss, wanted, rank);
-        for (int e = lo + EC_TAB_REGS; e < hi; ++e)
-            if (s_mark[e])
-                ec_refresh_or_list(e, table[e], policy, now, s_prio, s_miss, wanted, rank);
-        __syncthreads();
-        // 4. LFU decay, after the refreshes, over every slot (empty ones included).
-        if (policy == EC_POLICY_LFU && decay > 0 && now % decay == 0) {
-            for (int s = tid; s < S; s += EC_THREADS) s_prio[s] >>= 1;
-            __syncthreads();
-        }
-        // 5. Slots this step does not need are evictable; each resident expert of R pins
-        //    exactly one slot, so their number is known without another reduction.
+        // Slots this step does not need are evictable; each resident expert of R pins
+        // exactly one slot, so their number is known without another reduction.
         const int evictable = S - (n_distinct - n_missing);
         installs = min(wanted, evictable);
-        if (installs > 0) {
-            // Victim key (occupied, prio, slot) packed in one int64 so that ranking is a
-            // single compare: occupied at bit 62, prio in bits 10..61 (prio <= step, and
-            // 2^52 steps never happen), slot in bits 0..9 (S <= EC_MAX_SLOTS = 1024).
-            // Keys are unique; slots this step needs get EC_KEY_NONE (ranked last).
-            for (int s = tid; s < S; s += EC_THREADS) {
-                const int x = s_sexp[s];
-                s_key[s] = (x >= 0 && s_mark[x])
-                               ? EC_KEY_NONE
-                               : ((x >= 0 ? EC_KEY_OCCUPIED : 0LL) | (s_prio[s] << 10) | s);
-            }
-            __syncthreads();
-            // The k-th smallest key is the victim of the k-th miss. Rank by counting
-            // smaller keys, 8 at a time; stop as soon as the slot cannot be a victim.
-            for (int s = tid; s < S; s += EC_THREADS) {
-                const long long k = s_key[s];
-                if (k == EC_KEY_NONE) continue;
-                int r = 0;
-                for (int j0 = 0; j0 < S && r < installs; j0 += 8) {
+        const bool decay_now = policy == EC_POLICY_LFU && decay > 0 && now % decay == 0;
+        if (installs == 0 && !decay_now) {
+            // 3'. Nothing to install (every routed expert resident, the usual decode step):
+            //     the refreshes go straight to prio; no victim search, no more barriers.
 #pragma unroll
-                    for (int u = 0; u < 8; ++u) {
-                        const int j = j0 + u;
-                        if (j < S) r += (s_key[j] < k) ? 1 : 0;
-                    }
-                }
-                if (r >= installs) continue;
-                // 6. Install miss r in slot s (distinct experts and slots per thread).
-                const int e = s_miss[r];
-                const int old = s_sexp[s];
-                if (old >= 0) table[old] = -1;
-                table[e] = s;
-                slot_expert[s] = e;
-                s_prio[s] = (policy == EC_POLICY_LRU) ? now : 1LL;
-                miss_expert[r] = e;
-                miss_slot[r] = s;
+            for (int u = 0; u < EC_TAB_REGS; ++u)
+                if (lo + u < hi && s_mark[lo + u] && tab_reg[u] >= 0)
+                    prio[tab_reg[u]] = (policy == EC_POLICY_LRU) ? now : s_prio[tab_reg[u]] + 1;
+            for (int e = lo + EC_TAB_REGS; e < hi; ++e) {
+                const int slot = s_mark[e] ? table[e] : -1;
+                if (slot >= 0) prio[slot] = (policy == EC_POLICY_LRU) ? now : s_prio[slot] + 1;
             }
+        } else {
+            // 3. Refresh resident experts of R (each owns a distinct slot: no conflicts) and
+            //    list the first `wanted` misses in ascending expert order.
+            int rank = before & 0xffff;
+#pragma unroll
+            for (int u = 0; u < EC_TAB_REGS; ++u)
+                if (lo + u < hi && s_mark[lo + u])
+                    ec_refresh_or_list(lo + u, tab_reg[u], policy, now, s_prio, s_miss, wanted,
+                                       rank);
+            for (int e = lo + EC_TAB_REGS; e < hi; ++e)
+                if (s_mark[e])
+                    ec_refresh_or_list(e, table[e], policy, now, s_prio, s_miss, wanted, rank);
+            __syncthreads();
+            // 4. LFU decay, after the refreshes, over every slot (empty ones included).
+            if (decay_now) {
+                for (int s = tid; s < S; s += EC_THREADS) s_prio[s] >>= 1;
+                __syncthreads();
+            }
+            // 5. Victims among the evictable slots, one for each of the `installs` misses.
+            if (installs > 0) {
+                // Victim key (occupied, prio, slot) packed in one int64 so that ranking is a
+                // single compare: occupied at bit 62, prio in bits 10..61 (prio <= step, and
+                // 2^52 steps never happen), slot in bits 0..9 (S <= EC_MAX_SLOTS = 1024).
+                // Keys are unique; slots this step needs get EC_KEY_NONE (ranked last).
+                for (int s = tid; s < S; s += EC_THREADS) {
+                    const int x = s_sexp[s];
+                    s_key[s] = (x >= 0 && s_mark[x])
+                                   ? EC_KEY_NONE
+                                   : ((x >= 0 ? EC_KEY_OCCUPIED : 0LL) | (s_prio[s] << 10) | s);
+                }
+                __syncthreads();
+                // The k-th smallest key is the victim of the k-th miss. Rank by counting
+                // smaller keys, 8 at a time; stop as soon as the slot cannot be a victim.
+                for (int s = tid; s < S; s += EC_THREADS) {
+                    const long long k = s_key[s];
+                    if (k == EC_KEY_NONE) continue;
+                    int r = 0;
+                    for (int j0 = 0; j0 < S && r < installs; j0 += 8) {
+#pragma unroll
+                        for (int u = 0; u < 8; ++u) {
+                            const int j = j0 + u;
+                            if (j < S) r += (s_key[j] < k) ? 1 : 0;
+                        }
+                    }
+                    if (r >= installs) continue;
+                    // 6. Install miss r in slot s (distinct experts and slots per thread).
+                    const int e = s_miss[r];
+                    const int old = s_sexp[s];
+                    if (old >= 0) table[old] = -1;
+                    table[e] = s;
+                    slot_expert[s] = e;
+                    s_prio[s] = (policy == EC_POLICY_LRU) ? now : 1LL;
+                    miss_expert[r] = e;
+                    miss_slot[r] = s;
+                }
+            }
+            __syncthreads();  // table and s_prio final for the whole block
+            for (int s = tid; s < S; s += EC_THREADS) prio[s] = s_prio[s];
         }
-        __syncthreads();  // table and s_prio final for the whole block
-        for (int s = tid; s < S; s += EC_THREADS) prio[s] = s_prio[s];
     }
 
     // 7. Remap the routing ids to slot space through the updated table (fused, so the
@@ -290,7 +315,8 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
         if (tid < n_ids)
             ec_store_id(out_ids, tid, ids_is64,
                         my_pad ? 0LL
-                        : (my_id >= 0 && my_id < E) ? (long long)table[my_id] : my_id);
+                        : (my_id < 0 || my_id >= E) ? my_id
+                        : (long long)(installs == 0 ? my_slot_now : table[my_id]));
         for (int i = tid + EC_THREADS; i < n_ids; i += EC_THREADS) {
             if (ec_pad_row(i, n_real, pad_rows, row_width)) {
                 ec_store_id(out_ids, i, ids_is64, 0LL);
