@@ -6,9 +6,11 @@
 //       routed experts, refreshes the resident ones, lists the misses in ascending expert
 //       order, picks victims among the slots this step does not need by the key
 //       (occupied, prio, slot), installs, writes the remapped (slot-space) routing ids and
-//       bumps two int64 counters. Only shared-memory block reductions and plain stores:
-//       no atomics, no warp-width assumption, so every rank that sees the same routing
-//       evolves the same state bit for bit (the tensor-parallel contract).
+//       bumps two int64 counters. Integer block scans (shuffles within a warp of
+//       ec_compat.h's width, shared memory between warps) and plain stores: no atomics,
+//       so every rank that sees the same routing evolves the same state bit for bit (the
+//       tensor-parallel contract). A step with nothing to install skips the victim search
+//       and its barriers.
 //   expert_cache_gather_kernel  a fixed grid that copies every (expert, slot) of the miss
 //       list from host memory (UVA) into the slot buffers of up to EC_GATHER_MAX_TENSORS
 //       per-expert tensors, 16 bytes a lane. The miss count is read on the device, so the
