@@ -169,17 +169,20 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     // the slot of this thread's id, read now so that its latency hides behind the barriers
     // below: the remap takes it when the step installs nothing (the table is then final)
     const int my_slot_now = (my_id >= 0 && my_id < E) ? table[my_id] : -1;
-    for (int s = tid; s < S; s += EC_THREADS) {
-        s_prio[s] = prio[s];
-        s_sexp[s] = slot_expert[s];
-    }
+    // The slot state and the step are loaded into registers now and stored to shared
+    // memory only before the scan's barrier (which waits for the table anyway): served,
+    // they come from DRAM, and the two barriers before that need none of them.
+    // (one slot a thread: more than EC_THREADS slots are rare, and the rest are read where
+    // they are stored)
+    const long long prio_reg = (tid < S) ? prio[tid] : 0;
+    const int sexp_reg = (tid < S) ? slot_expert[tid] : -1;
     for (int e = tid; e < E; e += EC_THREADS) s_mark[e] = 0;
     // thread 0 also reads the counters now, with the rest of the state, rather than at the
     // end, where a cold read (served, a whole decode step ran since) would be the last
     // thing the kernel waits for
-    long long seen_before = 0, installs_before = 0;
+    long long seen_before = 0, installs_before = 0, step_before = 0;
     if (tid == 0) {
-        s_step = step[0] + 1;
+        step_before = step[0];
         if (stats != nullptr) {
             seen_before = stats[0];
             installs_before = stats[1];
@@ -206,8 +209,18 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
         if (lo + u < hi && s_mark[lo + u]) mine += (tab_reg[u] < 0) ? 0x10001 : 0x10000;
     for (int e = lo + EC_TAB_REGS; e < hi; ++e)
         if (s_mark[e]) mine += (table[e] < 0) ? 0x10001 : 0x10000;
+    if (tid < S) {
+        s_prio[tid] = prio_reg;
+        s_sexp[tid] = sexp_reg;
+    }
+    for (int s = tid + EC_THREADS; s < S; s += EC_THREADS) {
+        s_prio[s] = prio[s];
+        s_sexp[s] = slot_expert[s];
+    }
+    if (tid == 0) s_step = step_before + 1;
     // Inclusive scan within each warp by shuffles, then every thread adds the totals of the
-    // warps before its own from shared memory: one block barrier in all.
+    // warps before its own from shared memory: one block barrier in all (it also publishes
+    // the slot state and the step stored just above).
     const int lane = tid % EC_WARP;
     const int warp = tid / EC_WARP;
     int incl = mine;
