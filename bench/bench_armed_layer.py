@@ -18,9 +18,9 @@ around a stock call that only copies its input (the experts' GEMMs left out on p
                  and their two scalar fills: five kernels)
     armed+count  the same, V1's count of real rows read by the manager (what serves now)
     ... PDL      armed+count launched with programmatic dependent launch where the GPU
-                 has it (EXPERT_CACHE_PDL=1, off by default: the gather starts behind the
-                 manager and the manager behind the stock call before it); the row is
-                 labelled "no PDL" instead when the run's default is on
+                 has it (the default; the gather starts behind the manager and the
+                 manager behind the stock call before it); the row is labelled "no PDL"
+                 instead when the run's default is on (EXPERT_CACHE_PDL unset or 1)
     ... cold     before each layer a kernel writes other memory (twice the L2 unless
                  --thrash-mib says: what probe-link's cold step writes), as a served step's
                  other layers do: the cache state is cold, as served; over "stock, cold"

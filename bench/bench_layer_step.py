@@ -10,8 +10,8 @@ empty kernel per layer, of the manager alone, and of the no-miss gather alone.
 Goal: <= 5 us per layer.
 
 Two ways of launching, timed in the same run where the GPU has PDL: with programmatic
-dependent launch (``EXPERT_CACHE_PDL=1``, sm_90 and newer: the gather starts behind the
-manager, the manager behind whatever ran before it) and without (the default). And two
+dependent launch (the default on sm_90 and newer: the gather starts behind the manager,
+the manager behind whatever ran before it) and without (``EXPERT_CACHE_PDL=0``). And two
 states of memory: warm (every layer's cache state stays in L2 across the graph, as in a
 bench) and cold (before each layer a kernel that writes other memory, twice the L2 as
 probe-link's cold step does unless --thrash-mib says, as a served decode step's other
