@@ -69,10 +69,50 @@ typedef uint4 ec_vec16;
 #  define ec_grid_wait() ((void)0)
 #  define ec_grid_release_dependents() ((void)0)
 #endif
-#if defined(__CUDA_ARCH__) && !defined(__HIP_PLATFORM_AMD__)
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800) && !defined(__HIP_PLATFORM_AMD__)
+#  define ec_prefetch_l2(p) asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p))
+#elif defined(__CUDA_ARCH__) && !defined(__HIP_PLATFORM_AMD__)
 #  define ec_prefetch_l2(p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p))
 #else
 #  define ec_prefetch_l2(p) ((void)(p))
+#endif
+
+// The cache's own state (a few hundred bytes a layer: table, slot map, priorities, step,
+// counters) is read and written with L2 priority evict_last (sm_80 and newer): served,
+// a whole decode step of other layers streams tens of MB through L2 between two calls of
+// a layer, and with normal priority the state's lines go with it, so every manager call
+// would begin with DRAM reads. evict_last lines are evicted only after normal ones: the
+// state stays in L2 across the step, at a cost of a few KB of L2 for a whole model. Only
+// a hint: loads and stores mean what plain ones do, and elsewhere they are plain.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800) && !defined(__HIP_PLATFORM_AMD__)
+__device__ __forceinline__ unsigned long long ec_keep_policy() {
+    unsigned long long pol;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+__device__ __forceinline__ int ec_ld(const int* a) {
+    int v;
+    asm volatile("ld.global.L2::cache_hint.b32 %0, [%1], %2;"
+                 : "=r"(v) : "l"(a), "l"(ec_keep_policy()) : "memory");
+    return v;
+}
+__device__ __forceinline__ long long ec_ld(const long long* a) {
+    long long v;
+    asm volatile("ld.global.L2::cache_hint.b64 %0, [%1], %2;"
+                 : "=l"(v) : "l"(a), "l"(ec_keep_policy()) : "memory");
+    return v;
+}
+__device__ __forceinline__ void ec_st(int* a, int v) {
+    asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;"
+                 :: "l"(a), "r"(v), "l"(ec_keep_policy()) : "memory");
+}
+__device__ __forceinline__ void ec_st(long long* a, long long v) {
+    asm volatile("st.global.L2::cache_hint.b64 [%0], %1, %2;"
+                 :: "l"(a), "l"(v), "l"(ec_keep_policy()) : "memory");
+}
+#else
+template <typename T> __device__ __forceinline__ T ec_ld(const T* a) { return *a; }
+template <typename T> __device__ __forceinline__ void ec_st(T* a, T v) { *a = v; }
 #endif
 
 // 16 bytes, the unit every gather lane moves (a slab must be a multiple of it).

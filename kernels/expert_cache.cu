@@ -163,29 +163,29 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     // 0. Load the slot state, clear the marks, advance the step.
     int tab_reg[EC_TAB_REGS];
 #pragma unroll
-    for (int u = 0; u < EC_TAB_REGS; ++u) tab_reg[u] = (lo + u < hi) ? table[lo + u] : -1;
+    for (int u = 0; u < EC_TAB_REGS; ++u) tab_reg[u] = (lo + u < hi) ? ec_ld(table + lo + u) : -1;
     const bool my_pad = tid < n_ids && ec_pad_row(tid, n_real, pad_rows, row_width);
     const long long my_id = my_pad ? -1 : raw_id;
     // the slot of this thread's id, read now so that its latency hides behind the barriers
     // below: the remap takes it when the step installs nothing (the table is then final)
-    const int my_slot_now = (my_id >= 0 && my_id < E) ? table[my_id] : -1;
+    const int my_slot_now = (my_id >= 0 && my_id < E) ? ec_ld(table + my_id) : -1;
     // The slot state and the step are loaded into registers now and stored to shared
     // memory only before the scan's barrier (which waits for the table anyway): served,
     // they come from DRAM, and the two barriers before that need none of them.
     // (one slot a thread: more than EC_THREADS slots are rare, and the rest are read where
     // they are stored)
-    const long long prio_reg = (tid < S) ? prio[tid] : 0;
-    const int sexp_reg = (tid < S) ? slot_expert[tid] : -1;
+    const long long prio_reg = (tid < S) ? ec_ld(prio + tid) : 0;
+    const int sexp_reg = (tid < S) ? ec_ld(slot_expert + tid) : -1;
     for (int e = tid; e < E; e += EC_THREADS) s_mark[e] = 0;
     // thread 0 also reads the counters now, with the rest of the state, rather than at the
     // end, where a cold read (served, a whole decode step ran since) would be the last
     // thing the kernel waits for
     long long seen_before = 0, installs_before = 0, step_before = 0;
     if (tid == 0) {
-        step_before = step[0];
+        step_before = ec_ld(step);
         if (stats != nullptr) {
-            seen_before = stats[0];
-            installs_before = stats[1];
+            seen_before = ec_ld(stats);
+            installs_before = ec_ld(stats + 1);
         }
     }
     __syncthreads();
@@ -208,14 +208,14 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     for (int u = 0; u < EC_TAB_REGS; ++u)
         if (lo + u < hi && s_mark[lo + u]) mine += (tab_reg[u] < 0) ? 0x10001 : 0x10000;
     for (int e = lo + EC_TAB_REGS; e < hi; ++e)
-        if (s_mark[e]) mine += (table[e] < 0) ? 0x10001 : 0x10000;
+        if (s_mark[e]) mine += (ec_ld(table + e) < 0) ? 0x10001 : 0x10000;
     if (tid < S) {
         s_prio[tid] = prio_reg;
         s_sexp[tid] = sexp_reg;
     }
     for (int s = tid + EC_THREADS; s < S; s += EC_THREADS) {
-        s_prio[s] = prio[s];
-        s_sexp[s] = slot_expert[s];
+        s_prio[s] = ec_ld(prio + s);
+        s_sexp[s] = ec_ld(slot_expert + s);
     }
     if (tid == 0) s_step = step_before + 1;
     // Inclusive scan within each warp by shuffles, then every thread adds the totals of the
@@ -257,10 +257,12 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
 #pragma unroll
             for (int u = 0; u < EC_TAB_REGS; ++u)
                 if (lo + u < hi && s_mark[lo + u] && tab_reg[u] >= 0)
-                    prio[tab_reg[u]] = (policy == EC_POLICY_LRU) ? now : s_prio[tab_reg[u]] + 1;
+                    ec_st(prio + tab_reg[u],
+                          (policy == EC_POLICY_LRU) ? now : s_prio[tab_reg[u]] + 1);
             for (int e = lo + EC_TAB_REGS; e < hi; ++e) {
-                const int slot = s_mark[e] ? table[e] : -1;
-                if (slot >= 0) prio[slot] = (policy == EC_POLICY_LRU) ? now : s_prio[slot] + 1;
+                const int slot = s_mark[e] ? ec_ld(table + e) : -1;
+                if (slot >= 0)
+                    ec_st(prio + slot, (policy == EC_POLICY_LRU) ? now : s_prio[slot] + 1);
             }
         } else {
             // 3. Refresh resident experts of R (each owns a distinct slot: no conflicts) and
@@ -273,7 +275,8 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
                                        rank);
             for (int e = lo + EC_TAB_REGS; e < hi; ++e)
                 if (s_mark[e])
-                    ec_refresh_or_list(e, table[e], policy, now, s_prio, s_miss, wanted, rank);
+                    ec_refresh_or_list(e, ec_ld(table + e), policy, now, s_prio, s_miss, wanted,
+                                       rank);
             __syncthreads();
             // 4. LFU decay, after the refreshes, over every slot (empty ones included).
             if (decay_now) {
@@ -310,16 +313,16 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
                     // 6. Install miss r in slot s (distinct experts and slots per thread).
                     const int e = s_miss[r];
                     const int old = s_sexp[s];
-                    if (old >= 0) table[old] = -1;
-                    table[e] = s;
-                    slot_expert[s] = e;
+                    if (old >= 0) ec_st(table + old, -1);
+                    ec_st(table + e, s);
+                    ec_st(slot_expert + s, e);
                     s_prio[s] = (policy == EC_POLICY_LRU) ? now : 1LL;
                     miss_expert[r] = e;
                     miss_slot[r] = s;
                 }
             }
             __syncthreads();  // table and s_prio final for the whole block
-            for (int s = tid; s < S; s += EC_THREADS) prio[s] = s_prio[s];
+            for (int s = tid; s < S; s += EC_THREADS) ec_st(prio + s, s_prio[s]);
         }
     }
 
@@ -331,22 +334,22 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
             ec_store_id(out_ids, tid, ids_is64,
                         my_pad ? 0LL
                         : (my_id < 0 || my_id >= E) ? my_id
-                        : (long long)(installs == 0 ? my_slot_now : table[my_id]));
+                        : (long long)(installs == 0 ? my_slot_now : ec_ld(table + my_id)));
         for (int i = tid + EC_THREADS; i < n_ids; i += EC_THREADS) {
             if (ec_pad_row(i, n_real, pad_rows, row_width)) {
                 ec_store_id(out_ids, i, ids_is64, 0LL);
                 continue;
             }
             const long long e = ec_load_id(ids, i, ids_is64);
-            ec_store_id(out_ids, i, ids_is64, (e >= 0 && e < E) ? (long long)table[e] : e);
+            ec_store_id(out_ids, i, ids_is64, (e >= 0 && e < E) ? (long long)ec_ld(table + e) : e);
         }
     }
     if (tid == 0) {
-        step[0] = now;
+        ec_st(step, now);
         miss_count[0] = installs;
         if (stats != nullptr) {
-            stats[0] = seen_before + n_distinct;
-            stats[1] = installs_before + installs;
+            ec_st(stats, seen_before + n_distinct);
+            ec_st(stats + 1, installs_before + installs);
         }
     }
 }
