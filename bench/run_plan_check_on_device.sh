@@ -3,7 +3,7 @@
 # served model's routing is replayed from a trace (bench/trace_routing.py, bench only), so
 # the measured tok/s and the prediction see the same workload.
 #
-# Two synthetic traces with different locality (8 layers of the Qwen3-30B-A3B expert
+# Two synthetic traces with different locality (LAYERS layers of the Qwen3-30B-A3B expert
 # shape: tasks = phases of hot experts, zipf = one skewed popularity). Once: the resident
 # rate (a baseline of the resident arm; routing does not change it) and the probe. Per
 # trace: `plan` with them (--save: the per-layer split of the best budget), then one
