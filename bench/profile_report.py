@@ -39,6 +39,11 @@ class GpuSummary:
     launches: int
     by_name: dict[str, list[float]] = field(default_factory=dict)  # name -> [us, count]
     files: list[str] = field(default_factory=list)
+    #: name -> us during which that kernel ran and no other did: what it adds to the busy
+    #: time. Kernels launched with PDL start early and wait inside, so their durations
+    #: overlap the kernel before them and no longer add up (the sum of these, plus the
+    #: time two kernels overlap, is the busy time).
+    alone: dict[str, float] = field(default_factory=dict)
 
 
 def trace_files(path: Path) -> list[Path]:
@@ -71,6 +76,26 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _alone(events: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Per kernel name, the time its kernels ran with no other kernel running (a sweep over
+    start and end points)."""
+    points = sorted([(ts, 1, i) for i, (ts, _, _) in enumerate(events)]
+                    + [(te, -1, i) for i, (_, te, _) in enumerate(events)],
+                    key=lambda p: (p[0], p[1]))  # ends before starts at the same instant
+    alone: dict[str, float] = defaultdict(float)
+    active: set[int] = set()
+    last = None
+    for t, kind, i in points:
+        if last is not None and len(active) == 1 and t > last:
+            alone[events[next(iter(active))][2]] += t - last
+        if kind > 0:
+            active.add(i)
+        else:
+            active.discard(i)
+        last = t
+    return dict(alone)
+
+
 def summarize(path: Path) -> GpuSummary:
     """Sum the GPU events of every trace under ``path``; steps = graph replays seen."""
     files = trace_files(path)
@@ -78,6 +103,7 @@ def summarize(path: Path) -> GpuSummary:
         raise FileNotFoundError(f"no profiler trace (*.json[.gz]) under {path}")
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     intervals: list[tuple[float, float]] = []
+    events: list[tuple[float, float, str]] = []
     steps = 0
     for f in files:
         for ev in load_events(f):
@@ -89,12 +115,14 @@ def summarize(path: Path) -> GpuSummary:
                 by_name[name][0] += dur
                 by_name[name][1] += 1
                 intervals.append((ts, ts + dur))
+                events.append((ts, ts + dur, name))
             elif cat == "cuda_runtime" and name == GRAPH_LAUNCH:
                 steps += 1
     span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0.0
     return GpuSummary(steps=steps, busy_us=_busy(intervals), span_us=span,
                       launches=sum(int(c) for _, c in by_name.values()),
-                      by_name=dict(by_name), files=[str(f) for f in files])
+                      by_name=dict(by_name), files=[str(f) for f in files],
+                      alone=_alone(events))
 
 
 def short(name: str, width: int = 64) -> str:
@@ -119,7 +147,9 @@ def compare(a: GpuSummary, b: GpuSummary, labels: tuple[str, str] = ("resident",
         f"{b.span_us / nb:.1f} us ({(b.span_us / nb - a.span_us / na):+.1f})",
         f"GPU launches a step: {la} {a.launches / na:.1f}, {lb} {b.launches / nb:.1f} "
         f"({(b.launches / nb - a.launches / na):+.1f})",
-        f"kernels by the difference a step ({lb} - {la}), us a step and launches a step:",
+        f"kernels by the difference a step ({lb} - {la}), us a step and launches a step, "
+        f"then the {lb} kernel's time with no other kernel running (what it adds to busy; "
+        "a PDL launch's duration includes its wait for the kernel before it):",
     ]
     names = set(a.by_name) | set(b.by_name)
 
@@ -130,8 +160,9 @@ def compare(a: GpuSummary, b: GpuSummary, labels: tuple[str, str] = ("resident",
     for n in diffs[:top]:
         ua, ub = per_step(a, n, 0), per_step(b, n, 0)
         ca, cb = per_step(a, n, 1), per_step(b, n, 1)
+        alone = b.alone.get(n, 0.0) / b.steps
         out.append(f"  {ub - ua:+8.1f} us  {la} {ua:8.1f} ({ca:5.1f})  {lb} {ub:8.1f} "
-                   f"({cb:5.1f})  {short(n)}")
+                   f"({cb:5.1f}, alone {alone:6.1f})  {short(n)}")
     return out
 
 

@@ -39,6 +39,17 @@ def test_busy_counts_overlapping_kernels_once_and_span_keeps_the_gaps(tmp_path):
     s = profile_report.summarize(tmp_path)
     assert (s.steps, s.busy_us, s.span_us, s.launches) == (1, 20.0, 35.0, 3)
     assert s.by_name["k1"] == [10.0, 1]
+    # k1 alone 0-5, both 5-10, k2 alone 10-15, k3 alone: the overlap counts for neither
+    assert s.alone == {"k1": 5.0, "k2": 5.0, "k3": 5.0}
+
+
+def test_a_kernel_launched_early_adds_only_its_time_alone(tmp_path):
+    """PDL: the gather starts inside the manager and waits; its duration (8) is not its cost
+    (2, after the manager ends); back-to-back kernels do not count as overlapping."""
+    _trace(tmp_path / "t.json", 1, [("manage", 0, 6), ("gather", 0, 8), ("gemm", 8, 4)])
+    s = profile_report.summarize(tmp_path)
+    assert s.alone == {"gather": 2.0, "gemm": 4.0}
+    assert s.busy_us == 12.0
 
 
 def test_the_comparison_names_the_kernels_the_cache_adds(tmp_path):
@@ -59,6 +70,7 @@ def test_the_comparison_names_the_kernels_the_cache_adds(tmp_path):
     assert "GPU launches a step: resident 1.0, all-hit 3.0 (+2.0)" in lines
     # ordered by the difference; the top 2 only
     assert lines[-2].split()[0] == "+3.0" and lines[-2].endswith("expert_cache_manage_kernel")
+    assert "(  1.0, alone    3.0)" in lines[-2]
     assert lines[-1].split()[0] == "+2.0" and "where" in lines[-1]
 
 
