@@ -120,7 +120,9 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     long long* s_key = s_prio + S;                   // [S] victim key, EC_KEY_NONE if pinned
     int* s_sexp = (int*)(s_key + S);                 // [S] working copy of slot_expert
     int* s_miss = s_sexp + S;                        // [S] missed experts, ascending
-    int* s_scan = s_miss + S;                        // [2][EC_THREADS] scan double buffer
+    int* s_scan = s_miss + S;                        // [EC_THREADS / EC_WARP] warp totals
+                                                     // (2 x EC_THREADS reserved: the
+                                                     // layout binding.py mirrors)
     unsigned char* s_mark = (unsigned char*)(s_scan + 2 * EC_THREADS);  // [E] in this step's R
     __shared__ long long s_step;
 

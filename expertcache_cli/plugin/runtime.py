@@ -366,16 +366,13 @@ class ArmedLayer:
             # a call on the first rows only (the first-call check's reference) takes the
             # weights and shared-experts input of those rows
             n = ids.shape[0]
-            if n == topk_weights.shape[0]:
-                return self._stock(
-                    x=x, topk_weights=topk_weights, topk_ids=ids,
-                    shared_experts=shared_experts, shared_experts_input=shared_experts_input,
-                )
+            part = n != topk_weights.shape[0]
             return self._stock(
-                x=x, topk_weights=topk_weights[:n], topk_ids=ids,
+                x=x, topk_weights=topk_weights[:n] if part else topk_weights, topk_ids=ids,
                 shared_experts=shared_experts,
-                shared_experts_input=(shared_experts_input[:n] if hasattr(
-                    shared_experts_input, "shape") else shared_experts_input),
+                shared_experts_input=(shared_experts_input[:n]
+                                      if part and hasattr(shared_experts_input, "shape")
+                                      else shared_experts_input),
             )
 
         import torch
