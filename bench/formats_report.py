@@ -5,6 +5,7 @@ against a number measured in the same run: greedy tokens equal to the floor's, t
 arm within 5% of resident, and the missing arm within 10% of the tok/s predicted from its
 live installs and the link (`1000 / (1000 / resident + installs a token x bytes an expert
 / link)`, the planner's own model). It reads `DIR/FMT-{floor,cache,trial,resident,hot}.json`
+(and the A/B/A arms `FMT-hot_LABEL.json`, `FMT-resident2.json` where the runner made them)
 (bench/small_card.py records), `DIR/FMT-size.json` (`expertcache size --json`) and
 `DIR/FMT-probe.json` (`probe-link --only gather --model`), and says which goals held.
 
@@ -158,6 +159,30 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
                          f"{'-' if rate is None else f'{100 * rate:.2f}%'}{same}")
         else:
             lines.append(f"{fmt} all-hit: {_startup(hot)}")
+    lines += _bracket_lines(fmt, recs)
+    return lines
+
+
+def _bracket_lines(fmt: str, recs: dict[str, dict]) -> list[str]:
+    """The A/B/A lines (`HOT_VARIANTS`, `RESIDENT_AGAIN`): resident measured again after
+    the all-hit servers, and each all-hit variant against both residents, so that a drift of
+    the machine during the run shows beside the differences between arms."""
+    res, again = recs.get("resident"), recs.get("resident2")
+    r_tok, r2_tok = median_tok_s(res), median_tok_s(again)
+    lines = []
+    if again is not None:
+        drift = f" = {r2_tok / r_tok:.3f} of the first" if r_tok and r2_tok else ""
+        lines.append(f"{fmt} resident again, after the all-hit servers: {_fmt(r2_tok)} tok/s"
+                     f"{_spread(again)}{drift}")
+    for arm in ("hot", *sorted(a for a in recs if a.startswith("hot_"))):
+        rec = recs[arm] if arm in recs else None
+        tok = median_tok_s(rec)
+        if rec is None or not tok or (arm == "hot" and again is None):
+            continue
+        ratios = [f"{tok / r:.3f} of {name}" for name, r in
+                  (("resident", r_tok), ("resident again", r2_tok)) if r]
+        lines.append(f"{fmt} all-hit [{arm}]: {tok:.1f} tok/s{_spread(rec)} = "
+                     + ", ".join(ratios))
     return lines
 
 
@@ -205,10 +230,12 @@ def load_run(fmt: str, d: Path) -> tuple[dict[str, dict], int | None, float | No
     """A format's server records, its bytes an expert and MoE layers (`size --json`), and
     its probe's gather rate and cache step, from a run directory (missing: None or 0)."""
     recs = {}
-    for arm in ("floor", "cache", "trial", "resident", "hot"):
+    for arm in ("floor", "cache", "trial", "resident", "hot", "resident2"):
         p = d / f"{fmt}-{arm}.json"
         if p.exists():
             recs[arm] = json.loads(p.read_text())
+    for p in sorted(d.glob(f"{fmt}-hot_*.json")):  # HOT_VARIANTS
+        recs[p.stem[len(fmt) + 1:]] = json.loads(p.read_text())
     bytes_per_expert = gbps = None
     step_us, layers = 0.0, 0
     try:

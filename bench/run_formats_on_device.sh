@@ -23,6 +23,12 @@
 # PROFILE=1 adds, in the resident and all-hit servers, a torch-profiler record of one
 # request's decode steps and `bench/profile_report.py`'s comparison ($OUT/FMT-profile.txt):
 # where the all-hit cache's time a step goes, kernel by kernel.
+# HOT_VARIANTS="nostats:EXPERT_CACHE_STATS=0 nopdl:EXPERT_CACHE_PDL=0" adds, after the
+# all-hit arm, one all-hit server per LABEL:K=V[,K=V] ($fmt-hot_LABEL, the hot arm's
+# environment plus those variables), and RESIDENT_AGAIN=1 serves resident once more after
+# them ($fmt-resident2): resident, all-hit variants, resident (A/B/A), so that a drift of
+# the machine during the run shows instead of passing for a difference between arms.
+# RUNS (default 5): measured runs a server.
 # Re-entrant (an arm whose JSON says ok is not run again); split by FORMATS across calls:
 #   FORMATS="w8a8 fp8-block" bash bench/run_formats_on_device.sh
 set -uo pipefail
@@ -37,13 +43,17 @@ device_vllm_setup || { echo "setup failed"; exit 1; }
 
 # ARMS="resident hot" runs only those arms of each format (the others count as done): the
 # all-hit pair again, say, without the floor and cache servers and their checkpoint
-want_arm() { [ -z "${ARMS:-}" ] || [[ " $ARMS " == *" ${1##*-} "* ]]; }
+# (the variants and the second resident are asked for by their own variables)
+want_arm() {
+  case ${1##*-} in hot_*|resident2) return 0 ;; esac
+  [ -z "${ARMS:-}" ] || [[ " $ARMS " == *" ${1##*-} "* ]]
+}
 done_arm() { ! want_arm "$1" || { [ -f "$FM/$1.json" ] && grep -q '"status": "ok"' "$FM/$1.json"; }; }
 run_arm() {  # run_arm NAME [small_card options] -- server command
   local name=$1; shift
   done_arm "$name" && return 0
   echo "== $name ($SECONDS s)"
-  $PY bench/small_card.py "$name" --out "$FM" --runs 5 "$@" | tail -5
+  $PY bench/small_card.py "$name" --out "$FM" --runs "${RUNS:-5}" "$@" | tail -5
   cp "$FM/$name.json" "$OUT/"; tail -c 200000 "$FM/$name.log" > "$OUT/$name.log"
 }
 served() { $PY bench/formats_report.py --served "$FM/$1.json"; }  # served NAME
@@ -57,6 +67,11 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
   # 32 of 128 slots; gpt-oss-20b (mxfp4) has 32 experts a layer: 16 of them
   S=32 shape=(--vocab 151936 --context 40960 --head-dim 128)
   [ "$fmt" = mxfp4 ] && S=16 shape=(--vocab 201088 --context 131072)
+  # the all-hit pair and what HOT_VARIANTS / RESIDENT_AGAIN add to it
+  pair=("$fmt-resident" "$fmt-hot")
+  for v in ${HOT_VARIANTS:-}; do pair+=("$fmt-hot_${v%%:*}"); done
+  [ "${RESIDENT_AGAIN:-0}" = 1 ] && pair+=("$fmt-resident2")
+  pair_done() { local a; for a in "${pair[@]}"; do done_arm "$a" || return 1; done; }
   trial_fmt=0
   [[ " w4a16 gptq awq " == *" $fmt "* && " ${TRIAL_FORMATS:-gptq} " == *" $fmt "* ]] && trial_fmt=1
   if ! done_arm "$fmt-floor" || ! done_arm "$fmt-cache" || \
@@ -82,7 +97,7 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
   fi
   # resident and all-hit only where some layer served from its slots (past its first-call check)
   if served "$fmt-cache" || served "$fmt-trial" || ! want_arm "$fmt-cache"; then
-    if ! done_arm "$fmt-resident" || ! done_arm "$fmt-hot"; then ckpt "$H" "$S"; fi
+    pair_done || ckpt "$H" "$S"
     # PROFILE=1: both arms also record one request's decode steps (bench/profile_report.py)
     prof_r=() prof_h=() vprof_r=() vprof_h=()
     if [ "${PROFILE:-0}" = 1 ]; then
@@ -94,6 +109,16 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
       -- "$PY" -m vllm.entrypoints.cli.main serve "$H" "${COMMON[@]}" "${vprof_r[@]}"
     run_arm "$fmt-hot" "${hot_env[@]}" "${prof_h[@]}" \
       -- "$PY" -m expertcache_cli serve "$H" --vram 141 --slots "$S" -- "${COMMON[@]}" "${vprof_h[@]}"
+    for v in ${HOT_VARIANTS:-}; do
+      venv=(); IFS=, read -ra kvs <<< "${v#*:}"
+      for kv in "${kvs[@]}"; do venv+=(--env "$kv"); done
+      run_arm "$fmt-hot_${v%%:*}" "${hot_env[@]}" "${venv[@]}" \
+        -- "$PY" -m expertcache_cli serve "$H" --vram 141 --slots "$S" -- "${COMMON[@]}"
+    done
+    if [ "${RESIDENT_AGAIN:-0}" = 1 ]; then
+      run_arm "$fmt-resident2" --env EXPERT_CACHE_DISABLE=1 \
+        -- "$PY" -m vllm.entrypoints.cli.main serve "$H" "${COMMON[@]}"
+    fi
     if [ "${PROFILE:-0}" = 1 ]; then
       $PY bench/profile_report.py "$FM/prof-$fmt-resident" "$FM/prof-$fmt-hot" \
         --labels resident,all-hit 2>&1 | tee "$OUT/$fmt-profile.txt"
@@ -102,7 +127,7 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
   $PY bench/formats_report.py "$fmt" "$FM" | tee -a "$OUT/formats.txt"
   # the disk holds two or three formats' checkpoints at a time, not seven
   if done_arm "$fmt-floor" && done_arm "$fmt-cache"; then rm -rf "$M"; fi
-  if done_arm "$fmt-hot"; then rm -rf "$H"; fi
+  if pair_done; then rm -rf "$H"; fi
 done
 # issue 11's table, every format run so far
 $PY bench/formats_report.py --table "$FM" ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4} \

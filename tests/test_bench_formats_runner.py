@@ -47,7 +47,8 @@ elif args[:3] == ["-m", "expertcache_cli", "probe-link"]:
 elif args[0].endswith("small_card.py"):
     name, out = args[1], Path(args[args.index("--out") + 1])
     startup, check = json.loads(os.environ["STUB_ARMS"]).get(name, [None, None])
-    rec = {"status": "ok", "arm": name, "tok_s": [100.0, 101.0, 99.0],
+    status = "failed" if name == os.environ.get("STUB_FAIL") else "ok"
+    rec = {"status": status, "arm": name, "tok_s": [100.0, 101.0, 99.0],
            "greedy": {"tokens": ["a"], "logprob": [0.0], "margin": [1.0]},
            "log": {"startup_line": startup, "check_line": check, "declined": []}}
     (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
@@ -134,3 +135,36 @@ def test_arms_runs_only_the_pair_asked_for_and_writes_only_its_checkpoint(runner
     assert [c.split()[1] for c in calls if "write_checkpoint.py" in c] == [
         str(tmp / "fm" / "fp8-block-hot")]
     assert not any("probe-link" in c for c in calls)
+
+
+def test_hot_variants_and_resident_again_bracket_the_all_hit_servers(runner):
+    """HOT_VARIANTS / RESIDENT_AGAIN (issue 11's noisy all-hit run): resident, the all-hit
+    server, one per variant with its variables on top of the hot arm's, resident again;
+    the hot checkpoint stays until every one of them is done, and the report compares each
+    all-hit server with both residents."""
+    run, tmp = runner
+    calls = run("fp8-block", ARMS="resident hot", RUNS="8", RESIDENT_AGAIN="1",
+                HOT_VARIANTS="nostats:EXPERT_CACHE_STATS=0 nopdl:EXPERT_CACHE_PDL=0,X=1")
+    assert _servers(calls) == ["fp8-block-resident", "fp8-block-hot", "fp8-block-hot_nostats",
+                               "fp8-block-hot_nopdl", "fp8-block-resident2"]
+    nopdl = next(c for c in calls if c.startswith("bench/small_card.py fp8-block-hot_nopdl "))
+    assert "--env EXPERT_CACHE_STATS=400 --env EXPERT_CACHE_PDL=0 --env X=1" in nopdl
+    assert "--runs 8" in nopdl and "expertcache_cli serve" in nopdl
+    again = next(c for c in calls if c.startswith("bench/small_card.py fp8-block-resident2 "))
+    assert "EXPERT_CACHE_DISABLE=1" in again and "vllm.entrypoints.cli.main serve" in again
+    assert not (tmp / "fm" / "fp8-block-hot").exists()
+    report = (tmp / "out" / "formats.txt").read_text()
+    assert "fp8-block resident again, after the all-hit servers: 100.0 tok/s" in report
+    assert "fp8-block all-hit [hot_nopdl]: 100.0 tok/s (99-101) = 1.000 of resident, " \
+           "1.000 of resident again" in report
+    assert "fp8-block all-hit [hot]: 100.0" in report
+
+
+def test_a_failed_variant_keeps_the_checkpoint_for_the_next_call(runner, monkeypatch):
+    run, tmp = runner
+    monkeypatch.setenv("STUB_FAIL", "fp8-block-hot_nostats")
+    calls = run("fp8-block", ARMS="resident hot", HOT_VARIANTS="nostats:EXPERT_CACHE_STATS=0")
+    assert "fp8-block-hot_nostats" in _servers(calls)
+    assert (tmp / "fm" / "fp8-block-hot").exists()  # needed again: the variant failed
+    again = run("fp8-block", ARMS="resident hot", HOT_VARIANTS="nostats:EXPERT_CACHE_STATS=0")
+    assert _servers(again) == ["fp8-block-hot_nostats"]
