@@ -40,7 +40,7 @@ def test_the_no_check_and_memory_hooks_act_only_when_asked():
     from expertcache_cli.plugin import runtime
 
     assert run({}) == f"{runtime.CHECK_ATTEMPTS} forward_modular" and runtime.CHECK_ATTEMPTS > 0
-    assert run({"EC_BENCH_NO_CHECK": "1", "EC_BENCH_MEM": "1"}) == "0 _forward"
+    assert run({"EC_BENCH_NO_CHECK": "1", "EC_BENCH_MEM": "1"}) == "0 _forward_first"
 
 
 MEM_PROBE = r'''
@@ -84,3 +84,33 @@ def test_the_memory_hook_pins_a_peak_rise_on_the_checks_reference_call():
     assert ("layer 7 scratch path, the check's reference call: 16 ids" in lines[0]
             and "peak 10.000 -> 10.500 GiB (+0.500 above allocated)" in lines[0]), lines
     assert "checked 0.0" in out
+
+
+def test_the_memory_history_names_the_big_allocations_and_whether_they_were_freed():
+    """EC_BENCH_MEM's allocator history: only allocations past the size, freed or held, with
+    the innermost frames outside torch (the profile step's 0.52 GiB in place, stop 16)."""
+    import importlib.util
+
+    # by path, under its own name: the interpreter may have a sitecustomize of its own
+    spec = importlib.util.spec_from_file_location(
+        "ec_kernel_trial_hook", ROOT / "bench" / "kernel_trial" / "sitecustomize.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    mib = 2**20
+    frames = [{"filename": "/x/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"},
+              {"filename": "/x/vllm/model_executor/layers/fused_moe/layer.py", "line": 42,
+               "name": "forward_impl"},
+              {"filename": "/x/vllm/v1/worker/gpu_model_runner.py", "line": 7,
+               "name": "_dummy_run"}]
+    snap = {"device_traces": [[
+        {"action": "alloc", "addr": 1, "size": 555 * mib, "frames": frames},
+        {"action": "alloc", "addr": 2, "size": 8 * mib, "frames": frames},
+        {"action": "alloc", "addr": 3, "size": 100 * mib, "frames": []},
+        {"action": "free_requested", "addr": 1, "size": 555 * mib},
+    ]]}
+    lines = hook.big_allocations(snap, 64 * mib)
+    assert lines == [
+        "555 MiB freed at layer.py:42 forward_impl <- gpu_model_runner.py:7 _dummy_run",
+        "100 MiB held at (no frames)",
+    ]
+    assert hook.big_allocations({}, 1) == []

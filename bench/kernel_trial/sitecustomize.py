@@ -8,6 +8,7 @@ arming rule still applies. Without the variable it does nothing. It shadows any 
 sitecustomize on the path: bench use only, never in a user's environment."""
 
 import os
+from pathlib import Path
 
 _names = {n.strip() for n in os.environ.get("EC_BENCH_TRY_KERNELS", "").split(",") if n.strip()}
 if _names:
@@ -96,3 +97,73 @@ if os.environ.get("EC_BENCH_MEM") == "1":
 
     _rt.ArmedLayer.forward_modular = _forward
     _rt.ArmedLayer._checked_call = _checked
+
+    # Who raised the peak before the first MoE call (stop 16: in place, the peak was 0.52
+    # GiB above allocated already at layer 0's first call of the profile step, staged not):
+    # the allocator's history is recorded from the end of arming to layer 0's first call,
+    # and its big allocations are logged with the Python frames that made them.
+    from expertcache_cli.plugin import session as _session
+
+    _orig_arm = _session.arm_model
+    _recording = {"on": False}
+    _BIG = 64 * 2**20
+
+    def _arm(*a, **k):
+        out = _orig_arm(*a, **k)
+        try:
+            import torch
+
+            torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
+            _recording["on"] = True
+        except Exception as exc:  # a bench probe never stops the server
+            _log.warning("EC_BENCH_MEM: no allocation history (%s)", exc)
+        return out
+
+    def _history_report() -> None:
+        import torch
+
+        _recording["on"] = False
+        try:
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+        except Exception as exc:
+            _log.warning("EC_BENCH_MEM: no allocation history (%s)", exc)
+            return
+        for line in big_allocations(snap, _BIG):
+            _log.warning("EC_BENCH_MEM history: %s", line)
+
+    _forward_plain = _forward
+
+    def _forward_first(self, x, topk_weights, topk_ids, *args, **kwargs):
+        if _recording["on"] and self.index == 0 and _measuring():
+            _history_report()
+        return _forward_plain(self, x, topk_weights, topk_ids, *args, **kwargs)
+
+    _session.arm_model = _arm
+    _rt.ArmedLayer.forward_modular = _forward_first
+
+
+def big_allocations(snapshot: dict, min_bytes: int, limit: int = 16) -> list[str]:
+    """One line per allocation of at least ``min_bytes`` in a `torch.cuda.memory._snapshot()`
+    history (device 0): its size, whether it was freed before the snapshot, and the
+    innermost Python frames outside torch that made it (bench only: EC_BENCH_MEM)."""
+    trace = (snapshot.get("device_traces") or [[]])[0]
+    freed = set()
+    lines: list[str] = []
+    for i, ev in enumerate(trace):
+        if ev.get("action") != "alloc" or ev.get("size", 0) < min_bytes:
+            continue
+        addr = ev.get("addr")
+        freed_later = any(e.get("addr") == addr and e.get("action") in
+                          ("free_requested", "free_completed") for e in trace[i + 1:])
+        if freed_later:
+            freed.add(addr)
+        frames = ev.get("frames") or []
+        ours = [f for f in frames if "/torch/" not in f.get("filename", "")] or frames
+        where = " <- ".join(f"{Path(f.get('filename', '?')).name}:{f.get('line', 0)} "
+                            f"{f.get('name', '?')}" for f in ours[:5])
+        lines.append(f"{ev['size'] / 2**20:.0f} MiB {'freed' if freed_later else 'held'} "
+                     f"at {where or '(no frames)'}")
+        if len(lines) >= limit:
+            break
+    return lines
