@@ -28,7 +28,8 @@
 #             resident, card24b)
 #   mem24     where a staged W8A8 server's profile-run memory goes: vLLM's breakdown and
 #             per-call CUDA memory peaks (bench/kernel_trial EC_BENCH_MEM), in place, staged,
-#             and staged without the first-call check (EC_BENCH_NO_CHECK)
+#             staged without the first-call check (EC_BENCH_NO_CHECK), and in place again
+#             with vLLM's compile cache warm (does compiling in the profile step cost KV?)
 #   card24b   the 24 GiB card again: a second floor server (are its greedy tokens its own
 #             from run to run?), the cache without EXPERT_CACHE_STATS (tok/s with no
 #             periodic reports at all, for the prediction), and the cache on vLLM's V2 model
@@ -118,7 +119,11 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MD/m8'), 8)
       # per-call peaks, in place / staged / staged without the first-call check; a
       # 4,096-token context so that the staged server starts
       ballast 24
-      for v in inplace:- staged:--wide=staged-install nocheck:--wide=staged-install; do
+      # inplace2: in place again, last: the first server compiles (torch.compile runs
+      # inside vLLM's profile step) and the later ones load vLLM's compile cache; stop 16's
+      # in-place server, the first, peaked 0.52 GiB above allocated before any MoE call
+      for v in inplace:- staged:--wide=staged-install nocheck:--wide=staged-install \
+               inplace2:-; do
         name=${v%%:*}; wide=${v#*:}; [ "$wide" = - ] && wide=""
         extra=(EC_BENCH_MEM=1); [ "$name" = nocheck ] && extra+=(EC_BENCH_NO_CHECK=1)
         log=$SC/mem24$name.log
@@ -132,7 +137,8 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MD/m8'), 8)
           kill -0 $pid 2>/dev/null || break; sleep 1
         done
         pkill -9 -f "[v]llm.entrypoints|[E]ngineCore"; wait $pid 2>/dev/null
-        echo "== $name"; grep -h -E "EC_BENCH_MEM|Actual usage|Available KV|memory plan" "$log" \
+        echo "== $name"; grep -h -E \
+          "EC_BENCH_MEM|Actual usage|Available KV|memory plan|Compiling a graph|Directly load the compiled" "$log" \
           | sed 's/.*\] //' | cut -c1-330 | tee -a "$OUT/mem24.txt"
       done
       cp "$SC"/mem24*.log "$OUT/" 2>/dev/null
