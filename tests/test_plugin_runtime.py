@@ -451,6 +451,51 @@ def test_a_kv_cache_too_small_for_one_sequence_says_how_many_slots_to_drop(monke
         " or --max-model-len at most about 7458"), errors
 
 
+def test_a_cold_compile_in_the_profile_step_is_named_in_the_memory_lines(monkeypatch, caplog):
+    """vLLM counts a cold torch.compile's temporaries as activations in the profile step
+    that sizes the KV cache (vLLM #54122): where this process compiled, the memory line and
+    the shortfall line say so, so the user restarts before giving up slots."""
+    import sys
+    import types
+
+    import expertcache_cli.plugin as plugin
+    import expertcache_cli.slotcache as slotcache_mod
+    from expertcache_cli.plugin import memory
+    from expertcache_cli.plugin import session as session_mod
+
+    monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
+    monkeypatch.setattr(session_mod, "_SESSIONS", [])
+    _fake_vllm_layout(monkeypatch)
+    counter = types.SimpleNamespace(num_inductor_compiles=0)
+    for name in ("vllm.compilation", "vllm.compilation.counter"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["vllm.compilation.counter"].compilation_counter = counter
+    worker = _worker(_ThreeLayers(), weights=1000)
+    worker.vllm_config.model_config.max_model_len = 8192
+
+    class Spec:
+        def max_memory_usage_bytes(self, config):
+            return 10_000
+
+    worker.get_kv_cache_spec = lambda: {"l0": Spec()}
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    sess = plugin._arm_worker(worker, CacheConfig(slots=6), "0.26.0")
+    plugin._log_memory_plan(worker, sess, 3 * 2**30)  # warm: nothing compiled here
+    assert "compiled" not in caplog.text and memory.compiled_here() == 0
+    counter.num_inductor_compiles = 3
+    plugin._log_memory_plan(worker, sess, 3 * 2**30)
+    plugin._log_memory_plan(worker, sess, 5_000)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[-3].endswith("vLLM chose 3.00 GiB of KV cache; this start compiled 3 "
+                              "graph(s) inside vLLM's memory profile, which counts a cold "
+                              "compile's temporaries as activations (vLLM issue #54122): a "
+                              "restart with the compile cache now warm may get more KV cache")
+    assert "so vLLM will refuse to start" in lines[-1] and lines[-1].endswith(
+        "a restart with the compile cache now warm may get more KV cache")
+    counter.num_inductor_compiles = True  # not a count: said nothing of
+    assert memory.compiled_here() == 0 and memory.cold_compile_note(0) == ""
+
+
 def test_the_shortfall_line_without_slots_to_spare_names_the_context():
     from expertcache_cli.plugin.memory import kv_shortfall_line
 

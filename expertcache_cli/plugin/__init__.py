@@ -307,8 +307,9 @@ def _log_memory_plan(worker: Any, session: Any, kv_bytes: Any) -> None:
     kv = kv_bytes if isinstance(kv_bytes, int) and not isinstance(kv_bytes, bool) else None
     if kv is None:
         kv = getattr(worker, "available_kv_cache_memory_bytes", None)
-    log.info("%s", memory.kv_line(session.slot_bytes, session.weights_bytes, kv, bool(explicit),
-                                  session.scratch_bytes))
+    cold = memory.cold_compile_note(memory.compiled_here()) if not explicit else ""
+    log.info("%s%s", memory.kv_line(session.slot_bytes, session.weights_bytes, kv,
+                                    bool(explicit), session.scratch_bytes), cold)
     if kv is None or explicit:
         return
     try:
@@ -320,4 +321,4 @@ def _log_memory_plan(worker: Any, session: Any, kv_bytes: Any) -> None:
     row = sum(a.decision.bytes_per_slot for a in session.armed)  # one slot fewer everywhere
     line = memory.kv_shortfall_line(kv, need, max_len, row, slots) if need else None
     if line:
-        log.error("%s", line)
+        log.error("%s%s", line, cold)

@@ -15,6 +15,15 @@ comes before any slot is allocated: a runner without the attribute cannot accoun
 slots, and arming there would silently overshoot, so the model is not armed.
 
 `kv_line` words what vLLM then chose, logged once `determine_available_memory` returns.
+
+A cold start costs KV too, and not because of the slots: vLLM compiles the model
+(torch.compile, Inductor) during the same profile step, and a cold compile's temporary
+allocations count as activations there (vLLM issue #54122, open in 0.26 and 0.33), so the
+first start of a model and context gets less KV cache than a restart with the compile
+cache warm. On a card sized to the last slot that can be the difference between starting
+and not (the 24 GiB W8A8 card, stop 16: 0.52 GiB of peak before the first MoE call in the
+one server of three that compiled). `compiled_here` tells the memory lines when that
+happened, so the user restarts before giving up slots.
 """
 
 from __future__ import annotations
@@ -74,6 +83,26 @@ def kv_line(slot_bytes: int, weights_bytes: int, kv_bytes: int | None, explicit:
             "vLLM does not plan from --gpu-memory-utilization: the slots come on top of it"
         )
     return head + f"; vLLM chose {kv_bytes / GiB:.2f} GiB of KV cache"
+
+
+def compiled_here() -> int:
+    """Graphs this process compiled with Inductor so far (vLLM's compile counter): nonzero
+    on a cold start, 0 on a warm one, where vLLM has no counter, or compiles nothing."""
+    try:
+        from vllm.compilation.counter import compilation_counter
+    except Exception:
+        return 0
+    value = getattr(compilation_counter, "num_inductor_compiles", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def cold_compile_note(compiled: int) -> str:
+    """What a cold compile inside vLLM's profile step means for the KV cache ('' if none)."""
+    if compiled <= 0:
+        return ""
+    return (f"; this start compiled {compiled} graph(s) inside vLLM's memory profile, which "
+            "counts a cold compile's temporaries as activations (vLLM issue #54122): a "
+            "restart with the compile cache now warm may get more KV cache")
 
 
 def one_sequence_kv_bytes(worker: Any) -> int:
