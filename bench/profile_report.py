@@ -8,7 +8,9 @@ same ~11 us). An event window cannot say which part; the GPU's own kernel record
 torch profiler (the prefill skipped: it reads the host through in the cache arm); this
 reads the Chrome traces it wrote and prints, per decode step, the GPU's busy time, its
 span (busy plus the gaps between kernels), the kernels launched, and the kernels whose
-time differs most between the two arms.
+time differs most between the two arms; then the host side: each step's period between
+two graph launches and the GPU's idle time in it (median, p90, max), and the host calls
+(aten ops, CUDA runtime calls) whose time a step differs most.
 
     python bench/profile_report.py RESIDENT_DIR CACHE_DIR [--labels resident,hot] [--top 15]
 """
@@ -27,6 +29,8 @@ from pathlib import Path
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 #: the host call that replays one captured decode step
 GRAPH_LAUNCH = "cudaGraphLaunch"
+#: trace categories that are the host's own work
+HOST_CATS = ("cuda_runtime", "cpu_op")
 
 
 @dataclass
@@ -44,6 +48,13 @@ class GpuSummary:
     #: overlap the kernel before them and no longer add up (the sum of these, plus the
     #: time two kernels overlap, is the busy time).
     alone: dict[str, float] = field(default_factory=dict)
+    #: the host side: when each captured step was launched, and the host's own calls
+    #: (aten ops, CUDA runtime calls) by name -> [us, count]. The GPU waits for the host
+    #: when a step's period exceeds its busy time; these say whether the host's extra
+    #: time is spread over every step or spent in a few (a periodic report, a GC pause).
+    launch_ts: list[float] = field(default_factory=list)
+    host: dict[str, list[float]] = field(default_factory=dict)
+    intervals: list[tuple[float, float]] = field(default_factory=list)
 
 
 def trace_files(path: Path) -> list[Path]:
@@ -105,6 +116,8 @@ def summarize(path: Path) -> GpuSummary:
     intervals: list[tuple[float, float]] = []
     events: list[tuple[float, float, str]] = []
     steps = 0
+    launch_ts: list[float] = []
+    host: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for f in files:
         for ev in load_events(f):
             if ev.get("ph") != "X":
@@ -116,13 +129,41 @@ def summarize(path: Path) -> GpuSummary:
                 by_name[name][1] += 1
                 intervals.append((ts, ts + dur))
                 events.append((ts, ts + dur, name))
-            elif cat == "cuda_runtime" and name == GRAPH_LAUNCH:
-                steps += 1
+            elif cat in HOST_CATS:
+                host[name][0] += float(ev.get("dur", 0.0))
+                host[name][1] += 1
+                if name == GRAPH_LAUNCH:
+                    steps += 1
+                    launch_ts.append(float(ev["ts"]))
     span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0.0
     return GpuSummary(steps=steps, busy_us=_busy(intervals), span_us=span,
                       launches=sum(int(c) for _, c in by_name.values()),
                       by_name=dict(by_name), files=[str(f) for f in files],
-                      alone=_alone(events))
+                      alone=_alone(events), launch_ts=sorted(launch_ts), host=dict(host),
+                      intervals=intervals)
+
+
+def step_periods(s: GpuSummary) -> list[tuple[float, float]]:
+    """(period, GPU idle) of every step between two graph launches: the time from one
+    launch to the next, and how much of it no GPU work ran (the GPU waiting for the host
+    when the period exceeds the step's work)."""
+    out = []
+    ivs = sorted(s.intervals)
+    for t0, t1 in zip(s.launch_ts, s.launch_ts[1:]):
+        clipped = [(max(a, t0), min(b, t1)) for a, b in ivs if b > t0 and a < t1]
+        out.append((t1 - t0, (t1 - t0) - _busy(clipped)))
+    return out
+
+
+def _dist(values: list[float]) -> str:
+    """median (p90, max) of ``values``, in us."""
+    import statistics
+
+    if not values:
+        return "-"
+    v = sorted(values)
+    p90 = v[min(len(v) - 1, int(0.9 * len(v)))]
+    return f"{statistics.median(v):.1f} us (p90 {p90:.1f}, max {v[-1]:.1f})"
 
 
 def short(name: str, width: int = 64) -> str:
@@ -163,6 +204,31 @@ def compare(a: GpuSummary, b: GpuSummary, labels: tuple[str, str] = ("resident",
         alone = b.alone.get(n, 0.0) / b.steps
         out.append(f"  {ub - ua:+8.1f} us  {la} {ua:8.1f} ({ca:5.1f})  {lb} {ub:8.1f} "
                    f"({cb:5.1f}, alone {alone:6.1f})  {short(n)}")
+    return out + host_lines(a, b, labels, top)
+
+
+def host_lines(a: GpuSummary, b: GpuSummary, labels: tuple[str, str], top: int) -> list[str]:
+    """The host side of the same steps: each step's period (graph launch to graph launch)
+    and the GPU's idle time in it, as distributions (extra host time spread over every step
+    moves the median; a periodic stall moves only the max), then the host calls whose time
+    a step differs most between the arms."""
+    la, lb = labels
+    pa, pb = step_periods(a), step_periods(b)
+    out = [
+        f"step period, launch to launch: {la} {_dist([p for p, _ in pa])}; "
+        f"{lb} {_dist([p for p, _ in pb])}",
+        f"GPU idle in a step: {la} {_dist([i for _, i in pa])}; {lb} {_dist([i for _, i in pb])}",
+        f"host calls by the difference a step ({lb} - {la}), us a step (calls a step):",
+    ]
+    names = set(a.host) | set(b.host)
+
+    def per(s: GpuSummary, n: str, i: int) -> float:
+        return s.host.get(n, [0.0, 0])[i] / s.steps
+
+    for n in sorted(names, key=lambda n: -abs(per(b, n, 0) - per(a, n, 0)))[:top]:
+        out.append(f"  {per(b, n, 0) - per(a, n, 0):+8.1f} us  {la} {per(a, n, 0):8.1f} "
+                   f"({per(a, n, 1):5.1f})  {lb} {per(b, n, 0):8.1f} ({per(b, n, 1):5.1f})  "
+                   f"{short(n)}")
     return out
 
 

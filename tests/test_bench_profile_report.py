@@ -68,10 +68,40 @@ def test_the_comparison_names_the_kernels_the_cache_adds(tmp_path):
     assert lines[0] == "decode steps profiled: resident 2, all-hit 2"
     assert "GPU busy a step: resident 10.0 us, all-hit 16.0 us (+6.0)" in lines
     assert "GPU launches a step: resident 1.0, all-hit 3.0 (+2.0)" in lines
-    # ordered by the difference; the top 2 only
-    assert lines[-2].split()[0] == "+3.0" and lines[-2].endswith("expert_cache_manage_kernel")
-    assert "(  1.0, alone    3.0)" in lines[-2]
-    assert lines[-1].split()[0] == "+2.0" and "where" in lines[-1]
+    # ordered by the difference; the top 2 only; the host's lines follow
+    kernels = lines[:next(i for i, t in enumerate(lines) if t.startswith("step period"))]
+    assert kernels[-2].split()[0] == "+3.0" and kernels[-2].endswith(
+        "expert_cache_manage_kernel")
+    assert "(  1.0, alone    3.0)" in kernels[-2]
+    assert kernels[-1].split()[0] == "+2.0" and "where" in kernels[-1]
+
+
+def test_the_host_side_shows_whether_extra_time_is_every_step_or_a_few(tmp_path):
+    """Each step's period between graph launches and the GPU's idle time in it: a periodic
+    stall (one long step) moves the max, not the median; host calls compared per step."""
+    def write(d: Path, periods: list[float], extra_ops: int) -> None:
+        d.mkdir()
+        ts, ev = 0.0, []
+        for p in periods:
+            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts,
+                       "dur": 2})
+            ev.append({"ph": "X", "cat": "kernel", "name": "k", "ts": ts + 5, "dur": 80})
+            ts += p
+        ev += [{"ph": "X", "cat": "cpu_op", "name": "aten::cat", "ts": 1, "dur": 30}] * extra_ops
+        (d / "t.json").write_text(json.dumps({"traceEvents": ev}))
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    write(a, [100, 100, 100, 100, 100], 0)
+    write(b, [100, 100, 400, 100, 100], 1)  # one stall, and one aten::cat in 5 steps
+    lines = profile_report.compare(profile_report.summarize(a), profile_report.summarize(b),
+                                   ("resident", "all-hit"))
+    i = next(i for i, t in enumerate(lines) if t.startswith("step period"))
+    assert lines[i] == ("step period, launch to launch: resident 100.0 us (p90 100.0, max "
+                        "100.0); all-hit 100.0 us (p90 400.0, max 400.0)")
+    assert lines[i + 1] == ("GPU idle in a step: resident 20.0 us (p90 20.0, max 20.0); "
+                            "all-hit 20.0 us (p90 320.0, max 320.0)")
+    assert lines[i + 3].split()[0] == "+6.0" and lines[i + 3].endswith("aten::cat")
+    assert "(  0.2)" in lines[i + 3]
 
 
 def test_no_graph_replay_or_no_trace_is_one_line_and_exit_2(tmp_path, capsys):
