@@ -148,7 +148,12 @@ def test_hot_variants_and_resident_again_bracket_the_all_hit_servers(runner):
     assert _servers(calls) == ["fp8-block-resident", "fp8-block-hot", "fp8-block-hot_nostats",
                                "fp8-block-hot_nopdl", "fp8-block-resident2"]
     nopdl = next(c for c in calls if c.startswith("bench/small_card.py fp8-block-hot_nopdl "))
-    assert "--env EXPERT_CACHE_STATS=400 --env EXPERT_CACHE_PDL=0 --env X=1" in nopdl
+    assert "--env EXPERT_CACHE_PDL=0 --env X=1" in nopdl
+    # the all-hit server runs as users run it: no periodic report (the final line's hit rate)
+    hot = next(c for c in calls if c.startswith("bench/small_card.py fp8-block-hot "))
+    assert "EXPERT_CACHE_STATS" not in hot and "EXPERT_CACHE_STATS" not in nopdl
+    nostats = next(c for c in calls if c.startswith("bench/small_card.py fp8-block-hot_nostats "))
+    assert "--env EXPERT_CACHE_STATS=0" in nostats
     assert "--runs 8" in nopdl and "expertcache_cli serve" in nopdl
     again = next(c for c in calls if c.startswith("bench/small_card.py fp8-block-resident2 "))
     assert "EXPERT_CACHE_DISABLE=1" in again and "vllm.entrypoints.cli.main serve" in again
