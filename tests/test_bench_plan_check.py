@@ -16,14 +16,15 @@ import plan_check  # noqa: E402
 TRACE = ROOT / "traces" / "demo-qwen3-30b-a3b-tasks.npz"
 
 
-def _baseline(path: Path, arms: dict[str, float], hit: float = 0.9) -> None:
+def _baseline(path: Path, arms: dict[str, float], hit: float = 0.9,
+              requests: int | None = None) -> None:
     """A results file as `baseline` writes it: meta, one run per arm, counters."""
     lines = [{"kind": "meta", "format": 1, "model": "m", "arms": list(arms), "runs": 1}]
     for arm, tok_s in arms.items():
         lines.append({"kind": "run", "arm": arm, "restart": 0, "run": 0, "tok_s": tok_s,
                       "ttft_s": 0.1, "tokens": 8, "server_id": f"s-{arm}"})
         lines.append({"kind": "counters", "arm": arm, "restart": 0,
-                      "counters": {"hit_rate": hit}})
+                      "counters": {"hit_rate": hit, "requests": requests}})
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
@@ -42,7 +43,8 @@ def test_each_budget_and_the_saved_plan_beside_what_was_measured(tmp_path):
     if per_layer:
         arms[f"plan:{saved}"] = per_layer * 1.05
     bl = tmp_path / "bl.jsonl"
-    _baseline(bl, arms)
+    # each server ran 100 decode steps: the trace's first 100 are replayed beside it
+    _baseline(bl, arms, requests=100 * plan["trace"]["layers"] * plan["model"]["top_k"])
     plan_json = tmp_path / "p.json"
     plan_json.write_text(json.dumps(plan))
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), str(plan_json),
@@ -50,6 +52,10 @@ def test_each_budget_and_the_saved_plan_beside_what_was_measured(tmp_path):
     assert out.returncode == 0, out.stderr
     by = {line.split(": ", 1)[0]: line for line in out.stdout.splitlines()}
     assert "(1.000, met: 10%); hit rate live 0.900, replayed" in by["cache:16"]
+    window = plan_check.window_hit_rate(TRACE, "lru", 16, 100)
+    assert by["cache:16"].endswith(f" (over the 100 steps it served: {window:.3f})")
+    whole = 1 - next(r["miss_rate"] for r in plan["rows"] if r["slots"] == 16)
+    assert window != whole  # the first 100 steps are not the whole trace
     assert "(0.800, NOT met: 10%)" in by["cache:32"]
     assert by["cache:64"] == "cache:64: not measured"
     if per_layer:
@@ -59,3 +65,9 @@ def test_each_budget_and_the_saved_plan_beside_what_was_measured(tmp_path):
 
 def test_usage():
     assert plan_check.main([]) == 2
+
+
+def test_served_steps_come_from_the_final_counters():
+    assert plan_check.served_steps({"requests": 153792}, 24, 8) == 801
+    assert plan_check.served_steps({}, 24, 8) is None
+    assert plan_check.served_steps({"requests": 10}, 0, 8) is None
