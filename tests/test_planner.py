@@ -134,6 +134,11 @@ def test_cli_json_has_the_documented_keys_and_a_plan_file_serve_reads(tmp_path):
     assert json.loads(out.read_text()) == d
     rec = planner.read_plan(out)
     assert rec["per_layer_slots"] == d["recommended"]["per_layer_slots"]
+    # --size-from (serve's name for the sizing source) is the same option
+    same = _cli(str(TRACE), "--size-from", "qwen3-30b-a3b-w8a8", "--vram", "24", "--probe",
+                str(PROBE), "--baseline", str(BASELINE), "--slots", "16,32,64", "--json")
+    assert same.returncode == 0, same.stderr
+    assert json.loads(same.stdout)["rows"] == d["rows"]
 
 
 @pytest.mark.parametrize("args, words", [

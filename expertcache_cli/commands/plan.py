@@ -75,9 +75,9 @@ def register(app: typer.Typer) -> None:
             None, metavar="[TRACE]", help="Routing trace .npz (default: the bundled demo trace)."
         ),
         model: str | None = typer.Option(
-            None, "--model", "-m",
+            None, "--model", "-m", "--size-from",
             help="model to size (preset, config.json or model directory; default: the trace's "
-                 "expert bytes, no card)"),
+                 "expert bytes, no card); --size-from is the same option, named as in serve"),
         vram: float | None = typer.Option(None, help="card GiB: only budgets that fit count"),
         link_gbps: float | None = typer.Option(None, help="host link GB/s for expert copies"),
         probe_file: Path | None = typer.Option(
