@@ -72,7 +72,7 @@ def test_card24_runs_the_floor_and_the_cache_with_what_size_planned(runner):
 
 def test_mem24_starts_four_servers_with_the_memory_hook_and_keeps_their_lines(runner):
     run, tmp = runner
-    calls, stdout = run(STEPS="setup mem24")
+    calls, stdout = run(STEPS="setup mem24", MEM24="inplace staged nocheck inplace2")
     serves = [c for c in calls if c.startswith("-m expertcache_cli serve")]
     assert len(serves) == 4  # in place again last: vLLM's compile cache warm by then
     assert serves[3] == serves[0]
@@ -85,3 +85,14 @@ def test_mem24_starts_four_servers_with_the_memory_hook_and_keeps_their_lines(ru
     assert "EC_BENCH_MEM layer 0 call 0: staged" in text
     for name in ("inplace", "staged", "nocheck", "inplace2"):
         assert (tmp / "out" / f"mem24{name}.log").exists()
+
+
+def test_mem24_by_default_serves_in_place_twice_around_staged(runner):
+    """The check's cost is measured (stop 16): by default no nocheck server; in place last
+    again, with vLLM's compile cache warm; an unknown name is said and skipped."""
+    run, tmp = runner
+    calls, stdout = run(STEPS="setup mem24")
+    serves = [c for c in calls if c.startswith("-m expertcache_cli serve")]
+    assert len(serves) == 3 and serves[0] == serves[2] and "--wide staged-install" in serves[1]
+    _, said = run(STEPS="setup mem24", MEM24="inplace bogus")
+    assert "mem24: no server bogus" in said
