@@ -36,19 +36,19 @@ def window_hit_rate(trace_path: str | Path, policy: str, slots: int, steps: int)
     without decay is still filling its counts there (stop 16: the whole trace's LFU rates
     0.647/0.768/0.875 at 16/32/64 slots, its first 801 steps' 0.642/0.759/0.867, served
     0.641/0.747/0.866)."""
-    import numpy as np
+    import dataclasses
 
     from expertcache_cli import trace as tracefile
-    from expertcache_cli.engine import installs_per_step
     from expertcache_cli.policy import Policy
+    from expertcache_cli.replay import replay
 
     tr = tracefile.load(trace_path)
-    ids = tr.topk_ids[:steps]
-    pol = Policy[policy.upper()]
-    installs = sum(int(installs_per_step(ids[:, layer, :], int(tr.num_experts), pol,
-                                         slots).sum())
-                   for layer in range(ids.shape[1]))
-    return 1 - installs / float(np.prod(ids.shape))
+    # the replay `plan` runs, on the trace's first steps (the same miss count and rate)
+    head = dataclasses.replace(
+        tr, topk_ids=tr.topk_ids[:steps],
+        step_tokens=None if tr.step_tokens is None else tr.step_tokens[:steps])
+    row = replay(head, [Policy[policy.upper()]], [slots]).results.iloc[0]
+    return 1 - float(row["miss_rate"])
 
 
 def served_steps(counters: dict, layers: int, top_k: int) -> int | None:
