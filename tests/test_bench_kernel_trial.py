@@ -40,7 +40,7 @@ def test_the_no_check_and_memory_hooks_act_only_when_asked():
     from expertcache_cli.plugin import runtime
 
     assert run({}) == f"{runtime.CHECK_ATTEMPTS} forward_modular" and runtime.CHECK_ATTEMPTS > 0
-    assert run({"EC_BENCH_NO_CHECK": "1", "EC_BENCH_MEM": "1"}) == "0 _forward_first"
+    assert run({"EC_BENCH_NO_CHECK": "1", "EC_BENCH_MEM": "1"}) == "0 _forward"
 
 
 MEM_PROBE = r'''

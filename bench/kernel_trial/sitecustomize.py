@@ -40,6 +40,7 @@ if os.environ.get("EC_BENCH_MEM") == "1":
     _seen: dict[int, int] = {}
     _log = logging.getLogger("vllm.expertcache")
     _GIB = 2**30
+    _recording = {"on": False}  # the allocator's history, from arming to layer 0's 1st call
 
     def _measuring() -> bool:
         import torch
@@ -53,6 +54,8 @@ if os.environ.get("EC_BENCH_MEM") == "1":
         if n >= 3 or not _measuring():
             return _orig_forward(self, x, topk_weights, topk_ids, *args, **kwargs)
         _seen[self.index] = n + 1
+        if _recording["on"] and self.index == 0:
+            _history_report()
         torch.cuda.synchronize()
         alloc, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
         # non-torch memory: what the device has in use beyond torch's reserved pool
@@ -105,7 +108,6 @@ if os.environ.get("EC_BENCH_MEM") == "1":
     from expertcache_cli.plugin import session as _session
 
     _orig_arm = _session.arm_model
-    _recording = {"on": False}
     _BIG = 64 * 2**20
 
     def _arm(*a, **k):
@@ -132,15 +134,7 @@ if os.environ.get("EC_BENCH_MEM") == "1":
         for line in big_allocations(snap, _BIG):
             _log.warning("EC_BENCH_MEM history: %s", line)
 
-    _forward_plain = _forward
-
-    def _forward_first(self, x, topk_weights, topk_ids, *args, **kwargs):
-        if _recording["on"] and self.index == 0 and _measuring():
-            _history_report()
-        return _forward_plain(self, x, topk_weights, topk_ids, *args, **kwargs)
-
     _session.arm_model = _arm
-    _rt.ArmedLayer.forward_modular = _forward_first
 
 
 def big_allocations(snapshot: dict, min_bytes: int, limit: int = 16) -> list[str]:
@@ -148,7 +142,6 @@ def big_allocations(snapshot: dict, min_bytes: int, limit: int = 16) -> list[str
     history (device 0): its size, whether it was freed before the snapshot, and the
     innermost Python frames outside torch that made it (bench only: EC_BENCH_MEM)."""
     trace = (snapshot.get("device_traces") or [[]])[0]
-    freed = set()
     lines: list[str] = []
     for i, ev in enumerate(trace):
         if ev.get("action") != "alloc" or ev.get("size", 0) < min_bytes:
@@ -156,8 +149,6 @@ def big_allocations(snapshot: dict, min_bytes: int, limit: int = 16) -> list[str
         addr = ev.get("addr")
         freed_later = any(e.get("addr") == addr and e.get("action") in
                           ("free_requested", "free_completed") for e in trace[i + 1:])
-        if freed_later:
-            freed.add(addr)
         frames = ev.get("frames") or []
         ours = [f for f in frames if "/torch/" not in f.get("filename", "")] or frames
         where = " <- ".join(f"{Path(f.get('filename', '?')).name}:{f.get('line', 0)} "
