@@ -115,7 +115,6 @@ def summarize(path: Path) -> GpuSummary:
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     intervals: list[tuple[float, float]] = []
     events: list[tuple[float, float, str]] = []
-    steps = 0
     launch_ts: list[float] = []
     host: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for f in files:
@@ -133,10 +132,9 @@ def summarize(path: Path) -> GpuSummary:
                 host[name][0] += float(ev.get("dur", 0.0))
                 host[name][1] += 1
                 if name == GRAPH_LAUNCH:
-                    steps += 1
                     launch_ts.append(float(ev["ts"]))
     span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0.0
-    return GpuSummary(steps=steps, busy_us=_busy(intervals), span_us=span,
+    return GpuSummary(steps=len(launch_ts), busy_us=_busy(intervals), span_us=span,
                       launches=sum(int(c) for _, c in by_name.values()),
                       by_name=dict(by_name), files=[str(f) for f in files],
                       alone=_alone(events), launch_ts=sorted(launch_ts), host=dict(host),
@@ -192,19 +190,26 @@ def compare(a: GpuSummary, b: GpuSummary, labels: tuple[str, str] = ("resident",
         f"then the {lb} kernel's time with no other kernel running (what it adds to busy; "
         "a PDL launch's duration includes its wait for the kernel before it):",
     ]
-    names = set(a.by_name) | set(b.by_name)
-
-    def per_step(s: GpuSummary, n: str, i: int) -> float:
-        return s.by_name.get(n, [0.0, 0])[i] / s.steps
-
-    diffs = sorted(names, key=lambda n: -abs(per_step(b, n, 0) - per_step(a, n, 0)))
-    for n in diffs[:top]:
-        ua, ub = per_step(a, n, 0), per_step(b, n, 0)
-        ca, cb = per_step(a, n, 1), per_step(b, n, 1)
+    for n, (ua, ca), (ub, cb) in _top_differences(a, b, "by_name", top):
         alone = b.alone.get(n, 0.0) / b.steps
         out.append(f"  {ub - ua:+8.1f} us  {la} {ua:8.1f} ({ca:5.1f})  {lb} {ub:8.1f} "
                    f"({cb:5.1f}, alone {alone:6.1f})  {short(n)}")
     return out + host_lines(a, b, labels, top)
+
+
+def _top_differences(a: GpuSummary, b: GpuSummary, table: str, top: int
+                     ) -> list[tuple[str, tuple[float, float], tuple[float, float]]]:
+    """The ``top`` names of one of the summaries' ``name -> [us, count]`` tables (kernels:
+    ``by_name``, host calls: ``host``) whose us a step differ most between the arms, each
+    with (us, count) a step in a and in b."""
+    ta, tb = getattr(a, table), getattr(b, table)
+
+    def per_step(t: dict[str, list[float]], steps: int, n: str) -> tuple[float, float]:
+        us, count = t.get(n, [0.0, 0])
+        return us / steps, count / steps
+
+    rows = [(n, per_step(ta, a.steps, n), per_step(tb, b.steps, n)) for n in set(ta) | set(tb)]
+    return sorted(rows, key=lambda r: -abs(r[2][0] - r[1][0]))[:top]
 
 
 def host_lines(a: GpuSummary, b: GpuSummary, labels: tuple[str, str], top: int) -> list[str]:
@@ -220,15 +225,9 @@ def host_lines(a: GpuSummary, b: GpuSummary, labels: tuple[str, str], top: int) 
         f"GPU idle in a step: {la} {_dist([i for _, i in pa])}; {lb} {_dist([i for _, i in pb])}",
         f"host calls by the difference a step ({lb} - {la}), us a step (calls a step):",
     ]
-    names = set(a.host) | set(b.host)
-
-    def per(s: GpuSummary, n: str, i: int) -> float:
-        return s.host.get(n, [0.0, 0])[i] / s.steps
-
-    for n in sorted(names, key=lambda n: -abs(per(b, n, 0) - per(a, n, 0)))[:top]:
-        out.append(f"  {per(b, n, 0) - per(a, n, 0):+8.1f} us  {la} {per(a, n, 0):8.1f} "
-                   f"({per(a, n, 1):5.1f})  {lb} {per(b, n, 0):8.1f} ({per(b, n, 1):5.1f})  "
-                   f"{short(n)}")
+    for n, (ua, ca), (ub, cb) in _top_differences(a, b, "host", top):
+        out.append(f"  {ub - ua:+8.1f} us  {la} {ua:8.1f} ({ca:5.1f})  {lb} {ub:8.1f} "
+                   f"({cb:5.1f})  {short(n)}")
     return out
 
 
