@@ -57,6 +57,8 @@ run_arm() {  # run_arm NAME [small_card options] -- server command
   cp "$FM/$name.json" "$OUT/"; tail -c 200000 "$FM/$name.log" > "$OUT/$name.log"
 }
 served() { $PY bench/formats_report.py --served "$FM/$1.json"; }  # served NAME
+# every arm of this format's all-hit pair (the array `pair`, set per format) done
+pair_done() { local a; for a in "${pair[@]}"; do done_arm "$a" || return 1; done; }
 ckpt() {  # ckpt DIR HOT: written when missing (a LAYERS-layer checkpoint is 8-31 GB)
   [ -f "$1/model.safetensors.index.json" ] || $PY bench/write_checkpoint.py "$1" \
     --layers "${LAYERS:-24}" --format "$fmt" "${shape[@]}" --hot "$2" 2>&1 | tail -1
@@ -71,7 +73,6 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
   pair=("$fmt-resident" "$fmt-hot")
   for v in ${HOT_VARIANTS:-}; do pair+=("$fmt-hot_${v%%:*}"); done
   [ "${RESIDENT_AGAIN:-0}" = 1 ] && pair+=("$fmt-resident2")
-  pair_done() { local a; for a in "${pair[@]}"; do done_arm "$a" || return 1; done; }
   trial_fmt=0
   [[ " w4a16 gptq awq " == *" $fmt "* && " ${TRIAL_FORMATS:-gptq} " == *" $fmt "* ]] && trial_fmt=1
   if ! done_arm "$fmt-floor" || ! done_arm "$fmt-cache" || \
