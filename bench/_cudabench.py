@@ -111,3 +111,19 @@ def header(torch, title: str) -> None:
     print(f"# {title}")
     print(f"# {props.name}, {props.multi_processor_count} SMs, driver {drv}, torch "
           f"{torch.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+
+
+def add_thrash_arg(ap) -> None:
+    """The cold rows' option, the same in every bench that has them."""
+    ap.add_argument("--thrash-mib", type=int, default=None,
+                    help="memory written before each layer in the cold rows "
+                         "(default: probe-link's, twice the GPU's L2)")
+
+
+def thrash_buffer(torch, mib: int | None):
+    """The buffer the cold rows write before each layer to evict the cache's state from L2:
+    ``mib`` MiB, else what probe-link's cold step writes (`evict_bytes`)."""
+    from expertcache_cli.probe.measurements import evict_bytes
+
+    n = mib << 20 if mib else evict_bytes(torch, torch.cuda.current_device())
+    return torch.empty(n, dtype=torch.uint8, device="cuda")

@@ -36,7 +36,7 @@ import argparse
 from types import SimpleNamespace
 
 import numpy as np
-from _cudabench import Baselines, graph_time, header
+from _cudabench import Baselines, add_thrash_arg, graph_time, header, thrash_buffer
 
 
 def main() -> None:
@@ -46,9 +46,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=1, help="decode rows a step (padded: 2x)")
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--thrash-mib", type=int, default=None,
-                    help="memory written before each layer in the cold rows "
-                         "(default: probe-link's, twice the GPU's L2)")
+    add_thrash_arg(ap)
     args = ap.parse_args()
 
     import torch
@@ -58,7 +56,6 @@ def main() -> None:
     from expertcache_cli.plugin.arming import ARM, plan_layer
     from expertcache_cli.plugin.padding import mask_reader
     from expertcache_cli.plugin.runtime import ArmedLayer
-    from expertcache_cli.probe.measurements import evict_bytes
     from expertcache_cli.slotcache import SlotCache
 
     header(torch, "bench_armed_layer: the plugin's per-layer path around the cache step")
@@ -152,9 +149,7 @@ def main() -> None:
 
     kernels = binding.get_kernels(torch.cuda.current_device())
     pdl_default = kernels.pdl
-    thrash_bytes = (args.thrash_mib << 20 if args.thrash_mib
-                    else evict_bytes(torch, torch.cuda.current_device()))
-    thrash = torch.empty(thrash_bytes, dtype=torch.uint8, device="cuda")
+    thrash = thrash_buffer(torch, args.thrash_mib)
 
     def cold(fns):
         def body():
@@ -188,7 +183,7 @@ def main() -> None:
     assert installs() == warm, "a timed step missed: not the all-hit steady state"
     print(f"layers={L} E={E} S={S} rows={rows} ({args.tokens} real, the rest padding); "
           f"PDL {'on' if pdl_default else 'off'} by default here; cold rows: "
-          f"{thrash_bytes >> 20} MiB written before each layer, taken off with 'stock, cold' "
+          f"{thrash.numel() >> 20} MiB written before each layer, taken off with 'stock, cold' "
           f"({cold_stock:.2f} us a layer)")
     print("| graph per layer | us/layer | over stock |")
     print("|---|---|---|")

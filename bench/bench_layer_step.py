@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from _cudabench import Baselines, graph_time, header
+from _cudabench import Baselines, add_thrash_arg, graph_time, header, thrash_buffer
 
 
 def main() -> None:
@@ -34,15 +34,12 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--ids", type=int, default=32, help="routing ids per step (tokens x top_k)")
-    ap.add_argument("--thrash-mib", type=int, default=None,
-                    help="memory written before each layer in the cold rows "
-                         "(default: probe-link's, twice the GPU's L2)")
+    add_thrash_arg(ap)
     args = ap.parse_args()
 
     import torch
 
     from expertcache_cli import binding
-    from expertcache_cli.probe.measurements import evict_bytes
     from expertcache_cli.slotcache import SlotCache
 
     header(torch, "bench_layer_step: per-layer manager + no-miss gather + remap, CUDA graph")
@@ -88,9 +85,7 @@ def main() -> None:
 
     kernels = binding.get_kernels(torch.cuda.current_device())
     pdl_default = kernels.pdl
-    thrash_bytes = (args.thrash_mib << 20 if args.thrash_mib
-                    else evict_bytes(torch, torch.cuda.current_device()))
-    thrash = torch.empty(thrash_bytes, dtype=torch.uint8, device="cuda")
+    thrash = thrash_buffer(torch, args.thrash_mib)
 
     def cold(body):  # before each layer, a kernel that evicts L2 (as other layers do)
         def run(stream):
@@ -124,7 +119,7 @@ def main() -> None:
     after = sum(c.stats[1].item() for c in caches)
     assert after == installs == L * len(set(ids.flatten().tolist())), "steady state had misses"
     print(f"layers={L} E={E} S={S} ids={W}; PDL on this GPU: "
-          f"{'yes' if kernels.pdl_supported else 'no'}; cold rows: {thrash_bytes >> 20} MiB "
+          f"{'yes' if kernels.pdl_supported else 'no'}; cold rows: {thrash.numel() >> 20} MiB "
           f"written before each layer, its cost ({(t_cold_empty - t_empty) * 1e6:.2f} us "
           "a layer) taken off")
     print("| graph of one node kind per layer | us/layer | vs empty node |")
