@@ -402,9 +402,9 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_gather_ker
 
 extern "C" int expert_cache_abi_version(void) { return EC_ABI_VERSION; }
 
-// Programmatic dependent launch for every later launch of this process (0 = off, the
-// default; binding.py turns it on with EXPERT_CACHE_PDL=1 on sm_90+ with a 12.3+ driver).
-// Returns the previous setting.
+// Programmatic dependent launch for every later launch of this process (0 = off until
+// the binding decides: binding.py turns it on on sm_90+ with a 12.3+ driver unless
+// EXPERT_CACHE_PDL=0). Returns the previous setting.
 static int ec_pdl = 0;
 extern "C" int expert_cache_set_pdl(int on) {
     const int old = ec_pdl;
