@@ -40,6 +40,7 @@ from .policy import Policy
 
 ABI_VERSION = 3  # = EC_ABI_VERSION in expert_cache.cu
 THREADS = 256  # = EC_THREADS: manager block size and gather block size
+WARP = 32  # = EC_WARP on NVIDIA: the manager keeps one scan total a warp
 MAX_EXPERTS = 16384  # = EC_MAX_EXPERTS
 MAX_SLOTS = 1024  # = EC_MAX_SLOTS
 GATHER_MAX_TENSORS = 8  # = EC_GATHER_MAX_TENSORS: wider gathers are split across launches
@@ -65,7 +66,7 @@ class KernelError(RuntimeError):
 
 def manage_smem_bytes(num_experts: int, num_slots: int) -> int:
     """Dynamic shared memory of the manager (= EC_MANAGE_SMEM)."""
-    return (num_slots * 24 + 2 * THREADS * 4 + num_experts + 15) // 16 * 16
+    return (num_slots * 24 + THREADS // WARP * 4 + num_experts + 15) // 16 * 16
 
 
 def policy_code(policy: str | int | Policy) -> int:

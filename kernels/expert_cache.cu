@@ -49,7 +49,7 @@ static_assert(EC_THREADS % EC_WARP == 0, "the manager's scan takes whole warps")
 
 // Dynamic shared memory of the manager, in bytes (binding.py computes the same).
 #define EC_MANAGE_SMEM(E, S) \
-    ((((long long)(S) * 24 + 2 * EC_THREADS * 4 + (long long)(E)) + 15) / 16 * 16)
+    ((((long long)(S) * 24 + EC_THREADS / EC_WARP * 4 + (long long)(E)) + 15) / 16 * 16)
 
 // Kernel argument of the gather, passed by value (binding.py mirrors it with ctypes).
 struct EcGatherParams {
@@ -121,9 +121,7 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     int* s_sexp = (int*)(s_key + S);                 // [S] working copy of slot_expert
     int* s_miss = s_sexp + S;                        // [S] missed experts, ascending
     int* s_scan = s_miss + S;                        // [EC_THREADS / EC_WARP] warp totals
-                                                     // (2 x EC_THREADS reserved: the
-                                                     // layout binding.py mirrors)
-    unsigned char* s_mark = (unsigned char*)(s_scan + 2 * EC_THREADS);  // [E] in this step's R
+    unsigned char* s_mark = (unsigned char*)(s_scan + EC_THREADS / EC_WARP);  // [E] in R
     __shared__ long long s_step;
 
     // Each thread owns a contiguous chunk of expert ids (ascending order falls out of a

@@ -150,6 +150,21 @@ def test_binding_constants_match_the_kernel_source():
     assert names == [n for n, _ in binding.MANAGE_ARGS]
 
 
+def test_manager_shared_memory_is_the_kernels_formula():
+    """binding.manage_smem_bytes must give the launch exactly the bytes the kernel's layout
+    takes: too few and the step's marks overrun shared memory."""
+    compat = (KERNELS / "ec_compat.h").read_text()
+    assert re.search(r"#else\s*\n#\s*define EC_WARP (\d+)", compat).group(1) == str(binding.WARP)
+    src = (KERNELS / "expert_cache.cu").read_text()
+    body = re.search(r"#define EC_MANAGE_SMEM\(E, S\)\s*\\\n(.*)", src).group(1)
+    # C integer arithmetic on positive ints: the casts go, "/" is floor division
+    expr = body.replace("(long long)", "").replace("/", "//")
+    names = {"EC_THREADS": binding.THREADS, "EC_WARP": binding.WARP}
+    for e, s in ((128, 32), (256, 64), (binding.MAX_EXPERTS, binding.MAX_SLOTS), (7, 1)):
+        expect = eval(expr, {"__builtins__": {}}, {**names, "E": e, "S": s})
+        assert binding.manage_smem_bytes(e, s) == expect
+
+
 def test_manager_shared_memory_fits_the_default_limit():
     assert binding.manage_smem_bytes(binding.MAX_EXPERTS, binding.MAX_SLOTS) <= 48 * 1024
 
