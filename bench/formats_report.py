@@ -182,8 +182,25 @@ def _bracket_lines(fmt: str, recs: dict[str, dict]) -> list[str]:
         ratios = [f"{tok / r:.3f} of {name}" for name, r in
                   (("resident", r_tok), ("resident again", r2_tok)) if r]
         lines.append(f"{fmt} all-hit [{arm}]: {tok:.1f} tok/s{_spread(rec)} = "
-                     + ", ".join(ratios))
+                     + ", ".join(ratios) + _arm_facts(rec, res))
     return lines
+
+
+def _arm_facts(rec: dict, res: dict | None) -> str:
+    """What else tells one all-hit server from another: its greedy tokens against
+    resident's, whether vLLM compiled the model in it or loaded the compile cache, and the
+    slot audit's verdict where it ran (``EXPERT_CACHE_AUDIT=1``)."""
+    log = rec.get("log") or {}
+    facts = []
+    if res and res.get("greedy") and rec.get("greedy"):
+        facts.append("greedy vs resident " + describe(compare_greedy(res["greedy"],
+                                                                     rec["greedy"])))
+    if log.get("compile"):
+        facts.append(f"compile {log['compile']}")
+    audit = log.get("audit_line")
+    if audit:
+        facts.append("slot audit " + ("FAILED" if "FAILED" in audit else "ok"))
+    return "; " + "; ".join(facts) if facts else ""
 
 
 TABLE_HEAD = ("| format | plugin | tokens vs the floor | floor tok/s | cache tok/s (x floor) "

@@ -92,7 +92,9 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
     -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots "$S" -- "${COMMON[@]}"
   # the all-hit server as users run it: no periodic report (its hit rate comes from the
   # final line at shutdown); stop 16's 0.886 had EXPERT_CACHE_STATS=400, now a variant
-  hot_env=()
+  # EXPERT_CACHE_AUDIT=1: at shutdown the slots are compared with their experts' bytes, so
+  # an all-hit server whose tokens differ from resident's says whether its slots were sound
+  hot_env=(--env EXPERT_CACHE_AUDIT=1)
   if [ $trial_fmt = 1 ]; then
     run_arm "$fmt-trial" "${stats[@]}" "${trial[@]}" \
       -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots "$S" -- "${COMMON[@]}"

@@ -180,8 +180,15 @@ def read_log(log: Path) -> dict:
             out["memory_line"] = line[line.index("expertcache:"):]
         elif "expertcache: first-call checks" in line:
             out["check_line"] = line[line.index("expertcache:"):]
+        elif "expertcache: slot audit" in line:  # EXPERT_CACHE_AUDIT=1, at shutdown
+            out["audit_line"] = line[line.index("expertcache:"):]
         elif "not armed:" in line and "expertcache:" in line:
             out["declined"].append(line[line.index("expertcache:"):])
+        # vLLM's own words for a cold compile and for a compile cache that served it
+        if "Compiling a graph for compile range" in line:
+            out["compile"] = "cold"
+        elif "Directly load the compiled graph" in line:
+            out.setdefault("compile", "warm")
         if (m := KV_RE.search(line)):
             out["kv_gib"] = float(m.group(1))
         if (m := WEIGHTS_RE.search(line)):

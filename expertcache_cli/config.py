@@ -31,6 +31,7 @@ STATS = "EXPERT_CACHE_STATS"
 TRACE = "EXPERT_CACHE_TRACE"
 WIDE = "EXPERT_CACHE_WIDE"
 PDL = "EXPERT_CACHE_PDL"
+AUDIT = "EXPERT_CACHE_AUDIT"
 
 #: every variable the plugin reads, with a one-line meaning (README and docs/plugin.md)
 ENV_VARS: dict[str, str] = {
@@ -46,11 +47,14 @@ ENV_VARS: dict[str, str] = {
           "(through a VRAM scratch of one layer's experts)",
     PDL: "0 = launch the cache's kernels without programmatic dependent launch (on by "
          "default on sm_90+ with a 12.3+ driver: each starts while the kernel before it ends)",
+    AUDIT: "1 = at shutdown, compare every occupied slot with its expert's weights and the "
+           "table with the slots, and log what differs (syncs; copies the slots' experts once)",
 }
 
 #: the variables that change what a server measures or writes: a launcher that states a
 #: configuration (`baseline`'s arms) clears every one it does not set. (LIB only picks
-#: where the same kernels come from, PDL only how they are launched.)
+#: where the same kernels come from, PDL only how they are launched,
+#: AUDIT only checks them at shutdown.)
 MEANING = (SLOTS, FRACTION, POLICY, DECAY, DISABLE, STATS, TRACE, WIDE)
 
 #: slots as a fraction of the experts when neither SLOTS nor FRACTION is given
@@ -88,6 +92,8 @@ class CacheConfig:
     trace_path: str | None = None
     wide: Wide = Wide.IN_PLACE
     pdl: bool = True
+    #: at shutdown, check the slots against their experts' weights (`Session.audit`)
+    audit: bool = False
 
     def slots_for(self, num_experts: int, index: int | None = None) -> int:
         """Slots for the ``index``-th MoE layer, of ``num_experts`` experts; ValueError when
@@ -155,6 +161,8 @@ class CacheConfig:
             env[WIDE] = self.wide.value
         if not self.pdl:
             env[PDL] = "0"
+        if self.audit:
+            env[AUDIT] = "1"
         return env
 
 
@@ -272,4 +280,5 @@ def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
         trace_path=trace_path,
         wide=wide,
         pdl=pdl_from_env(env),
+        audit=_bool(env, AUDIT),
     )

@@ -148,3 +148,22 @@ def test_main_prints_the_table(tmp_path, capsys):
     assert report.main(["--table", str(tmp_path), "w8a8"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == report.TABLE_HEAD.splitlines()[0] and out[2].startswith("| w8a8 | armed")
+
+
+def test_each_bracketed_all_hit_server_says_its_tokens_compile_and_slot_audit():
+    """The A/B/A lines carry what tells one all-hit server from another (stop 17: one of
+    three had other tokens than resident's; it was also the only cold compile)."""
+    other = {"tokens": ["w1", "w9"], "logprob": [-0.1, -0.3], "margin": [1.0, 0.5]}
+    hot = rec([470.0], hit_rate=0.998, greedy=other)
+    hot["log"].update(compile="cold", audit_line="expertcache: slot audit at shutdown: 768 ...")
+    warm = rec([472.0], hit_rate=0.998)
+    warm["log"].update(compile="warm", audit_line="expertcache: slot audit at shutdown FAILED")
+    recs = {"resident": rec([500.0], startup=None), "resident2": rec([500.0], startup=None),
+            "hot": hot, "hot_stats": warm}
+    lines = report.summarize("fp8-block", recs, None, None)
+    assert lines[-2] == ("fp8-block all-hit [hot]: 470.0 tok/s = 0.940 of resident, 0.940 of "
+                         "resident again; greedy vs resident part at token 1 of 2, margins "
+                         "there 1.0000 / 0.5000, largest chosen-logprob difference before "
+                         "0.0000; compile cold; slot audit ok")
+    assert lines[-1].endswith("greedy vs resident identical (2 tokens); compile warm; "
+                              "slot audit FAILED")

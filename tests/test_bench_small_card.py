@@ -89,3 +89,19 @@ def test_read_log_keeps_serves_wrapped_headline(tmp_path):
     assert got["serve_line"] == ("expertcache serve: nvfp4 on 139.8 GiB: runs only fully "
                                  "offloaded: per-expert tensors (w13_weight_scale_2) are not "
                                  "multiples of 16 bytes; no cache")
+
+
+def test_read_log_keeps_the_slot_audit_and_whether_vllm_compiled(tmp_path):
+    log = tmp_path / "s.log"
+    log.write_text(
+        "(EngineCore) INFO [backends.py:393] Compiling a graph for compile range (1, 4096) "
+        "takes 12.00 s\n"
+        "(EngineCore) INFO [session.py:250] expertcache: slot audit at shutdown: 768 occupied "
+        "slots in 24 layers hold their experts' bytes in all 4 mirrored tensors\n")
+    got = small_card.read_log(log)
+    assert got["compile"] == "cold" and got["audit_line"].startswith(
+        "expertcache: slot audit at shutdown: 768")
+    log.write_text("(EngineCore) INFO [backends.py:292] Directly load the compiled graph(s) "
+                   "for compile range (1, 4096) from the cache, took 2.545 s\n")
+    got = small_card.read_log(log)
+    assert got["compile"] == "warm" and "audit_line" not in got

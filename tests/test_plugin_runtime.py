@@ -83,6 +83,10 @@ class RefSlotCache:
     def table(self):
         return torch.from_numpy(self.ref.table)
 
+    @property
+    def slot_expert(self):
+        return torch.from_numpy(self.ref.slot_expert)
+
     def step_wide(self, topk_ids, sources):
         """The kernel's wide manager: no max_distinct gate, at most wide_inserts installs."""
         r = self.ref.step(topk_ids.numpy(), max_distinct=self.ref.num_experts,
@@ -881,6 +885,37 @@ def test_invalidated_slots_refill_from_the_new_weights(caplog):
     assert not torch.allclose(stale, want)  # the slots still held the old experts
     assert torch.allclose(fresh, want, atol=1e-5)
     assert "slots of 1 layer(s) emptied" in caplog.text
+
+
+def test_the_shutdown_audit_passes_served_slots_and_names_a_corrupted_one(caplog):
+    """EXPERT_CACHE_AUDIT=1: at shutdown every occupied slot is compared, byte for byte,
+    with its expert's source, and the table with the slots; a slot whose bytes changed
+    after its install (what a racing gather would leave) is named in an error line."""
+    from expertcache_cli.plugin.session import Session
+
+    layer = Experts(seed=3)
+    armed = _arm(layer, slots=6)
+    sess = Session(CacheConfig(slots=6, audit=True), [armed.decision], [armed], None)
+    rng = np.random.default_rng(4)
+    for _ in range(10):
+        ids, w = _routing(rng, 2)
+        layer.forward_modular(x=torch.randn(2, H), topk_weights=w, topk_ids=ids)
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    assert sess.audit()
+    occupied = int((armed.cache.slot_expert >= 0).sum())
+    assert occupied == 6
+    assert (f"slot audit at shutdown: {occupied} occupied slots in 1 layers hold their "
+            "experts' bytes in all 4 mirrored tensors") in caplog.text
+    s = 2
+    e = int(armed.cache.slot_expert[s])
+    armed.cache.slots["w2_bias"][s, 0] += 1.0  # one element of one tensor of one slot
+    caplog.clear()
+    sess.close()  # the final report, then the audit
+    err = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(err) == 1 and err[0].getMessage() == (
+        "expertcache: slot audit at shutdown FAILED in 1 of 1 layers (6 occupied slots): "
+        f"model.layers.5.mlp.experts: slot {s} (expert {e}): w2_bias differs from the "
+        "expert's source")
 
 
 def test_a_trace_with_masked_padding_replays_to_the_live_counters(tmp_path, monkeypatch):

@@ -403,6 +403,15 @@ class ArmedLayer:
         return self._checked_call("slots", stock, x, topk_ids, pad,
                                   lambda: self._slots(ids, topk_ids, pad, stock))
 
+    def audit(self) -> Any:
+        """The slots against their experts' sources and the table against the slots
+        (`audit.audit_slots`); syncs the device: for shutdown, not the serving path."""
+        from ..audit import audit_slots
+
+        params = self.layer._parameters
+        sources = {n: params[n] for n in self.names}
+        return audit_slots(self.cache.table, self.cache.slot_expert, self.cache.slots, sources)
+
     def _slots(self, ids: Any, topk_ids: Any, pad: Any, stock: Callable[..., Any],
                rows: dict[str, Any] | None = None) -> Any:
         """A step that fits: install the misses, run the stock call bound to the slots

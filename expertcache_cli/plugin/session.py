@@ -235,12 +235,25 @@ class Session:
         try:
             self.report(final=True)
             log.info("%s", self.check_line())
+            if self.cfg.audit:
+                self.audit()
             if self.recorder is not None and self.cfg.trace_path:
                 path = self.recorder.save(self.cfg.trace_path, live=self.totals())
                 if path is not None:
                     log.info("expertcache: routing trace written to %s", path)
         except Exception as exc:  # at exit, say what failed and carry on shutting down
             log.error("expertcache: could not write the final stats/trace: %s", exc)
+
+
+    def audit(self) -> bool:
+        """``EXPERT_CACHE_AUDIT=1``: check every armed layer's slots and table at rest
+        (`audit`) and log one line, an error when anything differs. Layers that went back
+        to the stock path are audited too: their slots are what they served from."""
+        from ..audit import audit_line
+
+        ok, line = audit_line([(a.decision.layer_name, a.audit()) for a in self.armed])
+        (log.info if ok else log.error)("%s", line)
+        return ok
 
 
 def replica_path(path: str, ranks: dict[str, int] | None = None) -> str:
