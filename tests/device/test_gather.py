@@ -107,3 +107,30 @@ def test_gather_refuses_bad_sources(cuda):
         cache.step(ids, {"w": torch.zeros(8, 16, dtype=torch.bfloat16, device="cuda")[:, ::2]})
     with pytest.raises(ValueError, match="no source"):
         cache.step(ids, {})
+
+
+@pytest.mark.device
+def test_the_shutdown_audit_passes_the_kernels_slots_and_catches_one_flipped_bit(cuda):
+    """`audit.audit_slots` (EXPERT_CACHE_AUDIT=1) on the real cache: after 40 steps of the
+    manager and the gather from pinned memory it finds every slot sound, and one bit
+    flipped in one slot of one tensor, or a table entry moved, is named."""
+    torch = cuda
+    from expertcache_cli.audit import audit_slots
+    from expertcache_cli.slotcache import SlotCache
+
+    E, S = 48, 12
+    specs, sources = _make_sources(torch, 4, E, "pinned", seed=11)
+    cache = SlotCache(E, S, specs, policy="lru", name="audit")
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        cache.step(torch.from_numpy(rng.integers(0, E, size=(2, 4)).astype(np.int32)).cuda(),
+                   sources)
+    r = audit_slots(cache.table, cache.slot_expert, cache.slots, sources)
+    assert r.ok and r.occupied == S and r.tensors == 4
+    e = int(cache.slot_expert[5])
+    cache.slots["t2"][5].view(torch.uint8).reshape(-1)[3] ^= 1
+    assert audit_slots(cache.table, cache.slot_expert, cache.slots, sources).problems == [
+        f"slot 5 (expert {e}): t2 differs from the expert's source"]
+    cache.slots["t2"][5].view(torch.uint8).reshape(-1)[3] ^= 1
+    cache.table[e] = 4
+    assert not audit_slots(cache.table, cache.slot_expert, cache.slots, sources).ok
