@@ -242,7 +242,8 @@ class Session:
                 if path is not None:
                     log.info("expertcache: routing trace written to %s", path)
         except Exception as exc:  # at exit, say what failed and carry on shutting down
-            log.error("expertcache: could not write the final stats/trace: %s", exc)
+            log.error("expertcache: could not finish the shutdown report (final stats, "
+                      "trace, audit): %s", exc)
 
 
     def audit(self) -> bool:
