@@ -33,7 +33,10 @@ FLAGS=(--load-format dummy --max-model-len 10240 --max-num-seqs 32 --max-num-bat
        --shutdown-timeout 10)
 # every expert offloaded: 128 x 9.44 MB = 1.21 GB a layer, and some room
 OFFLOAD=(--cpu-offload-gb "${OFFLOAD_GB:-$(( LAYERS * 5 / 4 + 1 ))}" --cpu-offload-params experts)
-WS=(--vocab 8192 ${WS_ARGS:-})
+# DECODE_TOKENS (default 64) a stream in each decode round: at 24 layers the floor and the
+# in-place arm decode 32 streams at ~0.5 s a step, and 128 tokens a round put the whole
+# table past one session's 30 device minutes (~22 min at 128 by the 8-layer run's times)
+WS=(--vocab 8192 --max-tokens "${DECODE_TOKENS:-64}" ${WS_ARGS:-})
 
 LOG_TAIL=300000
 save() { bench_save "$WSD"; }
