@@ -148,10 +148,8 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
             ok = ratio >= 1 - ALL_HIT_GOAL
             final = (hot.get("log") or {}).get("final") or {}
             rate = final.get("hit_rate")
-            same = ""
-            if res and res.get("greedy") and hot.get("greedy"):
-                same = "; greedy vs resident " + describe(compare_greedy(res["greedy"],
-                                                                         hot["greedy"]))
+            same = _greedy_vs_resident(hot, res)
+            same = f"; {same}" if same else ""
             lines.append(f"{fmt} all-hit (--hot N, N slots): {h_tok:.1f} tok/s{_spread(hot)} = "
                          f"{ratio:.3f} "
                          f"of resident ({'met' if ok else 'NOT met'}: within "
@@ -186,15 +184,19 @@ def _bracket_lines(fmt: str, recs: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _greedy_vs_resident(rec: dict, res: dict | None) -> str:
+    """'greedy vs resident ...' (`describe`), or '' where either has no greedy record."""
+    if not (res and res.get("greedy") and rec.get("greedy")):
+        return ""
+    return "greedy vs resident " + describe(compare_greedy(res["greedy"], rec["greedy"]))
+
+
 def _arm_facts(rec: dict, res: dict | None) -> str:
     """What else tells one all-hit server from another: its greedy tokens against
     resident's, whether vLLM compiled the model in it or loaded the compile cache, and the
     slot audit's verdict where it ran (``EXPERT_CACHE_AUDIT=1``)."""
     log = rec.get("log") or {}
-    facts = []
-    if res and res.get("greedy") and rec.get("greedy"):
-        facts.append("greedy vs resident " + describe(compare_greedy(res["greedy"],
-                                                                     rec["greedy"])))
+    facts = [same] if (same := _greedy_vs_resident(rec, res)) else []
     if log.get("compile"):
         facts.append(f"compile {log['compile']}")
     audit = log.get("audit_line")

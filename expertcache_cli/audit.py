@@ -64,22 +64,17 @@ def audit_slots(table: Any, slot_expert: Any, slots: Mapping[str, Any],
             continue
         if tab[e] != s:
             res.problems.append(f"slot {s} names expert {e}, whose table entry is {tab[e]}")
+        for name, buf in slots.items():
+            want = _bytes(sources[name][e].to(buf.device, non_blocking=False))
+            if not torch.equal(_bytes(buf[s]), want):  # False on a size mismatch too
+                res.problems.append(f"slot {s} (expert {e}): {name} differs from the "
+                                    "expert's source")
     for e, s in enumerate(tab):
         if s < 0:
             continue
         if s >= len(sexp) or sexp[s] != e:
             held = sexp[s] if 0 <= s < len(sexp) else "nothing (no such slot)"
             res.problems.append(f"expert {e}'s table entry is slot {s}, which holds {held}")
-    for s, e in enumerate(sexp):
-        if e < 0 or e >= len(tab):
-            continue
-        for name, buf in slots.items():
-            src = sources[name][e]
-            got = _bytes(buf[s])
-            want = _bytes(src.to(buf.device, non_blocking=False))
-            if got.numel() != want.numel() or not torch.equal(got, want):
-                res.problems.append(f"slot {s} (expert {e}): {name} differs from the "
-                                    "expert's source")
     return res
 
 

@@ -408,9 +408,14 @@ class ArmedLayer:
         (`audit.audit_slots`); syncs the device: for shutdown, not the serving path."""
         from ..audit import audit_slots
 
+        return audit_slots(self.cache.table, self.cache.slot_expert, self.cache.slots,
+                           self._sources())
+
+    def _sources(self) -> dict[str, Any]:
+        """The mirrored tensors as the layer holds them now (host copies, read fresh: vLLM's
+        offloader moves them after loading); KeyError if one was unregistered."""
         params = self.layer._parameters
-        sources = {n: params[n] for n in self.names}
-        return audit_slots(self.cache.table, self.cache.slot_expert, self.cache.slots, sources)
+        return {n: params[n] for n in self.names}
 
     def _slots(self, ids: Any, topk_ids: Any, pad: Any, stock: Callable[..., Any],
                rows: dict[str, Any] | None = None) -> Any:
@@ -418,10 +423,8 @@ class ArmedLayer:
         (``rows``: the padded rows for the manager to read, `PaddingReader.rows`)."""
         import torch
 
-        params = self.layer._parameters
         try:
-            sources = {n: params[n] for n in self.names}
-            slot_ids = self.cache.step(ids, sources, **(rows or {}))
+            slot_ids = self.cache.step(ids, self._sources(), **(rows or {}))
             if pad is not None:  # padded rows pass any valid slot; vLLM drops their output
                 slot_ids = torch.where(pad.unsqueeze(1), 0, slot_ids)
         except Exception as exc:  # refuse at the first call, never break serving
@@ -474,9 +477,8 @@ class ArmedLayer:
 
     def _staged(self, ids: Any, topk_ids: Any, stock: Callable[[Any], Any]) -> Any:
         """A wide step through the scratch (module docstring); the stock path on failure."""
-        params = self.layer._parameters
         try:
-            sources = {n: params[n] for n in self.names}
+            sources = self._sources()
             self.cache.step_wide(ids, sources)
             self.scratch.stage(ids, self.cache.table, self.cache.slots, sources)
             self.staged.add_(1)

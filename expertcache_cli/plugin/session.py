@@ -245,7 +245,6 @@ class Session:
             log.error("expertcache: could not finish the shutdown report (final stats, "
                       "trace, audit): %s", exc)
 
-
     def audit(self) -> bool:
         """``EXPERT_CACHE_AUDIT=1``: check every armed layer's slots and table at rest
         (`audit`) and log one line, an error when anything differs. Layers that went back
