@@ -31,6 +31,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 ARMS = ("floor", "inplace", "staged", "resident")
+# staged without installing misses (EXPERT_CACHE_WIDE=staged, the runner's step staged0):
+# a column of its own when the run has it, to decide between the two staged modes
+NO_INSTALL = "staged0"
 BOUND_GOAL = 0.15  # staged TTFT within 15% of the bound
 BOUND_AT = ("2048", "8192")
 NOT_SLOWER_AT = "512"
@@ -40,7 +43,7 @@ ONE_STREAM_SLACK = 0.05  # "no regression at one stream": within run-to-run nois
 
 def load_arms(d: Path) -> dict[str, dict]:
     arms = {}
-    for name in ARMS:
+    for name in (*ARMS, NO_INSTALL):
         p = d / f"{name}.json"
         if p.exists():
             rec = json.loads(p.read_text())
@@ -74,8 +77,10 @@ def _f(v: float | None, digits: int = 1) -> str:
 
 def ttft_table(arms: dict, size: dict, slots: int, gbps: float) -> list[str]:
     sizes = sorted({n for r in arms.values() for n in (r.get("ttft") or {})}, key=int)
+    extra = NO_INSTALL in arms
     out = ["| prompt tokens | in place ms | staged ms | resident ms | link bound ms | "
-           "staged / bound | staged / in place |", "| --- | --- | --- | --- | --- | --- | --- |"]
+           "staged / bound | staged / in place |" + (" staged, no install ms |" if extra else ""),
+           "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if extra else "")]
     goals = []
     for n in sizes:
         inp, stg, res = (ttft_ms(arms.get(a), n) for a in ("inplace", "staged", "resident"))
@@ -83,7 +88,7 @@ def ttft_table(arms: dict, size: dict, slots: int, gbps: float) -> list[str]:
         sb = stg / bnd if stg and bnd else None
         si = stg / inp if stg and inp else None
         out.append(f"| {n} | {_f(inp)} | {_f(stg)} | {_f(res)} | {_f(bnd)} | {_f(sb, 3)} | "
-                   f"{_f(si, 3)} |")
+                   f"{_f(si, 3)} |" + (f" {_f(ttft_ms(arms[NO_INSTALL], n))} |" if extra else ""))
         if n in BOUND_AT:
             ok = sb is not None and sb <= 1 + BOUND_GOAL
             goals.append(f"TTFT {n}: staged {_f(sb, 3)} of the link bound "
@@ -97,15 +102,17 @@ def ttft_table(arms: dict, size: dict, slots: int, gbps: float) -> list[str]:
 
 def decode_table(arms: dict) -> list[str]:
     streams = sorted({s for r in arms.values() for s in (r.get("decode") or {})}, key=int)
+    extra = NO_INSTALL in arms
     out = ["| streams | floor tok/s | in place | staged | resident | staged / floor | "
-           "staged / in place |", "| --- | --- | --- | --- | --- | --- | --- |"]
+           "staged / in place |" + (" staged, no install |" if extra else ""),
+           "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if extra else "")]
     goals = []
     for s in streams:
         flo, inp, stg, res = (decode(arms.get(a), s) for a in ARMS)
         sf = stg / flo if stg and flo else None
         si = stg / inp if stg and inp else None
         out.append(f"| {s} | {_f(flo)} | {_f(inp)} | {_f(stg)} | {_f(res)} | {_f(sf, 2)} | "
-                   f"{_f(si, 3)} |")
+                   f"{_f(si, 3)} |" + (f" {_f(decode(arms[NO_INSTALL], s))} |" if extra else ""))
         if s == FLOOR_AT:
             ok = sf is not None and sf >= FLOOR_GOAL
             goals.append(f"decode {s} streams: staged {_f(sf, 2)}x the floor "

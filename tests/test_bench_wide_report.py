@@ -75,3 +75,20 @@ def test_no_records_or_a_bad_probe_is_one_line_and_exit_2(tmp_path, capsys):
     assert wide_report.main([str(tmp_path), "--size", str(size), "--probe", str(bad),
                              "--slots", "64"]) == 2
     assert capsys.readouterr().err.startswith("wide_report: ")
+
+
+def test_staged_without_installs_gets_its_own_column_only_when_run(tmp_path, capsys):
+    size = tmp_path / "size.json"
+    size.write_text(json.dumps(SIZE))
+    _arm(tmp_path, "inplace", {2048: 700.0}, {16: 110.0})
+    _arm(tmp_path, "staged", {2048: 400.0}, {16: 160.0})
+    argv = [str(tmp_path), "--size", str(size), "--probe", str(PROBE), "--slots", "64"]
+    assert wide_report.main(argv) == 0
+    assert "no install" not in capsys.readouterr().out
+    _arm(tmp_path, "staged0", {2048: 450.0}, {16: 120.0})
+    assert wide_report.main(argv) == 0
+    rows = {ln.split("|")[1].strip(): ln for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("| ")}
+    assert rows["prompt tokens"].endswith("staged, no install ms |")
+    assert rows["2048"].endswith("| 450.0 |")
+    assert rows["16"].endswith("| 120.0 |")
