@@ -8,7 +8,10 @@
 #   STEPS="setup ckpt plan floor inplace staged resident trace predict" bash bench/run_wide_on_device.sh
 #
 # trace/predict: `plan --batch N` against the measured N-stream decode. `trace` records one
-# stream's routing (a cache server with EXPERT_CACHE_TRACE, 1 stream x 1024 tokens);
+# stream's routing (a cache server with EXPERT_CACHE_TRACE) over TRACE_REQUESTS (default 48)
+# requests in turn, each of the decode rounds' shape (a fresh 32-word prompt, DECODE_TOKENS
+# tokens), so that the re-batched streams are in different requests as the N measured
+# streams are (one long request re-batched prices N users as one: stop 18);
 # `predict` runs `plan` on it re-batched to 16 and 32 streams, in place and staged, with
 # the resident arm's N-stream rate and this session's probe, and prints each prediction
 # beside the inplace/staged arms' measured rate (the issue's bar: within 15%).
@@ -74,7 +77,7 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MODEL'), $L
       arm resident --env EXPERT_CACHE_DISABLE=1 -- "${VLLM[@]}" serve $MODEL "${FLAGS[@]}" ;;
     trace)
       arm trace1 --env EXPERT_CACHE_SLOTS=64 --env "EXPERT_CACHE_TRACE=$WSD/one.npz" \
-        --streams 1 --max-tokens 1024 --greedy-streams 0 --prompt-tokens \
+        --streams --requests "${TRACE_REQUESTS:-48}" --greedy-streams 0 --prompt-tokens \
         -- "${VLLM[@]}" serve $MODEL "${OFFLOAD[@]}" "${FLAGS[@]}"
       cp "$WSD/one.npz" "$OUT/" 2>/dev/null ;;
     predict)

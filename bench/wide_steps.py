@@ -14,7 +14,12 @@ after ``--``. In one server:
    each (prefill excluded), after one discarded warm-up round;
 3. the greedy texts of ``--greedy-streams`` distinct prompts sent together (temperature
    0): arms at the same batch must agree token for token;
-4. stop, then the plugin's startup, memory-plan and final counters lines from the log.
+4. ``--requests K``: K requests one after another on one stream, each a fresh prompt of
+   the decode rounds' shape (32 words, ``--max-tokens`` tokens): what a recording for
+   `plan --batch` must hold, since re-batched streams inside one request share its
+   experts (H200, 24 layers: one 1,024-token request re-batched to 16 streams priced 16
+   users at 180 tok/s in place; 16 users with their own prompts ran 41);
+5. stop, then the plugin's startup, memory-plan and final counters lines from the log.
 
 Everything lands in ``OUT/NAME.json`` when the arm ends, failed or not.
 """
@@ -124,6 +129,14 @@ def run_arm(a: argparse.Namespace) -> dict:
             res = together(base, mid, [prompt(greedy_rng, 32, a.vocab)
                                        for _ in range(a.greedy_streams)], a.greedy_tokens)
             rec["greedy"] = [r["text"].split() for r in res]
+        if a.requests:
+            rates = []
+            for _ in range(a.requests):
+                (r,) = together(base, mid, [prompt(rng, 32, a.vocab)], a.max_tokens)
+                rates.append(decode_rate([r]))
+            rec["requests"] = {"count": a.requests, "tokens": a.max_tokens,
+                               "median_tok_s": statistics.median(rates)}
+            save()
 
     # any failure is recorded: what was measured before it is kept
     return serve_arm(a, measure, (Exception,))
@@ -137,6 +150,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--greedy-streams", type=int, default=16)
     ap.add_argument("--greedy-tokens", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=0,
+                    help="then this many requests in turn on one stream (a trace for --batch)")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--seed", type=int, default=0)
     rec = run_arm(parse_arm_argv(ap))

@@ -33,7 +33,7 @@ from typing import Any
 
 from .errors import UserError
 from .policy import Policy, Wide
-from .trace import Trace
+from .trace import Trace, shared_note
 
 #: the plan file's format (serve --plan checks it)
 PLAN_FORMAT = 1
@@ -258,6 +258,9 @@ def plan_trace(
         notes.append(f"re-batched to {batch} streams from one stream's routing: the resident "
                      f"rate must be the aggregate at {batch} streams, and real users' routing "
                      "is less alike (this errs towards hits)")
+        shared = shared_note(trace)
+        if shared:
+            notes.append(shared)
     return PlanReport(model=model, inputs=inputs, trace={
         "path": None, "steps": trace.steps, "layers": trace.num_layers,
         "tokens": trace.tokens, "num_experts": trace.num_experts, "top_k": trace.top_k,

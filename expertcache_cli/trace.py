@@ -222,6 +222,8 @@ def rebatch(trace: Trace, n: int, padded_tokens: int | None = None) -> Trace:
             f"(decode) step{f' (steps of up to {most} tokens)' if most else ''}: record one "
             "stream, or synthesise with `trace synth --batch`")
     dec = ids[single]
+    # requests are known only where the recording marked its prefills (step_tokens)
+    shared = shared_requests(single, n) if trace.step_tokens is not None else None
     width = max(1, int(valid[single].max()))
     # valid ids first (their order within a step does not matter to the cache rules)
     dec = -np.sort(-dec.astype(np.int64), axis=2)[:, :, :width]
@@ -230,14 +232,49 @@ def rebatch(trace: Trace, n: int, padded_tokens: int | None = None) -> Trace:
     starts = [(i * t) // n for i in range(n)]
     out = np.concatenate([np.roll(dec, -s, axis=0) for s in starts], axis=2)
     tokens = default_padded(n) if padded_tokens is None else int(padded_tokens)
+    in_requests = f" in {shared['requests']} request(s)" if shared else ""
     src = f"{trace.source or 'a trace'}, re-batched: {n} interleaved streams of its {t} " \
-          f"decode steps, gate at {tokens} tokens"
+          f"decode steps{in_requests}, gate at {tokens} tokens"
     return Trace(
         topk_ids=out.astype(np.int32), num_experts=trace.num_experts, top_k=trace.top_k,
         expert_bytes=trace.expert_bytes, model=trace.model, layers=trace.layers,
         step_tokens=np.full(t, tokens, dtype=np.int64), source=src,
-        extra={"batch": n, "real_tokens": n * t},
+        extra={"batch": n, "real_tokens": n * t, "shared": shared},
     ).validate()
+
+
+def shared_requests(single: np.ndarray, n: int) -> dict:
+    """How many distinct requests `rebatch`'s ``n`` streams are in at once.
+
+    Why: the streams are copies of one recording, so two streams inside the same request
+    route alike and share its experts, and a re-batch of a trace that is mostly one
+    request prices ``n`` users as one (H200, 24 layers: a one-request trace re-batched to 16
+    streams predicted 180 tok/s in place; 16 users with their own prompts ran 41). A
+    request is a run of decode steps between two steps that are not (a prefill starts
+    each). ``single``: ``[T]`` bool, the trace's decode steps. Returns ``requests`` (in
+    the decode steps), and the fewest and the median distinct requests at one step.
+    """
+    starts_req = np.concatenate([[True], ~single[:-1]])[single]  # a decode step after a prefill
+    req = np.cumsum(starts_req)
+    t = len(req)
+    starts = np.array([(i * t) // n for i in range(n)])
+    at = np.sort(req[(np.arange(t)[:, None] + starts[None, :]) % t], axis=1)
+    distinct = 1 + np.count_nonzero(np.diff(at, axis=1), axis=1)
+    return {"requests": int(req[-1]), "streams": int(n), "fewest": int(distinct.min()),
+            "median": float(np.median(distinct))}
+
+
+def shared_note(trace: Trace) -> str | None:
+    """The warning a re-batched trace carries when its streams share requests (else None)."""
+    sh = trace.extra.get("shared")
+    if not sh or sh["fewest"] >= sh["streams"]:
+        return None
+    n = sh["streams"]
+    return (f"the trace holds {sh['requests']} request(s), so the {n} re-batched streams are in "
+            f"as few as {sh['fewest']} distinct requests at a step (median {sh['median']:g}); "
+            f"streams in one request route alike and share its experts, which prices {n} "
+            f"users as fewer: record at least {n} requests (one stream serving {n} or more "
+            "prompts in turn) for a what-if of that many users")
 
 
 def describe(trace: Trace) -> dict:

@@ -74,9 +74,9 @@ def test_every_arm_then_the_predictions_and_the_summary(runner):
     assert "EXPERT_CACHE_WIDE=staged-install" in by["staged"]
     assert f"EXPERT_CACHE_TRACE={tmp / 'ws' / 'one.npz'}" in by["trace1"]
     # decode rounds of 64 tokens a stream (the table fits one session's device time); the
-    # trace's one long stream comes after it on the line, so argparse takes its 1024
+    # trace is 48 requests of that shape in turn, no decode rounds of its own
     assert all("--max-tokens 64" in c for c in by.values())
-    assert by["trace1"].index("--max-tokens 1024") > by["trace1"].index("--max-tokens 64")
+    assert "--streams --requests 48 --greedy-streams 0" in by["trace1"]
     plans = [c for c in calls if c.startswith("-m expertcache_cli plan")]
     assert len(plans) == 4 and all("--resident-tok-s" in p for p in plans)
     predict = (tmp / "out" / "predict.txt").read_text()

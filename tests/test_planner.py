@@ -182,6 +182,21 @@ def test_plan_for_a_batch_with_the_staged_path_says_what_it_rests_on():
     assert "--wide staged-install predicts" in " ".join(inplace["notes"])
 
 
+def test_a_batch_of_a_one_request_recording_warns_that_it_prices_one_user():
+    """The H200's 24-layer recording of one stream (5 requests, one of them 1,024 tokens):
+    re-batched to 16 it predicted 180 tok/s in place where 16 users ran 41; the plan says
+    its streams share a request, and why that matters."""
+    one = ROOT / "bench" / "results" / "wide-h200-2026-12-01-24l"
+    r = _cli(str(one / "one.npz"), "--model", "qwen3-30b-a3b", "--probe",
+             str(one / "probe.json"), "--resident-tok-s", "2637.9", "--slots", "64",
+             "--batch", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    notes = json.loads(r.stdout)["notes"]
+    shared = [n for n in notes if n.startswith("the trace holds 5 request(s)")]
+    assert shared and "as few as 1 distinct requests" in shared[0]
+    assert "record at least 16 requests" in shared[0]
+
+
 def test_a_fast_resident_rate_warns_that_the_host_may_pace_decoding():
     """H200: an 8-layer model at 614 tok/s resident ran 1.22x the additive prediction
     (installs hid in GPU idle time); the plan says where its model may not hold."""

@@ -128,3 +128,46 @@ def test_rebatch_refuses_what_it_cannot_model():
     batched.step_tokens = np.full(7, 4)
     with pytest.raises(UserError, match="no single-token .decode. step .steps of up to 4"):
         rebatch(batched, 2)
+
+
+def _requests_trace(requests: int, decode: int) -> Trace:
+    """One stream serving ``requests`` prompts in turn: a 4-token prefill, then ``decode``
+    single-token steps each; every request routes its own two experts (top-2 of 64)."""
+    rows, tokens = [], []
+    for r in range(requests):
+        pre = np.full((1, 1, 8), -1, np.int32)
+        pre[0, 0, :] = np.arange(8) % 64
+        rows.append(pre)
+        tokens.append(4)
+        dec = np.full((decode, 1, 8), -1, np.int32)
+        dec[:, 0, :2] = [2 * r, 2 * r + 1]
+        rows.append(dec)
+        tokens += [1] * decode
+    return Trace(np.concatenate(rows), 64, 2, step_tokens=np.array(tokens), source="test")
+
+
+def test_a_rebatch_says_when_its_streams_share_a_request_and_prices_distinct_ones_apart():
+    from expertcache_cli.trace import rebatch, shared_note
+
+    one = rebatch(_requests_trace(1, 40), 4)
+    assert one.extra["shared"] == {"requests": 1, "streams": 4, "fewest": 1, "median": 1.0}
+    assert "in 1 request(s)" in one.source
+    note = shared_note(one)
+    assert note.startswith("the trace holds 1 request(s), so the 4 re-batched streams are in "
+                           "as few as 1 distinct requests")
+    assert "record at least 4 requests" in note
+    # all four streams in one request: two experts a step, as one user
+    assert all(len(set(r[r >= 0].tolist())) == 2 for r in one.topk_ids[:, 0, :])
+
+    many = rebatch(_requests_trace(8, 10), 4)  # streams 20 steps apart: 2 requests apart
+    assert many.extra["shared"]["fewest"] == 4 and shared_note(many) is None
+    # four users in four requests: eight distinct experts at every step
+    assert all(len(set(r[r >= 0].tolist())) == 8 for r in many.topk_ids[:, 0, :])
+
+    few = rebatch(_requests_trace(3, 10), 4)  # 30 steps, streams 7 apart: some share
+    assert 1 < few.extra["shared"]["fewest"] < 4
+    assert shared_note(few) is not None
+    # no step_tokens: the recording did not mark its prefills, nothing to say
+    unmarked = _requests_trace(1, 40)
+    unmarked.step_tokens = None
+    assert shared_note(rebatch(unmarked, 4)) is None

@@ -13,7 +13,7 @@ from ..errors import UserError
 from ..files import atomic_write, check_output
 from ..policy import Policy, Wide
 from ..tables import Table
-from ..trace import Trace, load
+from ..trace import Trace, load, shared_note
 from . import BATCH_HELP, WIDE_HELP, demo_trace_path, parse_budgets, workload
 
 console = Console()
@@ -50,6 +50,9 @@ def _trace_json(path: Path, trace: Trace) -> dict:
         "expert_bytes": trace.expert_bytes,
         "model": trace.model,
         "source": trace.source,
+        # --batch: the streams' requests (trace.shared_requests), and the note when they share
+        "rebatch": trace.extra.get("shared"),
+        "rebatch_note": shared_note(trace),
     }
 
 
@@ -219,6 +222,9 @@ def _print_results(path: Path, trace: Trace, report, link_gbps: float | None,
     )
     if trace.source:
         console.print(f"source: {trace.source}")
+    shared = shared_note(trace)
+    if shared:
+        console.print(f"[yellow]note[/]: {shared}")
     df = report.results
     has_bytes = "bytes_per_token" in df.columns
     table = Table(title="experts fetched over the host link (all layers)")
