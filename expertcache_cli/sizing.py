@@ -172,6 +172,9 @@ class SizePlan:
     notes: list[str] = field(default_factory=list)
     wide: str = "in-place"  # what steps wider than the slots do (policy.Wide)
     scratch_bytes: int = 0  # the staged modes' scratch: one layer's experts (0 in place)
+    #: decoded tokens a prompt below which the scratch pays for itself (`scratch_break_even`;
+    #: None: no scratch, or full batches wider than the slots, which it serves anyway)
+    scratch_break_even_tokens: int | None = None
     #: flags the format needs to stay offloaded (MXFP4: --moe-backend marlin;
     #: `vllm_experts.offload_backend_args`), passed with the offload
     offload_args: list[str] = field(default_factory=list)
@@ -206,6 +209,23 @@ class SizePlan:
         d = asdict(self)
         d["vllm_args"] = self.vllm_args()
         return d
+
+
+def scratch_break_even(slots: int, num_experts: int, top_k: int, cost_slots: float) -> int:
+    """Decoded tokens a prompt below which a wide-step scratch saves more than it costs.
+
+    Why: when every decode batch fits the slots, the scratch only serves prefills, and it
+    is paid for in slots. A prefill chunk staged reads the ``slots`` experts the layer
+    holds from VRAM instead of host memory (in place reads every routed expert from host,
+    H200: 580 ms for a 512-token prompt in place, 318 staged, 24 layers), so it saves about
+    ``slots`` host reads a layer; every decoded token misses about ``top_k x cost_slots / E``
+    more experts a layer with ``cost_slots`` fewer slots, if routing were uniform (real
+    routing's locality changes both sides; `plan --wide` on a trace prices it exactly).
+    Equal when a prompt decodes ``slots x E / (top_k x cost_slots)`` tokens.
+    """
+    if cost_slots <= 0:
+        return 0
+    return int(round(slots * num_experts / (top_k * cost_slots)))
 
 
 def plan(
@@ -396,16 +416,25 @@ def plan(
             if verdict == "cache" else 0)
     if trap:
         notes.append(rules.trap_text(max_num_seqs, widest, k, planned, safe, graphs.source))
+    break_even = None
     if scratch and verdict in ("cache", "offload_no_cache"):
         cost = scratch / per_slot
+        wide_batch = verdict == "cache" and trap_ids > planned
+        if verdict == "cache" and not wide_batch:
+            break_even = scratch_break_even(planned, E, k, cost)
         notes.append(
             f"wide steps {wide_mode.value}: the scratch (one layer's {E} experts, "
             f"{gib(scratch):.2f} GiB) costs {cost:.1f} slots a layer"
             + (f"; a full batch ({trap_ids} ids > {planned} slots) is staged through it"
-               if verdict == "cache" and trap_ids > planned else "")
-            + ("; it leaves fewer than top_k slots: serve in place instead"
-               if verdict == "offload_no_cache" else
-               "; `plan --wide` prices the trade on your trace"))
+               if wide_batch else "")
+            + ("; it leaves fewer than top_k slots: it costs more than it saves, serve in "
+               "place instead" if verdict == "offload_no_cache" else "")
+            + (f"; with every decode batch narrow it saves only prefills: under uniform "
+               f"routing it pays while requests decode fewer than ~{break_even:,} tokens a "
+               "prompt, and costs more than it saves past that"
+               if break_even is not None else "")
+            + ("; `plan --wide` prices the trade on your trace"
+               if verdict == "cache" else ""))
     if (verdict in ("cache", "offload_no_cache") and not forced and max_model_len > 8192
             and kv_tokens == max_model_len and kv_reserved > budget // 10):
         short = plan(model, vram_gb, 8192, max_num_seqs, gpu_memory_utilization,
@@ -464,6 +493,7 @@ def plan(
         notes=notes,
         wide=wide_mode.value,
         scratch_bytes=scratch,
+        scratch_break_even_tokens=break_even,
     )
 
 

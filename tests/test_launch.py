@@ -72,6 +72,32 @@ def test_a_staged_wide_path_serves_full_batches_and_pays_for_its_scratch():
         _plan(vllm_args=args, wide="sideways")
 
 
+def test_with_every_batch_narrow_the_scratch_says_when_it_costs_more_than_it_saves():
+    """No full batch wider than the slots: the scratch serves only prefills, so the plan
+    says how many decoded tokens a prompt it pays for (uniform routing), and past that
+    it costs more than it saves. With wide batches it serves those and says so instead."""
+    from expertcache_cli.sizing import scratch_break_even
+
+    # 82 slots of 128, top-8, 2.67 slots of scratch: 82 x 128 / (8 x 2.67)
+    assert scratch_break_even(82, 128, 8, 2.67) == round(82 * 128 / (8 * 2.67))
+    assert scratch_break_even(10, 128, 8, 2.67) < scratch_break_even(82, 128, 8, 2.67)
+    narrow = _plan(vllm_args=["--max-num-seqs", "4", "--max-model-len", "8192"],
+                   wide="staged-install")
+    s = narrow.size
+    cost = s.scratch_bytes / s.bytes_per_slot
+    assert s.scratch_break_even_tokens == scratch_break_even(s.slots, 128, 8, cost) > 0
+    (note,) = [n for n in narrow.notes if "scratch" in n and "slots a layer" in n]
+    assert f"fewer than ~{s.scratch_break_even_tokens:,} tokens a prompt" in note
+    assert "costs more than it saves past that" in note
+    assert s.to_json()["scratch_break_even_tokens"] == s.scratch_break_even_tokens
+    wide = _plan(vllm_args=["--max-num-seqs", "64", "--max-model-len", "8192"],
+                 wide="staged-install").size
+    assert wide.scratch_break_even_tokens is None
+    assert not any("tokens a prompt" in n for n in wide.notes)
+    assert _plan(vllm_args=["--max-num-seqs", "4", "--max-model-len", "8192"]
+                 ).size.scratch_break_even_tokens is None  # in place: no scratch
+
+
 def test_model_that_fits_outright_runs_without_offload_and_cache_off():
     p = _plan(vram=141, vllm_args=["--max-model-len", "8192"])
     assert p.size.verdict == "fits_outright"
