@@ -24,6 +24,27 @@ bench_arm() {
   bench_save "$dir"
 }
 
+# A server started only for its memory plan (BENCH ONLY): `bench_mem_server NAME LOG TXT
+# [ENV=V ...] -- server command` runs it with the bench memory hook (bench/kernel_trial,
+# EC_BENCH_MEM=1) until vLLM reports its memory (or the start fails), kills it, and appends
+# the memory lines of LOG to TXT under "== NAME".
+bench_mem_server() {
+  local name=$1 log=$2 txt=$3; shift 3
+  local envs=(EC_BENCH_MEM=1)
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  env "${envs[@]}" PYTHONPATH="$PWD/bench/kernel_trial:$PYTHONPATH" timeout 240 "$@" \
+    > "$log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 240); do
+    grep -q -E "Actual usage|Engine core initialization failed" "$log" && break
+    kill -0 $pid 2>/dev/null || break; sleep 1
+  done
+  pkill -9 -f "[v]llm.entrypoints|[E]ngineCore"; wait $pid 2>/dev/null
+  echo "== $name"; grep -h -E \
+    "EC_BENCH_MEM|Actual usage|Available KV|memory plan|Compiling a graph|Directly load the compiled" "$log" \
+    | sed 's/.*\] //' | cut -c1-330 | tee -a "$txt"
+}
+
 device_vllm_setup() {
   local t0=$SECONDS rc=0
   # a call killed at its time limit can leave a vLLM engine and a ballast behind, holding

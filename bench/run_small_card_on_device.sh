@@ -130,21 +130,11 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MD/m8'), 8)
       for name in ${MEM24:-inplace staged inplace2}; do
         wide=${m24[$name]:-}; [ -z "$wide" ] && { echo "mem24: no server $name"; continue; }
         [ "$wide" = - ] && wide=""
-        extra=(EC_BENCH_MEM=1); [ "$name" = nocheck ] && extra+=(EC_BENCH_NO_CHECK=1)
-        log=$SC/mem24$name.log
-        env "${extra[@]}" PYTHONPATH="$PWD/bench/kernel_trial:$PYTHONPATH" \
-          timeout 240 $PY -m expertcache_cli serve "$MODEL" --vram 24 ${wide/=/ } -- \
+        extra=(); [ "$name" = nocheck ] && extra+=(EC_BENCH_NO_CHECK=1)
+        bench_mem_server "$name" "$SC/mem24$name.log" "$OUT/mem24.txt" "${extra[@]}" -- \
+          $PY -m expertcache_cli serve "$MODEL" --vram 24 ${wide/=/ } -- \
           --max-model-len 4096 --max-num-seqs 8 --attention-backend TRITON_ATTN --seed 0 \
-          --host 127.0.0.1 --port 8711 > "$log" 2>&1 &
-        pid=$!
-        for _ in $(seq 240); do
-          grep -q -E "Actual usage|Engine core initialization failed" "$log" && break
-          kill -0 $pid 2>/dev/null || break; sleep 1
-        done
-        pkill -9 -f "[v]llm.entrypoints|[E]ngineCore"; wait $pid 2>/dev/null
-        echo "== $name"; grep -h -E \
-          "EC_BENCH_MEM|Actual usage|Available KV|memory plan|Compiling a graph|Directly load the compiled" "$log" \
-          | sed 's/.*\] //' | cut -c1-330 | tee -a "$OUT/mem24.txt"
+          --host 127.0.0.1 --port 8711
       done
       cp "$SC"/mem24*.log "$OUT/" 2>/dev/null
       ballast stop ;;

@@ -18,8 +18,10 @@ import json, os, sys
 from pathlib import Path
 
 args = sys.argv[1:]
+env = ",".join(k + "=" + os.environ[k] for k in ("EC_BENCH_MEM", "EXPERT_CACHE_WIDE")
+               if k in os.environ)
 with open(os.environ["STUB_LOG"], "a") as log:
-    log.write(" ".join(args) + "\n")
+    log.write(" ".join(args) + ("  ENV=" + env if env else "") + "\n")
 if args[0] in ("-", "-c") or args[0].endswith("wide_report.py"):
     os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
 if args[0].endswith("wide_steps.py"):
@@ -34,6 +36,10 @@ if args[0].endswith("wide_steps.py"):
            "greedy": ["same text"], "log": {"final": {"installs": 1}}}
     (out / f"{name}.json").write_text(json.dumps(rec))
     (out / f"{name}.log").write_text("log\n")
+elif args[1:3] == ["vllm.entrypoints.cli.main", "serve"]:  # mem: the lines awaited
+    print("(EngineCore) INFO [x] Actual usage is 15.0 GiB for weight")
+    print("(EngineCore) INFO [x] Available KV cache memory: "
+          + ("111.53" if "EXPERT_CACHE_WIDE" in os.environ else "113.47") + " GiB")
 elif args[1:3] == ["expertcache_cli", "size"]:
     print(json.dumps({"num_layers": 24, "num_moe_layers": 24, "num_experts": 128,
                       "bytes_per_expert": 9437184, "max_num_batched_tokens": 8192})
@@ -98,3 +104,16 @@ def test_steps_pick_the_arms(runner):
     calls, _ = run(STEPS="setup ckpt staged0", LAYERS="8")
     assert _arms(calls) == ["staged0"]
     assert "--cpu-offload-gb 11" in next(c for c in calls if c.startswith("bench/wide_steps.py"))
+
+
+def test_mem_serves_in_place_and_staged_for_their_memory_report_only(runner):
+    run, tmp = runner
+    calls, _ = run(STEPS="setup ckpt mem")
+    serves = [c for c in calls if c.startswith("-m vllm.entrypoints.cli.main serve")]
+    assert len(serves) == 2 and _arms(calls) == []
+    assert serves[0].endswith("ENV=EC_BENCH_MEM=1")
+    assert serves[1].endswith("ENV=EC_BENCH_MEM=1,EXPERT_CACHE_WIDE=staged-install")
+    assert all("--port 8712" in c and "--max-num-batched-tokens 8192" in c for c in serves)
+    text = (tmp / "out" / "mem.txt").read_text()
+    assert text.count("Available KV cache memory") == 2
+    assert text.index("113.47 GiB") < text.index("111.53 GiB")  # in place, then staged
