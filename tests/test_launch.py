@@ -52,6 +52,8 @@ def test_sizing_trap_is_refused_unless_accepted():
     msg = str(info.value)
     assert "sizing trap" in msg and "64 seqs x top_k 8 = 512 ids" in msg
     assert "--allow-trap" in msg
+    # the way out that keeps the batch: the wide path, named as serve and the plugin take it
+    assert "--wide staged-install (EXPERT_CACHE_WIDE=staged-install) stages them" in msg
     p = _plan(vllm_args=["--max-num-seqs", "64", "--max-model-len", "8192"], allow_trap=True)
     assert p.size.trap and "EXPERT_CACHE_SLOTS" in p.env
 
