@@ -222,14 +222,14 @@ def rebatch(trace: Trace, n: int, padded_tokens: int | None = None) -> Trace:
             f"(decode) step{f' (steps of up to {most} tokens)' if most else ''}: record one "
             "stream, or synthesise with `trace synth --batch`")
     dec = ids[single]
+    t = dec.shape[0]
+    starts = [(i * t) // n for i in range(n)]
     # requests are known only where the recording marked its prefills (step_tokens)
-    shared = shared_requests(single, n) if trace.step_tokens is not None else None
+    shared = shared_requests(single, starts) if trace.step_tokens is not None else None
     width = max(1, int(valid[single].max()))
     # valid ids first (their order within a step does not matter to the cache rules)
     dec = -np.sort(-dec.astype(np.int64), axis=2)[:, :, :width]
     dec = np.where((dec >= 0) & (dec < trace.num_experts), dec, -1)
-    t = dec.shape[0]
-    starts = [(i * t) // n for i in range(n)]
     out = np.concatenate([np.roll(dec, -s, axis=0) for s in starts], axis=2)
     tokens = default_padded(n) if padded_tokens is None else int(padded_tokens)
     in_requests = f" in {shared['requests']} request(s)" if shared else ""
@@ -243,24 +243,26 @@ def rebatch(trace: Trace, n: int, padded_tokens: int | None = None) -> Trace:
     ).validate()
 
 
-def shared_requests(single: np.ndarray, n: int) -> dict:
-    """How many distinct requests `rebatch`'s ``n`` streams are in at once.
+def shared_requests(single: np.ndarray, starts: list[int]) -> dict:
+    """How many distinct requests `rebatch`'s streams are in at once.
 
     Why: the streams are copies of one recording, so two streams inside the same request
     route alike and share its experts, and a re-batch of a trace that is mostly one
     request prices ``n`` users as one (H200, 24 layers: a one-request trace re-batched to 16
     streams predicted 180 tok/s in place; 16 users with their own prompts ran 41). A
     request is a run of decode steps between two steps that are not (a prefill starts
-    each). ``single``: ``[T]`` bool, the trace's decode steps. Returns ``requests`` (in
-    the decode steps), and the fewest and the median distinct requests at one step.
+    each). ``single``: ``[T]`` bool, the trace's decode steps; ``starts``: each stream's
+    first decode step. Returns ``requests`` (in the decode steps), and the fewest and the
+    median distinct requests at one step.
     """
-    starts_req = np.concatenate([[True], ~single[:-1]])[single]  # a decode step after a prefill
-    req = np.cumsum(starts_req)
-    t = len(req)
-    starts = np.array([(i * t) // n for i in range(n)])
-    at = np.sort(req[(np.arange(t)[:, None] + starts[None, :]) % t], axis=1)
-    distinct = 1 + np.count_nonzero(np.diff(at, axis=1), axis=1)
-    return {"requests": int(req[-1]), "streams": int(n), "fewest": int(distinct.min()),
+    req = np.cumsum(np.concatenate([[True], ~single[:-1]])[single])  # +1 after a prefill
+    t, offsets = len(req), np.asarray(starts)
+    distinct = np.empty(t, dtype=np.int64)
+    for lo in range(0, t, 8192):  # [steps, streams] a block at a time: bounded memory
+        steps = np.arange(lo, min(t, lo + 8192))
+        at = np.sort(req[(steps[:, None] + offsets[None, :]) % t], axis=1)
+        distinct[steps] = 1 + np.count_nonzero(np.diff(at, axis=1), axis=1)
+    return {"requests": int(req[-1]), "streams": len(offsets), "fewest": int(distinct.min()),
             "median": float(np.median(distinct))}
 
 
