@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -75,12 +76,22 @@ def _f(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def _no_install_column(arms: dict, title: str, value: Callable[[dict, str], float | None]
+                       ) -> tuple[str, str, Callable[[str], str]]:
+    """The staged-without-installs column (`NO_INSTALL`): its header, its separator, and
+    its cell for a row's key (``value(record, key)``); empty where the run has no such arm."""
+    rec = arms.get(NO_INSTALL)
+    if rec is None:
+        return "", "", lambda _key: ""
+    return f" {title} |", " --- |", lambda key: f" {_f(value(rec, key))} |"
+
+
 def ttft_table(arms: dict, size: dict, slots: int, gbps: float) -> list[str]:
     sizes = sorted({n for r in arms.values() for n in (r.get("ttft") or {})}, key=int)
-    extra = NO_INSTALL in arms
+    head, sep, cell = _no_install_column(arms, "staged, no install ms", ttft_ms)
     out = ["| prompt tokens | in place ms | staged ms | resident ms | link bound ms | "
-           "staged / bound | staged / in place |" + (" staged, no install ms |" if extra else ""),
-           "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if extra else "")]
+           "staged / bound | staged / in place |" + head,
+           "| --- | --- | --- | --- | --- | --- | --- |" + sep]
     goals = []
     for n in sizes:
         inp, stg, res = (ttft_ms(arms.get(a), n) for a in ("inplace", "staged", "resident"))
@@ -88,7 +99,7 @@ def ttft_table(arms: dict, size: dict, slots: int, gbps: float) -> list[str]:
         sb = stg / bnd if stg and bnd else None
         si = stg / inp if stg and inp else None
         out.append(f"| {n} | {_f(inp)} | {_f(stg)} | {_f(res)} | {_f(bnd)} | {_f(sb, 3)} | "
-                   f"{_f(si, 3)} |" + (f" {_f(ttft_ms(arms[NO_INSTALL], n))} |" if extra else ""))
+                   f"{_f(si, 3)} |" + cell(n))
         if n in BOUND_AT:
             ok = sb is not None and sb <= 1 + BOUND_GOAL
             goals.append(f"TTFT {n}: staged {_f(sb, 3)} of the link bound "
@@ -102,17 +113,16 @@ def ttft_table(arms: dict, size: dict, slots: int, gbps: float) -> list[str]:
 
 def decode_table(arms: dict) -> list[str]:
     streams = sorted({s for r in arms.values() for s in (r.get("decode") or {})}, key=int)
-    extra = NO_INSTALL in arms
+    head, sep, cell = _no_install_column(arms, "staged, no install", decode)
     out = ["| streams | floor tok/s | in place | staged | resident | staged / floor | "
-           "staged / in place |" + (" staged, no install |" if extra else ""),
-           "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if extra else "")]
+           "staged / in place |" + head, "| --- | --- | --- | --- | --- | --- | --- |" + sep]
     goals = []
     for s in streams:
         flo, inp, stg, res = (decode(arms.get(a), s) for a in ARMS)
         sf = stg / flo if stg and flo else None
         si = stg / inp if stg and inp else None
         out.append(f"| {s} | {_f(flo)} | {_f(inp)} | {_f(stg)} | {_f(res)} | {_f(sf, 2)} | "
-                   f"{_f(si, 3)} |" + (f" {_f(decode(arms[NO_INSTALL], s))} |" if extra else ""))
+                   f"{_f(si, 3)} |" + cell(s))
         if s == FLOOR_AT:
             ok = sf is not None and sf >= FLOOR_GOAL
             goals.append(f"decode {s} streams: staged {_f(sf, 2)}x the floor "
