@@ -44,6 +44,10 @@ from small_card import arm_parser, parse_arm_argv, serve_arm  # noqa: E402
 
 from expertcache_cli.baseline.server import Server  # noqa: E402
 
+#: the prompt of every decoded stream: the decode rounds', the greedy texts' and the
+#: ``--requests`` recording's, which must be of one shape for `plan --batch` to price them
+STREAM_WORDS = 32
+
 
 def prompt(rng: random.Random, words: int, vocab: int) -> str:
     """``words`` random words of the word-level tokenizer: a prompt no cache has seen."""
@@ -118,21 +122,22 @@ def run_arm(a: argparse.Namespace) -> dict:
             save()
         rec["decode"] = {}
         for s in a.streams:
-            together(base, mid, [prompt(rng, 32, a.vocab) for _ in range(s)], 16)  # warm-up
-            res = together(base, mid, [prompt(rng, 32, a.vocab) for _ in range(s)],
+            # warm-up, discarded
+            together(base, mid, [prompt(rng, STREAM_WORDS, a.vocab) for _ in range(s)], 16)
+            res = together(base, mid, [prompt(rng, STREAM_WORDS, a.vocab) for _ in range(s)],
                            a.max_tokens)
             rec["decode"][str(s)] = {"tok_s": decode_rate(res),
                                      "tokens": [len(r["times"]) for r in res]}
             save()
         if a.greedy_streams:
             greedy_rng = random.Random(1234)  # the same prompts in every arm
-            res = together(base, mid, [prompt(greedy_rng, 32, a.vocab)
+            res = together(base, mid, [prompt(greedy_rng, STREAM_WORDS, a.vocab)
                                        for _ in range(a.greedy_streams)], a.greedy_tokens)
             rec["greedy"] = [r["text"].split() for r in res]
         if a.requests:
             rates = []
             for _ in range(a.requests):
-                (r,) = together(base, mid, [prompt(rng, 32, a.vocab)], a.max_tokens)
+                (r,) = together(base, mid, [prompt(rng, STREAM_WORDS, a.vocab)], a.max_tokens)
                 rates.append(decode_rate([r]))
             rec["requests"] = {"count": a.requests, "tokens": a.max_tokens,
                                "median_tok_s": statistics.median(rates)}
