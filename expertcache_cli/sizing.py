@@ -411,7 +411,9 @@ def plan(
 
     widest = capture.padded_batch(max_num_seqs, max_num_batched_tokens, graphs)
     trap_ids = widest * k
-    trap = verdict == "cache" and trap_ids > planned and not scratch
+    # a full batch wider than the slots: staged through the scratch, else the trap
+    wide_batch = verdict == "cache" and trap_ids > planned
+    trap = wide_batch and not scratch
     safe = (capture.safe_max_num_seqs(planned, k, max_num_batched_tokens, graphs)
             if verdict == "cache" else 0)
     if trap:
@@ -419,7 +421,6 @@ def plan(
     break_even = None
     if scratch and verdict in ("cache", "offload_no_cache"):
         cost = scratch / per_slot
-        wide_batch = verdict == "cache" and trap_ids > planned
         if verdict == "cache" and not wide_batch:
             break_even = scratch_break_even(planned, E, k, cost)
         notes.append(
