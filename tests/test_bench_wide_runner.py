@@ -48,8 +48,8 @@ elif args[1:3] == ["expertcache_cli", "probe-link"]:  # a real probe's file
     Path(args[args.index("--save") + 1]).write_text(Path(os.environ["PROBE_SRC"]).read_text())
 elif args[1:3] == ["expertcache_cli", "plan"]:
     n = int(args[args.index("--batch") + 1])
-    staged = args[args.index("--wide") + 1] == "staged-install"
-    print(json.dumps({"rows": [{"predicted_tok_s": 10.0 * n * (2.0 if staged else 1.2)}]}))
+    scale = {"in-place": 1.2, "staged-install": 2.0, "staged": 1.5}[args[args.index("--wide") + 1]]
+    print(json.dumps({"rows": [{"predicted_tok_s": 10.0 * n * scale}]}))
 '''
 
 
@@ -104,6 +104,19 @@ def test_steps_pick_the_arms(runner):
     calls, _ = run(STEPS="setup ckpt staged0", LAYERS="8")
     assert _arms(calls) == ["staged0"]
     assert "--cpu-offload-gb 11" in next(c for c in calls if c.startswith("bench/wide_steps.py"))
+
+
+def test_predict_prices_staged_without_installs_once_that_arm_ran(runner):
+    run, tmp = runner
+    run(STEPS="setup ckpt plan inplace staged resident trace predict")
+    assert "streams staged:" not in (tmp / "out" / "predict.txt").read_text()
+    calls, _ = run(STEPS="staged0 predict")
+    plans = [c for c in calls if c.startswith("-m expertcache_cli plan")]
+    assert len(plans) == 6 and sum("--wide staged " in p for p in plans) == 2
+    predict = (tmp / "out" / "predict.txt").read_text()
+    # the stub's staged0 arm decodes 1.5x the floor rate, as its plan predicts
+    assert "16 streams staged: plan --batch 16 predicts 240.0 tok/s, measured 240.0 (1.000)" \
+        in predict
 
 
 def test_mem_serves_in_place_and_staged_for_their_memory_report_only(runner):
