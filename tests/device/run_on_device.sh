@@ -61,7 +61,7 @@ if [ "$what" = sanitize ]; then
   done
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  for b in bench_manager bench_layer_step bench_gather; do
+  for b in bench_manager bench_layer_step bench_gather bench_wide_stage; do
     echo "\$ python bench/$b.py" > "$OUT/$b.log"
     timeout 150 python3 "bench/$b.py" >> "$OUT/$b.log" 2>&1
     echo "exit $?" >> "$OUT/$b.log"
