@@ -22,7 +22,6 @@ rate against the copy engine's.
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
 
 from _cudabench import Baselines, graph_time, header
@@ -50,20 +49,19 @@ def measure(torch, E: int, S: int, specs: dict, reps: int, *, device: str = "cud
     timer = timer or graph_time
     if memcpy is None:
         memcpy = Baselines(torch).memcpy
-    slab = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
-               for shape, dt in specs.values())
+    scratch = Scratch(E, specs, device, copier=copier)
+    slab = scratch.nbytes // E
     g = torch.Generator().manual_seed(0)
-    pin = device != "cpu"
     sources = {}
-    for k, (shape, dt) in specs.items():
-        raw = torch.randint(-2**15, 2**15, (E, *shape), generator=g, dtype=torch.int16)
-        src = raw.view(dt) if torch.empty((), dtype=dt).element_size() == 2 else raw.to(dt)
-        sources[k] = src.pin_memory() if pin else src
+    for k, (shape, dt) in specs.items():  # random bytes of any dtype (NaNs too: bytes compare)
+        raw = torch.randint(0, 256, (E, scratch.buffers[k][0].nbytes), generator=g,
+                            dtype=torch.uint8)
+        src = raw.view(dt).view(E, *shape)
+        sources[k] = src if device == "cpu" else src.pin_memory()
     # the layer's slots hold experts 0..S-1 (slot j = expert j), as the table says
     slots = {k: src[:S].to(device) for k, src in sources.items()}
     table = torch.full((E,), -1, dtype=torch.int32, device=device)
     table[:S] = torch.arange(S, dtype=torch.int32, device=device)
-    scratch = Scratch(E, specs, device, copier=copier)
 
     def stage_time(hits: int, misses: int) -> float:
         ids = torch.cat([torch.arange(hits), torch.arange(S, S + misses)]).to(
@@ -80,12 +78,14 @@ def measure(torch, E: int, S: int, specs: dict, reps: int, *, device: str = "cud
         return t
 
     def d2d_time(hits: int) -> float:
+        sizes = {k: src[0].nbytes for k, src in slots.items()}
+
         def body(stream: int) -> None:
             for _ in range(reps):
                 for k, src in slots.items():
-                    n = src[0].numel() * src.element_size()
                     for j in range(hits):
-                        memcpy(scratch.buffers[k][j].data_ptr(), src[j].data_ptr(), n, stream)
+                        memcpy(scratch.buffers[k][j].data_ptr(), src[j].data_ptr(), sizes[k],
+                               stream)
 
         return timer(torch, body, reps=3) / reps
 

@@ -27,7 +27,7 @@ def _stand_ins():
     def charged(copy, per_byte):
         def run(srcs, src_list, dst_list, count):
             n = int(count.reshape(-1)[0])
-            spent[0] += n * sum(s[0].numel() * s.element_size() for s in srcs.values()) * per_byte
+            spent[0] += n * sum(s[0].nbytes for s in srcs.values()) * per_byte
             copy(srcs, src_list, dst_list, count)
         return run
 
