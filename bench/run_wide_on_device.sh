@@ -7,8 +7,9 @@
 #
 #   STEPS="setup ckpt plan floor inplace staged resident trace predict" bash bench/run_wide_on_device.sh
 #
-# mem: in place and staged started only for vLLM's memory report, with the bench memory
-# hook (bench_mem_server), to find the staged servers' extra profile peak.
+# mem: in place and staged (MEM_ARMS, default "inplace staged") started only for vLLM's
+# memory report, with the bench memory hook (bench_mem_server), to find the staged
+# servers' extra profile peak.
 # trace/predict: `plan --batch N` against the measured N-stream decode. `trace` records one
 # stream's routing (a cache server with EXPERT_CACHE_TRACE) over TRACE_REQUESTS (default 48)
 # requests in turn, each of the decode rounds' shape (a fresh 32-word prompt, DECODE_TOKENS
@@ -80,7 +81,7 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MODEL'), $L
       # below slots + scratch at 8,192 batched tokens, none at 2,048): in place and staged,
       # each stopped after vLLM's memory report, with the bench memory hook's history
       MF=("${FLAGS[@]/"{port}"/8712}")
-      for name in inplace staged; do
+      for name in ${MEM_ARMS:-inplace staged}; do
         wide=(); [ $name = staged ] && wide=(EXPERT_CACHE_WIDE=staged-install)
         bench_mem_server "mem$name" "$WSD/mem$name.log" "$OUT/mem.txt" EXPERT_CACHE_SLOTS=64 \
           "${wide[@]}" -- "${VLLM[@]}" serve $MODEL "${OFFLOAD[@]}" "${MF[@]}"

@@ -123,7 +123,10 @@ def decode_table(arms: dict) -> list[str]:
         si = stg / inp if stg and inp else None
         out.append(f"| {s} | {_f(flo)} | {_f(inp)} | {_f(stg)} | {_f(res)} | {_f(sf, 2)} | "
                    f"{_f(si, 3)} |" + cell(s))
-        if s == FLOOR_AT:
+        if s == FLOOR_AT and flo is None:  # a run without the floor arm judges nothing
+            goals.append(f"decode {s} streams: no floor arm in this run (goal: staged >= "
+                         f"{FLOOR_GOAL}x the floor; staged {_f(si, 3)} of in place)")
+        elif s == FLOOR_AT:
             ok = sf is not None and sf >= FLOOR_GOAL
             goals.append(f"decode {s} streams: staged {_f(sf, 2)}x the floor "
                          f"({'met' if ok else 'NOT met'}: >= {FLOOR_GOAL}x)")

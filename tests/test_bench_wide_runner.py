@@ -130,3 +130,10 @@ def test_mem_serves_in_place_and_staged_for_their_memory_report_only(runner):
     text = (tmp / "out" / "mem.txt").read_text()
     assert text.count("Available KV cache memory") == 2
     assert text.index("113.47 GiB") < text.index("111.53 GiB")  # in place, then staged
+
+
+def test_mem_arms_picks_the_servers_started(runner):
+    run, _ = runner
+    calls, _ = run(STEPS="mem", MEM_ARMS="staged")
+    serves = [c for c in calls if c.startswith("-m vllm.entrypoints.cli.main serve")]
+    assert len(serves) == 1 and serves[0].endswith("EXPERT_CACHE_WIDE=staged-install")
