@@ -211,6 +211,14 @@ class SizePlan:
         return d
 
 
+#: Measured, not modelled (bench/RESULTS.md, wide, stop 20): at 8,192 batched tokens the
+#: staged servers' profile step peaked up to this much above slots + scratch on warm
+#: restarts (0.08 GiB cold); at 2,048 (`vllm serve`'s default under 70 GiB) nothing.
+#: Unexplained, so `size` says it rather than folding a guess into the plan.
+STAGED_WARM_PEAK_GIB = 0.82
+STAGED_PEAK_FREE_TOKENS = 2048
+
+
 def scratch_break_even(slots: int, num_experts: int, top_k: int, cost_slots: float) -> int:
     """Decoded tokens a prompt below which a wide-step scratch saves more than it costs.
 
@@ -435,7 +443,11 @@ def plan(
                "prompt, and costs more than it saves past that"
                if break_even is not None else "")
             + ("; `plan --wide` prices the trade on your trace"
-               if verdict == "cache" else ""))
+               if verdict == "cache" else "")
+            + (f"; at {max_num_batched_tokens:,} batched tokens a staged server's warm "
+               f"restart measured up to {STAGED_WARM_PEAK_GIB:.2f} GiB less KV than this "
+               "(H200; cold starts and 2,048 batched tokens: none): leave that room on a "
+               "tight card" if max_num_batched_tokens > STAGED_PEAK_FREE_TOKENS else ""))
     if (verdict in ("cache", "offload_no_cache") and not forced and max_model_len > 8192
             and kv_tokens == max_model_len and kv_reserved > budget // 10):
         short = plan(model, vram_gb, 8192, max_num_seqs, gpu_memory_utilization,
