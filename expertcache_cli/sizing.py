@@ -212,10 +212,11 @@ class SizePlan:
 
 
 #: Measured, not modelled (bench/RESULTS.md, wide, stop 20): at 8,192 batched tokens the
-#: staged servers' profile step peaked up to this much above slots + scratch on warm
-#: restarts (0.08 GiB cold); at 2,048 (`vllm serve`'s default under 70 GiB) nothing.
+#: staged servers' profile step peaked this much above slots + scratch, on warm restarts
+#: and on a cold start; at 2,048 (`vllm serve`'s default under 70 GiB), nothing.
 #: Unexplained, so `size` says it rather than folding a guess into the plan.
 STAGED_WARM_PEAK_GIB = 0.82
+STAGED_COLD_PEAK_GIB = 0.08
 STAGED_PEAK_FREE_TOKENS = 2048
 
 
@@ -446,7 +447,8 @@ def plan(
                if verdict == "cache" else "")
             + (f"; with {max_num_batched_tokens:,} batched tokens leave room: on the H200 "
                f"at 8,192 a staged server's warm restart got up to "
-               f"{STAGED_WARM_PEAK_GIB:.2f} GiB less KV than this (cold start 0.08, at "
+               f"{STAGED_WARM_PEAK_GIB:.2f} GiB less KV than this (cold start "
+               f"{STAGED_COLD_PEAK_GIB:.2f}, at "
                f"{STAGED_PEAK_FREE_TOKENS:,} none)"
                if max_num_batched_tokens > STAGED_PEAK_FREE_TOKENS else ""))
     if (verdict in ("cache", "offload_no_cache") and not forced and max_model_len > 8192

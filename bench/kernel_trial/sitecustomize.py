@@ -83,13 +83,13 @@ if os.environ.get("EC_BENCH_MEM") == "1":
                     _log.warning("EC_BENCH_MEM layer %d call %d made: %s", self.index, n, line)
         return out
 
-    def _history(on: bool):
+    def _history(on: bool, entries: int = 50000):
         """Start the allocator's history (True), or stop it and return its snapshot."""
         import torch
 
         try:
             if on:
-                torch.cuda.memory._record_memory_history(max_entries=50000, stacks="python")
+                torch.cuda.memory._record_memory_history(max_entries=entries, stacks="python")
                 return True
             snap = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -136,26 +136,13 @@ if os.environ.get("EC_BENCH_MEM") == "1":
 
     def _arm(*a, **k):
         out = _orig_arm(*a, **k)
-        try:
-            import torch
-
-            torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
-            _recording["on"] = True
-        except Exception as exc:  # a bench probe never stops the server
-            _log.warning("EC_BENCH_MEM: no allocation history (%s)", exc)
+        _recording["on"] = bool(_history(True, entries=200000))
         return out
 
     def _history_report() -> None:
-        import torch
-
         _recording["on"] = False
-        try:
-            snap = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(enabled=None)
-        except Exception as exc:
-            _log.warning("EC_BENCH_MEM: no allocation history (%s)", exc)
-            return
-        for line in big_allocations(snap, _BIG):
+        snap = _history(False)
+        for line in big_allocations(snap, _BIG) if snap is not None else ():
             _log.warning("EC_BENCH_MEM history: %s", line)
 
     _session.arm_model = _arm
