@@ -52,6 +52,8 @@ class ModelSize:
     notes: list[str] = field(default_factory=list)
     #: KV heads (GQA; 0 for MLA, whose latent every tensor-parallel rank keeps whole)
     kv_heads: int = 0
+    #: attention (query) heads; 0 where unknown
+    attention_heads: int = 0
     #: tensor-parallel ranks the figures are per (1: the whole model)
     tensor_parallel: int = 1
     #: one expert as vLLM holds it in host memory when offloaded, where its kernel pads the
@@ -71,6 +73,9 @@ class ModelSize:
 
         if tp <= 1:
             return self
+        why = self.tensor_parallel_refusal(tp)
+        if why:
+            raise UserError(why)
         kv_split = max(1, min(tp, self.kv_heads)) if self.kv_heads else 1
         tensors = [Tensor(t.name, t.shape, t.dtype, ceil_div(t.nbytes, tp))
                    for t in self.expert_tensors]
@@ -86,6 +91,39 @@ class ModelSize:
             notes=[*self.notes, f"per GPU of {tp} (tensor parallel): experts, attention and "
                                 f"embeddings sharded, KV split over {kv_split} rank(s)"],
         )
+
+    def _splits(self, tp: int) -> list[str]:
+        """What stops vLLM from splitting this model ``tp`` ways (empty: nothing).
+
+        vLLM's rules, read in 0.26.0 and 0.33.0: the attention heads divide by tp
+        (`ModelConfig.verify_with_parallel_config`); the KV heads divide by tp, or tp by
+        them (`QKVParallelLinear` replicates a head over tp / heads ranks; MLA's latent is
+        not split); the experts' intermediate size divides by tp (`FusedMoEConfig`), and
+        with 128x128 FP8 blocks each rank's share divides by 128
+        (`validate_fp8_block_shape_moe`).
+        """
+        out = []
+        heads, kv, inter = self.attention_heads, self.kv_heads, self.moe_intermediate_size
+        if heads and heads % tp:
+            out.append(f"its {heads} attention heads do not divide by {tp}")
+        if kv and kv % tp and tp % kv:
+            out.append(f"its {kv} KV heads neither divide by {tp} nor divide it")
+        if inter % tp:
+            out.append(f"its experts' intermediate size {inter} does not divide by {tp}")
+        elif self.quant == "fp8-block" and (inter // tp) % 128:
+            out.append(f"its experts' intermediate size {inter} splits into {inter // tp} a "
+                       "rank, not a multiple of the 128-wide FP8 blocks")
+        return out
+
+    def tensor_parallel_refusal(self, tp: int) -> str | None:
+        """One line saying why vLLM cannot run this model at ``--tensor-parallel-size tp``
+        and which sizes up to 16 it can, or None when it can."""
+        why = self._splits(tp)
+        if not why:
+            return None
+        ok = [str(n) for n in range(1, 17) if not self._splits(n)]
+        return (f"--tensor-parallel-size {tp}: vLLM cannot split {self.name} {tp} ways: "
+                + "; ".join(why) + f" (sizes it can: {', '.join(ok)})")
 
     @property
     def num_moe_layers(self) -> int:
@@ -350,6 +388,7 @@ def _model_from_config(
         max_position_embeddings=int(_first(cfg, "max_position_embeddings", default=4096)),
         notes=notes,
         kv_heads=0 if mla else kv_heads,
+        attention_heads=heads,
     )
 
 

@@ -395,3 +395,10 @@ def test_a_wide_batched_token_budget_warns_of_the_staged_warm_restart_peak():
     assert "with 4,096 batched tokens leave room" in note(
         base + ["--max-num-batched-tokens", "4096"])
     assert "warm restart" not in note(base + ["--max-num-batched-tokens", "2048"])
+
+
+def test_serve_refuses_a_tensor_parallel_size_vllm_cannot_split():
+    """`serve`/`baseline` size through `sizing.plan`: -tp 3 on Qwen3-30B-A3B (32 heads, 4
+    KV heads) is one line before anything starts, as vLLM would refuse it after loading."""
+    with pytest.raises(UserError, match="vLLM cannot split qwen3-30b-a3b 3 ways"):
+        _plan(vllm_args=["-tp", "3", "--max-num-seqs", "8"])

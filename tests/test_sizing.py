@@ -584,3 +584,41 @@ def test_a_model_whose_expert_slabs_the_gather_cannot_move_runs_offloaded_withou
     p = sizing.plan(m, 1, slots=4)  # a cache asked for: still none
     assert p.verdict == "offload_no_cache" and p.slots == 0
     assert "not multiples of 16 bytes" in p.verdict_text and "weight_scale_2" in p.verdict_text
+
+
+@pytest.mark.parametrize("spec, tp, words", [
+    # Qwen3-30B-A3B: 32 attention heads, 4 KV heads, experts 768 wide
+    ("qwen3-30b-a3b-w8a8", 3, ["32 attention heads do not divide by 3",
+                               "4 KV heads neither divide by 3 nor divide it",
+                               "(sizes it can: 1, 2, 4, 8, 16)"]),
+    ("qwen3-30b-a3b-w8a8", 6, ["32 attention heads do not divide by 6"]),
+    # 128x128 FP8 blocks: 768 / 4 = 192 a rank is not a whole number of blocks
+    ("qwen3-30b-a3b-fp8", 4, ["768 splits into 192 a rank", "(sizes it can: 1, 2)"]),
+    # MLA: the latent is not split, so only heads and the experts' width count
+    ("deepseek-v2-lite", 3, ["16 attention heads", "intermediate size 1408 does not divide"]),
+])
+def test_a_tensor_parallel_size_vllm_cannot_split_is_refused(spec, tp, words):
+    m = model_size.load_model(spec)
+    why = m.tensor_parallel_refusal(tp)
+    assert why is not None and all(w in why for w in words), why
+    assert "KV heads" not in why or spec != "deepseek-v2-lite"
+    with pytest.raises(UserError, match=f"--tensor-parallel-size {tp}: vLLM cannot split"):
+        sizing.plan(spec, 24, tensor_parallel_size=tp)
+
+
+def test_tensor_parallel_sizes_vllm_splits_are_planned():
+    """KV heads fewer than the ranks are replicated (8 ranks over 4 heads), as vLLM does."""
+    m = model_size.load_model("qwen3-30b-a3b-w8a8")
+    for tp in (1, 2, 4, 8, 16):
+        assert m.tensor_parallel_refusal(tp) is None
+    assert sizing.plan(None, 24, tensor_parallel_size=8).tensor_parallel_size == 8
+    assert model_size.load_model("mixtral-8x7b").tensor_parallel_refusal(8) is None
+
+
+@pytest.mark.parametrize("args", [["-tp", "3"], ["--vram", "24", "--", "-tp", "3"],
+                                  ["--vram", "24", "--", "--tensor-parallel-size=3"]])
+def test_size_tp_3_is_one_line(args):
+    r = _cli(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    assert "vLLM cannot split qwen3-30b-a3b-w8a8 3 ways" in r.stderr
