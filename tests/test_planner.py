@@ -211,3 +211,20 @@ def test_a_fast_resident_rate_warns_that_the_host_may_pace_decoding():
     fast = [n for n in notes(614.0) if "host work" in n]
     assert fast and "1.63 ms a token" in fast[0]
     assert not any("host work" in n for n in notes(280.0))
+
+
+def test_the_serve_command_is_one_line_at_80_columns_and_in_a_pipe(tmp_path):
+    """`plan` prints the command to copy whole (no rich wrapping mid-command), and it is
+    the one the plan file records."""
+    import os
+
+    args = ["--model", "qwen3-30b-a3b-w8a8", "--vram", "24", "--probe", str(PROBE),
+            "--resident-tok-s", "296.26", "--slots", "43,85", "--save",
+            str(tmp_path / "plan.json"), "--", "--max-model-len", "8192", "--max-num-seqs", "8"]
+    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "plan", *args],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    cmd = json.loads((tmp_path / "plan.json").read_text())["recommended"]["serve_command"]
+    assert len(cmd) > 80 and f"  {cmd}" in r.stdout.splitlines()
+    assert cmd.endswith("-- --max-model-len 8192 --max-num-seqs 8")

@@ -622,3 +622,19 @@ def test_size_tp_3_is_one_line(args):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0
     assert "vLLM cannot split qwen3-30b-a3b-w8a8 3 ways" in r.stderr
+
+
+def test_the_vllm_command_is_one_line_at_80_columns_and_in_a_pipe():
+    """A command to copy is never broken by rich's wrapping: at 80 columns (and in this
+    pipe) the whole `vllm serve` line, longer than 80, is one line of the output."""
+    import os
+
+    args = ["--vram", "24", "--", "--max-model-len", "8192", "--max-num-seqs", "8"]
+    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "size", *args],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    p = sizing.plan(None, 24, max_model_len=8192, max_num_seqs=8)
+    want = "  vllm serve MODEL " + " ".join(p.vllm_args())
+    assert len(want) > 80 and want in r.stdout.splitlines()
+    assert r.stdout.splitlines()[-2:] == ["vLLM:", want]

@@ -199,7 +199,7 @@ def register(app: typer.Typer) -> None:
                 f"{rec['predicted_tok_s']:.1f} tok/s predicted; the per-layer split of the same "
                 f"total: {rec['per_layer_predicted_tok_s']:.1f} tok/s "
                 f"({rec['per_layer_misses_saved']:,} fewer misses)")
-            console.print(f"  {rec['serve_command']}")
+            print(f"  {rec['serve_command']}")  # plain: one line to copy, never wrapped
         for n in rep.notes:
             console.print(f"  note: {n}")
         for what, path in (("plan", save), ("plot", plot)):

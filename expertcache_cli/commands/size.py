@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import typer
@@ -80,8 +81,6 @@ def _plan_table(p: sizing.SizePlan) -> Table:
     colour = {"fits_outright": "green", "cache": "cyan", "offload_no_cache": "yellow",
               "does_not_fit": "red"}[p.verdict]
     t.add_row("verdict", f"[{colour}]{p.verdict_text}[/]")
-    if p.verdict in ("cache", "offload_no_cache"):
-        t.add_row("vLLM", "vllm serve MODEL " + " ".join(p.vllm_args()))
     if p.verdict == "cache":
         t.add_row(
             "cache slots",
@@ -226,3 +225,6 @@ def register(app: typer.Typer) -> None:
             return
         console.print(_model_table(m))
         console.print(_plan_table(p))
+        if p.verdict in ("cache", "offload_no_cache"):
+            # plain print: a command to copy is one line, never wrapped by rich
+            print(f"vLLM:\n  vllm serve MODEL {shlex.join(p.vllm_args())}")
