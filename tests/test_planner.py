@@ -142,7 +142,7 @@ def test_cli_json_has_the_documented_keys_and_a_plan_file_serve_reads(tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--link-gbps", "50"], "give --resident-tok-s"),
+    (["--link-gbps", "50"], "plan needs the resident rate (--resident-tok-s R"),
     (["--resident-tok-s", "300", "--link-gbps", "0"], "--link-gbps must be a positive"),
     (["--resident-tok-s", "300", "--link-gbps", "50", "--vram", "24"], "--vram needs --model"),
     (["--resident-tok-s", "300", "--link-gbps", "50", "--slots", "128"], "not below"),
@@ -228,3 +228,54 @@ def test_the_serve_command_is_one_line_at_80_columns_and_in_a_pipe(tmp_path):
     cmd = json.loads((tmp_path / "plan.json").read_text())["recommended"]["serve_command"]
     assert len(cmd) > 80 and f"  {cmd}" in r.stdout.splitlines()
     assert cmd.endswith("-- --max-model-len 8192 --max-num-seqs 8")
+
+
+def test_help_marks_the_inputs_a_machine_with_no_gpu_must_bring():
+    import os
+
+    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "plan", "--help"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "on a machine with no GPU bring both" in text
+    assert "Needed: the two rates (one of each pair)" in text
+    for option, words in (("--link-gbps", "NEEDED on a machine with no GPU: this or --probe"),
+                          ("--probe", "NEEDED on a machine with no GPU: this or --link-gbps"),
+                          ("--resident-tok-s", "NEEDED everywhere: this or --baseline"),
+                          ("--baseline", "NEEDED everywhere: this or --resident-tok-s")):
+        line = next(x for x in r.stdout.splitlines()
+                    if x.lstrip("│ ").startswith(f"{option} "))
+        assert words in line, line
+
+
+def test_missing_rates_are_named_in_one_line_before_any_work(monkeypatch):
+    from expertcache_cli import kernel_check
+    from expertcache_cli.commands import plan
+    from expertcache_cli.errors import DeviceUnavailable
+
+    def no_gpu(*a, **k):
+        raise DeviceUnavailable("no CUDA device visible")
+
+    monkeypatch.setattr(kernel_check, "device_arch", no_gpu)
+    with pytest.raises(UserError) as both:
+        plan._check_given(None, None, None, None)
+    msg = str(both.value)
+    assert msg.startswith("plan needs, on this machine with no GPU, the link rate (--probe FILE")
+    assert "--link-gbps G" in msg and "and the resident rate (--resident-tok-s R" in msg
+    with pytest.raises(UserError, match="no GPU, the link rate") as link:
+        plan._check_given(None, None, 300.0, None)
+    assert "resident" not in str(link.value)
+    with pytest.raises(UserError, match="^plan needs the resident rate"):
+        plan._check_given(50.0, None, None, None)
+    plan._check_given(None, PROBE, None, BASELINE)  # both given: nothing to say
+    monkeypatch.setattr(kernel_check, "device_arch", lambda *a, **k: (90, "H200"))
+    with pytest.raises(UserError, match="^plan needs the resident rate"):
+        plan._check_given(None, None, None, None)  # a GPU measures the link
+
+
+def test_cli_with_no_rates_says_what_to_pass_and_exits_2():
+    r = _cli("--slots", "16")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and "plan needs" in r.stderr
+    assert "--resident-tok-s R" in r.stderr and "--baseline FILE" in r.stderr

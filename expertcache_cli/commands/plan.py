@@ -16,14 +16,15 @@ from . import BATCH_HELP, WIDE_HELP, demo_trace_path, parse_budgets, workload
 
 console = Console()
 
+#: the help panel of the two rates `plan` cannot predict without
+NEEDED_PANEL = "Needed: the two rates (one of each pair)"
+
 
 def _link(link_gbps: float | None, probe_file: Path | None,
           model: str | None) -> tuple[float, str, tuple[float, str] | None]:
     """The link rate and its source, and the cache step (us, source) where measured."""
     from .. import planner
 
-    if link_gbps is not None and probe_file is not None:
-        raise UserError("give --link-gbps or --probe, not both")
     if link_gbps is not None:
         if not math.isfinite(link_gbps) or link_gbps <= 0:
             raise UserError(f"--link-gbps must be a positive number, got {link_gbps}")
@@ -33,7 +34,7 @@ def _link(link_gbps: float | None, probe_file: Path | None,
     from .. import probe
     from ..kernel_check import device_arch
 
-    device_arch(0, hint="give --link-gbps G or --probe FILE (a saved probe-link --json)")
+    device_arch(0, hint=f"plan needs {LINK_INPUT}")
     # the gather at this model's expert slab: the rate the cache's own copies run at; and
     # the cache's step when every expert hits
     rep = probe.probe_link(model=model, repeats=3, warmup=1, only=("gather", "step"))
@@ -47,25 +48,56 @@ def _link(link_gbps: float | None, probe_file: Path | None,
     return row.gbps, f"measured now on {rep.device_name} (the gather, {row.path})", step
 
 
+#: what each of the two rates is and how to give it (the help and the missing-input line)
+LINK_INPUT = "the link rate (--probe FILE, a saved `probe-link --json`, or --link-gbps G)"
+RESIDENT_INPUT = ("the resident rate (--resident-tok-s R, decode tok/s with every expert in "
+                  "VRAM, or --baseline FILE, a `baseline` results file with a resident arm)")
+
+
+def _check_given(link_gbps: float | None, probe_file: Path | None,
+                 resident_tok_s: float | None, baseline: Path | None) -> None:
+    """Both rates the prediction rests on are given (or the link can be measured here),
+    checked before any work: one line naming every missing one and how to pass it."""
+    if link_gbps is not None and probe_file is not None:
+        raise UserError("give --link-gbps or --probe, not both")
+    if resident_tok_s is not None and baseline is not None:
+        raise UserError("give --resident-tok-s or --baseline, not both")
+    missing, where = [], ""
+    if link_gbps is None and probe_file is None:
+        from ..errors import DeviceUnavailable
+        from ..kernel_check import device_arch
+
+        try:
+            device_arch(0)
+        except DeviceUnavailable:  # nothing to measure the link on
+            missing.append(LINK_INPUT)
+            where = ", on this machine with no GPU,"
+    if resident_tok_s is None and baseline is None:
+        missing.append(RESIDENT_INPUT)
+    if missing:
+        raise UserError(f"plan needs{where} " + " and ".join(missing))
+
+
 def _resident(resident_tok_s: float | None, baseline: Path | None) -> tuple[float, str]:
     from .. import planner
 
-    if resident_tok_s is not None and baseline is not None:
-        raise UserError("give --resident-tok-s or --baseline, not both")
     if resident_tok_s is not None:
         if not math.isfinite(resident_tok_s) or resident_tok_s <= 0:
             raise UserError(f"--resident-tok-s must be positive, got {resident_tok_s}")
         return resident_tok_s, "given (--resident-tok-s)"
     if baseline is not None:
         return planner.resident_from_baseline(baseline)
-    raise UserError("give --resident-tok-s R (decode tok/s with every expert in VRAM) or "
-                    "--baseline FILE (an expertcache baseline results file with a resident arm)")
+    raise UserError(f"plan needs {RESIDENT_INPUT}")
 
 
 def register(app: typer.Typer) -> None:
     @app.command(
         "plan",
         context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        help="Predicted decode tok/s per policy and slot budget from a trace, and what to "
+        "serve.\n\nIt rests on two rates; on a machine with no GPU bring both: the host "
+        "link's (--probe FILE, saved by `probe-link --save` on the serving machine, or "
+        "--link-gbps G) and the resident decode rate (--resident-tok-s R or --baseline FILE).",
         epilog="Flags after `--` are the vLLM flags you will serve with (context, batch, "
         "utilization): the card is sized for them, and the serve command carries them.",
     )
@@ -79,13 +111,20 @@ def register(app: typer.Typer) -> None:
             help="model to size (preset, config.json or model directory; default: the trace's "
                  "expert bytes, no card); --size-from is the same option, named as in serve"),
         vram: float | None = typer.Option(None, help="card GiB: only budgets that fit count"),
-        link_gbps: float | None = typer.Option(None, help="host link GB/s for expert copies"),
+        link_gbps: float | None = typer.Option(
+            None, help="host link GB/s for expert copies. NEEDED on a machine with no GPU: "
+            "this or --probe (on a GPU, measured when neither is given)",
+            rich_help_panel=NEEDED_PANEL),
         probe_file: Path | None = typer.Option(
-            None, "--probe", help="a saved `probe-link --json` (its gather rate)"),
+            None, "--probe", help="a saved `probe-link --json` from the serving machine (its "
+            "gather rate). NEEDED on a machine with no GPU: this or --link-gbps",
+            rich_help_panel=NEEDED_PANEL),
         resident_tok_s: float | None = typer.Option(
-            None, help="decode tok/s with every expert resident"),
+            None, help="decode tok/s with every expert in VRAM. NEEDED everywhere: this or "
+            "--baseline (plan never measures it)", rich_help_panel=NEEDED_PANEL),
         baseline: Path | None = typer.Option(
-            None, help="a `baseline` results file: its resident arm gives --resident-tok-s"),
+            None, help="a `baseline` results file: its resident arm gives --resident-tok-s. "
+            "NEEDED everywhere: this or --resident-tok-s", rich_help_panel=NEEDED_PANEL),
         policy: str = typer.Option("lru,lfu", help="policies to compare: lru, lfu"),
         slots: str | None = typer.Option(None, help="budgets to predict (default: a grid)"),
         save: Path | None = typer.Option(None, help="write the plan file `serve --plan` reads"),
@@ -105,6 +144,7 @@ def register(app: typer.Typer) -> None:
         from . import passthrough_args
         from .replay import parse_policies
 
+        _check_given(link_gbps, probe_file, resident_tok_s, baseline)
         extra = list(ctx.args)
         if trace_path is not None and str(trace_path).startswith("-"):
             # no TRACE given: click took the first vLLM flag after -- for it
