@@ -28,7 +28,11 @@ from . import installed_vllm
 from .errors import UserError
 
 #: the vLLM release from which the uniform decode size (max_num_seqs) is also captured
+#: (read in 0.30.0, which does not, and 0.31.0, which does)
 APPENDS_MAX_NUM_SEQS_FROM = (0, 31)
+#: the releases whose capture rule was read: the plugin's range (`plugin.compat`)
+OLDEST_KNOWN = (0, 26)
+NEWEST_KNOWN = (0, 33)
 _DEFAULT_MAX_GRAPH = 512
 
 
@@ -224,3 +228,48 @@ def settings_from_vllm_args(args: Sequence[str],
         appends_max_num_seqs=version is not None and version >= APPENDS_MAX_NUM_SEQS_FROM,
         source=", ".join(why),
     )
+
+
+@dataclass(frozen=True)
+class Release:
+    """The vLLM release a plan pads batches for, and where that came from."""
+
+    version: tuple[int, int]
+    source: str
+    known: bool  # given, or installed here; False: assumed (the newest known)
+
+    @property
+    def name(self) -> str:
+        return f"{self.version[0]}.{self.version[1]}"
+
+
+def serving_release(given: str | None = None,
+                    installed: tuple[int, int] | None | bool = True) -> Release:
+    """The release to pad for: ``given`` (``--vllm-version``, "0.31" or "0.31.0"), else
+    the one installed here, else the newest whose rule was read (stated as assumed).
+    ``installed``: the installed version (tests), True to read it."""
+    if given is not None:
+        parts = given.strip().lstrip("v").split(".")
+        try:
+            version = (int(parts[0]), int(parts[1]))
+            if len(parts) > 3 or any(int(p) < 0 for p in parts):
+                raise ValueError
+        except (ValueError, IndexError):
+            raise UserError(f"--vllm-version wants a release like 0.31, got {given!r}") from None
+        if not OLDEST_KNOWN <= version <= NEWEST_KNOWN:
+            raise UserError(
+                f"--vllm-version {given}: the plugin runs on vLLM "
+                f"{OLDEST_KNOWN[0]}.{OLDEST_KNOWN[1]}-{NEWEST_KNOWN[0]}.{NEWEST_KNOWN[1]}")
+        return Release(version, "given (--vllm-version)", True)
+    here = installed_vllm.version() if installed is True else installed
+    if here:
+        return Release(here, "installed here", True)
+    return Release(NEWEST_KNOWN, "none here: the newest known; --vllm-version X.Y for "
+                   "another", False)
+
+
+def batch_tokens(batch: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 g: GraphSettings) -> int:
+    """Tokens a decode step of ``batch`` sequences runs at on a server of
+    ``max_num_seqs``: the smallest capture size >= the batch, else the batch (eager)."""
+    return padded(batch, capture_sizes(max_num_seqs, max_num_batched_tokens, g))

@@ -96,3 +96,20 @@ def plan_kwargs_from_vllm_args(args: Sequence[str]) -> dict[str, Any]:
                 f"vLLM argument {flag} {raw!r} is not a valid {kind.__name__}"
             ) from None
     return out
+
+
+def with_flag(args: Sequence[str], flag: str, value: str) -> list[str]:
+    """``args`` with every ``flag V`` / ``flag=V`` (short spellings too) replaced by one
+    ``flag value`` at the end: an option of our own that wins over the flag after ``--``."""
+    short = [k for k, v in _SHORT.items() if v == flag]
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        key = a.partition("=")[0]
+        if key == flag or key in short:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return [*out, flag, value]

@@ -80,3 +80,34 @@ def test_explicit_graph_flags(args, want):
 def test_bad_graph_flags_are_one_clear_error(args, words):
     with pytest.raises(UserError, match=words):
         capture.settings_from_vllm_args(args, version=(0, 26))
+
+
+def test_the_known_releases_are_the_plugins():
+    from expertcache_cli.plugin import compat
+
+    assert (capture.OLDEST_KNOWN, capture.NEWEST_KNOWN) == (compat.SUPPORTED_MIN,
+                                                            compat.SUPPORTED_MAX)
+
+
+def test_the_release_a_batch_is_padded_for():
+    given = capture.serving_release("0.31.2", installed=(0, 26))
+    assert (given.version, given.known, given.name) == ((0, 31), True, "0.31")
+    here = capture.serving_release(None, installed=(0, 28))
+    assert (here.version, here.known, here.source) == ((0, 28), True, "installed here")
+    none = capture.serving_release(None, installed=None)
+    assert none.version == capture.NEWEST_KNOWN and not none.known
+    assert "newest known" in none.source and "--vllm-version" in none.source
+    with pytest.raises(UserError, match="plugin runs on vLLM 0.26-0.33"):
+        capture.serving_release("0.25")
+    with pytest.raises(UserError, match="wants a release like 0.31, got 'new'"):
+        capture.serving_release("new")
+
+
+def test_a_batch_below_max_num_seqs_pads_to_the_next_graph():
+    """vLLM 0.31+ captures max_num_seqs itself: a full batch of 10 on a server of 10 runs
+    unpadded, where 0.26-0.30 (and any release at vLLM's default 256) pad it to 16."""
+    assert capture.batch_tokens(10, 10, 2048, NEW) == 10
+    assert capture.batch_tokens(10, 10, 2048, OLD) == 16
+    assert capture.batch_tokens(10, 256, 2048, NEW) == 16
+    assert capture.batch_tokens(9, 10, 2048, NEW) == 10
+    assert capture.batch_tokens(600, 1024, 8192, NEW) == 600  # past the largest graph: eager

@@ -228,3 +228,44 @@ def test_a_split_never_recommends_a_budget_the_plugin_refuses():
     trace = load(TRACES / "demo-olmoe-1b-7b-zipf.npz")  # 64 experts
     (split,) = recommend(trace, Policy.LRU, [48])
     assert max(split.slots) <= 63 and sum(split.slots) <= 48 * trace.num_layers
+
+
+def test_a_batch_is_padded_as_the_server_pads_it():
+    """10 streams at 96 slots, top-8: on a server of 10 sequences vLLM 0.31+ runs the batch
+    unpadded (80 ids: served from the slots), 0.26-0.30 pad it to 16 (128 ids: every step
+    reads through), and so does any release on a server of 256 (10 is not a graph there)."""
+    def run(*extra):
+        obj = json.loads(cli("replay", "--batch", "10", "--slots", "96", "--policy", "lru",
+                             "--json", *extra).stdout)
+        return obj["server"], obj["results"][0]
+
+    new, new_row = run("--vllm-version", "0.33")
+    assert new["batch_tokens"] == 10 and new["max_num_seqs"] == 10 and new_row[
+        "read_through_steps"] == 0
+    old, old_row = run("--vllm-version", "0.26")
+    assert old["batch_tokens"] == 16 and old_row["read_through_steps"] == 3000 * 48
+    wide, _ = run("--vllm-version", "0.33", "--", "--max-num-seqs", "256")
+    assert wide["batch_tokens"] == 16 and wide["max_num_seqs_source"] == "given"
+    opt, _ = run("--vllm-version", "0.33", "--max-num-seqs", "10", "--", "--max-num-seqs", "256")
+    assert opt["batch_tokens"] == 10  # the option wins over the flag after --
+    eager, _ = run("--", "--max-num-seqs", "64", "--enforce-eager")
+    assert eager["batch_tokens"] == 10 and eager["graphs"] == "--enforce-eager"
+    text = cli("replay", "--batch", "10", "--slots", "96", "--policy", "lru",
+               "--vllm-version", "0.26").stdout
+    assert "gate at 16 tokens" in text
+    assert "batch: a batch of 10 runs as 16 tokens a step (padded to a CUDA graph): " \
+           "--max-num-seqs 10" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--max-num-seqs", "8"], "give --batch"),
+    (["--vllm-version", "0.31"], "give --batch"),
+    (["--", "--max-num-seqs", "8"], "give --batch"),
+    (["--batch", "16", "--max-num-seqs", "8"], "--batch 16 is more than --max-num-seqs 8"),
+    (["--batch", "16", "--vllm-version", "0.40"], "plugin runs on vLLM 0.26-0.33"),
+    (["--batch", "16", "--", "--max-num-seqs", "x"], "--max-num-seqs 'x'"),
+    ([str(TRACES / DEMO_TRACE), "stray", "--batch", "4"], "unknown option or argument 'stray'"),
+])
+def test_the_servers_flags_bad_input_is_one_line(args, words):
+    r = cli("replay", *args, check=False)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr

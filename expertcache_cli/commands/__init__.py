@@ -76,12 +76,19 @@ def passthrough_args(extra: Sequence[str], argv: Sequence[str] | None = None) ->
 WIDE_HELP = ("what a step wider than the slots does: in-place (the plugin today), staged "
              "(hits from slots, misses fetched once into a scratch) or staged-install")
 BATCH_HELP = ("re-batch the trace's decode steps into N interleaved streams (what N users "
-              "would cost); default: the trace as recorded")
+              "would cost), each step padded as the server pads it (--max-num-seqs, the "
+              "vLLM flags after --, --vllm-version); default: the trace as recorded")
+MAX_NUM_SEQS_HELP = ("the server's --max-num-seqs, which decides how --batch is padded (wins "
+                     "over the flag after --); default: the flag after --, else the batch")
+VLLM_VERSION_HELP = ("the vLLM release the server runs (X.Y, 0.26-0.33): 0.31+ capture a "
+                     "full batch of --max-num-seqs unpadded; default: the installed one, "
+                     "else the newest known")
 
 
-def workload(trace, wide: str, batch: int | None):
+def workload(trace, wide: str, batch: int | None, batch_tokens: int | None = None):
     """The trace as the user asked to model it, and the wide-step mode, from the options
-    `replay` and `plan` share (one line on a bad value)."""
+    `replay` and `plan` share (one line on a bad value). ``batch_tokens``: what a step of
+    the batch runs at on the server (`serving.Server.batch_tokens`)."""
     from ..policy import Wide
     from ..trace import rebatch
 
@@ -90,5 +97,5 @@ def workload(trace, wide: str, batch: int | None):
     except ValueError as exc:
         raise UserError(f"--wide: {exc}") from None
     if batch is not None:
-        trace = rebatch(trace, batch)
+        trace = rebatch(trace, batch, batch_tokens)
     return trace, mode

@@ -14,7 +14,15 @@ from ..files import atomic_write, check_output
 from ..policy import Policy, Wide
 from ..tables import Table
 from ..trace import Trace, load, shared_note
-from . import BATCH_HELP, WIDE_HELP, demo_trace_path, parse_budgets, workload
+from . import (
+    BATCH_HELP,
+    MAX_NUM_SEQS_HELP,
+    VLLM_VERSION_HELP,
+    WIDE_HELP,
+    demo_trace_path,
+    parse_budgets,
+    workload,
+)
 
 console = Console()
 err = Console(stderr=True)
@@ -100,6 +108,7 @@ def _progress_runner(enabled: bool):
 
 
 def replay_command(
+    ctx: typer.Context,
     trace_path: Path | None = typer.Argument(
         None, metavar="[TRACE]", help="Routing trace .npz (default: the bundled demo trace)."
     ),
@@ -125,13 +134,30 @@ def replay_command(
     ),
     wide: str = typer.Option("in-place", "--wide", help=WIDE_HELP),
     batch: int | None = typer.Option(None, "--batch", help=BATCH_HELP),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help=MAX_NUM_SEQS_HELP),
+    vllm_version: str | None = typer.Option(None, "--vllm-version", help=VLLM_VERSION_HELP),
 ) -> None:
     """Replay a routing trace: experts fetched per policy and slot budget."""
     from ..replay import replay
+    from ..serving import server as serving_server
     from ..split import recommend
+    from . import passthrough_args
 
+    extra = list(ctx.args)
+    if trace_path is not None and str(trace_path).startswith("-"):
+        # no TRACE given: click took the first vLLM flag after -- for it
+        extra, trace_path = [str(trace_path), *extra], None
+    vllm_args = passthrough_args(extra)
+    srv = None
+    if batch is not None:
+        srv = serving_server(vllm_args, max_num_seqs=max_num_seqs, batch=batch,
+                             vllm_version=vllm_version)
+    elif max_num_seqs is not None or vllm_version is not None or vllm_args:
+        raise UserError("--max-num-seqs, --vllm-version and the vLLM flags after -- say how "
+                        "the server pads a --batch N: give --batch")
     path = trace_path if trace_path is not None else demo_trace_path()
-    trace, mode = workload(load(path), wide, batch)
+    trace, mode = workload(load(path), wide, batch,
+                           srv.batch_tokens(batch) if srv and batch else None)
     budgets = parse_budgets(slots, trace.num_experts)
     policies = parse_policies(policy)
     if decay and Policy.LFU not in policies:
@@ -180,6 +206,7 @@ def replay_command(
             "trace": _trace_json(path, trace),
             "wide": mode.value,
             "batch": batch,
+            "server": srv.to_json(batch) if srv else None,
             "results": _records(report.results),
             "reuse_distance": report.reuse,
         }
@@ -203,7 +230,8 @@ def replay_command(
         _fail_on_device_mismatch(device_check)
         return
 
-    _print_results(path, trace, report, link_gbps, mode)
+    _print_results(path, trace, report, link_gbps, mode,
+                   srv.describe_batch(batch) if srv and batch else None)
     if per_layer:
         _print_per_layer(trace, report)
         _print_splits(split_policy, splits)
@@ -213,7 +241,7 @@ def replay_command(
 
 
 def _print_results(path: Path, trace: Trace, report, link_gbps: float | None,
-                   mode: Wide = Wide.IN_PLACE) -> None:
+                   mode: Wide = Wide.IN_PLACE, batch_line: str | None = None) -> None:
     what = trace.model or "unknown model"
     console.print(
         f"[bold]{path.name}[/]: {trace.steps} steps x {trace.num_layers} layers, "
@@ -222,6 +250,8 @@ def _print_results(path: Path, trace: Trace, report, link_gbps: float | None,
     )
     if trace.source:
         console.print(f"source: {trace.source}")
+    if batch_line:
+        console.print(f"batch: {batch_line}")
     shared = shared_note(trace)
     if shared:
         console.print(f"[yellow]note[/]: {shared}")
@@ -329,4 +359,10 @@ def _fail_on_device_mismatch(check: dict | None) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("replay")(replay_command)
+    app.command(
+        "replay",
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        epilog="With --batch, flags after `--` are the vLLM flags the server runs with "
+        "(--max-num-seqs, --max-num-batched-tokens, the CUDA-graph settings), read as "
+        "`size` reads them: they decide how a batch is padded.",
+    )(replay_command)
