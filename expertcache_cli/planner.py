@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import capture
 from .errors import UserError
 from .policy import Policy, Wide
+from .serving import Server
 from .trace import Trace, shared_note
 
 #: the plan file's format (serve --plan checks it)
@@ -181,6 +183,7 @@ def plan_trace(
     vllm_args: list[str] | None = None,
     wide: Wide = Wide.IN_PLACE,
     batch: int | None = None,
+    server: Server | None = None,
 ) -> PlanReport:
     """Replay ``trace`` at every (policy, budget) and predict decode speed; recommend.
 
@@ -188,9 +191,16 @@ def plan_trace(
     budget assumed to fit, and the notes say so). ``wide``: how steps wider than the
     slots are modelled; ``batch``: the trace was re-batched to that many streams
     (`trace.rebatch`), and the resident rate is then the aggregate at that batch.
+    ``server``: the batch flags and vLLM release served with (`serving.server`; default:
+    read from ``vllm_args``): the recommendation is one `serve` takes (`serveable`).
     """
     from .replay import replay
+    from .serving import server as read_server
     from .split import recommend
+
+    if server is None:
+        server = read_server(vllm_args or [], batch=batch, vram_gib=vram_gb)
+    vllm_args = server.vllm_args
 
     if not budgets:
         raise UserError("no slot budget to predict: the card holds fewer than top_k slots")
@@ -225,9 +235,13 @@ def plan_trace(
     if fitting:
         best = max(fitting, key=lambda r: (round(r["predicted_tok_s"], 6), -r["slots"]))
         pol = Policy.parse(best["policy"])
-        (split,) = recommend(trace, pol, [best["slots"]], wide=wide)
+        serve = serveable(server, best["slots"], trace.top_k, wide, batch)
+        (split,) = recommend(trace, pol, [best["slots"]], wide=wide,
+                             floor=min(serve.floor, best["slots"]))
         split_ms = predict_ms(split.misses / tokens, inputs, layer_steps)
         use_split = split.misses < split.uniform_misses
+        served = min(split.slots) if use_split and plan_file else best["slots"]
+        older = older_release_note(serve, served, server)
         recommended = {
             "policy": best["policy"],
             "slots": best["slots"],
@@ -236,9 +250,15 @@ def plan_trace(
             "predicted_tok_s": best["predicted_tok_s"],
             "per_layer_predicted_tok_s": 1000.0 / split_ms,
             "per_layer_misses_saved": int(split.saved),
+            "max_num_seqs": serve.max_num_seqs,
+            "min_layer_slots": serve.floor or None,
+            "allow_trap": serve.allow_trap,
+            "vllm": server.release.name,
+            "vllm_source": server.release.source,
             "serve_command": serve_command(serve_model, vram_gb, best, plan_file, use_split,
-                                           vllm_args or [], wide),
+                                           serve.vllm_args, wide, serve.allow_trap),
         }
+        notes += serve.notes + ([older] if older else [])
         if not use_split:
             notes.append("the per-layer split finds nothing better than the uniform budget")
     wide_rows = report.results["staged_steps"] + report.results["read_through_steps"]
@@ -255,6 +275,7 @@ def plan_trace(
             "installs then partly hide in GPU idle time and the measured rate can beat this "
             "prediction (H200, an 8-layer model at 614 tok/s resident: 1.22x it)")
     if batch:
+        notes.append(server.describe_batch(batch))
         notes.append(f"re-batched to {batch} streams from one stream's routing: the resident "
                      f"rate must be the aggregate at {batch} streams, and real users' routing "
                      "is less alike (this errs towards hits)")
@@ -264,19 +285,124 @@ def plan_trace(
     return PlanReport(model=model, inputs=inputs, trace={
         "path": None, "steps": trace.steps, "layers": trace.num_layers,
         "tokens": trace.tokens, "num_experts": trace.num_experts, "top_k": trace.top_k,
-        "source": trace.source, "wide": wide.value, "batch": batch}, rows=rows,
+        "source": trace.source, "wide": wide.value, "batch": batch,
+        "batch_tokens": server.batch_tokens(batch) if batch else None}, rows=rows,
         recommended=recommended, notes=notes)
+
+
+@dataclass
+class Serveable:
+    """What makes a recommendation one `serve` takes: the vLLM flags to serve with, the
+    fewest slots any layer may have, and whether it needs ``--allow-trap``."""
+
+    vllm_args: list[str]
+    max_num_seqs: int | None  # the batch the command serves (None: vLLM's own default)
+    floor: int  # the per-layer split keeps every layer at >= this
+    allow_trap: bool
+    notes: list[str]
+    #: where the release is assumed: a full batch's ids on the oldest release, where it
+    #: pads wider than the one assumed (a layer below them is refused there)
+    older_ids: int | None = None
+
+
+def serveable(server: Server, slots: int, top_k: int, wide: Wide,
+              batch: int | None) -> Serveable:
+    """The flags, the per-layer floor and the notes that make a budget of ``slots`` (and
+    its per-layer split) a plan `serve` takes as printed.
+
+    Why: `serve` refuses a layer below top_k, and, in place, a plan whose narrowest layer
+    holds fewer slots than a full decode batch's ids (``padded max_num_seqs x top_k``: the
+    sizing trap); with no batch flags it picks the ``--max-num-seqs`` the narrowest layer
+    allows. So the per-layer split keeps every layer at or above the widest decode step,
+    and the command carries the ``--max-num-seqs`` it was planned for: the user's where
+    given, or the ``--batch`` priced (kept either way, with ``--allow-trap`` and a note
+    when even the uniform budget is narrower than that batch), or else the largest the
+    uniform budget keeps on the cache, counted where the release is assumed as the
+    release that pads most pads it (`serving.Server.safety_graphs`), so it holds on every
+    release. Staged wide steps have no trap: only a ``--batch`` is carried, so that the
+    server pads it as priced.
+    """
+    args, notes = list(server.vllm_args), []
+    flag = "--max-num-seqs"
+    if wide is not Wide.IN_PLACE:
+        if batch and not server.seqs_given:
+            args += [flag, str(server.max_num_seqs)]
+        return Serveable(args, server.max_num_seqs if batch or server.seqs_given else None,
+                         top_k, False, notes)
+    rel, batched = server.release, server.max_num_batched_tokens
+    if server.seqs_given or batch:
+        seqs = server.max_num_seqs
+        ids = top_k * capture.padded_batch(seqs, batched, server.graphs)
+        older = server.widest_ids(top_k)  # = ids where the release is known
+        if not server.seqs_given:
+            args += [flag, str(seqs)]
+        if ids <= slots:
+            notes.append(
+                f"every layer of the per-layer split keeps >= {ids} slots: a full decode batch "
+                f"of --max-num-seqs {seqs} ({server.seqs_source}) is {ids} ids (padded, x "
+                f"top_k {top_k}), and serve refuses a layer narrower than that")
+            return Serveable(args, seqs, max(ids, top_k), False, notes,
+                             older if older > ids else None)
+        safe = server.safe_max_num_seqs(slots, top_k)
+        priced = ("priced above" if batch else "which this single-stream prediction does not "
+                  "price")
+        notes.append(
+            f"at --max-num-seqs {seqs} ({server.seqs_source}) a full decode batch is {ids} ids "
+            f"(padded, x top_k {top_k}), more than {slots} slots: full batches read through "
+            f"the host in place ({priced}); the command carries --allow-trap, which serve "
+            f"needs for that; --max-num-seqs {safe} keeps every decode step on the cache, "
+            "--wide staged-install stages the wide ones")
+        return Serveable(args, seqs, top_k, True, notes)
+    safe = server.safe_max_num_seqs(slots, top_k)
+    if safe == 0:
+        notes.append(f"no --max-num-seqs keeps a decode step within {slots} slots with these "
+                     "CUDA graphs: the command carries --allow-trap; --wide staged-install "
+                     "stages the wide steps")
+        return Serveable(args, None, top_k, True, notes)
+    if server.widest_ids(top_k) <= slots:  # vLLM's default batch fits already
+        return Serveable(args, None, max(server.widest_ids(top_k), top_k), False, notes)
+    ids = server.widest_ids(top_k, safe)
+    args += [flag, str(safe)]
+    newer = ""
+    on_new = capture.safe_max_num_seqs(slots, top_k, batched, server.graphs)
+    if on_new > safe:
+        oldest = f"{capture.OLDEST_KNOWN[0]}.{capture.OLDEST_KNOWN[1]}"
+        newer = (f"; counted as vLLM {oldest} pads a batch, the most of the releases the "
+                 f"plugin runs on: on vLLM {rel.name} --max-num-seqs {on_new} fits too (no "
+                 "vLLM here: --vllm-version X.Y plans for one)")
+    notes.append(
+        f"the command carries --max-num-seqs {safe}, the most that keeps every layer's decode "
+        f"on the cache: a full batch is {ids} ids (padded, x top_k {top_k}), within the "
+        f"{slots} slots and every layer of the per-layer split (none below {ids}){newer}; more "
+        "sequences at once would read full decode batches through the host (the sizing "
+        "trap), or serve with --wide staged-install")
+    return Serveable(args, safe, max(ids, top_k), False, notes)
+
+
+def older_release_note(serve: Serveable, narrowest: int, server: Server) -> str | None:
+    """Where the release is assumed and the oldest pads the batch wider than a layer of
+    the recommendation holds: what serve does there, and how to plan for it."""
+    if serve.older_ids is None or serve.older_ids <= narrowest:
+        return None
+    o, a = capture.OLDEST_KNOWN, capture.APPENDS_MAX_NUM_SEQS_FROM
+    return (f"planned as vLLM {server.release.name} pads a batch ({server.release.source}); "
+            f"vLLM {o[0]}.{o[1]}-{a[0]}.{a[1] - 1} pad a full batch of --max-num-seqs "
+            f"{serve.max_num_seqs} to {serve.older_ids} ids, more than the {narrowest} slots of "
+            "the narrowest layer: serve there refuses this plan (the sizing trap); "
+            f"--vllm-version {o[0]}.{o[1]} plans for those releases")
 
 
 def serve_command(model: str, vram_gb: float | None, best: dict[str, Any],
                   plan_file: str | None, per_layer: bool, vllm_args: list[str],
-                  wide: Wide = Wide.IN_PLACE) -> str:
+                  wide: Wide = Wide.IN_PLACE, allow_trap: bool = False) -> str:
     """The `expertcache serve` line that deploys the recommendation."""
     import shlex
 
     vram = f" --vram {vram_gb:g}" if vram_gb else " --vram GiB"
     if wide is not Wide.IN_PLACE:
         vram += f" --wide {wide.value}"
+    if allow_trap:
+        vram += " --allow-trap"
     tail = f" -- {shlex.join(vllm_args)}" if vllm_args else ""
     if plan_file and per_layer:
         return f"expertcache serve {model}{vram} --plan {plan_file}{tail}"

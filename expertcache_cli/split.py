@@ -36,15 +36,18 @@ class Split:
         return self.saved / self.uniform_misses if self.uniform_misses else 0.0
 
 
-def slot_grid(num_experts: int, extra: list[int]) -> list[int]:
+def slot_grid(num_experts: int, extra: list[int], floor: int = 0) -> list[int]:
     """Candidate per-layer slot counts: an even grid of ~32 points plus the asked sizes,
     each one a budget the plugin accepts (`budget.slot_limit`: below E, within the
-    kernel), so a recommended split can be served as it is."""
+    kernel), so a recommended split can be served as it is. ``floor``: no layer below
+    it (the widest decode step's ids, which `serve` requires of every layer)."""
     from .budget import slot_limit
 
     top = slot_limit(num_experts)
     step = max(1, num_experts // 32)
     grid = set(range(step, top + 1, step)) | {s for s in extra if 0 < s <= top}
+    if floor > 0:
+        grid = {s for s in grid if s >= floor} | ({floor} if floor <= top else set())
     return sorted(grid)
 
 
@@ -94,9 +97,12 @@ def best_split(curves: np.ndarray, grid: list[int], budget: int, uniform: int) -
 
 def recommend(
     trace: Trace, policy: Policy, uniform_slots: list[int], decay: int = 0,
-    wide: Wide | str = Wide.IN_PLACE,
+    wide: Wide | str = Wide.IN_PLACE, floor: int = 0,
 ) -> list[Split]:
-    """For each uniform size, the best split of the same total (``size x layers``)."""
-    grid = slot_grid(trace.num_experts, uniform_slots)
+    """For each uniform size, the best split of the same total (``size x layers``), with
+    no layer below ``floor`` slots (each uniform size must be at least that)."""
+    if floor and min(uniform_slots) < floor:
+        raise ValueError(f"a uniform budget below the floor of {floor} slots")
+    grid = slot_grid(trace.num_experts, uniform_slots, floor)
     curves = miss_curves(trace, policy, grid, decay, wide)
     return [best_split(curves, grid, s * trace.num_layers, s) for s in uniform_slots]

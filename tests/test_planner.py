@@ -112,7 +112,11 @@ def test_the_recommendation_is_the_fastest_budget_that_fits():
     assert len(rec["per_layer_slots"]) == trace.num_layers
     assert sum(rec["per_layer_slots"]) <= 32 * trace.num_layers
     assert max(rec["per_layer_slots"]) < trace.num_experts
-    assert rec["serve_command"] == "expertcache serve /m --vram 24 --plan p.json"
+    # no batch flags: the command carries the --max-num-seqs 32 slots keep on the cache (4
+    # x top-8 = 32 ids), which leaves the per-layer split no layer to shrink below 32
+    assert rec["serve_command"] == ("expertcache serve /m --vram 24 --slots 32 --policy lru "
+                                    "-- --max-num-seqs 4")
+    assert rec["per_layer_slots"] == [32] * trace.num_layers
     for r in rep.rows:  # misses per token is what the replay counted, per token
         assert r["predicted_ms_per_token"] == pytest.approx(
             planner.predict_ms(r["misses_per_token"], inputs))
@@ -279,3 +283,130 @@ def test_cli_with_no_rates_says_what_to_pass_and_exits_2():
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.count("\n") == 1 and "plan needs" in r.stderr
     assert "--resident-tok-s R" in r.stderr and "--baseline FILE" in r.stderr
+
+
+# --------------------------------------------------------------------------- what serve takes
+
+W8A8 = ["--model", "qwen3-30b-a3b-w8a8", "--vram", "24", "--probe", str(PROBE),
+        "--resident-tok-s", "296.26"]
+
+
+def _serve_accepts(cmd: str, plan_file: Path, **kw):
+    """Run `serve`'s own checks (`launch.make_plan`) on the command `plan` printed."""
+    from expertcache_cli.launch import make_plan
+
+    head, _, tail = cmd.partition(" -- ")
+    assert "--size-from qwen3-30b-a3b-w8a8 --vram 24" in head
+    return make_plan("Qwen/Qwen3-30B-A3B", 24, size_from="qwen3-30b-a3b-w8a8",
+                     plan_file=str(plan_file) if "--plan" in head else None,
+                     allow_trap="--allow-trap" in head, vllm_args=tail.split(),
+                     launcher=["vllm"], environ={}, v2_runner_offloads=lambda: True,
+                     wna16_triton=lambda: True, mxfp4_marlin=lambda: True, **kw)
+
+
+def test_the_per_layer_split_keeps_every_layer_at_the_widest_decode_step():
+    """85 slots at --max-num-seqs 8: a full decode batch is 64 ids. The unconstrained split
+    of the demo trace puts layers at 56 slots, which serve refuses (the sizing trap); the
+    recommended one keeps every layer at >= 64."""
+    from expertcache_cli import serving
+    from expertcache_cli.split import recommend
+
+    trace = load(TRACE)
+    (free,) = recommend(trace, Policy.LRU, [85])
+    assert min(free.slots) < 64  # what used to be recommended
+    inputs = planner.Inputs(4_732_928, "given", 49.5, "given", 296.26, "given")
+    srv = serving.server(["--max-num-seqs", "8"], vllm_version="0.33")
+    rep = planner.plan_trace(trace, inputs, [Policy.LRU], [85], fits_upto=85,
+                             model={"name": "t"}, serve_model="/m", vram_gb=24,
+                             plan_file="p.json", server=srv)
+    rec = rep.recommended
+    assert min(rec["per_layer_slots"]) >= 64 and rec["min_layer_slots"] == 64
+    assert sum(rec["per_layer_slots"]) <= 85 * trace.num_layers
+    assert rec["per_layer_misses_saved"] > 0 and rec["allow_trap"] is False
+    assert rec["serve_command"] == "expertcache serve /m --vram 24 --plan p.json -- " \
+                                   "--max-num-seqs 8"
+    assert any("keeps >= 64 slots" in n for n in rep.notes)
+
+
+def test_a_plan_for_a_given_batch_is_one_serve_takes(tmp_path):
+    out = tmp_path / "plan.json"
+    r = _cli(*W8A8, "--slots", "85", "--json", "--save", str(out), "--",
+             "--max-model-len", "8192", "--max-num-seqs", "8")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)["recommended"]
+    assert "--plan" in rec["serve_command"] and min(rec["per_layer_slots"]) >= 64
+    plan = _serve_accepts(rec["serve_command"], out)
+    assert plan.per_layer == rec["per_layer_slots"]
+
+
+@pytest.mark.parametrize("version, seqs, floor", [(None, 8, 64), ("0.33", 10, 80),
+                                                  ("0.26", 8, 64)])
+def test_with_no_batch_flags_the_command_carries_the_max_num_seqs_that_keeps_decode_on_the_cache(
+        tmp_path, version, seqs, floor):
+    """No vLLM here: 8 sequences (64 ids) hold on every release the plugin runs on, where
+    vLLM 0.31+ would take 10 (10 is captured there, padded to 16 before). The card is sized
+    for that batch (85 slots), not for vLLM's default 256 (84)."""
+    out = tmp_path / "plan.json"
+    extra = ["--vllm-version", version] if version else []
+    r = _cli(*W8A8, "--slots", "43,85", "--json", "--save", str(out), *extra, "--",
+             "--max-model-len", "8192")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    rec = data["recommended"]
+    assert data["model"]["max_slots"] == 85 and rec["slots"] == 85
+    assert rec["serve_command"].endswith(f"-- --max-model-len 8192 --max-num-seqs {seqs}")
+    assert rec["max_num_seqs"] == seqs and min(rec["per_layer_slots"]) >= floor
+    note = next(n for n in data["notes"] if n.startswith("the command carries"))
+    assert (f"--max-num-seqs {seqs}, the most" in note) and (
+        ("--max-num-seqs 10 fits too" in note) == (version is None))
+    if version != "0.33":  # serve here reads the 0.26-0.30 rule (no vLLM installed)
+        _serve_accepts(rec["serve_command"], out)
+
+
+def test_a_given_batch_wider_than_the_slots_comes_with_allow_trap(tmp_path):
+    out = tmp_path / "plan.json"
+    r = _cli(*W8A8, "--slots", "85", "--json", "--save", str(out), "--",
+             "--max-model-len", "8192", "--max-num-seqs", "64")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    rec = data["recommended"]
+    assert rec["allow_trap"] and " --allow-trap " in rec["serve_command"]
+    assert rec["serve_command"].endswith("--max-num-seqs 64")  # the user's batch is kept
+    note = next(n for n in data["notes"] if "--allow-trap" in n)
+    assert "512 ids" in note and "--max-num-seqs 8 keeps every decode step" in note
+    _serve_accepts(rec["serve_command"], out)
+    with pytest.raises(UserError, match="sizing trap"):
+        _serve_accepts(rec["serve_command"].replace(" --allow-trap", ""), out)
+
+
+def test_plan_batch_pads_as_the_server_will_and_serves_that_batch():
+    """--batch 10 plans a server of 10: vLLM 0.31+ run the full batch unpadded (80 ids, so
+    80 slots serve it), 0.26-0.30 pad it to 16 (128 ids read through at 80); the command
+    carries --max-num-seqs 10, and with the release assumed a note says what 0.26-0.30
+    would do with a layer narrower than their padding."""
+    def run(*extra, vllm=()):
+        r = _cli(*W8A8, "--slots", "80", "--policy", "lru", "--batch", "10", "--json",
+                 *extra, "--", "--max-model-len", "8192", *vllm)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    new, old = run("--vllm-version", "0.33"), run("--vllm-version", "0.26")
+    assert new["trace"]["batch_tokens"] == 10 and old["trace"]["batch_tokens"] == 16
+    assert new["rows"][0]["predicted_tok_s"] > old["rows"][0]["predicted_tok_s"]
+    assert new["recommended"]["serve_command"].endswith(
+        "-- --max-model-len 8192 --max-num-seqs 10")
+    assert new["recommended"]["min_layer_slots"] == 80
+    assert old["recommended"]["allow_trap"] and not new["recommended"]["allow_trap"]
+    assert any(n.startswith("a batch of 10 runs as 10 tokens a step (unpadded)")
+               for n in new["notes"])
+    server = run("--vllm-version", "0.33", vllm=("--max-num-seqs", "256"))
+    assert server["trace"]["batch_tokens"] == 16  # 10 is not a graph of a 256 server
+    assumed = run()
+    assert assumed["recommended"]["vllm"] == "0.33"
+    assert any(n.startswith("planned as vLLM 0.33 pads a batch") and "vLLM 0.26-0.30 pad a "
+               "full batch of --max-num-seqs 10 to 128 ids" in n for n in assumed["notes"])
+    staged = run("--wide", "staged-install", "--vllm-version", "0.33")["recommended"]
+    assert staged["serve_command"].endswith("-- --max-model-len 8192 --max-num-seqs 10")
+    assert not staged["allow_trap"] and "--wide staged-install" in staged["serve_command"]
+    r = _cli(*W8A8, "--batch", "16", "--max-num-seqs", "8")
+    assert r.returncode == 2 and "--batch 16 is more than --max-num-seqs 8" in r.stderr

@@ -12,7 +12,14 @@ from rich.console import Console
 
 from ..errors import UserError
 from ..tables import Table
-from . import BATCH_HELP, WIDE_HELP, demo_trace_path, parse_budgets, workload
+from . import (
+    BATCH_HELP,
+    VLLM_VERSION_HELP,
+    WIDE_HELP,
+    demo_trace_path,
+    parse_budgets,
+    workload,
+)
 
 console = Console()
 
@@ -90,6 +97,37 @@ def _resident(resident_tok_s: float | None, baseline: Path | None) -> tuple[floa
     raise UserError(f"plan needs {RESIDENT_INPUT}")
 
 
+def _fits(model, vram: float, mode, srv, batch: int | None) -> int:
+    """The most slots `size` fits on the card for the server the plan's command runs.
+
+    A staged mode's scratch comes out of the slots' room, as `size --wide` says. The batch
+    is the server's: the user's ``--max-num-seqs``, a ``--batch N`` (a server of N), or,
+    in place with neither, the ``--max-num-seqs`` the command will carry (the most the
+    budget keeps on the cache, `planner.serveable`), whose runtime memory is smaller than
+    vLLM's default 256 sequences'. That one depends on the slots, so it is settled in two
+    rounds: sizing at the batch safe for S1 slots gives S2; where S2 < S1, S2 fits at the
+    (smaller) batch safe for it.
+    """
+    from .. import sizing
+    from ..policy import Wide
+    from ..vllm_flags import plan_kwargs_from_vllm_args
+
+    kw = plan_kwargs_from_vllm_args(srv.vllm_args) | {"graphs": srv.graphs}
+    if batch and not srv.seqs_given:
+        kw["max_num_seqs"] = srv.max_num_seqs
+
+    def fits(seqs: int | None = None) -> int:
+        extra = {"max_num_seqs": seqs} if seqs else {}
+        return sizing.plan(model, vram, wide=mode.value, **(kw | extra)).max_slots
+
+    most = fits()
+    if mode is not Wide.IN_PLACE or srv.seqs_given or batch:
+        return most
+    one = fits(max(1, srv.safe_max_num_seqs(most, model.top_k)))
+    two = fits(max(1, srv.safe_max_num_seqs(one, model.top_k)))
+    return one if two >= one else two
+
+
 def register(app: typer.Typer) -> None:
     @app.command(
         "plan",
@@ -134,13 +172,18 @@ def register(app: typer.Typer) -> None:
         batch: int | None = typer.Option(
             None, "--batch", help=BATCH_HELP + "; --resident-tok-s is then the aggregate "
             "resident rate at N streams"),
+        max_num_seqs: int | None = typer.Option(
+            None, "--max-num-seqs", help="the server's --max-num-seqs (wins over the flag "
+            "after --; the serve command carries it): how --batch is padded, and the batch "
+            "every layer must hold; default: the flag after --, else the batch, else the "
+            "most the recommended budget keeps on the cache"),
+        vllm_version: str | None = typer.Option(None, "--vllm-version", help=VLLM_VERSION_HELP),
     ) -> None:
         """Predicted decode tok/s per policy and slot budget from a trace, and what to serve."""
-        from .. import planner, sizing
+        from .. import planner, serving
         from ..files import atomic_write, check_output
         from ..model_size import load_model
         from ..trace import load
-        from ..vllm_flags import plan_kwargs_from_vllm_args
         from . import passthrough_args
         from .replay import parse_policies
 
@@ -149,7 +192,9 @@ def register(app: typer.Typer) -> None:
         if trace_path is not None and str(trace_path).startswith("-"):
             # no TRACE given: click took the first vLLM flag after -- for it
             extra, trace_path = [str(trace_path), *extra], None
-        vllm_args = passthrough_args(extra)
+        srv = serving.server(passthrough_args(extra), max_num_seqs=max_num_seqs, batch=batch,
+                             vllm_version=vllm_version, vram_gib=vram)
+        vllm_args = srv.vllm_args
         if save is not None:
             save = check_output(save, "--save")
         if plot is not None:
@@ -157,7 +202,8 @@ def register(app: typer.Typer) -> None:
 
             plot = plot_path(plot)
         path = trace_path if trace_path is not None else demo_trace_path()
-        trace, mode = workload(load(path), wide, batch)
+        trace, mode = workload(load(path), wide, batch,
+                               srv.batch_tokens(batch) if batch else None)
         policies = parse_policies(policy)
         m = load_model(Path(model) if model and Path(model).exists() else model) if model else None
         if m is not None and (m.num_experts, m.top_k) != (trace.num_experts, trace.top_k):
@@ -173,9 +219,7 @@ def register(app: typer.Typer) -> None:
         if vram is not None:
             if m is None:
                 raise UserError("--vram needs --model (what to put on the card)")
-            # a staged mode's scratch comes out of the slots' room, as `size --wide` says
-            fits_upto = sizing.plan(m, vram, wide=mode.value,
-                                    **plan_kwargs_from_vllm_args(vllm_args)).max_slots
+            fits_upto = _fits(m, vram, mode, srv, batch)
         link, link_src, step = _link(link_gbps, probe_file, model)
         res, res_src = _resident(resident_tok_s, baseline)
         inputs = planner.Inputs(per_expert, bytes_src, link, link_src, res, res_src)
@@ -189,7 +233,7 @@ def register(app: typer.Typer) -> None:
         rep = planner.plan_trace(
             trace, inputs, policies, budgets, fits_upto=fits_upto, serve_model=serve_model,
             vram_gb=vram, plan_file=str(save) if save else None, vllm_args=vllm_args,
-            wide=mode, batch=batch,
+            wide=mode, batch=batch, server=srv,
             model={"name": m.name if m else trace.model, "bytes_per_expert": per_expert,
                    "num_experts": trace.num_experts, "top_k": trace.top_k,
                    "num_moe_layers": trace.num_layers, "vram_gib": vram,
