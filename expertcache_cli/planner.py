@@ -176,7 +176,7 @@ def plan_trace(
     fits_upto: int | None,
     model: dict[str, Any],
     serve_model: str,
-    vram_gb: float | None,
+    vram_gb: float | str | None,
     plan_file: str | None = None,
     vllm_args: list[str] | None = None,
     wide: Wide = Wide.IN_PLACE,
@@ -268,13 +268,14 @@ def plan_trace(
         recommended=recommended, notes=notes)
 
 
-def serve_command(model: str, vram_gb: float | None, best: dict[str, Any],
+def serve_command(model: str, vram_gb: float | str | None, best: dict[str, Any],
                   plan_file: str | None, per_layer: bool, vllm_args: list[str],
                   wide: Wide = Wide.IN_PLACE) -> str:
     """The `expertcache serve` line that deploys the recommendation."""
     import shlex
 
-    vram = f" --vram {vram_gb:g}" if vram_gb else " --vram GiB"
+    vram = (" --vram GiB" if not vram_gb else f" --vram {vram_gb}" if isinstance(vram_gb, str)
+            else f" --vram {vram_gb:g}")
     if wide is not Wide.IN_PLACE:
         vram += f" --wide {wide.value}"
     tail = f" -- {shlex.join(vllm_args)}" if vllm_args else ""

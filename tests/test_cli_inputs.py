@@ -13,7 +13,7 @@ import pytest
 BAD = [
     (["size", "--vram", "nan"], "--vram must be a finite number"),
     (["size", "--vram", "inf"], "--vram must be a finite number"),
-    (["size", "--vram", "abc"], "Invalid value for '--vram'"),
+    (["size", "--vram", "abc"], "--vram 'abc': neither GiB nor a known card"),
     (["size", "--overhead-gb", "-1"], "--overhead-gb must be >= 0"),
     (["size", "--kv-tokens", "0"], "--kv-tokens must be positive"),
     (["size", "--max-model-len", "0"], "--max-model-len must be positive"),

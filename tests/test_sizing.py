@@ -87,7 +87,7 @@ def test_seed_table_32_gib_fits_outright_once_utilisation_allows():
     # weights 29.11 GiB + 0.99 runtime + 0.375 KV = 30.47 GiB: more than 32 x 0.90 = 28.8,
     # less than 32 x 0.96 = 30.72. The AMD original's "fits outright" holds at 0.96, and the tool
     # says so instead of pretending 0.9 is enough.
-    at_default = sizing.plan(None, 32, max_model_len=4096)
+    at_default = sizing.plan(None, 32, max_model_len=4096, max_num_seqs=256)
     assert at_default.verdict == "cache" and at_default.slots < 128
     assert at_default.utilization_to_fit_outright == 0.96
     assert "0.96" in at_default.verdict_text
@@ -369,8 +369,9 @@ def test_fp8_kv_halves_the_reserve_and_overhead_override():
 
 
 def test_big_cards_use_vllm_big_card_defaults():
-    assert sizing.plan("qwen3-235b-a22b", 141).max_num_seqs == 1024
-    assert sizing.plan("qwen3-235b-a22b", 24).max_num_seqs == 256
+    # (the batch vLLM would run: planned with the trap, where none is chosen)
+    assert sizing.plan("qwen3-235b-a22b", 141, wide="staged-install").max_num_seqs == 1024
+    assert sizing.plan("qwen3-235b-a22b", 24, wide="staged-install").max_num_seqs == 256
 
 
 def test_plan_json_has_the_documented_keys():
@@ -534,7 +535,9 @@ def test_notes_never_contradict_the_verdict():
     assert not any("--max-model-len 8192" in n for n in p.notes)
     q = sizing.plan(None, 24)  # Qwen3-30B-A3B W8A8 at 40960: 8192 frees room for slots
     note = next(n for n in q.notes if "--max-model-len 8192" in n)
-    assert "room for 84 slots: cache at 84 of 128" in note and q.slots < 84
+    # (at the batch the plan chose, 8 sequences: less runtime memory than vLLM's 256)
+    assert q.max_num_seqs == 8
+    assert "room for 85 slots: cache at 85 of 128" in note and q.slots < 85
 
 
 def test_tensor_parallel_plans_one_gpu_of_several():

@@ -15,6 +15,10 @@ from ..errors import UserError
 COMMAND_MODULES = ["replay", "trace", "plan", "baseline", "size", "build_kernels", "probe_link",
                    "serve"]
 
+#: ``--vram`` wherever a card is planned for (`cards.parse_vram` reads it)
+VRAM_HELP = ("the card: GiB of VRAM (24), or its name (rtx-4090, l4, a10g, rtx-3090, rtx-5090, "
+             "a6000, l40s, ...: the memory it reports)")
+
 #: the bundled trace `expertcache replay` uses when given none (see traces/README.md)
 DEMO_TRACE = "demo-qwen3-30b-a3b-tasks.npz"
 

@@ -10,16 +10,22 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from ..cards import Card, parse_vram, typical_link_gbps
 from ..errors import UserError
 from ..tables import Table
-from . import BATCH_HELP, WIDE_HELP, demo_trace_path, parse_budgets, workload
+from . import BATCH_HELP, VRAM_HELP, WIDE_HELP, demo_trace_path, parse_budgets, workload
 
 console = Console()
 
 
-def _link(link_gbps: float | None, probe_file: Path | None,
-          model: str | None) -> tuple[float, str, tuple[float, str] | None]:
-    """The link rate and its source, and the cache step (us, source) where measured."""
+def _link(link_gbps: float | None, probe_file: Path | None, model: str | None,
+          card: Card | None = None) -> tuple[float, str, tuple[float, str] | None]:
+    """The link rate and its source, and the cache step (us, source) where measured.
+
+    A card named by ``--vram`` and no link given: the rate its usual PCIe slot gives
+    (`cards.typical_link_gbps`), said to be an estimate, rather than a probe of whatever
+    GPU this machine has (a plan for another card is usually made away from it).
+    """
     from .. import planner
 
     if link_gbps is not None and probe_file is not None:
@@ -30,6 +36,11 @@ def _link(link_gbps: float | None, probe_file: Path | None,
         return link_gbps, "given (--link-gbps)", None
     if probe_file is not None:
         return planner.read_probe(probe_file)
+    if card is not None:
+        return typical_link_gbps(card), (
+            f"typical for the {card.label} on {card.link} (the H200's measured share of its "
+            "link, scaled): an estimate; `probe-link --save FILE` on the machine and --probe "
+            "FILE measure yours"), None
     from .. import probe
     from ..kernel_check import device_arch
 
@@ -78,7 +89,9 @@ def register(app: typer.Typer) -> None:
             None, "--model", "-m", "--size-from",
             help="model to size (preset, config.json or model directory; default: the trace's "
                  "expert bytes, no card); --size-from is the same option, named as in serve"),
-        vram: float | None = typer.Option(None, help="card GiB: only budgets that fit count"),
+        vram: str | None = typer.Option(
+            None, help=VRAM_HELP + ": only budgets that fit count; a card's name also gives "
+            "its usual link when no link is given"),
         link_gbps: float | None = typer.Option(None, help="host link GB/s for expert copies"),
         probe_file: Path | None = typer.Option(
             None, "--probe", help="a saved `probe-link --json` (its gather rate)"),
@@ -130,13 +143,14 @@ def register(app: typer.Typer) -> None:
         else:
             raise UserError("the trace does not say how big an expert is: give --model M")
         fits_upto = None
+        vram_gib, card = parse_vram(vram)
         if vram is not None:
             if m is None:
                 raise UserError("--vram needs --model (what to put on the card)")
             # a staged mode's scratch comes out of the slots' room, as `size --wide` says
             fits_upto = sizing.plan(m, vram, wide=mode.value,
                                     **plan_kwargs_from_vllm_args(vllm_args)).max_slots
-        link, link_src, step = _link(link_gbps, probe_file, model)
+        link, link_src, step = _link(link_gbps, probe_file, model, card)
         res, res_src = _resident(resident_tok_s, baseline)
         inputs = planner.Inputs(per_expert, bytes_src, link, link_src, res, res_src)
         if step is not None:
@@ -152,7 +166,8 @@ def register(app: typer.Typer) -> None:
             wide=mode, batch=batch,
             model={"name": m.name if m else trace.model, "bytes_per_expert": per_expert,
                    "num_experts": trace.num_experts, "top_k": trace.top_k,
-                   "num_moe_layers": trace.num_layers, "vram_gib": vram,
+                   "num_moe_layers": trace.num_layers, "vram_gib": vram_gib,
+                   "card": card.describe() if card else None,
                    "max_slots": fits_upto})
         rep.trace["path"] = str(path)
         data = rep.to_json()
@@ -177,6 +192,9 @@ def register(app: typer.Typer) -> None:
         console.print(f"link {i.link_gbps:.1f} GB/s: {i.link_source}")
         console.print(f"resident {i.resident_tok_s:.1f} tok/s: {i.resident_source}")
         console.print(f"cache step {i.step_us:.2f} us a MoE layer: {i.step_source}")
+        if rep.model.get("vram_gib"):
+            card = rep.model.get("card") or f"{rep.model['vram_gib']:g} GiB"
+            console.print(f"card {card}: up to {rep.model['max_slots']} slots a layer fit")
         streams = (f"{rep.trace['batch']} streams (aggregate)" if rep.trace.get("batch")
                    else "as traced")
         t = Table(title=f"predicted decode, {streams}: 1000/R + layer steps x cache step + "

@@ -12,7 +12,7 @@ from .. import formats, installed_vllm, model_size, sizing, vllm_experts, vllm_f
 from ..errors import UserError
 from ..presets import DEFAULT_PRESET, PRESETS
 from ..tables import Table
-from . import passthrough_args
+from . import VRAM_HELP, passthrough_args
 
 console = Console()
 
@@ -54,8 +54,8 @@ def _model_table(m: model_size.ModelSize) -> Table:
 
 
 def _plan_table(p: sizing.SizePlan) -> Table:
-    where = (f"on each of {p.tensor_parallel_size} GPUs of {p.vram_gib:g} GiB (tensor parallel)"
-             if p.tensor_parallel_size > 1 else f"on {p.vram_gib:g} GiB")
+    where = (f"on each of {p.tensor_parallel_size} GPUs of {p.where} (tensor parallel)"
+             if p.tensor_parallel_size > 1 else f"on {p.where}")
     t = Table(title=where, show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column(text=True)
@@ -66,7 +66,9 @@ def _plan_table(p: sizing.SizePlan) -> Table:
     t.add_row("  - non-expert weights", _gib(p.non_expert_bytes))
     t.add_row(
         "  - KV reserve",
-        f"{_gib(p.kv_reserved_bytes)} (one {p.max_model_len}-token sequence)",
+        f"{_gib(p.kv_reserved_bytes)} ("
+        + ("--kv-cache-memory-bytes, yours" if p.kv_given
+           else f"one {p.max_model_len}-token sequence") + ")",
     )
     t.add_row(
         "  - runtime (estimate)",
@@ -80,6 +82,12 @@ def _plan_table(p: sizing.SizePlan) -> Table:
     colour = {"fits_outright": "green", "cache": "cyan", "offload_no_cache": "yellow",
               "does_not_fit": "red"}[p.verdict]
     t.add_row("verdict", f"[{colour}]{p.verdict_text}[/]")
+    if p.batch_choice:
+        t.add_row("batch", p.batch_choice)
+    if p.kv_cache_bytes and not p.kv_given:
+        t.add_row("KV cache", f"{_gib(p.kv_cache_bytes)}: the reserve and what whole slots "
+                  "leave, handed to vLLM (--kv-cache-memory-bytes) so that a first start's "
+                  "compile cannot shrink it")
     if p.verdict in ("cache", "offload_no_cache"):
         t.add_row("vLLM", "vllm serve MODEL " + " ".join(p.vllm_args()))
     if p.verdict == "cache":
@@ -139,8 +147,8 @@ def register(app: typer.Typer) -> None:
             None, "--quant",
             help=f"weight format when the config does not say: {', '.join(formats.QUANTS)}",
         ),
-        vram: float = typer.Option(
-            None, "--vram", help="card memory in GiB; without it, a table of common cards",
+        vram: str = typer.Option(
+            None, "--vram", help=VRAM_HELP + "; without it, a table of common cards",
         ),
         max_model_len: int = typer.Option(None, help="vLLM --max-model-len (default: the model's)"),
         max_num_seqs: int = typer.Option(None, help="vLLM --max-num-seqs (default: vLLM's)"),
