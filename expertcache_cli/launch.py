@@ -209,9 +209,9 @@ def _batch_for_layers(size: sizing.SizePlan, narrow: int, graphs: capture.GraphS
         return size
     out = replan(seqs)
     out.batch_choice = (
-        f"--max-num-seqs {seqs} chosen: the widest batch whose decode steps stay on the "
-        f"plan's narrowest layer ({narrow} slots); to change it, pass --max-num-seqs N after "
-        "-- (a wider batch is refused as the sizing trap)")
+        f"--max-num-seqs {seqs}, the widest batch whose decode steps stay on the plan's "
+        f"narrowest layer ({narrow} slots); choose another with -- --max-num-seqs N (wider "
+        "is refused as the sizing trap)")
     return out
 
 

@@ -308,11 +308,10 @@ def _choose_batch(first: SizePlan, replan: Any) -> SizePlan:
     if best is None:
         return first
     best.batch_choice = (
-        f"--max-num-seqs {best.max_num_seqs} chosen: the widest batch whose decode steps "
-        f"stay on the {best.slots} slots (vLLM's default {first.max_num_seqs} sequences, "
-        f"{first.trap_ids} ids a step, would read through the host copies); to change it, "
-        "pass --max-num-seqs N after -- (a wider batch is refused as the sizing trap), or "
-        "--wide staged-install to stage wide batches through a VRAM scratch"
+        f"--max-num-seqs {best.max_num_seqs}, the widest batch whose decode steps stay on the "
+        f"{best.slots} slots (vLLM's default {first.max_num_seqs} would read through the host "
+        "copies); choose another with -- --max-num-seqs N (wider is refused as the sizing "
+        "trap), or --wide staged-install to stage wide batches through a VRAM scratch"
     )
     return best
 

@@ -416,8 +416,8 @@ def test_serve_as_typed_chooses_the_batch_that_keeps_decode_on_the_cache():
     # the widest: one more sequence would pad past the slots (serve refuses it as the trap)
     with pytest.raises(UserError, match="sizing trap"):
         _plan(vllm_args=["--max-num-seqs", str(s.max_num_seqs + 1)])
-    assert s.batch_choice.startswith(f"--max-num-seqs {s.max_num_seqs} chosen")
-    assert "pass --max-num-seqs N after --" in s.batch_choice
+    assert s.batch_choice.startswith(f"--max-num-seqs {s.max_num_seqs}, the widest batch")
+    assert "choose another with -- --max-num-seqs N" in s.batch_choice
 
 
 def test_a_batch_the_user_gave_is_never_replaced():
