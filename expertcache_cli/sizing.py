@@ -623,13 +623,6 @@ def _plan_for(
     )
 
 
-#: Cards the no-``--vram`` table shows: common VRAM sizes in GiB.
-COMMON_CARDS: list[tuple[str, float]] = [
-    ("16 GiB", 16),
-    ("24 GiB", 24),
-    ("32 GiB", 32),
-    ("40 GiB", 40),
-    ("48 GiB", 48),
-    ("80 GiB", 80),
-    ("141 GiB", 141),
-]
+#: Cards the no-``--vram`` table shows, by name (`cards.CARDS`): 16 to 141 GB as sold.
+COMMON_CARDS: list[str] = ["rtx-4080", "l4", "rtx-4090", "rtx-5090", "a100-40", "l40s",
+                           "a6000", "a100-80", "h200"]

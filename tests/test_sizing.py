@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from tiny_moe import qwen3_moe_config
 
-from expertcache_cli import capture, model_size, sizing, vllm_flags
+from expertcache_cli import capture, cards, model_size, sizing, vllm_flags
 from expertcache_cli.errors import UserError
 from expertcache_cli.presets import DEFAULT_PRESET, PRESETS
 
@@ -508,7 +508,8 @@ def test_cli_table_and_card_sweep():
     assert "cache at" in r.stdout and "--cpu-offload-gb" in r.stdout
     r = _cli("--json")
     d = json.loads(r.stdout)
-    assert [c["vram_gib"] for c in d["cards"]] == [v for _, v in sizing.COMMON_CARDS]
+    assert [c["vram_gib"] for c in d["cards"]] == [
+        cards.CARDS[n].gib for n in sizing.COMMON_CARDS]
 
 
 @pytest.mark.parametrize(

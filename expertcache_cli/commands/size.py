@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from .. import formats, installed_vllm, model_size, sizing, vllm_experts, vllm_flags
+from .. import cards, formats, installed_vllm, model_size, sizing, vllm_experts, vllm_flags
 from ..errors import UserError
 from ..presets import DEFAULT_PRESET, PRESETS
 from ..tables import Table
@@ -112,13 +112,15 @@ _SHORT = {
 
 def _cards_table(m: model_size.ModelSize, rows: list[tuple[str, sizing.SizePlan]]) -> Table:
     t = Table(title=f"{m.name}: slot budget by card (vLLM defaults unless given)")
-    for col, keep in (("card", 9), ("max-model-len", 1), ("slots", 9), ("verdict", 8),
+    for col, keep in (("card", 14), ("max-model-len", 1), ("max-num-seqs", 1), ("slots", 9),
+                      ("verdict", 8),
                       ("--cpu-offload-gb", 2), ("trap", 3)):
         t.add_column(col, keep=keep, text=col in ("verdict", "trap"))
     for label, p in rows:
         t.add_row(
             label,
             str(p.max_model_len),
+            str(p.max_num_seqs) + (" (chosen)" if p.batch_choice else ""),
             f"{p.slots} of {p.num_experts}",
             _SHORT[p.verdict]
             + (f"; fits at utilization {p.utilization_to_fit_outright:.2f}"
@@ -216,7 +218,8 @@ def register(app: typer.Typer) -> None:
         common.update(slots=slots, fraction=fraction, kv_tokens=kv_tokens,
                       overhead_gb=overhead_gb, wide=wide)
         if vram is None:
-            rows = [(label, sizing.plan(m, v, **common)) for label, v in sizing.COMMON_CARDS]
+            rows = [(cards.CARDS[name].describe(), sizing.plan(m, name, **common))
+                    for name in sizing.COMMON_CARDS]
             if as_json:
                 out = m.to_json()
                 out["cards"] = [p.to_json() | {"card": label} for label, p in rows]
