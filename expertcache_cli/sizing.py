@@ -31,10 +31,22 @@ GiB = 1024**3
 VLLM_DEFAULT_UTILIZATION = 0.9
 _BIG_CARD_GIB = 70
 
-#: Fixed part of the runtime overhead estimate: cuBLAS/NCCL workspaces, the CUDA-graph
-#: memory pool and allocator slack. An estimate, not a measurement: --overhead-gb replaces
-#: the whole runtime figure with what vLLM's startup log reports on the user's machine.
+#: Fixed part of the runtime overhead estimate: cuBLAS/NCCL workspaces and allocator
+#: slack. An estimate, not a measurement: --overhead-gb replaces the whole runtime figure
+#: with what vLLM's startup log reports on the user's machine.
 FIXED_OVERHEAD_BYTES = GiB // 2
+
+#: CUDA-graph memory per captured batch size and decoder layer. Measured (H200, vLLM 0.26,
+#: the 48-layer W8A8 Qwen3-30B-A3B shape): "Graph capturing ... took 0.95 GiB" for 51
+#: sizes (1-512), 0.07-0.08 GiB for 4-5 (1-16): per graph, not per token captured.
+GRAPH_BYTES_PER_LAYER = int(0.95 * GiB / (51 * 48))
+
+#: Bytes per logit of the sampler's warm-up (vLLM samples ``max_num_seqs`` dummy requests
+#: with top-k and top-p on after the KV cache is allocated): fp32 logits, the sorted
+#: values and their int64 indices, softmax and cumulative probabilities, and masks live
+#: at once. At 256 sequences of a 151,936-token vocabulary it ran a 16 GiB card out of
+#: memory where 8 bytes a logit had been planned.
+SAMPLER_BYTES_PER_LOGIT = 32
 
 
 # --------------------------------------------------------------------------- the plan
@@ -45,18 +57,23 @@ def vllm_defaults(vram_gib: float) -> tuple[int, int]:
     return (1024, 8192) if vram_gib >= _BIG_CARD_GIB else (256, 2048)
 
 
-def runtime_overhead_bytes(model: ModelSize, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+def runtime_overhead_bytes(model: ModelSize, max_num_seqs: int, max_num_batched_tokens: int,
+                           graph_sizes: int = 0) -> int:
     """What vLLM holds besides weights and KV: an estimate, overridable with --overhead-gb.
 
-    Fixed workspaces and graph pool, the sampler's fp32 logits and probabilities for
-    ``max_num_seqs`` rows of the vocabulary, and the peak activations of one prefill chunk
-    of ``max_num_batched_tokens`` (residual stream copies plus the fused-MoE scratch of
-    top_k gate/up/down rows per token), all at 16 bits.
+    Fixed workspaces, the CUDA graphs of ``graph_sizes`` captured batch sizes (each graph
+    costs about the same whatever its size), the sampler's warm-up over ``max_num_seqs``
+    rows of the vocabulary, and the peak activations of one prefill chunk of
+    ``max_num_batched_tokens`` (residual stream copies plus the fused-MoE scratch of top_k
+    gate/up/down rows per token, at 16 bits). Why each term is there: the plan hands vLLM
+    its KV cache size, so nothing of vLLM's own profile shrinks the KV cache to make room
+    for what this leaves out; the graphs and the sampler are what grow with the batch.
     """
-    logits = max_num_seqs * model.vocab_size * 4 * 2
+    sampler = max_num_seqs * model.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    graphs = graph_sizes * model.num_layers * GRAPH_BYTES_PER_LAYER
     per_tok = 2 * (8 * model.hidden_size
                    + model.top_k * (3 * model.moe_intermediate_size + model.hidden_size))
-    return FIXED_OVERHEAD_BYTES + logits + max_num_batched_tokens * per_tok
+    return FIXED_OVERHEAD_BYTES + graphs + sampler + max_num_batched_tokens * per_tok
 
 
 def online_format(model: ModelSize, vllm_quantization: str | None) -> str | None:
@@ -438,7 +455,10 @@ def _plan_for(
     overhead = (
         int(overhead_gb * GiB)
         if overhead_gb is not None
-        else runtime_overhead_bytes(model, max_num_seqs, max_num_batched_tokens) + staged_peak
+        else runtime_overhead_bytes(
+            model, max_num_seqs, max_num_batched_tokens,
+            len(capture.capture_sizes(max_num_seqs, max_num_batched_tokens, graphs)))
+        + staged_peak
     )
     resident_need = model.non_expert_bytes + kv_reserved + overhead
     slot_budget = budget - resident_need
