@@ -157,10 +157,16 @@ def load(path: str | Path) -> Trace:
         raise TraceError(f"{p}: {exc}") from None
 
 
+def npz_path(path: str | Path) -> Path:
+    """The file `save` writes for ``path``: ``.npz`` appended when it has another suffix."""
+    p = Path(path).expanduser()
+    return p if p.suffix == ".npz" else p.with_name(p.name + ".npz")
+
+
 def save(trace: Trace, path: str | Path) -> Path:
     """Validate and write ``trace``; ids are stored in the smallest signed type that fits."""
     trace.validate()
-    p = Path(path)
+    p = npz_path(path)
     dtype = np.int16 if trace.num_experts < 2**15 else np.int32
     payload: dict[str, Any] = {
         "topk_ids": trace.topk_ids.astype(dtype),
@@ -177,8 +183,6 @@ def save(trace: Trace, path: str | Path) -> Path:
         payload["step_tokens"] = np.asarray(trace.step_tokens, dtype=np.int64)
     if trace.source is not None:
         payload["source"] = np.str_(trace.source)
-    if p.suffix != ".npz":
-        p = p.with_name(p.name + ".npz")
     p.parent.mkdir(parents=True, exist_ok=True)
     # whole or not at all: a reader never sees half a file (an interrupted save, or two
     # processes writing the same name, leave the previous file or the complete new one)

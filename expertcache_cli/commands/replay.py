@@ -130,6 +130,8 @@ def replay_command(
     from ..replay import replay
     from ..split import recommend
 
+    if csv is not None:
+        csv = check_output(csv, "--csv")  # before the sweep it would be written after
     path = trace_path if trace_path is not None else demo_trace_path()
     trace, mode = workload(load(path), wide, batch)
     budgets = parse_budgets(slots, trace.num_experts)
@@ -141,8 +143,6 @@ def replay_command(
     if device == "cuda" and mode is not Wide.IN_PLACE:
         raise UserError(f"--wide {mode.value}: --device cuda replays the manager's in-place "
                         "rules only (the staged ones are checked by the plugin's device tests)")
-    if csv is not None:
-        csv = check_output(csv, "--csv")
     if device == "cuda":
         from ..kernel_check import device_arch
 

@@ -40,11 +40,16 @@ def synth_command(
     model: str | None = typer.Option(None, "--model", help="Model label stored in the trace."),
 ) -> None:
     """Write a synthetic routing trace (labelled synthetic in its `source`)."""
+    from ..files import check_output
     from ..synth import SynthSpec, synthesize
-    from ..trace import save
+    from ..trace import npz_path, save
 
     if kind not in KINDS:
         raise UserError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    # the file `save` will write, checked before the synthesis (missing directories are
+    # made); a directory is refused as one, not written beside as DIR.npz
+    out = check_output(out if out.expanduser().is_dir() else npz_path(out), "OUT",
+                       make_parents=True)
     spec = SynthSpec(
         steps=steps,
         layers=layers,
