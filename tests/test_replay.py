@@ -74,6 +74,25 @@ def test_replay_json_on_every_demo_trace(name):
         assert by[("lru", s)]["vs_lru"] == 1.0 and by[("opt", s)]["vs_opt"] == 1.0
 
 
+def test_replay_without_slots_takes_its_budgets_from_the_traces_experts(tmp_path):
+    """No --slots: E/8, E/4, E/2 (3E/4 in place of one at or below top_k), never E or
+    more, on the bundled OLMoE trace (64 experts) and a default `trace synth` output."""
+    from expertcache_cli.commands import default_budgets
+
+    assert default_budgets(128, 8) == [16, 32, 64]  # the demo trace's table, as documented
+    assert default_budgets(64, 8) == [16, 32, 48]
+    assert default_budgets(8, 2) == [4, 6] and default_budgets(2, 1) == [1]
+    for e in range(2, 300):
+        for k in (1, 2, 8):
+            got = default_budgets(e, k)
+            assert got and all(1 <= s < e for s in got) and len(got) <= 3, (e, k, got)
+    cli("trace", "synth", str(tmp_path / "t.npz"))
+    for path in (TRACES / "demo-olmoe-1b-7b-zipf.npz", tmp_path / "t.npz"):
+        obj = json.loads(cli("replay", str(path), "--policy", "lru", "--json").stdout)
+        assert obj["trace"]["num_experts"] == 64
+        assert [r["slots"] for r in obj["results"]] == [16, 32, 48]
+
+
 def test_batched_trace_reports_read_through_below_width():
     path = TRACES / "demo-qwen3-30b-a3b-batch4.npz"  # 32 ids a step
     rows = json.loads(cli("replay", str(path), "--slots", "16,32", "--json").stdout)["results"]

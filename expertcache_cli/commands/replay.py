@@ -103,7 +103,9 @@ def replay_command(
     trace_path: Path | None = typer.Argument(
         None, metavar="[TRACE]", help="Routing trace .npz (default: the bundled demo trace)."
     ),
-    slots: str = typer.Option("16,32,64", "--slots", help="Slot budgets per layer, comma list."),
+    slots: str | None = typer.Option(
+        None, "--slots", help="Slot budgets per layer, comma list (default: three of E/8, "
+        "E/4, E/2, 3E/4 of the trace's E experts above its top_k: 16,32,64 of 128 top-8)."),
     policy: str = typer.Option("lru,lfu,opt", "--policy", help="Policies: lru, lfu, opt."),
     decay: int = typer.Option(0, "--decay", min=0, help="LFU halving interval (0 = never)."),
     max_inserts: int | None = typer.Option(
@@ -134,7 +136,7 @@ def replay_command(
         csv = check_output(csv, "--csv")  # before the sweep it would be written after
     path = trace_path if trace_path is not None else demo_trace_path()
     trace, mode = workload(load(path), wide, batch)
-    budgets = parse_budgets(slots, trace.num_experts)
+    budgets = parse_budgets(slots, trace.num_experts, trace.top_k)
     policies = parse_policies(policy)
     if decay and Policy.LFU not in policies:
         raise UserError(f"--decay {decay} applies to lfu only (--policy {policy})")
