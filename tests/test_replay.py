@@ -93,6 +93,34 @@ def test_replay_without_slots_takes_its_budgets_from_the_traces_experts(tmp_path
         assert [r["slots"] for r in obj["results"]] == [16, 32, 48]
 
 
+def _strict(text: str):
+    """json.loads that refuses NaN and Infinity, as RFC 8259 (and jq, browsers) do."""
+    def refuse(word):
+        raise ValueError(f"not JSON: {word}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_replay_json_of_a_one_step_trace_is_strict_json_with_null_for_the_undefined(tmp_path):
+    """One step: nothing is re-used, so the reuse-distance percentiles are undefined."""
+    cli("trace", "synth", str(tmp_path / "one.npz"), "--steps", "1")
+    out = cli("replay", str(tmp_path / "one.npz"), "--json").stdout
+    assert "NaN" not in out
+    obj = _strict(out)
+    assert obj["reuse_distance"] == {"p50": None, "p90": None, "p99": None, "reuses": 0}
+    assert all(isinstance(r["miss_rate"], float) for r in obj["results"])
+    assert "reuse distance" not in cli("replay", str(tmp_path / "one.npz")).stdout
+
+
+def test_json_text_is_strict_and_keeps_what_is_defined():
+    from expertcache_cli.commands import json_text
+
+    obj = {"a": float("nan"), "b": [np.float64(float("inf")), np.int64(3), 2.5],
+           "c": {"d": -float("inf"), "e": "x", "f": None, "g": True}}
+    assert _strict(json_text(obj)) == {"a": None, "b": [None, 3, 2.5],
+                                       "c": {"d": None, "e": "x", "f": None, "g": True}}
+
+
 def test_batched_trace_reports_read_through_below_width():
     path = TRACES / "demo-qwen3-30b-a3b-batch4.npz"  # 32 ids a step
     rows = json.loads(cli("replay", str(path), "--slots", "16,32", "--json").stdout)["results"]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -77,6 +80,27 @@ def parse_budgets(text: str | None, num_experts: int, top_k: int = 0) -> list[in
             "(that many slots hold every expert: nothing to cache)"
         )
     return budgets
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every float that is not finite (NaN, inf: a percentile of nothing, a
+    ratio to zero) as None, numpy scalars as Python ones, recursively."""
+    if hasattr(obj, "item") and not hasattr(obj, "__len__"):
+        obj = obj.item()  # a numpy scalar
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any) -> str:
+    """What every ``--json`` prints and every saved JSON holds: strict JSON (RFC 8259 has no
+    NaN; Python's default writes it, and `jq`, browsers and strict parsers refuse the
+    file), undefined numbers as null (`finite`)."""
+    return json.dumps(finite(obj), indent=2, allow_nan=False)
 
 
 def passthrough_args(extra: Sequence[str], argv: Sequence[str] | None = None) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from ..files import atomic_write, check_output
 from ..policy import Policy, Wide
 from ..tables import Table
 from ..trace import Trace, load, shared_note
-from . import BATCH_HELP, WIDE_HELP, demo_trace_path, parse_budgets, workload
+from . import BATCH_HELP, WIDE_HELP, demo_trace_path, json_text, parse_budgets, workload
 
 console = Console()
 err = Console(stderr=True)
@@ -201,7 +200,7 @@ def replay_command(
             ]
         if device_check is not None:
             obj["device"] = device_check
-        print(json.dumps(obj, indent=2))
+        print(json_text(obj))
         _fail_on_device_mismatch(device_check)
         return
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -10,6 +9,7 @@ from rich.console import Console
 
 from ..errors import UserError
 from ..tables import Table
+from . import json_text
 
 console = Console()
 trace_app = typer.Typer(help="Routing trace files: synthesise and inspect.", no_args_is_help=True)
@@ -86,7 +86,7 @@ def info_command(
 
     facts = describe(load(path))
     if as_json:
-        print(json.dumps({"path": str(path), **facts}, indent=2))
+        print(json_text({"path": str(path), **facts}))
         return
     table = Table(title=str(path), show_header=False)
     table.add_column("field")
