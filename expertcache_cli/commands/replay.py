@@ -42,7 +42,7 @@ def _trace_json(path: Path, trace: Trace) -> dict:
         "path": str(path),
         "steps": trace.steps,
         "layers": trace.num_layers,
-        "width": trace.width,
+        "width": trace.ids_per_step,
         "num_experts": trace.num_experts,
         "top_k": trace.top_k,
         "tokens": trace.tokens,
@@ -218,7 +218,7 @@ def _print_results(path: Path, trace: Trace, report, link_gbps: float | None,
     what = trace.model or "unknown model"
     console.print(
         f"[bold]{path.name}[/]: {trace.steps} steps x {trace.num_layers} layers, "
-        f"{trace.width} ids/step, top-{trace.top_k} of {trace.num_experts} experts, "
+        f"{trace.ids_per_step} ids/step, top-{trace.top_k} of {trace.num_experts} experts, "
         f"{trace.tokens} tokens ({what})"
     )
     if trace.source:
