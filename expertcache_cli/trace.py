@@ -240,7 +240,9 @@ def rebatch(trace: Trace, n: int, padded_tokens: int | None = None) -> Trace:
     dec = ids[single]
     t = dec.shape[0]
     # where each stream starts; streams starting at the same step are copies (n > t)
-    offsets = np.unique((np.arange(n, dtype=np.int64) * t) // n)
+    # (n >= t: every step starts one, the rest are copies; never an array of n)
+    offsets = (np.arange(t, dtype=np.int64) if n >= t
+               else np.unique((np.arange(n, dtype=np.int64) * t) // n))
     # requests are known only where the recording marked its prefills (step_tokens)
     shared = shared_requests(single, offsets, n) if trace.step_tokens is not None else None
     width = max(1, int(valid[single].max()))

@@ -232,6 +232,15 @@ def test_the_demo_trace_rebatched_to_100000_streams_stays_the_size_of_its_expert
     assert (np.sort(tr.topk_ids[0], axis=1) == np.sort(tr.topk_ids[-1], axis=1)).all()
 
 
+def test_a_rebatch_to_more_streams_than_memory_holds_is_every_start_once():
+    from expertcache_cli.trace import rebatch
+
+    tr = rebatch(_single_stream(), 10**12)  # never an array of 10**12 streams
+    assert tr.extra["shared"]["streams"] == 10**12 and tr.tokens == 6 * 10**12
+    assert tr.topk_ids.shape == (6, 2, 12)  # layer 0: all 12 of its experts at every step
+    assert "999999999994 of them copies" in tr.source
+
+
 def test_shared_requests_counts_streams_that_start_together_once():
     from expertcache_cli.trace import shared_requests
 
