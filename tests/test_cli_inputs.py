@@ -136,3 +136,44 @@ def test_a_write_that_fails_anyway_is_one_line_naming_the_path(tmp_path):
         atomic_write(tmp_path / "old.csv", full)
     assert (tmp_path / "old.csv").read_text() == "kept"
     assert [p.name for p in tmp_path.iterdir()] == ["old.csv"]  # no temporary left behind
+
+
+#: a real SIGINT delivered inside a command (here: while replay loads its trace), or while
+#: the commands load, then the console entry point as the `expertcache` script runs it
+_CTRL_C = """
+import os, signal, sys, time
+import expertcache_cli.cli as cli
+where = sys.argv[1]
+
+def ctrl_c(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)  # the KeyboardInterrupt arrives here
+
+if where == "command":
+    import expertcache_cli.commands.replay as replay
+    replay.load = ctrl_c
+elif where == "loading":
+    import expertcache_cli.commands as commands
+    commands.register_all = ctrl_c
+elif where == "explained":
+    from expertcache_cli.errors import Interrupted
+    import expertcache_cli.commands.replay as replay
+    def explained(*args, **kwargs):
+        raise Interrupted("interrupted: what was kept, and how to go on")
+    replay.load = explained
+sys.argv = ["expertcache", "replay"]
+cli.main()
+"""
+
+
+@pytest.mark.parametrize("where, line", [
+    ("command", "expertcache: interrupted"),
+    ("loading", "expertcache: interrupted"),
+    ("explained", "expertcache: interrupted: what was kept, and how to go on"),
+])
+def test_ctrl_c_is_one_line_and_exit_130(where, line):
+    r = subprocess.run([sys.executable, "-c", _CTRL_C, where], capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 130, (r.returncode, r.stderr[-800:])
+    assert r.stderr.strip().splitlines() == [line], r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
