@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from ..errors import UserError
-from . import passthrough_args
+from . import json_text, passthrough_args
 
 console = Console()
 err = Console(stderr=True, highlight=False)
@@ -115,7 +114,7 @@ def _print_summary(path: Path, plot: Path | None, as_json: bool) -> None:
 
     summary, records = load_summary(path)
     if as_json:
-        print(json.dumps(summary.to_dict(), indent=2))
+        print(json_text(summary.to_dict()))
     else:
         render(summary, console)
     if plot is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from rich.console import Console
 from ..cards import Card, parse_vram, typical_link_gbps
 from ..errors import UserError
 from ..tables import Table
-from . import BATCH_HELP, VRAM_HELP, WIDE_HELP, demo_trace_path, parse_budgets, workload
+from . import BATCH_HELP, VRAM_HELP, WIDE_HELP, demo_trace_path, json_text, parse_budgets, workload
 
 console = Console()
 
@@ -172,14 +171,14 @@ def register(app: typer.Typer) -> None:
         rep.trace["path"] = str(path)
         data = rep.to_json()
         if save is not None:
-            text = json.dumps(data, indent=2) + "\n"
+            text = json_text(data) + "\n"
             atomic_write(save, lambda tmp: tmp.write_text(text))
         if plot is not None:
             from ..plotting import plot_prediction
 
             plot_prediction(rep.rows, plot)
         if as_json:
-            print(json.dumps(data, indent=2))
+            print(json_text(data))
             return
         _print(rep, save, plot)
 

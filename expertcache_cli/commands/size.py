@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -12,7 +11,7 @@ from .. import cards, formats, installed_vllm, model_size, sizing, vllm_experts,
 from ..errors import UserError
 from ..presets import DEFAULT_PRESET, PRESETS
 from ..tables import Table
-from . import VRAM_HELP, passthrough_args
+from . import VRAM_HELP, json_text, passthrough_args
 
 console = Console()
 
@@ -179,8 +178,8 @@ def register(app: typer.Typer) -> None:
         """Slots that fit on a card, the --cpu-offload-gb for vLLM, and the sizing trap."""
         if list_models:
             if as_json:
-                print(json.dumps({n: {"hf_id": p.hf_id, "quant": p.quant}
-                                  for n, p in PRESETS.items()}, indent=2))
+                print(json_text({n: {"hf_id": p.hf_id, "quant": p.quant}
+                                 for n, p in PRESETS.items()}))
                 return
             t = Table(title="built-in models")
             for col in ("preset", "stands for", "format"):
@@ -223,7 +222,7 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 out = m.to_json()
                 out["cards"] = [p.to_json() | {"card": label} for label, p in rows]
-                print(json.dumps(out, indent=2))
+                print(json_text(out))
                 return
             console.print(_model_table(m))
             console.print(_cards_table(m, rows))
@@ -233,7 +232,7 @@ def register(app: typer.Typer) -> None:
             vllm_experts.offload_backend_args(m.quant, args, vllm_experts.mxfp4_marlin_available(),
                                               installed_vllm.release())
         if as_json:
-            print(json.dumps(m.to_json() | p.to_json(), indent=2))
+            print(json_text(m.to_json() | p.to_json()))
             return
         console.print(_model_table(m))
         console.print(_plan_table(p))
