@@ -52,6 +52,9 @@ from expertcache_cli.baseline.server import Server, ServerFailed, free_port, ser
 
 PROMPT = "w17 w923 w4410 w88 w5120 w3 w777 w2048 w60 w1999 w4096 w31 w8000 w12 w640 w5"
 KV_RE = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
+#: vLLM's line when it was handed the KV size (--kv-cache-memory-bytes): no profile sizing
+KV_GIVEN_RE = re.compile(r"reserved ([\d.]+) GiB memory for KV Cache")
+KV_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 WEIGHTS_RE = re.compile(r"Model loading took ([\d.]+) GiB")
 
 
@@ -189,8 +192,11 @@ def read_log(log: Path) -> dict:
             out["compile"] = "cold"
         elif "Directly load the compiled graph" in line:
             out.setdefault("compile", "warm")
-        if (m := KV_RE.search(line)):
+        if (m := KV_RE.search(line) or KV_GIVEN_RE.search(line)):
             out["kv_gib"] = float(m.group(1))
+            out["kv_handed"] = bool(KV_GIVEN_RE.search(line))
+        if (m := KV_TOKENS_RE.search(line)):
+            out["kv_tokens"] = int(m.group(1).replace(",", ""))
         if (m := WEIGHTS_RE.search(line)):
             out["weights_gib"] = float(m.group(1))
         got = parse_stats_line(line)

@@ -174,6 +174,29 @@ def _next_use_layer(seq, num_experts):
     return out
 
 
+@njit(cache=True, nogil=True)
+def union_layer(seq, offsets, num_experts, used, out):
+    """``out[s]`` = the distinct ids of rows ``(s + o) % T`` of ``seq[T, W]``, ``o`` in
+    ``offsets``. A step stops reading once it holds all ``used`` experts of the layer (many
+    streams: every step soon routes all of them)."""
+    t_steps, width = seq.shape
+    stamp = np.full(num_experts, -1, np.int64)
+    for s in range(t_steps):
+        k = 0
+        for o in offsets:
+            if k == used:
+                break
+            r = s + o
+            if r >= t_steps:
+                r -= t_steps
+            for w in range(width):
+                e = seq[r, w]
+                if e >= 0 and stamp[e] != s:
+                    stamp[e] = s
+                    out[s, k] = e
+                    k += 1
+
+
 @dataclass(frozen=True)
 class LayerCounts:
     """Counters of one (policy, slots, layer) replay."""

@@ -11,3 +11,8 @@ class UserError(Exception):
 
 class DeviceUnavailable(UserError):
     """A command that needs a CUDA device was run where none is usable."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or a SIGTERM a command treats alike) with the one line the CLI prints for it:
+    what was kept and how to go on. Still a KeyboardInterrupt for code that catches one."""

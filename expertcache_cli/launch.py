@@ -113,10 +113,15 @@ def make_plan(
     args = list(vllm_args)
     if args and args[0] == "--":
         args = args[1:]
+    overrides = sizing_overrides(args)
     size = sizing.plan(
         size_from or model, vram_gb, slots=slots, fraction=fraction,
-        device_total_gib=device_total_gib, wide=wide, **sizing_overrides(args)
+        device_total_gib=device_total_gib, wide=wide, **overrides
     )
+    if per_layer is not None and "max_num_seqs" not in overrides:
+        size = _batch_for_layers(size, min(per_layer), overrides["graphs"], lambda n: sizing.plan(
+            size_from or model, vram_gb, max_num_seqs=n, slots=slots, fraction=fraction,
+            device_total_gib=device_total_gib, wide=wide, **overrides))
     from .policy import Wide
 
     wide_mode = Wide.parse(size.wide)
@@ -128,7 +133,7 @@ def make_plan(
     if why:
         raise UserError(why)
     if size.verdict == "does_not_fit":
-        raise UserError(f"{size.model} on {vram_gb:g} GiB: {size.verdict_text}")
+        raise UserError(f"{size.model} on {size.where}: {size.verdict_text}")
     if size.verdict == "fits_outright":
         notes.append("every expert fits in VRAM: serving without offload, the cache stays off")
         env = CacheConfig(disabled=True).to_env()
@@ -143,8 +148,7 @@ def make_plan(
         trap = size.padded_batch * size.top_k > narrow and wide_mode is Wide.IN_PLACE
         if trap and not allow_trap:
             safe = (size.safe_max_num_seqs if per_layer is None else capture.safe_max_num_seqs(
-                narrow, size.top_k, size.max_num_batched_tokens,
-                sizing_overrides(args)["graphs"]))
+                narrow, size.top_k, size.max_num_batched_tokens, overrides["graphs"]))
             raise UserError(
                 budget.trap_text(size.max_num_seqs, size.padded_batch, size.top_k, narrow,
                                  safe, size.graphs).replace(
@@ -191,6 +195,24 @@ def make_plan(
         notes += [note] if note else []
     argv = [*(launcher or vllm_command()), "serve", model, *own, *args]
     return ServePlan(model=model, size=size, env=env, argv=argv, notes=notes, per_layer=per_layer)
+
+
+def _batch_for_layers(size: sizing.SizePlan, narrow: int, graphs: capture.GraphSettings,
+                      replan: Callable[[int], sizing.SizePlan]) -> sizing.SizePlan:
+    """A per-layer plan's batch, where the user left it to vLLM: its narrowest layer reads
+    through first, so the widest ``--max-num-seqs`` whose padded decode step fits that
+    layer is chosen (the uniform plan's choice is for the uniform budget)."""
+    if size.verdict != "cache" or size.scratch_bytes or size.padded_batch * size.top_k <= narrow:
+        return size
+    seqs = capture.safe_max_num_seqs(narrow, size.top_k, size.max_num_batched_tokens, graphs)
+    if seqs < 1:
+        return size
+    out = replan(seqs)
+    out.batch_choice = (
+        f"--max-num-seqs {seqs}, the widest batch whose decode steps stay on the plan's "
+        f"narrowest layer ({narrow} slots); choose another with -- --max-num-seqs N (wider "
+        "is refused as the sizing trap)")
+    return out
 
 
 def _check_per_layer(per_layer: list[int], size: sizing.SizePlan, source: str) -> None:

@@ -178,7 +178,7 @@ def plan_trace(
     fits_upto: int | None,
     model: dict[str, Any],
     serve_model: str,
-    vram_gb: float | None,
+    vram_gb: float | str | None,
     plan_file: str | None = None,
     vllm_args: list[str] | None = None,
     wide: Wide = Wide.IN_PLACE,
@@ -199,7 +199,9 @@ def plan_trace(
     from .split import recommend
 
     if server is None:
-        server = read_server(vllm_args or [], batch=batch, vram_gib=vram_gb)
+        from .cards import parse_vram
+
+        server = read_server(vllm_args or [], batch=batch, vram_gib=parse_vram(vram_gb)[0])
     vllm_args = server.vllm_args
 
     if not budgets:
@@ -368,8 +370,9 @@ def serveable(server: Server, slots: int, top_k: int, wide: Wide,
     if on_new > safe:
         oldest = f"{capture.OLDEST_KNOWN[0]}.{capture.OLDEST_KNOWN[1]}"
         newer = (f"; counted as vLLM {oldest} pads a batch, the most of the releases the "
-                 f"plugin runs on: on vLLM {rel.name} --max-num-seqs {on_new} fits too (no "
-                 "vLLM here: --vllm-version X.Y plans for one)")
+                 f"plugin runs on: on vLLM {rel.name} a batch of {on_new} would stay on "
+                 f"these slots (no vLLM here: --vllm-version {rel.name} plans for that "
+                 "release)")
     notes.append(
         f"the command carries --max-num-seqs {safe}, the most that keeps every layer's decode "
         f"on the cache: a full batch is {ids} ids (padded, x top_k {top_k}), within the "
@@ -392,13 +395,14 @@ def older_release_note(serve: Serveable, narrowest: int, server: Server) -> str 
             f"--vllm-version {o[0]}.{o[1]} plans for those releases")
 
 
-def serve_command(model: str, vram_gb: float | None, best: dict[str, Any],
+def serve_command(model: str, vram_gb: float | str | None, best: dict[str, Any],
                   plan_file: str | None, per_layer: bool, vllm_args: list[str],
                   wide: Wide = Wide.IN_PLACE, allow_trap: bool = False) -> str:
     """The `expertcache serve` line that deploys the recommendation."""
     import shlex
 
-    vram = f" --vram {vram_gb:g}" if vram_gb else " --vram GiB"
+    vram = (" --vram GiB" if not vram_gb else f" --vram {vram_gb}" if isinstance(vram_gb, str)
+            else f" --vram {vram_gb:g}")
     if wide is not Wide.IN_PLACE:
         vram += f" --wide {wide.value}"
     if allow_trap:

@@ -117,15 +117,19 @@ def replay(
 
 @njit(cache=True)
 def _stack_distances(seq, num_experts, out):
-    """Distinct other experts routed in the steps strictly between two uses of an expert."""
+    """Distinct other experts routed in the steps strictly between two uses of an expert.
+    A use is one layer-step routing it (as ``requests`` counts it): the same expert routed
+    by several tokens of one step is one use, whether the step lists it once or per token."""
     t_steps, width = seq.shape
     last = np.full(num_experts, -1, np.int64)
+    seen = np.full(num_experts, -1, np.int64)
     n = 0
     for t in range(t_steps):
         for w in range(width):
             e = seq[t, w]
-            if e < 0 or e >= num_experts or last[e] == t:
+            if e < 0 or e >= num_experts or seen[e] == t:
                 continue
+            seen[e] = t
             if last[e] >= 0:
                 d = 0
                 for o in range(num_experts):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import budget as rules
-from . import capture, vllm_experts
+from . import capture, cards, vllm_experts
 from .errors import UserError
 from .model_size import ModelSize, load_model
 from .vllm_flags import ONLINE_FORMATS
@@ -31,10 +31,22 @@ GiB = 1024**3
 VLLM_DEFAULT_UTILIZATION = 0.9
 _BIG_CARD_GIB = 70
 
-#: Fixed part of the runtime overhead estimate: cuBLAS/NCCL workspaces, the CUDA-graph
-#: memory pool and allocator slack. An estimate, not a measurement: --overhead-gb replaces
-#: the whole runtime figure with what vLLM's startup log reports on the user's machine.
+#: Fixed part of the runtime overhead estimate: cuBLAS/NCCL workspaces and allocator
+#: slack. An estimate, not a measurement: --overhead-gb replaces the whole runtime figure
+#: with what vLLM's startup log reports on the user's machine.
 FIXED_OVERHEAD_BYTES = GiB // 2
+
+#: CUDA-graph memory per captured batch size and decoder layer. Measured (H200, vLLM 0.26,
+#: the 48-layer W8A8 Qwen3-30B-A3B shape): "Graph capturing ... took 0.95 GiB" for 51
+#: sizes (1-512), 0.07-0.08 GiB for 4-5 (1-16): per graph, not per token captured.
+GRAPH_BYTES_PER_LAYER = int(0.95 * GiB / (51 * 48))
+
+#: Bytes per logit of the sampler's warm-up (vLLM samples ``max_num_seqs`` dummy requests
+#: with top-k and top-p on after the KV cache is allocated): fp32 logits, the sorted
+#: values and their int64 indices, softmax and cumulative probabilities, and masks live
+#: at once. At 256 sequences of a 151,936-token vocabulary it ran a 16 GiB card out of
+#: memory where 8 bytes a logit had been planned.
+SAMPLER_BYTES_PER_LOGIT = 32
 
 
 # --------------------------------------------------------------------------- the plan
@@ -45,18 +57,23 @@ def vllm_defaults(vram_gib: float) -> tuple[int, int]:
     return (1024, 8192) if vram_gib >= _BIG_CARD_GIB else (256, 2048)
 
 
-def runtime_overhead_bytes(model: ModelSize, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+def runtime_overhead_bytes(model: ModelSize, max_num_seqs: int, max_num_batched_tokens: int,
+                           graph_sizes: int = 0) -> int:
     """What vLLM holds besides weights and KV: an estimate, overridable with --overhead-gb.
 
-    Fixed workspaces and graph pool, the sampler's fp32 logits and probabilities for
-    ``max_num_seqs`` rows of the vocabulary, and the peak activations of one prefill chunk
-    of ``max_num_batched_tokens`` (residual stream copies plus the fused-MoE scratch of
-    top_k gate/up/down rows per token), all at 16 bits.
+    Fixed workspaces, the CUDA graphs of ``graph_sizes`` captured batch sizes (each graph
+    costs about the same whatever its size), the sampler's warm-up over ``max_num_seqs``
+    rows of the vocabulary, and the peak activations of one prefill chunk of
+    ``max_num_batched_tokens`` (residual stream copies plus the fused-MoE scratch of top_k
+    gate/up/down rows per token, at 16 bits). Why each term is there: the plan hands vLLM
+    its KV cache size, so nothing of vLLM's own profile shrinks the KV cache to make room
+    for what this leaves out; the graphs and the sampler are what grow with the batch.
     """
-    logits = max_num_seqs * model.vocab_size * 4 * 2
+    sampler = max_num_seqs * model.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    graphs = graph_sizes * model.num_layers * GRAPH_BYTES_PER_LAYER
     per_tok = 2 * (8 * model.hidden_size
                    + model.top_k * (3 * model.moe_intermediate_size + model.hidden_size))
-    return FIXED_OVERHEAD_BYTES + logits + max_num_batched_tokens * per_tok
+    return FIXED_OVERHEAD_BYTES + graphs + sampler + max_num_batched_tokens * per_tok
 
 
 def online_format(model: ModelSize, vllm_quantization: str | None) -> str | None:
@@ -178,6 +195,18 @@ class SizePlan:
     #: flags the format needs to stay offloaded (MXFP4: --moe-backend marlin;
     #: `vllm_experts.offload_backend_args`), passed with the offload
     offload_args: list[str] = field(default_factory=list)
+    #: the KV cache bytes vLLM is handed (``--kv-cache-memory-bytes``) where experts are
+    #: offloaded: what the budget leaves after weights, slots, scratch and runtime, so that
+    #: vLLM's profile step (which counts a cold compile's temporaries) cannot shrink it
+    kv_cache_bytes: int = 0
+    #: True when the user gave the KV size (``--kv-cache-memory-bytes``): the plan sized
+    #: around theirs and passes nothing
+    kv_given: bool = False
+    #: the one line that says which ``--max-num-seqs`` the plan chose and how to change it
+    #: (None: the user gave the batch, or vLLM's default already keeps decode on the cache)
+    batch_choice: str | None = None
+    #: the card planned for, by name (`cards.Card.describe`), when ``--vram`` named one
+    card: str | None = None
 
     @property
     def shares_device(self) -> bool:
@@ -201,9 +230,16 @@ class SizePlan:
         if self.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if not self.fits_outright and self.verdict in ("cache", "offload_no_cache"):
+            if self.kv_cache_bytes and not self.kv_given:
+                args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
             args += ["--cpu-offload-gb", str(self.cpu_offload_gb)]
             args += ["--cpu-offload-params", "experts", *self.offload_args]
         return args
+
+    @property
+    def where(self) -> str:
+        """What the plan is for, in words: the card by name, or the GiB given."""
+        return self.card or f"{self.vram_gib:g} GiB"
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -211,12 +247,11 @@ class SizePlan:
         return d
 
 
-#: Measured, not modelled (bench/RESULTS.md, wide, stop 20): at 8,192 batched tokens the
-#: staged servers' profile step peaked this much above slots + scratch, on warm restarts
-#: and on a cold start; at 2,048 (`vllm serve`'s default under 70 GiB), nothing.
-#: Unexplained, so `size` says it rather than folding a guess into the plan.
+#: Measured, not modelled: at 8,192 batched tokens a staged server's profile step peaked
+#: this much above the runtime estimate on the H200 (warm restarts; at 2,048, `vllm
+#: serve`'s default under 70 GiB, nothing). Unexplained, so a staged plan wider than
+#: ``STAGED_PEAK_FREE_TOKENS`` counts it as runtime memory rather than promise it to KV.
 STAGED_WARM_PEAK_GIB = 0.82
-STAGED_COLD_PEAK_GIB = 0.08
 STAGED_PEAK_FREE_TOKENS = 2048
 
 
@@ -239,6 +274,67 @@ def scratch_break_even(slots: int, num_experts: int, top_k: int, cost_slots: flo
 
 def plan(
     model_spec: str | Path | ModelSize | None = None,
+    vram_gb: float | str = 24.0,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    slots: int | None = None,
+    fraction: float | None = None,
+    **options: Any,
+) -> SizePlan:
+    """Size the cache for ``model_spec`` on a card (docs/design.md, sizing): `_plan_for`'s
+    plan, on the card ``vram_gb`` names (GiB, or a card by name: `cards`), with the batch
+    chosen where the user left it to vLLM.
+
+    Why the batch is chosen here: vLLM's default ``--max-num-seqs`` (256 under 70 GiB)
+    makes a full decode step wider than any slot budget a small card holds, and such
+    steps read through the host copies silently (the sizing trap). Where the user gave no
+    ``--max-num-seqs`` and steps are served in place, the plan takes the widest batch
+    whose padded decode step stays on the slots (`_choose_batch`) and says so in
+    ``batch_choice``; a batch the user gave is planned as given, trap and all, for
+    `serve` to refuse. Staged wide modes stage a full batch instead, so nothing is chosen.
+    """
+    gib, card = cards.parse_vram(vram_gb)
+    size = _plan_for(model_spec, gib, max_model_len, max_num_seqs, gpu_memory_utilization,
+                     slots, fraction, **options)
+    if max_num_seqs is None and size.trap:
+        size = _choose_batch(size, lambda n: _plan_for(
+            model_spec, gib, max_model_len, n, gpu_memory_utilization, slots, fraction,
+            **options))
+    size.card = card.describe() if card is not None else None
+    return size
+
+
+def _choose_batch(first: SizePlan, replan: Any) -> SizePlan:
+    """The plan at the widest ``--max-num-seqs`` whose decode steps stay on the slots.
+
+    A smaller batch frees runtime memory (fewer logit rows), so the slots it allows may
+    grow, and with them the batch that fits: iterate from the trap plan's safe batch while
+    each re-plan allows a wider one and stays free of the trap. ``first`` is returned as
+    it is when no batch of one or more sequences keeps decode on the cache.
+    """
+    best, seqs = None, first.safe_max_num_seqs
+    while seqs > 0:
+        nxt = replan(seqs)
+        if nxt.verdict != "cache" or nxt.trap:
+            break
+        best = nxt
+        if nxt.safe_max_num_seqs <= seqs:
+            break
+        seqs = nxt.safe_max_num_seqs
+    if best is None:
+        return first
+    best.batch_choice = (
+        f"--max-num-seqs {best.max_num_seqs}, the widest batch whose decode steps stay on the "
+        f"{best.slots} slots (vLLM's default {first.max_num_seqs} would read through the host "
+        "copies); choose another with -- --max-num-seqs N (wider is refused as the sizing "
+        "trap), or --wide staged-install to stage wide batches through a VRAM scratch"
+    )
+    return best
+
+
+def _plan_for(
+    model_spec: str | Path | ModelSize | None = None,
     vram_gb: float = 24.0,
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
@@ -257,8 +353,9 @@ def plan(
     vllm_quantization: str | None = None,
     wide: str = "in-place",
     moe_backend: str | None = None,
+    kv_cache_memory_bytes: int | None = None,
 ) -> SizePlan:
-    """Size the cache for ``model_spec`` on a ``vram_gb`` GiB card (docs/design.md, sizing).
+    """Size the cache for ``model_spec`` on a ``vram_gb`` GiB card, the batch as given.
 
     Defaults are vLLM's: ``max_model_len`` = the model's context, ``max_num_seqs`` and
     ``max_num_batched_tokens`` as `vllm serve` chooses for the card, utilisation 0.9.
@@ -285,6 +382,17 @@ def plan(
     the plugin declines on every layer (`vllm_experts.declined_kernel`: 4-bit on Marlin,
     MXFP4), the verdict is offload without the cache, unless ``slots``/``fraction`` force
     one (a kernel trial).
+    ``kv_cache_memory_bytes``: the user's ``--kv-cache-memory-bytes``; the plan then sizes
+    around that KV cache (it must hold one ``max_model_len`` sequence) instead of one
+    sequence's worth, and hands vLLM nothing of its own.
+
+    Where experts are offloaded the plan hands vLLM its KV cache size
+    (``kv_cache_bytes``, passed as ``--kv-cache-memory-bytes``): vLLM otherwise derives it
+    from a profile step that also compiles the model, and on a cold compile cache it counts
+    the compile's temporaries as activations (vLLM issue #54122): the first start of a
+    tightly planned card then got less KV than one sequence and was refused, where a
+    restart served. With the size given, the profile still runs (and compiles) but no
+    longer decides the KV cache.
     """
     from .policy import Wide
     from .scratch import scratch_bytes
@@ -334,10 +442,23 @@ def plan(
     kv_reserved = kv_tokens * kv_per_tok + int(
         model.kv_window_bytes_per_seq * kv_scale * seqs_for_window
     )
+    if kv_cache_memory_bytes is not None:
+        one_seq = max_model_len * kv_per_tok + int(model.kv_window_bytes_per_seq * kv_scale)
+        if kv_cache_memory_bytes < one_seq:
+            raise UserError(
+                f"--kv-cache-memory-bytes {kv_cache_memory_bytes:,} cannot hold one "
+                f"--max-model-len {max_model_len} sequence ({one_seq:,} B): vLLM would refuse "
+                "to start; give more, or a shorter --max-model-len")
+        kv_reserved = int(kv_cache_memory_bytes)
+    staged_peak = (int(STAGED_WARM_PEAK_GIB * GiB) if wide_mode is not Wide.IN_PLACE
+                   and max_num_batched_tokens > STAGED_PEAK_FREE_TOKENS else 0)
     overhead = (
         int(overhead_gb * GiB)
         if overhead_gb is not None
-        else runtime_overhead_bytes(model, max_num_seqs, max_num_batched_tokens)
+        else runtime_overhead_bytes(
+            model, max_num_seqs, max_num_batched_tokens,
+            len(capture.capture_sizes(max_num_seqs, max_num_batched_tokens, graphs)))
+        + staged_peak
     )
     resident_need = model.non_expert_bytes + kv_reserved + overhead
     slot_budget = budget - resident_need
@@ -445,15 +566,13 @@ def plan(
                if break_even is not None else "")
             + ("; `plan --wide` prices the trade on your trace"
                if verdict == "cache" else "")
-            + (f"; with {max_num_batched_tokens:,} batched tokens leave room: on the H200 "
-               f"at 8,192 a staged server's warm restart got up to "
-               f"{STAGED_WARM_PEAK_GIB:.2f} GiB less KV than this (cold start "
-               f"{STAGED_COLD_PEAK_GIB:.2f}, at "
-               f"{STAGED_PEAK_FREE_TOKENS:,} none)"
-               if max_num_batched_tokens > STAGED_PEAK_FREE_TOKENS else ""))
+            + (f"; the runtime estimate includes the {STAGED_WARM_PEAK_GIB:.2f} GiB a staged "
+               f"server's profile step peaked above it at more than "
+               f"{STAGED_PEAK_FREE_TOKENS:,} batched tokens (measured, not modelled)"
+               if staged_peak and overhead_gb is None else ""))
     if (verdict in ("cache", "offload_no_cache") and not forced and max_model_len > 8192
             and kv_tokens == max_model_len and kv_reserved > budget // 10):
-        short = plan(model, vram_gb, 8192, max_num_seqs, gpu_memory_utilization,
+        short = _plan_for(model, vram_gb, 8192, max_num_seqs, gpu_memory_utilization,
                      max_num_batched_tokens=max_num_batched_tokens,
                      kv_cache_dtype=kv_cache_dtype, overhead_gb=overhead_gb, graphs=graphs,
                      device_total_gib=device, wide=wide_mode.value)
@@ -465,6 +584,15 @@ def plan(
             )
     offload = math.ceil(model.offloaded_expert_bytes / GiB + 0.5) if verdict in (
         "cache", "offload_no_cache") else 0
+    # the KV vLLM is handed: the reserve, plus what whole slots leave of their room (and
+    # the scratch, where no cache will allocate it)
+    kv_handed = 0
+    if kv_cache_memory_bytes is not None:
+        kv_handed = kv_reserved
+    elif verdict == "cache":
+        kv_handed = kv_reserved + slot_budget - planned * per_slot
+    elif verdict == "offload_no_cache":
+        kv_handed = kv_reserved + slot_budget + scratch
     # (a --moe-backend that cannot offload this format is refused here, in one line)
     offload_args = vllm_experts.offload_backend_args(
         model.quant, ["--moe-backend", moe_backend] if moe_backend else [], None)[0] if (
@@ -510,16 +638,11 @@ def plan(
         wide=wide_mode.value,
         scratch_bytes=scratch,
         scratch_break_even_tokens=break_even,
+        kv_cache_bytes=int(kv_handed),
+        kv_given=kv_cache_memory_bytes is not None,
     )
 
 
-#: Cards the no-``--vram`` table shows: common VRAM sizes in GiB.
-COMMON_CARDS: list[tuple[str, float]] = [
-    ("16 GiB", 16),
-    ("24 GiB", 24),
-    ("32 GiB", 32),
-    ("40 GiB", 40),
-    ("48 GiB", 48),
-    ("80 GiB", 80),
-    ("141 GiB", 141),
-]
+#: Cards the no-``--vram`` table shows, by name (`cards.CARDS`): 16 to 141 GB as sold.
+COMMON_CARDS: list[str] = ["rtx-4080", "l4", "rtx-4090", "rtx-5090", "a100-40", "l40s",
+                           "a6000", "a100-80", "h200"]

@@ -49,6 +49,12 @@ class Trace:
         return int(self.topk_ids.shape[2])
 
     @property
+    def ids_per_step(self) -> int:
+        """Routing ids a layer-step carries: ``width``, or for a re-batched trace (which
+        keeps each step's distinct experts) its streams x top_k."""
+        return int(self.extra.get("ids_per_step", self.width))
+
+    @property
     def tokens(self) -> int:
         """Tokens the trace covers: ``step_tokens`` summed, else the valid ids / top_k
         (a re-batched trace: its streams' tokens, not the graph padding)."""
@@ -157,10 +163,16 @@ def load(path: str | Path) -> Trace:
         raise TraceError(f"{p}: {exc}") from None
 
 
+def npz_path(path: str | Path) -> Path:
+    """The file `save` writes for ``path``: ``.npz`` appended when it has another suffix."""
+    p = Path(path).expanduser()
+    return p if p.suffix == ".npz" else p.with_name(p.name + ".npz")
+
+
 def save(trace: Trace, path: str | Path) -> Path:
     """Validate and write ``trace``; ids are stored in the smallest signed type that fits."""
     trace.validate()
-    p = Path(path)
+    p = npz_path(path)
     dtype = np.int16 if trace.num_experts < 2**15 else np.int32
     payload: dict[str, Any] = {
         "topk_ids": trace.topk_ids.astype(dtype),
@@ -177,8 +189,6 @@ def save(trace: Trace, path: str | Path) -> Path:
         payload["step_tokens"] = np.asarray(trace.step_tokens, dtype=np.int64)
     if trace.source is not None:
         payload["source"] = np.str_(trace.source)
-    if p.suffix != ".npz":
-        p = p.with_name(p.name + ".npz")
     p.parent.mkdir(parents=True, exist_ok=True)
     # whole or not at all: a reader never sees half a file (an interrupted save, or two
     # processes writing the same name, leave the previous file or the complete new one)
@@ -204,6 +214,12 @@ def rebatch(trace: Trace, n: int, padded_tokens: int | None = None) -> Trace:
     ``padded_tokens`` tokens (default: vLLM's default graph padding of ``n``). This is a
     what-if from one user's routing, not a recording of ``n`` users: real users' routing
     is less alike, so it errs towards hits.
+
+    Each batched step holds its distinct experts, not ``n x top_k`` ids: the cache rules
+    see only which experts a step routes (`policy`, rule 2) and the gate its width, which
+    ``step_tokens`` carries, so every count is the same, and the trace is ``[T, L, at most
+    E]`` whatever ``n`` (the plugin records steps wider than E ids the same way). ``n``
+    past ``T`` adds streams that start where another does (copies): they cost nothing more.
     """
     if n < 1:
         raise UserError(f"--batch must be >= 1, got {n}")
@@ -223,27 +239,49 @@ def rebatch(trace: Trace, n: int, padded_tokens: int | None = None) -> Trace:
             "stream, or synthesise with `trace synth --batch`")
     dec = ids[single]
     t = dec.shape[0]
-    starts = [(i * t) // n for i in range(n)]
+    # where each stream starts; streams starting at the same step are copies (n > t)
+    # (n >= t: every step starts one, the rest are copies; never an array of n)
+    offsets = (np.arange(t, dtype=np.int64) if n >= t
+               else np.unique((np.arange(n, dtype=np.int64) * t) // n))
     # requests are known only where the recording marked its prefills (step_tokens)
-    shared = shared_requests(single, starts) if trace.step_tokens is not None else None
+    shared = shared_requests(single, offsets, n) if trace.step_tokens is not None else None
     width = max(1, int(valid[single].max()))
-    # valid ids first (their order within a step does not matter to the cache rules)
-    dec = -np.sort(-dec.astype(np.int64), axis=2)[:, :, :width]
-    dec = np.where((dec >= 0) & (dec < trace.num_experts), dec, -1)
-    out = np.concatenate([np.roll(dec, -s, axis=0) for s in starts], axis=2)
+    dec = np.where((dec >= 0) & (dec < trace.num_experts), dec, -1).astype(np.int32)
+    out = _stream_union(dec, offsets, trace.num_experts, width)
     tokens = default_padded(n) if padded_tokens is None else int(padded_tokens)
     in_requests = f" in {shared['requests']} request(s)" if shared else ""
-    src = f"{trace.source or 'a trace'}, re-batched: {n} interleaved streams of its {t} " \
-          f"decode steps{in_requests}, gate at {tokens} tokens"
+    copies = (f" ({n - len(offsets)} of them copies: the trace has {t} steps to start at)"
+              if len(offsets) < n else "")
+    src = f"{trace.source or 'a trace'}, re-batched: {n} interleaved streams{copies} of its " \
+          f"{t} decode steps{in_requests}, gate at {tokens} tokens"
     return Trace(
-        topk_ids=out.astype(np.int32), num_experts=trace.num_experts, top_k=trace.top_k,
+        topk_ids=out, num_experts=trace.num_experts, top_k=trace.top_k,
         expert_bytes=trace.expert_bytes, model=trace.model, layers=trace.layers,
         step_tokens=np.full(t, tokens, dtype=np.int64), source=src,
-        extra={"batch": n, "real_tokens": n * t, "shared": shared},
+        extra={"batch": n, "real_tokens": n * t, "shared": shared, "ids_per_step": n * width},
     ).validate()
 
 
-def shared_requests(single: np.ndarray, starts: list[int]) -> dict:
+def _stream_union(dec: np.ndarray, offsets: np.ndarray, num_experts: int,
+                  width: int) -> np.ndarray:
+    """``out[s, l]``: the distinct experts of rows ``(s + o) % T`` of ``dec[T, L, W]`` over
+    the streams' ``offsets``, -1 padded: ``[T, L, at most E]`` int32, built a layer at a time
+    (`engine.union_layer`), never the ``[T, L, n x W]`` of the streams side by side."""
+    from .engine import union_layer
+
+    t, n_layers, _ = dec.shape
+    used = [np.unique(dec[:, layer][dec[:, layer] >= 0]) for layer in range(n_layers)]
+    cap = max(1, min(max(len(u) for u in used), len(offsets) * width))
+    out = np.full((t, n_layers, cap), -1, np.int32)
+    for layer in range(n_layers):
+        seq = np.ascontiguousarray(dec[:, layer, :])
+        part = np.full((t, cap), -1, np.int32)
+        union_layer(seq, offsets, num_experts, len(used[layer]), part)
+        out[:, layer, :] = part
+    return out
+
+
+def shared_requests(single: np.ndarray, starts, streams: int | None = None) -> dict:
     """How many distinct requests `rebatch`'s streams are in at once.
 
     Why: the streams are copies of one recording, so two streams inside the same request
@@ -252,18 +290,21 @@ def shared_requests(single: np.ndarray, starts: list[int]) -> dict:
     streams predicted 180 tok/s in place; 16 users with their own prompts ran 41). A
     request is a run of decode steps between two steps that are not (a prefill starts
     each). ``single``: ``[T]`` bool, the trace's decode steps; ``starts``: each stream's
-    first decode step. Returns ``requests`` (in the decode steps), and the fewest and the
-    median distinct requests at one step.
+    first decode step (streams starting together are in one request: counted once);
+    ``streams``: how many there are (default: one a start). Returns ``requests`` (in the
+    decode steps), and the fewest and the median distinct requests at one step.
     """
     req = np.cumsum(np.concatenate([[True], ~single[:-1]])[single])  # +1 after a prefill
-    t, offsets = len(req), np.asarray(starts)
+    t, offsets = len(req), np.unique(np.asarray(starts, dtype=np.int64))
     distinct = np.empty(t, dtype=np.int64)
-    for lo in range(0, t, 8192):  # [steps, streams] a block at a time: bounded memory
-        steps = np.arange(lo, min(t, lo + 8192))
+    block = max(1, (1 << 22) // len(offsets))  # [steps, starts] ~32 MiB at a time
+    for lo in range(0, t, block):
+        steps = np.arange(lo, min(t, lo + block))
         at = np.sort(req[(steps[:, None] + offsets[None, :]) % t], axis=1)
         distinct[steps] = 1 + np.count_nonzero(np.diff(at, axis=1), axis=1)
-    return {"requests": int(req[-1]), "streams": len(offsets), "fewest": int(distinct.min()),
-            "median": float(np.median(distinct))}
+    return {"requests": int(req[-1]),
+            "streams": len(offsets) if streams is None else int(streams),
+            "fewest": int(distinct.min()), "median": float(np.median(distinct))}
 
 
 def shared_note(trace: Trace) -> str | None:

@@ -15,7 +15,7 @@ from .errors import UserError
 
 #: vLLM flags that change a plan, and the `plan` keyword (and type) each one feeds. Every
 #: caller that passes a user's vLLM arguments through (`serve`, `baseline`) reads them here.
-VLLM_PLAN_FLAGS: dict[str, tuple[str, type]] = {
+VLLM_PLAN_FLAGS: dict[str, tuple[str, type | str]] = {
     "--max-model-len": ("max_model_len", int),
     "--max-num-seqs": ("max_num_seqs", int),
     "--gpu-memory-utilization": ("gpu_memory_utilization", float),
@@ -24,7 +24,24 @@ VLLM_PLAN_FLAGS: dict[str, tuple[str, type]] = {
     "--tensor-parallel-size": ("tensor_parallel_size", int),
     "--quantization": ("vllm_quantization", str),
     "--moe-backend": ("moe_backend", str),
+    "--kv-cache-memory-bytes": ("kv_cache_memory_bytes", "bytes"),
 }
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_bytes(raw: str) -> int:
+    """An integer as vLLM reads ``--kv-cache-memory-bytes``: plain, or with a suffix,
+    lower case decimal (``25.6k`` = 25,600) and upper case binary (``4G`` = 4 x 2**30,
+    whole numbers only); raises ValueError otherwise."""
+    text = raw.strip()
+    if text and text[-1] in _BINARY:
+        return int(text[:-1]) * _BINARY[text[-1]]
+    if text and text[-1] in _DECIMAL:
+        return int(float(text[:-1]) * _DECIMAL[text[-1]])
+    return int(text)
+
 
 #: vLLM's online quantisations sizing can follow: the --quantization value -> our format
 ONLINE_FORMATS = {"fp8": "fp8"}
@@ -89,12 +106,12 @@ def plan_kwargs_from_vllm_args(args: Sequence[str]) -> dict[str, Any]:
         raw = vllm_flag_value(args, flag)
         if raw is None:
             continue
+        parse = human_readable_bytes if kind == "bytes" else kind
         try:
-            out[key] = kind(raw)
+            out[key] = parse(raw)
         except ValueError:
-            raise UserError(
-                f"vLLM argument {flag} {raw!r} is not a valid {kind.__name__}"
-            ) from None
+            what = "byte count" if kind == "bytes" else kind.__name__
+            raise UserError(f"vLLM argument {flag} {raw!r} is not a valid {what}") from None
     return out
 
 

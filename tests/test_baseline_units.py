@@ -452,11 +452,36 @@ def test_cli_report_renders_table_and_json(tmp_path):
     out.write_text("".join(json.dumps(r) + "\n" for r in recs))
     p = _cli("baseline", "report", str(out))
     assert p.returncode == 0, p.stderr
-    assert "resident" in p.stdout and "offload" in p.stdout and "0.400" in p.stdout
+    # in a pipe the table fits 80 columns: x offload stays (x resident is left out, named)
+    assert "resident" in p.stdout and "offload" in p.stdout and "2.500" in p.stdout
     j = _cli("baseline", "report", str(out), "--json")
     data = json.loads(j.stdout)
     assert [a["arm"] for a in data["arms"]] == ["resident", "offload"]
     assert data["arms"][1]["ratio_resident"] == pytest.approx(0.4)
+
+
+def test_cli_report_at_80_columns_and_in_a_pipe_keeps_every_value_whole():
+    """As `replay`: rich assumes 80 columns in a pipe; no value is cut, whole columns are
+    left out (the spreads first) and named; a wide terminal shows all of them."""
+    import os
+
+    report = Path(__file__).resolve().parent.parent / "bench" / "results" / \
+        "baseline-h200-2026-11-30" / "h200.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    for columns in (None, "80"):
+        p = subprocess.run([sys.executable, "-m", "expertcache_cli", "baseline", "report",
+                            str(report)], capture_output=True, text=True, timeout=120,
+                           env=env if columns is None else {**env, "COLUMNS": columns})
+        assert p.returncode == 0, p.stderr
+        assert "…" not in p.stdout
+        assert all(len(line) <= 80 for line in p.stdout.splitlines()), p.stdout
+        for value in ("441.5 .. 768.6", "445.7", "69.6%", "88.1%", "5.460"):
+            assert value in p.stdout
+        assert "left out to fit 80 columns: runs, between sd, within sd" in p.stdout
+    wide = subprocess.run([sys.executable, "-m", "expertcache_cli", "baseline", "report",
+                           str(report)], capture_output=True, text=True, timeout=120,
+                          env={**env, "COLUMNS": "200"}).stdout
+    assert "left out" not in wide and "between sd" in wide and "65.8" in wide
 
 
 def test_plot_writes_png(tmp_path):

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from expertcache_cli import sizing
 from expertcache_cli.errors import UserError
 from expertcache_cli.launch import flag_value, make_plan, sizing_overrides
 
@@ -187,7 +188,8 @@ def test_cli_bad_input_is_one_line_and_exit_2():
     assert r.returncode == 2
     assert r.stderr.strip() == ("expertcache: error: --policy 'fifo': choose lru or lfu (opt "
                                 "needs the future: it exists only in `expertcache replay`)")
-    r = _cli("serve", MODEL, "--vram", "24", "--dry-run")  # vLLM's 256 seqs: the trap
+    # a batch the user asked for that bypasses the cache: the trap, refused
+    r = _cli("serve", MODEL, "--vram", "24", "--dry-run", "--", "--max-num-seqs", "256")
     assert r.returncode == 2 and "sizing trap" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -379,22 +381,103 @@ def test_serve_and_baseline_refuse_to_run_the_cache_without_the_plugin(tmp_path,
                                                                    "{python} -c pass")[0]
 
 
-def test_a_wide_batched_token_budget_warns_of_the_staged_warm_restart_peak():
-    """Measured on the H200, not modelled: at 8,192 batched tokens a staged server's warm
-    restart got up to 0.82 GiB less KV than slots + scratch leave; at 2,048 nothing. The
-    plan says so where it applies, and only there."""
+def test_a_wide_batched_token_budget_plans_the_staged_peak_as_runtime_memory():
+    """Measured on the H200: past 2,048 batched tokens a staged server's profile step
+    peaked 0.82 GiB above the runtime estimate; at 2,048 nothing. The plan counts it as
+    runtime memory there (so the KV it hands vLLM is real), says so, and only there."""
     base = ["--max-num-seqs", "4", "--max-model-len", "8192"]
 
-    def note(args):
-        (n,) = [n for n in _plan(vllm_args=args, wide="staged-install").notes
-                if "slots a layer" in n]
+    def plan(tokens):
+        return _plan(vllm_args=[*base, "--max-num-batched-tokens", str(tokens)],
+                     wide="staged-install").size
+
+    def note(p):
+        (n,) = [n for n in p.notes if "slots a layer" in n]
         return n
 
-    assert "warm restart got up to 0.82 GiB less KV" in note(
-        base + ["--max-num-batched-tokens", "8192"])
-    assert "with 4,096 batched tokens leave room" in note(
-        base + ["--max-num-batched-tokens", "4096"])
-    assert "warm restart" not in note(base + ["--max-num-batched-tokens", "2048"])
+    wide, narrow = plan(8192), plan(2048)
+    in_place = _plan(vllm_args=[*base, "--max-num-batched-tokens", "8192"]).size
+    peak = int(sizing.STAGED_WARM_PEAK_GIB * sizing.GiB)
+    assert wide.overhead_bytes == in_place.overhead_bytes + peak
+    assert "includes the 0.82 GiB a staged server's profile step peaked" in note(wide)
+    assert narrow.overhead_bytes < wide.overhead_bytes - peak
+    assert "peaked" not in note(narrow)
+
+
+def test_serve_as_typed_chooses_the_batch_that_keeps_decode_on_the_cache():
+    """`serve MODEL --vram 24`, nothing else: vLLM's default 256 sequences would bypass
+    the cache, so the plan chooses the widest batch whose padded decode step fits the
+    slots, passes it, and says so in one line (how to change it included)."""
+    p = _plan()
+    s = p.size
+    assert s.max_num_seqs < 256 and not s.trap
+    assert flag_value(p.argv, "--max-num-seqs") == str(s.max_num_seqs)
+    assert s.padded_batch * s.top_k <= s.slots  # every decode step on the slots
+    # the widest: one more sequence would pad past the slots (serve refuses it as the trap)
+    with pytest.raises(UserError, match="sizing trap"):
+        _plan(vllm_args=["--max-num-seqs", str(s.max_num_seqs + 1)])
+    assert s.batch_choice.startswith(f"--max-num-seqs {s.max_num_seqs}, the widest batch")
+    assert "choose another with -- --max-num-seqs N" in s.batch_choice
+
+
+def test_a_batch_the_user_gave_is_never_replaced():
+    p = _plan(vllm_args=["--max-num-seqs", "4"])
+    assert p.size.batch_choice is None and flag_value(p.argv, "--max-num-seqs") == "4"
+    # staged: a full batch is staged, nothing is chosen; vLLM's default stays
+    st = _plan(wide="staged-install").size
+    assert st.batch_choice is None and st.max_num_seqs == 256
+
+
+def test_serve_hands_vllm_the_planned_kv_cache():
+    """The profile step cannot shrink what the plan gives KV: --kv-cache-memory-bytes is
+    the reserve plus what whole slots leave, and weights + slots + KV + runtime add up
+    to the budget."""
+    p = _plan(vllm_args=["--max-model-len", "8192"])
+    s = p.size
+    kv = int(flag_value(p.argv, "--kv-cache-memory-bytes"))
+    assert kv == s.kv_cache_bytes and kv >= s.kv_reserved_bytes
+    assert kv - s.kv_reserved_bytes < s.bytes_per_slot  # less than one more slot
+    used = s.non_expert_bytes + s.overhead_bytes + s.slots * s.bytes_per_slot + kv
+    assert used == s.budget_bytes
+    # a KV size the user gives is planned around and passed as theirs, once
+    own = _plan(vllm_args=["--max-model-len", "8192", "--kv-cache-memory-bytes", "2G"])
+    assert own.argv.count("--kv-cache-memory-bytes") == 1
+    assert flag_value(own.argv, "--kv-cache-memory-bytes") == "2G"
+    assert own.size.kv_reserved_bytes == 2 * 2**30 and own.size.slots < s.slots
+
+
+def test_a_kv_size_below_one_sequence_is_refused_before_launch():
+    with pytest.raises(UserError, match="cannot hold one --max-model-len 8192 sequence"):
+        _plan(vllm_args=["--max-model-len", "8192", "--kv-cache-memory-bytes", "100M"])
+
+
+def test_a_per_layer_plan_gets_the_batch_its_narrowest_layer_allows(tmp_path):
+    per_layer = [24] * 24 + [56] * 24  # the uniform budget here is 40 a layer
+    p = _plan(plan_file=_plan_file(tmp_path, per_layer),
+              vllm_args=["--max-model-len", "8192"])
+    s = p.size
+    assert s.max_num_seqs == 2 and s.padded_batch * s.top_k <= 24
+    assert "narrowest layer (24 slots)" in s.batch_choice
+    assert flag_value(p.argv, "--max-num-seqs") == str(s.max_num_seqs)
+
+
+def test_cards_by_name_plan_for_the_memory_they_report():
+    l4 = _plan(vram="l4", vllm_args=["--max-model-len", "8192"]).size
+    rtx = _plan(vram="rtx-4090", vllm_args=["--max-model-len", "8192"]).size
+    plain = _plan(vram=24, vllm_args=["--max-model-len", "8192"]).size
+    assert l4.vram_gib == pytest.approx(22.49, abs=0.01) and l4.slots < rtx.slots
+    assert rtx.vram_gib == pytest.approx(23.99, abs=0.01) and rtx.slots <= plain.slots
+    assert l4.card == "L4 (22.49 GiB, PCIe 4.0 x16)" and plain.card is None
+    assert l4.where == l4.card and plain.where == "24 GiB"
+
+
+def test_serve_says_which_card_and_the_batch_in_its_lines():
+    r = _cli("serve", MODEL, "--vram", "rtx-4090", "--dry-run", "--", "--max-model-len", "8192")
+    assert r.returncode == 0, r.stderr
+    err = " ".join(r.stderr.split())
+    assert "on RTX 4090 (23.99 GiB, PCIe 4.0 x16)" in err
+    assert "batch: --max-num-seqs" in err and "KV cache:" in err
+    assert "--kv-cache-memory-bytes" in r.stdout
 
 
 def test_serve_refuses_a_tensor_parallel_size_vllm_cannot_split():

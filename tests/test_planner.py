@@ -339,33 +339,34 @@ def test_a_plan_for_a_given_batch_is_one_serve_takes(tmp_path):
     assert plan.per_layer == rec["per_layer_slots"]
 
 
-@pytest.mark.parametrize("version, seqs, floor", [(None, 8, 64), ("0.33", 10, 80),
-                                                  ("0.26", 8, 64)])
+@pytest.mark.parametrize("version, slots, seqs, floor", [
+    (None, 85, 8, 64), ("0.33", 84, 10, 80), ("0.26", 85, 8, 64)])
 def test_with_no_batch_flags_the_command_carries_the_max_num_seqs_that_keeps_decode_on_the_cache(
-        tmp_path, version, seqs, floor):
+        tmp_path, version, slots, seqs, floor):
     """No vLLM here: 8 sequences (64 ids) hold on every release the plugin runs on, where
-    vLLM 0.31+ would take 10 (10 is captured there, padded to 16 before). The card is sized
-    for that batch (85 slots), not for vLLM's default 256 (84)."""
+    vLLM 0.31+ take 10 (10 is captured there, padded to 16 before). The card is sized for
+    the batch `size` chooses, not for vLLM's default 256: 85 slots at 8 sequences, 84 at
+    10 (0.33, where 84 slots keep 10 on the cache)."""
     out = tmp_path / "plan.json"
     extra = ["--vllm-version", version] if version else []
-    r = _cli(*W8A8, "--slots", "43,85", "--json", "--save", str(out), *extra, "--",
+    r = _cli(*W8A8, "--slots", f"43,{slots}", "--json", "--save", str(out), *extra, "--",
              "--max-model-len", "8192")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     rec = data["recommended"]
-    assert data["model"]["max_slots"] == 85 and rec["slots"] == 85
+    assert data["model"]["max_slots"] == slots and rec["slots"] == slots
     assert rec["serve_command"].endswith(f"-- --max-model-len 8192 --max-num-seqs {seqs}")
     assert rec["max_num_seqs"] == seqs and min(rec["per_layer_slots"]) >= floor
     note = next(n for n in data["notes"] if n.startswith("the command carries"))
     assert (f"--max-num-seqs {seqs}, the most" in note) and (
-        ("--max-num-seqs 10 fits too" in note) == (version is None))
+        ("a batch of 10 would stay on these slots" in note) == (version is None))
     if version != "0.33":  # serve here reads the 0.26-0.30 rule (no vLLM installed)
         _serve_accepts(rec["serve_command"], out)
 
 
 def test_a_given_batch_wider_than_the_slots_comes_with_allow_trap(tmp_path):
     out = tmp_path / "plan.json"
-    r = _cli(*W8A8, "--slots", "85", "--json", "--save", str(out), "--",
+    r = _cli(*W8A8, "--slots", "80", "--json", "--save", str(out), "--",
              "--max-model-len", "8192", "--max-num-seqs", "64")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
@@ -373,7 +374,8 @@ def test_a_given_batch_wider_than_the_slots_comes_with_allow_trap(tmp_path):
     assert rec["allow_trap"] and " --allow-trap " in rec["serve_command"]
     assert rec["serve_command"].endswith("--max-num-seqs 64")  # the user's batch is kept
     note = next(n for n in data["notes"] if "--allow-trap" in n)
-    assert "512 ids" in note and "--max-num-seqs 8 keeps every decode step" in note
+    assert "512 ids" in note and "more than 80 slots" in note
+    assert "--max-num-seqs 8 keeps every decode step" in note
     _serve_accepts(rec["serve_command"], out)
     with pytest.raises(UserError, match="sizing trap"):
         _serve_accepts(rec["serve_command"].replace(" --allow-trap", ""), out)

@@ -418,7 +418,7 @@ def test_slot_bytes_join_the_weights_vllm_plans_its_kv_cache_around(monkeypatch,
     assert "vLLM chose 3.00 GiB of KV cache" in caplog.text
     worker.cache_config.kv_cache_memory_bytes = 2**30
     plugin._log_memory_plan(worker, sess, 2**30)
-    assert "--kv-cache-memory fixes the KV cache at 1.00 GiB" in caplog.text
+    assert "--kv-cache-memory-bytes fixes the KV cache at 1.00 GiB" in caplog.text
     assert "cannot hold one" not in caplog.text  # this worker says nothing of its KV specs
 
 

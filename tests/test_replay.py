@@ -74,6 +74,53 @@ def test_replay_json_on_every_demo_trace(name):
         assert by[("lru", s)]["vs_lru"] == 1.0 and by[("opt", s)]["vs_opt"] == 1.0
 
 
+def test_replay_without_slots_takes_its_budgets_from_the_traces_experts(tmp_path):
+    """No --slots: E/8, E/4, E/2 (3E/4 in place of one at or below top_k), never E or
+    more, on the bundled OLMoE trace (64 experts) and a default `trace synth` output."""
+    from expertcache_cli.commands import default_budgets
+
+    assert default_budgets(128, 8) == [16, 32, 64]  # the demo trace's table, as documented
+    assert default_budgets(64, 8) == [16, 32, 48]
+    assert default_budgets(8, 2) == [4, 6] and default_budgets(2, 1) == [1]
+    for e in range(2, 300):
+        for k in (1, 2, 8):
+            got = default_budgets(e, k)
+            assert got and all(1 <= s < e for s in got) and len(got) <= 3, (e, k, got)
+    cli("trace", "synth", str(tmp_path / "t.npz"))
+    for path in (TRACES / "demo-olmoe-1b-7b-zipf.npz", tmp_path / "t.npz"):
+        obj = json.loads(cli("replay", str(path), "--policy", "lru", "--json").stdout)
+        assert obj["trace"]["num_experts"] == 64
+        assert [r["slots"] for r in obj["results"]] == [16, 32, 48]
+
+
+def _strict(text: str):
+    """json.loads that refuses NaN and Infinity, as RFC 8259 (and jq, browsers) do."""
+    def refuse(word):
+        raise ValueError(f"not JSON: {word}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_replay_json_of_a_one_step_trace_is_strict_json_with_null_for_the_undefined(tmp_path):
+    """One step: nothing is re-used, so the reuse-distance percentiles are undefined."""
+    cli("trace", "synth", str(tmp_path / "one.npz"), "--steps", "1")
+    out = cli("replay", str(tmp_path / "one.npz"), "--json").stdout
+    assert "NaN" not in out
+    obj = _strict(out)
+    assert obj["reuse_distance"] == {"p50": None, "p90": None, "p99": None, "reuses": 0}
+    assert all(isinstance(r["miss_rate"], float) for r in obj["results"])
+    assert "reuse distance" not in cli("replay", str(tmp_path / "one.npz")).stdout
+
+
+def test_json_text_is_strict_and_keeps_what_is_defined():
+    from expertcache_cli.commands import json_text
+
+    obj = {"a": float("nan"), "b": [np.float64(float("inf")), np.int64(3), 2.5],
+           "c": {"d": -float("inf"), "e": "x", "f": None, "g": True}}
+    assert _strict(json_text(obj)) == {"a": None, "b": [None, 3, 2.5],
+                                       "c": {"d": None, "e": "x", "f": None, "g": True}}
+
+
 def test_batched_trace_reports_read_through_below_width():
     path = TRACES / "demo-qwen3-30b-a3b-batch4.npz"  # 32 ids a step
     rows = json.loads(cli("replay", str(path), "--slots", "16,32", "--json").stdout)["results"]

@@ -171,3 +171,91 @@ def test_a_rebatch_says_when_its_streams_share_a_request_and_prices_distinct_one
     unmarked = _requests_trace(1, 40)
     unmarked.step_tokens = None
     assert shared_note(rebatch(unmarked, 4)) is None
+
+
+def _naive_rebatch_ids(trace: Trace, n: int) -> np.ndarray:
+    """The streams side by side, every id of every stream: ``[T, L, n x W]`` (what a
+    re-batch is, written the obvious way; `rebatch` keeps each step's distinct experts)."""
+    single = np.asarray(trace.step_tokens) == 1
+    dec = trace.topk_ids[single]
+    t = dec.shape[0]
+    return np.concatenate([np.roll(dec, -((i * t) // n), axis=0) for i in range(n)], axis=2)
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 40, 1000])
+def test_a_rebatch_counts_as_the_streams_side_by_side_in_bounded_memory(n):
+    """Every count of every policy, mode and budget, and the reuse distances, equal those of
+    the naive [T, L, n x W] array, while the trace stays [T, L, at most E] for any n (n past
+    the trace's 30 decode steps included: those streams are copies)."""
+    from expertcache_cli import engine
+    from expertcache_cli.policy import Policy, Wide
+    from expertcache_cli.replay import reuse_percentiles
+    from expertcache_cli.trace import rebatch
+
+    rng = np.random.default_rng(n)
+    e, k, t = 24, 3, 31
+    ids = np.stack([np.stack([rng.choice(e, k, replace=False) for _ in range(2)])
+                    for _ in range(t)]).astype(np.int32)
+    ids = np.concatenate([ids, np.full((t, 2, 2), -1, np.int32)], axis=2)  # padded columns
+    ids[0, :, :] = rng.integers(0, e, (2, k + 2))  # a prefill: not re-batched
+    base = Trace(ids, e, k, step_tokens=np.array([2] + [1] * (t - 1)), source="test")
+    tr = rebatch(base, n)
+    naive = _naive_rebatch_ids(base, n)
+    assert tr.topk_ids.shape[:2] == naive.shape[:2] == (t - 1, 2)
+    assert tr.topk_ids.shape[2] <= min(e, n * k)  # bounded by E, whatever n
+    assert tr.ids_per_step == n * k and tr.tokens == n * (t - 1)
+    for s in range(t - 1):
+        for layer in range(2):
+            got, want = tr.topk_ids[s, layer], naive[s, layer]
+            assert sorted(got[got >= 0].tolist()) == sorted(set(want[want >= 0].tolist()))
+    pols = [Policy.LRU, Policy.LFU, Policy.OPT]
+    for wide in Wide:
+        a = engine.sweep(tr.topk_ids, e, pols, [2, 5, 12], 2, widths=tr.gate_widths(), wide=wide)
+        b = engine.sweep(naive, e, pols, [2, 5, 12], 2, widths=tr.gate_widths(), wide=wide)
+        assert a == b
+    assert reuse_percentiles(tr) == reuse_percentiles(Trace(naive, e, k))
+    assert (n > t - 1) == ("copies" in tr.source)
+
+
+def test_the_demo_trace_rebatched_to_100000_streams_stays_the_size_of_its_experts():
+    """`replay --batch 100000` was killed for memory: the streams side by side are
+    3000 x 48 x 800,000 ids. Re-batched, the trace holds at most E=128 ids a layer-step."""
+    from expertcache_cli.commands import demo_trace_path
+    from expertcache_cli.trace import rebatch
+
+    demo = load(demo_trace_path())
+    tr = rebatch(demo, 100_000)
+    assert tr.topk_ids.shape[:2] == (3000, 48) and tr.topk_ids.shape[2] <= 128
+    assert tr.topk_ids.nbytes <= 3000 * 48 * 128 * 4
+    assert tr.ids_per_step == 800_000 and tr.extra["batch"] == 100_000
+    # 100,000 streams start at only 3,000 distinct steps: every step routes what all do
+    assert (np.sort(tr.topk_ids[0], axis=1) == np.sort(tr.topk_ids[-1], axis=1)).all()
+
+
+def test_a_rebatch_to_more_streams_than_memory_holds_is_every_start_once():
+    from expertcache_cli.trace import rebatch
+
+    tr = rebatch(_single_stream(), 10**12)  # never an array of 10**12 streams
+    assert tr.extra["shared"]["streams"] == 10**12 and tr.tokens == 6 * 10**12
+    assert tr.topk_ids.shape == (6, 2, 12)  # layer 0: all 12 of its experts at every step
+    assert "999999999994 of them copies" in tr.source
+
+
+def test_shared_requests_counts_streams_that_start_together_once():
+    from expertcache_cli.trace import shared_requests
+
+    single = np.array([False] + [True] * 9 + [False] + [True] * 9)
+    many = shared_requests(single, [(i * 18) // 5000 for i in range(5000)], 5000)
+    assert many["streams"] == 5000 and many["requests"] == 2
+    assert many["fewest"] == many["median"] == 2  # the 18 distinct starts span both
+
+
+def test_reuse_distance_counts_an_expert_once_a_layer_step():
+    """Two tokens routing expert 1 in one step are one use of it, as `requests` counts."""
+    from expertcache_cli.replay import reuse_percentiles
+
+    once = Trace(np.array([[[1, 2]], [[3, -1]], [[1, 3]]], np.int32), 4, 1)
+    twice = Trace(np.array([[[1, 2, 1, 2]], [[3, -1, 3, -1]], [[1, 3, 1, 3]]], np.int32), 4, 2)
+    # expert 1 re-used at step 2 after {3} (2 is older: at its own step), expert 3 after none
+    assert reuse_percentiles(once, (50, 100)) == {"p50": 0.5, "p100": 1.0, "reuses": 2}
+    assert reuse_percentiles(twice, (50, 100)) == reuse_percentiles(once, (50, 100))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import installed_vllm, vllm_runner
-from ..errors import UserError
+from ..errors import Interrupted, UserError
 from . import store as _store
 from .arms import Arm, round_order
 from .client import RequestFailed, measure_run
@@ -251,11 +251,11 @@ def run_baseline(cfg: BaselineConfig, say: Callable[[str], None] = lambda s: Non
                 say(f"[{i + 1}/{len(todo)}] restart {restart}, arm {arm.name}")
                 _run_block(cfg, template, st, restart, arm, say, offload_env)
     except KeyboardInterrupt:
-        say(
+        # the CLI prints this as its one line for the Ctrl-C (and exits 130)
+        raise Interrupted(
             f"interrupted: the server was stopped and everything measured is in {cfg.out}; "
             "run the same command with --resume to continue"
-        )
-        raise
+        ) from None
     finally:
         st.close()
     _fail_when_nothing_ran(cfg.out)

@@ -29,6 +29,11 @@ class OffloadPlan:
     safe_for: Callable[[int], int] = lambda slots: 0
     #: `size` planned no cache at all (ragged slabs, a kernel the plugin declines): why
     no_cache: str | None = None
+    #: the card planned for, in words (`sizing.SizePlan.where`)
+    where: str = ""
+    #: `size` chose the batch (the user gave none): the line that says so; every arm then
+    #: runs it (``--max-num-seqs`` is in ``share_args``), as `serve` would
+    batch_choice: str | None = None
 
     def arm_warnings(self, arms: list, concurrency: int) -> list[str]:
         """What a careful engineer would say about each cache arm's slots before running:
@@ -59,16 +64,16 @@ class OffloadPlan:
 
 
 def offload_from_vram(
-    model: str, vram: float, vllm_args: list[str], device_total_gib: float | None = None,
+    model: str, vram: float | str, vllm_args: list[str], device_total_gib: float | None = None,
 ) -> OffloadPlan:
     """The plan's ``--cpu-offload-gb``; refuses when offload would mean nothing."""
     kwargs = vllm_flags.plan_kwargs_from_vllm_args(vllm_args)
     p = sizing.plan(model, vram_gb=vram, device_total_gib=device_total_gib, **kwargs)
     if p.verdict == "does_not_fit":
-        raise UserError(f"--vram {vram:g}: {p.verdict_text}")
+        raise UserError(f"--vram {vram}: {p.verdict_text}")
     if p.fits_outright or p.cpu_offload_gb <= 0:
         raise UserError(
-            f"--vram {vram:g}: {p.verdict_text}; to measure the offload penalty anyway, "
+            f"--vram {vram}: {p.verdict_text}; to measure the offload penalty anyway, "
             "pass --cpu-offload-gb GB instead of --vram"
         )
     return OffloadPlan(
@@ -81,6 +86,8 @@ def offload_from_vram(
         no_cache=p.verdict_text if p.verdict == "offload_no_cache" else None,
         share_args=_share_args(p, vllm_args),
         graphs=p.graphs,
+        where=p.where,
+        batch_choice=p.batch_choice,
         safe_for=lambda slots: capture.safe_max_num_seqs(
             slots, p.top_k, p.max_num_batched_tokens,
             kwargs.get("graphs") or capture.settings_from_vllm_args([])),
@@ -88,11 +95,14 @@ def offload_from_vram(
 
 
 def _share_args(p: sizing.SizePlan, vllm_args: list[str]) -> list[str]:
-    if not p.shares_device:
-        return []
+    """The planned flags every arm needs: the card's share of a bigger GPU, and the batch
+    the plan chose where the user gave none."""
     planned = p.vllm_args()
+    flags = ["--max-num-seqs"] if p.batch_choice else []
+    if p.shares_device:
+        flags += ["--gpu-memory-utilization", "--max-num-batched-tokens"]
     out: list[str] = []
-    for flag in ("--gpu-memory-utilization", "--max-num-batched-tokens"):
+    for flag in flags:
         if vllm_flags.vllm_flag_value(vllm_args, flag) is None:
             out += [flag, planned[planned.index(flag) + 1]]
     return out

@@ -405,20 +405,28 @@ def _fmt(v: float, spec: str = ".4g") -> str:
     return "-" if v is None or not math.isfinite(v) else format(v, spec)
 
 
+#: baseline report's columns and what is left out first when the terminal is narrow
+#: (`tables.Table`'s ``keep``: lowest first): at 80 columns the rate, its interval, the
+#: restarts behind it, the share won back and the hit rate stay; the spreads behind the
+#: interval go first
+REPORT_COLUMNS = (("arm", 9), ("restarts", 5), ("runs", 2), ("tok/s", 9), ("95% interval", 8),
+                  ("between sd", 1), ("within sd", 0), ("TTFT s", 1), ("x resident", 3),
+                  ("x offload", 6), ("recovered", 7), ("hit rate", 4))
+
+
 def render(s: Summary, console=None) -> None:
-    """A rich table of the summary, then the warnings and failures."""
+    """A table of the summary, then the warnings and failures. The table is `tables.Table`,
+    as `replay`'s: no value is ever cut; at 80 columns, or in a pipe (rich assumes 80 unless
+    COLUMNS says otherwise), the least important columns are left out and named."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
+
+    from ..tables import Table
 
     console = console or Console()
-    if not console.is_terminal:  # a file or a pipe: no terminal width to respect
-        console = Console(file=console.file, width=200)
     t = Table(title="decode tok/s: mean of restart means (95% interval from restarts)")
-    for col in ("arm", "restarts", "runs", "tok/s", "95% interval", "between sd",
-                "within sd", "TTFT s", "x resident", "x offload", "recovered",
-                "hit rate"):  # fmt: skip
-        t.add_column(col, justify="left" if col == "arm" else "right")
+    for col, keep in REPORT_COLUMNS:
+        t.add_column(col, justify="left" if col == "arm" else "right", keep=keep)
     for a in s.arms:
         hit = None
         if a.counters:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -14,6 +17,10 @@ from ..errors import UserError
 #: module name -> registered by that module's ``register(app)``
 COMMAND_MODULES = ["replay", "trace", "plan", "baseline", "size", "build_kernels", "probe_link",
                    "serve"]
+
+#: ``--vram`` wherever a card is planned for (`cards.parse_vram` reads it)
+VRAM_HELP = ("the card: GiB of VRAM (24), or its name (rtx-4090, l4, a10g, rtx-3090, rtx-5090, "
+             "a6000, l40s, ...: the memory it reports)")
 
 #: the bundled trace `expertcache replay` uses when given none (see traces/README.md)
 DEMO_TRACE = "demo-qwen3-30b-a3b-tasks.npz"
@@ -43,9 +50,28 @@ def parse_int_list(text: str, option: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def parse_budgets(text: str, num_experts: int) -> list[int]:
+#: `replay`'s budgets when --slots is not given: three of E/8, E/4, E/2, 3E/4 (as E x n/8)
+DEFAULT_EIGHTHS = (1, 2, 4, 6)
+
+
+def default_budgets(num_experts: int, top_k: int = 0) -> list[int]:
+    """The first three of E/8, E/4, E/2 and 3E/4 slots that are above ``top_k`` (at top_k
+    slots or fewer a one-token step leaves no choice: every policy counts alike), each a
+    budget the plugin serves (`budget.slot_limit`: below E, within the kernel). 16, 32, 64
+    of 128 experts top-8; 16, 32, 48 of 64 top-8. When none is above top_k: the largest."""
+    from ..budget import slot_limit
+
+    top = slot_limit(num_experts)
+    cands = list(dict.fromkeys(min(top, max(1, num_experts * n // 8)) for n in DEFAULT_EIGHTHS))
+    above = [s for s in cands if s > top_k]
+    return above[:3] if above else [max(1, top)]
+
+
+def parse_budgets(text: str | None, num_experts: int, top_k: int = 0) -> list[int]:
     """``--slots`` for a trace of ``num_experts``: positive and each below E (that many
-    slots hold every expert: nothing to cache)."""
+    slots hold every expert: nothing to cache); None: `default_budgets`."""
+    if text is None:
+        return default_budgets(num_experts, top_k)
     budgets = parse_int_list(text, "--slots")
     bad = [s for s in budgets if s >= num_experts]
     if bad:
@@ -54,6 +80,27 @@ def parse_budgets(text: str, num_experts: int) -> list[int]:
             "(that many slots hold every expert: nothing to cache)"
         )
     return budgets
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every float that is not finite (NaN, inf: a percentile of nothing, a
+    ratio to zero) as None, numpy scalars as Python ones, recursively."""
+    if hasattr(obj, "item") and not hasattr(obj, "__len__"):
+        obj = obj.item()  # a numpy scalar
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any) -> str:
+    """What every ``--json`` prints and every saved JSON holds: strict JSON (RFC 8259 has no
+    NaN; Python's default writes it, and `jq`, browsers and strict parsers refuse the
+    file), undefined numbers as null (`finite`)."""
+    return json.dumps(finite(obj), indent=2, allow_nan=False)
 
 
 def passthrough_args(extra: Sequence[str], argv: Sequence[str] | None = None) -> list[str]:

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from ..errors import UserError
-from . import passthrough_args
+from . import json_text, passthrough_args
 
 console = Console()
 err = Console(stderr=True, highlight=False)
@@ -43,17 +42,19 @@ baseline_app = typer.Typer(
 )
 
 
-def _vram_offload(model: str, vram: float, vllm_args: list[str], arms: list, concurrency: int):
+def _vram_offload(model: str, vram: str, vllm_args: list[str], arms: list, concurrency: int):
     """--cpu-offload-gb from the sizing library, warnings on the sizing trap, and (on a GPU
     bigger than the card) the flags that make every arm's server budget as the card."""
     from ..baseline.sizing_bridge import offload_from_vram
     from ..gpu_info import device_total_gib
 
     p = offload_from_vram(model, vram, vllm_args, device_total_gib())
-    err.print(f"--vram {vram:g}: {p.text}; offload arms get --cpu-offload-gb {p.cpu_offload_gb:g}")
+    err.print(f"--vram {vram} ({p.where}): {p.text}; offload arms get --cpu-offload-gb "
+              f"{p.cpu_offload_gb:g}")
+    if p.batch_choice:
+        err.print(f"batch: {p.batch_choice}")
     if p.share_args:
-        share = " ".join(p.share_args)
-        err.print(f"--vram {vram:g} is a share of this GPU: every arm gets {share}")
+        err.print(f"--vram {vram}: every arm gets {' '.join(p.share_args)}")
     for warning in p.arm_warnings(arms, concurrency):
         err.print(f"[yellow]warning:[/yellow] {warning}")
     return p.cpu_offload_gb, p.share_args
@@ -113,7 +114,7 @@ def _print_summary(path: Path, plot: Path | None, as_json: bool) -> None:
 
     summary, records = load_summary(path)
     if as_json:
-        print(json.dumps(summary.to_dict(), indent=2))
+        print(json_text(summary.to_dict()))
     else:
         render(summary, console)
     if plot is not None:
@@ -159,8 +160,9 @@ def run_cmd(
     cpu_offload_gb: float | None = typer.Option(
         None, help="--cpu-offload-gb for the offload and cache arms."
     ),
-    vram: float | None = typer.Option(
-        None, help="Card VRAM in GiB: let `size` choose --cpu-offload-gb."
+    vram: str | None = typer.Option(
+        None, help="The card (GiB, or a name such as rtx-4090 or l4): let `size` choose "
+        "--cpu-offload-gb."
     ),
     host: str = typer.Option("127.0.0.1", help="Address the servers listen on."),
     port: int = typer.Option(0, help="Server port (0: a free port for every server)."),
@@ -188,8 +190,6 @@ def run_cmd(
     if cpu_offload_gb is not None and vram is not None:
         raise UserError("give --cpu-offload-gb or --vram, not both")
     if vram is not None:
-        if vram <= 0:
-            raise UserError("--vram must be positive")
         cpu_offload_gb, share = _vram_offload(model, vram, vllm_args, arm_list, concurrency)
         vllm_args += share
     offload_args = _offload_checks(model, vllm_args) if any(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -10,13 +9,16 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from ..cards import Card, parse_vram, typical_link_gbps
 from ..errors import UserError
 from ..tables import Table
 from . import (
     BATCH_HELP,
     VLLM_VERSION_HELP,
+    VRAM_HELP,
     WIDE_HELP,
     demo_trace_path,
+    json_text,
     parse_budgets,
     workload,
 )
@@ -27,9 +29,14 @@ console = Console()
 NEEDED_PANEL = "Needed: the two rates (one of each pair)"
 
 
-def _link(link_gbps: float | None, probe_file: Path | None,
-          model: str | None) -> tuple[float, str, tuple[float, str] | None]:
-    """The link rate and its source, and the cache step (us, source) where measured."""
+def _link(link_gbps: float | None, probe_file: Path | None, model: str | None,
+          card: Card | None = None) -> tuple[float, str, tuple[float, str] | None]:
+    """The link rate and its source, and the cache step (us, source) where measured.
+
+    A card named by ``--vram`` and no link given: the rate its usual PCIe slot gives
+    (`cards.typical_link_gbps`), said to be an estimate, rather than a probe of whatever
+    GPU this machine has (a plan for another card is usually made away from it).
+    """
     from .. import planner
 
     if link_gbps is not None:
@@ -38,6 +45,11 @@ def _link(link_gbps: float | None, probe_file: Path | None,
         return link_gbps, "given (--link-gbps)", None
     if probe_file is not None:
         return planner.read_probe(probe_file)
+    if card is not None:
+        return typical_link_gbps(card), (
+            f"typical for the {card.label} on {card.link} (the H200's measured share of its "
+            "link, scaled): an estimate; `probe-link --save FILE` on the machine and --probe "
+            "FILE measure yours"), None
     from .. import probe
     from ..kernel_check import device_arch
 
@@ -56,21 +68,24 @@ def _link(link_gbps: float | None, probe_file: Path | None,
 
 
 #: what each of the two rates is and how to give it (the help and the missing-input line)
-LINK_INPUT = "the link rate (--probe FILE, a saved `probe-link --json`, or --link-gbps G)"
+LINK_INPUT = ("the link rate (--probe FILE, a saved `probe-link --json`, --link-gbps G, or "
+              "--vram naming the card: its usual link, estimated)")
 RESIDENT_INPUT = ("the resident rate (--resident-tok-s R, decode tok/s with every expert in "
                   "VRAM, or --baseline FILE, a `baseline` results file with a resident arm)")
 
 
 def _check_given(link_gbps: float | None, probe_file: Path | None,
-                 resident_tok_s: float | None, baseline: Path | None) -> None:
-    """Both rates the prediction rests on are given (or the link can be measured here),
-    checked before any work: one line naming every missing one and how to pass it."""
+                 resident_tok_s: float | None, baseline: Path | None,
+                 card: Card | None = None) -> None:
+    """Both rates the prediction rests on are given (or the link can be estimated for a
+    card named by ``--vram``, or measured here), checked before any work: one line naming
+    every missing one and how to pass it."""
     if link_gbps is not None and probe_file is not None:
         raise UserError("give --link-gbps or --probe, not both")
     if resident_tok_s is not None and baseline is not None:
         raise UserError("give --resident-tok-s or --baseline, not both")
     missing, where = [], ""
-    if link_gbps is None and probe_file is None:
+    if link_gbps is None and probe_file is None and card is None:
         from ..errors import DeviceUnavailable
         from ..kernel_check import device_arch
 
@@ -97,35 +112,25 @@ def _resident(resident_tok_s: float | None, baseline: Path | None) -> tuple[floa
     raise UserError(f"plan needs {RESIDENT_INPUT}")
 
 
-def _fits(model, vram: float, mode, srv, batch: int | None) -> int:
+def _fits(model, vram: str, mode, srv, batch: int | None) -> int:
     """The most slots `size` fits on the card for the server the plan's command runs.
 
     A staged mode's scratch comes out of the slots' room, as `size --wide` says. The batch
-    is the server's: the user's ``--max-num-seqs``, a ``--batch N`` (a server of N), or,
-    in place with neither, the ``--max-num-seqs`` the command will carry (the most the
-    budget keeps on the cache, `planner.serveable`), whose runtime memory is smaller than
-    vLLM's default 256 sequences'. That one depends on the slots, so it is settled in two
-    rounds: sizing at the batch safe for S1 slots gives S2; where S2 < S1, S2 fits at the
-    (smaller) batch safe for it.
+    is the server's: the user's ``--max-num-seqs``, a ``--batch N`` (a server of N), or, in
+    place with neither, the one `sizing.plan` chooses (the widest whose decode steps stay
+    on the slots: less runtime memory than vLLM's default 256 sequences), counted, where
+    the release is assumed, as the release that pads most pads it, as the
+    ``--max-num-seqs`` the serve command carries is (`planner.serveable`).
     """
     from .. import sizing
-    from ..policy import Wide
     from ..vllm_flags import plan_kwargs_from_vllm_args
 
     kw = plan_kwargs_from_vllm_args(srv.vllm_args) | {"graphs": srv.graphs}
     if batch and not srv.seqs_given:
         kw["max_num_seqs"] = srv.max_num_seqs
-
-    def fits(seqs: int | None = None) -> int:
-        extra = {"max_num_seqs": seqs} if seqs else {}
-        return sizing.plan(model, vram, wide=mode.value, **(kw | extra)).max_slots
-
-    most = fits()
-    if mode is not Wide.IN_PLACE or srv.seqs_given or batch:
-        return most
-    one = fits(max(1, srv.safe_max_num_seqs(most, model.top_k)))
-    two = fits(max(1, srv.safe_max_num_seqs(one, model.top_k)))
-    return one if two >= one else two
+    elif not srv.seqs_given:
+        kw["graphs"] = srv.safety_graphs[0]
+    return sizing.plan(model, vram, wide=mode.value, **kw).max_slots
 
 
 def register(app: typer.Typer) -> None:
@@ -148,11 +153,13 @@ def register(app: typer.Typer) -> None:
             None, "--model", "-m", "--size-from",
             help="model to size (preset, config.json or model directory; default: the trace's "
                  "expert bytes, no card); --size-from is the same option, named as in serve"),
-        vram: float | None = typer.Option(None, help="card GiB: only budgets that fit count"),
+        vram: str | None = typer.Option(
+            None, help=VRAM_HELP + ": only budgets that fit count; a card's name also gives "
+            "its usual link when no link is given"),
         link_gbps: float | None = typer.Option(
             None, help="host link GB/s for expert copies. NEEDED on a machine with no GPU: "
-            "this or --probe (on a GPU, measured when neither is given)",
-            rich_help_panel=NEEDED_PANEL),
+            "this or --probe, or --vram naming a card (its usual link, an estimate); on a "
+            "GPU, measured when none is given", rich_help_panel=NEEDED_PANEL),
         probe_file: Path | None = typer.Option(
             None, "--probe", help="a saved `probe-link --json` from the serving machine (its "
             "gather rate). NEEDED on a machine with no GPU: this or --link-gbps",
@@ -187,13 +194,14 @@ def register(app: typer.Typer) -> None:
         from . import passthrough_args
         from .replay import parse_policies
 
-        _check_given(link_gbps, probe_file, resident_tok_s, baseline)
+        vram_gib, card = parse_vram(vram)
+        _check_given(link_gbps, probe_file, resident_tok_s, baseline, card)
         extra = list(ctx.args)
         if trace_path is not None and str(trace_path).startswith("-"):
             # no TRACE given: click took the first vLLM flag after -- for it
             extra, trace_path = [str(trace_path), *extra], None
         srv = serving.server(passthrough_args(extra), max_num_seqs=max_num_seqs, batch=batch,
-                             vllm_version=vllm_version, vram_gib=vram)
+                             vllm_version=vllm_version, vram_gib=vram_gib)
         vllm_args = srv.vllm_args
         if save is not None:
             save = check_output(save, "--save")
@@ -220,7 +228,7 @@ def register(app: typer.Typer) -> None:
             if m is None:
                 raise UserError("--vram needs --model (what to put on the card)")
             fits_upto = _fits(m, vram, mode, srv, batch)
-        link, link_src, step = _link(link_gbps, probe_file, model)
+        link, link_src, step = _link(link_gbps, probe_file, model, card)
         res, res_src = _resident(resident_tok_s, baseline)
         inputs = planner.Inputs(per_expert, bytes_src, link, link_src, res, res_src)
         if step is not None:
@@ -236,19 +244,20 @@ def register(app: typer.Typer) -> None:
             wide=mode, batch=batch, server=srv,
             model={"name": m.name if m else trace.model, "bytes_per_expert": per_expert,
                    "num_experts": trace.num_experts, "top_k": trace.top_k,
-                   "num_moe_layers": trace.num_layers, "vram_gib": vram,
+                   "num_moe_layers": trace.num_layers, "vram_gib": vram_gib,
+                   "card": card.describe() if card else None,
                    "max_slots": fits_upto})
         rep.trace["path"] = str(path)
         data = rep.to_json()
         if save is not None:
-            text = json.dumps(data, indent=2) + "\n"
+            text = json_text(data) + "\n"
             atomic_write(save, lambda tmp: tmp.write_text(text))
         if plot is not None:
             from ..plotting import plot_prediction
 
             plot_prediction(rep.rows, plot)
         if as_json:
-            print(json.dumps(data, indent=2))
+            print(json_text(data))
             return
         _print(rep, save, plot)
 
@@ -261,6 +270,9 @@ def register(app: typer.Typer) -> None:
         console.print(f"link {i.link_gbps:.1f} GB/s: {i.link_source}")
         console.print(f"resident {i.resident_tok_s:.1f} tok/s: {i.resident_source}")
         console.print(f"cache step {i.step_us:.2f} us a MoE layer: {i.step_source}")
+        if rep.model.get("vram_gib"):
+            card = rep.model.get("card") or f"{rep.model['vram_gib']:g} GiB"
+            console.print(f"card {card}: up to {rep.model['max_slots']} slots a layer fit")
         streams = (f"{rep.trace['batch']} streams (aggregate)" if rep.trace.get("batch")
                    else "as traced")
         t = Table(title=f"predicted decode, {streams}: 1000/R + layer steps x cache step + "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from . import (
     VLLM_VERSION_HELP,
     WIDE_HELP,
     demo_trace_path,
+    json_text,
     parse_budgets,
     workload,
 )
@@ -51,7 +51,7 @@ def _trace_json(path: Path, trace: Trace) -> dict:
         "path": str(path),
         "steps": trace.steps,
         "layers": trace.num_layers,
-        "width": trace.width,
+        "width": trace.ids_per_step,
         "num_experts": trace.num_experts,
         "top_k": trace.top_k,
         "tokens": trace.tokens,
@@ -112,7 +112,9 @@ def replay_command(
     trace_path: Path | None = typer.Argument(
         None, metavar="[TRACE]", help="Routing trace .npz (default: the bundled demo trace)."
     ),
-    slots: str = typer.Option("16,32,64", "--slots", help="Slot budgets per layer, comma list."),
+    slots: str | None = typer.Option(
+        None, "--slots", help="Slot budgets per layer, comma list (default: three of E/8, "
+        "E/4, E/2, 3E/4 of the trace's E experts above its top_k: 16,32,64 of 128 top-8)."),
     policy: str = typer.Option("lru,lfu,opt", "--policy", help="Policies: lru, lfu, opt."),
     decay: int = typer.Option(0, "--decay", min=0, help="LFU halving interval (0 = never)."),
     max_inserts: int | None = typer.Option(
@@ -143,6 +145,8 @@ def replay_command(
     from ..split import recommend
     from . import passthrough_args
 
+    if csv is not None:
+        csv = check_output(csv, "--csv")  # before the sweep it would be written after
     extra = list(ctx.args)
     if trace_path is not None and str(trace_path).startswith("-"):
         # no TRACE given: click took the first vLLM flag after -- for it
@@ -158,7 +162,7 @@ def replay_command(
     path = trace_path if trace_path is not None else demo_trace_path()
     trace, mode = workload(load(path), wide, batch,
                            srv.batch_tokens(batch) if srv and batch else None)
-    budgets = parse_budgets(slots, trace.num_experts)
+    budgets = parse_budgets(slots, trace.num_experts, trace.top_k)
     policies = parse_policies(policy)
     if decay and Policy.LFU not in policies:
         raise UserError(f"--decay {decay} applies to lfu only (--policy {policy})")
@@ -167,8 +171,6 @@ def replay_command(
     if device == "cuda" and mode is not Wide.IN_PLACE:
         raise UserError(f"--wide {mode.value}: --device cuda replays the manager's in-place "
                         "rules only (the staged ones are checked by the plugin's device tests)")
-    if csv is not None:
-        csv = check_output(csv, "--csv")
     if device == "cuda":
         from ..kernel_check import device_arch
 
@@ -226,7 +228,7 @@ def replay_command(
             ]
         if device_check is not None:
             obj["device"] = device_check
-        print(json.dumps(obj, indent=2))
+        print(json_text(obj))
         _fail_on_device_mismatch(device_check)
         return
 
@@ -245,7 +247,7 @@ def _print_results(path: Path, trace: Trace, report, link_gbps: float | None,
     what = trace.model or "unknown model"
     console.print(
         f"[bold]{path.name}[/]: {trace.steps} steps x {trace.num_layers} layers, "
-        f"{trace.width} ids/step, top-{trace.top_k} of {trace.num_experts} experts, "
+        f"{trace.ids_per_step} ids/step, top-{trace.top_k} of {trace.num_experts} experts, "
         f"{trace.tokens} tokens ({what})"
     )
     if trace.source:

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from ..errors import UserError
 from ..launch import launch_refusal, make_plan, plugin_installed
-from . import passthrough_args
+from . import VRAM_HELP, passthrough_args
 
 console = Console(stderr=True)
 
@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
     def serve(
         ctx: typer.Context,
         model: str = typer.Argument(..., help="the model to serve (HF id or local directory)"),
-        vram: float = typer.Option(..., help="GiB of VRAM on the card to size for"),
+        vram: str = typer.Option(..., help=VRAM_HELP),
         slots: int = typer.Option(None, help="force this many slots per MoE layer"),
         fraction: float = typer.Option(None, help="force this fraction of the experts as slots"),
         policy: str = typer.Option("lru", help="replacement policy: lru or lfu"),
@@ -53,8 +53,7 @@ def register(app: typer.Typer) -> None:
             device_total_gib=device_total_gib(), plan_file=plan_file, wide=wide,
         )
         s = plan.size
-        console.print(f"[bold]expertcache serve[/]: {s.model} on {s.vram_gib:g} GiB: "
-                      f"{s.verdict_text}")
+        console.print(f"[bold]expertcache serve[/]: {s.model} on {s.where}: {s.verdict_text}")
         if s.verdict == "cache":
             pad = f" (a CUDA graph of {s.padded_batch})" if s.padded_batch != s.max_num_seqs else ""
             if plan.per_layer:
@@ -71,6 +70,12 @@ def register(app: typer.Typer) -> None:
                 f"max_num_seqs {s.max_num_seqs}{pad} x top_k {s.top_k} = {s.trap_ids} ids per "
                 "batched decode step"
             )
+        if s.batch_choice:
+            console.print(f"  batch: {s.batch_choice}")
+        if s.kv_cache_bytes and "--kv-cache-memory-bytes" in plan.argv:
+            console.print(f"  KV cache: {s.kv_cache_bytes / 2**30:.2f} GiB, handed to vLLM "
+                          "(--kv-cache-memory-bytes) so that a first start's compile cannot "
+                          "shrink it")
         for note in plan.notes:
             console.print(f"  note: {note}")
         plugin_missing = "EXPERT_CACHE_SLOTS" in plan.env and not plugin_installed()

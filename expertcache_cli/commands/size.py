@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 
 import typer
 from rich.console import Console
 
-from .. import formats, installed_vllm, model_size, sizing, vllm_experts, vllm_flags
+from .. import cards, formats, installed_vllm, model_size, sizing, vllm_experts, vllm_flags
 from ..errors import UserError
 from ..presets import DEFAULT_PRESET, PRESETS
 from ..tables import Table
-from . import passthrough_args
+from . import VRAM_HELP, json_text, passthrough_args
 
 console = Console()
 
@@ -55,8 +54,8 @@ def _model_table(m: model_size.ModelSize) -> Table:
 
 
 def _plan_table(p: sizing.SizePlan) -> Table:
-    where = (f"on each of {p.tensor_parallel_size} GPUs of {p.vram_gib:g} GiB (tensor parallel)"
-             if p.tensor_parallel_size > 1 else f"on {p.vram_gib:g} GiB")
+    where = (f"on each of {p.tensor_parallel_size} GPUs of {p.where} (tensor parallel)"
+             if p.tensor_parallel_size > 1 else f"on {p.where}")
     t = Table(title=where, show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column(text=True)
@@ -67,7 +66,9 @@ def _plan_table(p: sizing.SizePlan) -> Table:
     t.add_row("  - non-expert weights", _gib(p.non_expert_bytes))
     t.add_row(
         "  - KV reserve",
-        f"{_gib(p.kv_reserved_bytes)} (one {p.max_model_len}-token sequence)",
+        f"{_gib(p.kv_reserved_bytes)} ("
+        + ("--kv-cache-memory-bytes, yours" if p.kv_given
+           else f"one {p.max_model_len}-token sequence") + ")",
     )
     t.add_row(
         "  - runtime (estimate)",
@@ -81,6 +82,12 @@ def _plan_table(p: sizing.SizePlan) -> Table:
     colour = {"fits_outright": "green", "cache": "cyan", "offload_no_cache": "yellow",
               "does_not_fit": "red"}[p.verdict]
     t.add_row("verdict", f"[{colour}]{p.verdict_text}[/]")
+    if p.batch_choice:
+        t.add_row("batch", p.batch_choice)
+    if p.kv_cache_bytes and not p.kv_given:
+        t.add_row("KV cache", f"{_gib(p.kv_cache_bytes)}: the reserve and what whole slots "
+                  "leave, handed to vLLM (--kv-cache-memory-bytes) so that a first start's "
+                  "compile cannot shrink it")
     if p.verdict == "cache":
         t.add_row(
             "cache slots",
@@ -103,13 +110,15 @@ _SHORT = {
 
 def _cards_table(m: model_size.ModelSize, rows: list[tuple[str, sizing.SizePlan]]) -> Table:
     t = Table(title=f"{m.name}: slot budget by card (vLLM defaults unless given)")
-    for col, keep in (("card", 9), ("max-model-len", 1), ("slots", 9), ("verdict", 8),
+    for col, keep in (("card", 14), ("max-model-len", 1), ("max-num-seqs", 1), ("slots", 9),
+                      ("verdict", 8),
                       ("--cpu-offload-gb", 2), ("trap", 3)):
         t.add_column(col, keep=keep, text=col in ("verdict", "trap"))
     for label, p in rows:
         t.add_row(
             label,
             str(p.max_model_len),
+            str(p.max_num_seqs) + (" (chosen)" if p.batch_choice else ""),
             f"{p.slots} of {p.num_experts}",
             _SHORT[p.verdict]
             + (f"; fits at utilization {p.utilization_to_fit_outright:.2f}"
@@ -138,8 +147,8 @@ def register(app: typer.Typer) -> None:
             None, "--quant",
             help=f"weight format when the config does not say: {', '.join(formats.QUANTS)}",
         ),
-        vram: float = typer.Option(
-            None, "--vram", help="card memory in GiB; without it, a table of common cards",
+        vram: str = typer.Option(
+            None, "--vram", help=VRAM_HELP + "; without it, a table of common cards",
         ),
         max_model_len: int = typer.Option(None, help="vLLM --max-model-len (default: the model's)"),
         max_num_seqs: int = typer.Option(None, help="vLLM --max-num-seqs (default: vLLM's)"),
@@ -168,8 +177,8 @@ def register(app: typer.Typer) -> None:
         """Slots that fit on a card, the --cpu-offload-gb for vLLM, and the sizing trap."""
         if list_models:
             if as_json:
-                print(json.dumps({n: {"hf_id": p.hf_id, "quant": p.quant}
-                                  for n, p in PRESETS.items()}, indent=2))
+                print(json_text({n: {"hf_id": p.hf_id, "quant": p.quant}
+                                 for n, p in PRESETS.items()}))
                 return
             t = Table(title="built-in models")
             for col in ("preset", "stands for", "format"):
@@ -207,11 +216,12 @@ def register(app: typer.Typer) -> None:
         common.update(slots=slots, fraction=fraction, kv_tokens=kv_tokens,
                       overhead_gb=overhead_gb, wide=wide)
         if vram is None:
-            rows = [(label, sizing.plan(m, v, **common)) for label, v in sizing.COMMON_CARDS]
+            rows = [(cards.CARDS[name].describe(), sizing.plan(m, name, **common))
+                    for name in sizing.COMMON_CARDS]
             if as_json:
                 out = m.to_json()
                 out["cards"] = [p.to_json() | {"card": label} for label, p in rows]
-                print(json.dumps(out, indent=2))
+                print(json_text(out))
                 return
             console.print(_model_table(m))
             console.print(_cards_table(m, rows))
@@ -221,7 +231,7 @@ def register(app: typer.Typer) -> None:
             vllm_experts.offload_backend_args(m.quant, args, vllm_experts.mxfp4_marlin_available(),
                                               installed_vllm.release())
         if as_json:
-            print(json.dumps(m.to_json() | p.to_json(), indent=2))
+            print(json_text(m.to_json() | p.to_json()))
             return
         console.print(_model_table(m))
         console.print(_plan_table(p))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -10,6 +9,7 @@ from rich.console import Console
 
 from ..errors import UserError
 from ..tables import Table
+from . import json_text
 
 console = Console()
 trace_app = typer.Typer(help="Routing trace files: synthesise and inspect.", no_args_is_help=True)
@@ -40,11 +40,16 @@ def synth_command(
     model: str | None = typer.Option(None, "--model", help="Model label stored in the trace."),
 ) -> None:
     """Write a synthetic routing trace (labelled synthetic in its `source`)."""
+    from ..files import check_output
     from ..synth import SynthSpec, synthesize
-    from ..trace import save
+    from ..trace import npz_path, save
 
     if kind not in KINDS:
         raise UserError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    # the file `save` will write, checked before the synthesis (missing directories are
+    # made); a directory is refused as one, not written beside as DIR.npz
+    out = check_output(out if out.expanduser().is_dir() else npz_path(out), "OUT",
+                       make_parents=True)
     spec = SynthSpec(
         steps=steps,
         layers=layers,
@@ -81,7 +86,7 @@ def info_command(
 
     facts = describe(load(path))
     if as_json:
-        print(json.dumps({"path": str(path), **facts}, indent=2))
+        print(json_text({"path": str(path), **facts}))
         return
     table = Table(title=str(path), show_header=False)
     table.add_column("field")

@@ -60,7 +60,8 @@ def count_as_weights(worker: Any, slot_bytes: int) -> int:
 
 
 def explicit_kv_bytes(worker: Any) -> int | None:
-    """``--kv-cache-memory`` when the user set it: vLLM then skips its plan altogether."""
+    """``--kv-cache-memory-bytes`` when it was given (by the user, or by `expertcache
+    serve`, which plans it): vLLM then sizes no KV cache from its profile."""
     cache_config = getattr(worker, "cache_config", None)
     value = getattr(cache_config, "kv_cache_memory_bytes", None)
     return int(value) if value else None
@@ -79,8 +80,9 @@ def kv_line(slot_bytes: int, weights_bytes: int, kv_bytes: int | None, explicit:
         return head + "; vLLM reported no KV cache size"
     if explicit:
         return (
-            head + f"; --kv-cache-memory fixes the KV cache at {kv_bytes / GiB:.2f} GiB, so "
-            "vLLM does not plan from --gpu-memory-utilization: the slots come on top of it"
+            head + f"; --kv-cache-memory-bytes fixes the KV cache at {kv_bytes / GiB:.2f} GiB "
+            "(`expertcache serve` plans it beside the weights, slots and runtime), so vLLM's "
+            "profile step, a cold compile included, does not size it"
         )
     return head + f"; vLLM chose {kv_bytes / GiB:.2f} GiB of KV cache"
 

@@ -1,0 +1,102 @@
+"""The first-start runner (bench/run_first_start_on_device.sh) with its GPU steps stubbed, and
+its report (bench/first_start_report.py): every start cold (its own empty caches), serve as
+typed, what was planned saved beside what vLLM did, and goals that can fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from bench_runner_harness import make_runner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import first_start_report as fsr  # noqa: E402
+
+STUB = r'''#!/usr/bin/env python3
+import json, os, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+with open(os.environ["STUB_LOG"], "a") as log:
+    log.write(" ".join(args) + "\n")
+if args[0] in ("-", "-c"):
+    os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
+if args[0].endswith("first_start_report.py"):
+    os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
+if args[0].endswith("ballast.py"):
+    print(json.dumps({"verb": args[1]}))
+elif args[0].endswith("small_card.py"):
+    name, out = args[1], Path(args[args.index("--out") + 1])
+    env = dict(a.split("=", 1) for a in args[1:args.index("--")] if "=" in a)
+    cold = Path(env["VLLM_CACHE_ROOT"]).parent
+    assert cold.is_dir() and not any(cold.iterdir()), "the start's caches are not empty"
+    (out / f"{name}.json").write_text(json.dumps({"arm": name, "status": "ok", "start_s": 200,
+        "tok_s": [30.0], "log": {"kv_gib": 3.85, "slots": 71, "armed_layers": 48,
+                                 "moe_layers": 48, "compile": "cold"}}))
+    (out / f"{name}.log").write_text("log\n")
+elif args[1:3] == ["expertcache_cli", "size"]:
+    print(json.dumps({"slots": 71, "kv_cache_bytes": int(3.85 * 2**30), "max_num_seqs": 8}))
+elif args[1:3] == ["expertcache_cli", "serve"]:
+    print("serve: dry run")
+'''
+
+
+@pytest.fixture()
+def runner(tmp_path):
+    return make_runner(tmp_path, "run_first_start_on_device.sh", ("small_card.py",
+                       "first_start_report.py"), STUB, keep_bench_helpers=True,
+                       FS=str(tmp_path / "fs"), MODEL_DIR=str(tmp_path / "models")), tmp_path
+
+
+def test_every_start_is_cold_and_serve_is_run_as_typed(runner):
+    run, tmp = runner
+    calls, out = run(STEPS="starts report", STARTS="24:in-place:default 16:staged-install:8192")
+    serves = [c for c in calls if "small_card.py" in c]
+    assert len(serves) == 2
+    first, second = (c.split(" -- ", 1)[1] for c in serves)
+    # as typed: no batch flag, no memory flag of ours; only the bundle's backend and a port
+    assert "--max-num-seqs" not in first and "--gpu-memory-utilization" not in first
+    assert first.endswith("serve " + str(tmp / "models" / "w8a8") + " --vram 24 -- "
+                          "--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 "
+                          "--port {port}")
+    assert "--vram 16 --wide staged-install -- --max-model-len 8192" in second
+    # the ballast changes with the card, and is stopped at the end
+    ballasts = [c for c in calls if "ballast.py start" in c]
+    assert [b.split()[-1] for b in ballasts] == ["24", "16"]
+    assert "fs24-in-place-default" in out and "goals" in out
+    assert not list((tmp / "fs").glob("cache-*"))  # the cold caches are removed after
+
+
+def test_a_start_done_before_is_not_run_again(runner):
+    run, _ = runner
+    run(STEPS="starts", STARTS="24:in-place:8192")
+    calls, out = run(STEPS="starts", STARTS="24:in-place:8192")
+    assert not any("small_card.py" in c for c in calls) and "done before" in out
+
+
+def _write(folder: Path, name: str, rec: dict, size: dict) -> None:
+    (folder / f"{name}.json").write_text(json.dumps(rec))
+    (folder / f"{name}.size.json").write_text(json.dumps(size))
+
+
+def test_report_goals_fail_on_kv_far_from_the_plan_and_on_a_refused_start(tmp_path):
+    size = {"slots": 71, "kv_cache_bytes": int(3.85 * 2**30), "max_num_seqs": 8}
+    ok_log = {"kv_gib": 3.85, "slots": 71, "armed_layers": 48, "moe_layers": 48}
+    _write(tmp_path, "fs24-in-place-default", {"status": "ok", "log": ok_log}, size)
+    _write(tmp_path, "fs24-in-place-8192", {"status": "ok", "log": {**ok_log, "kv_gib": 3.5}},
+           size)
+    _write(tmp_path, "fs16-staged-install-8192",
+           {"status": "failed", "error": "server exited", "log": {"cause": "OOM"}}, size)
+    text = "\n".join(fsr.report(tmp_path))
+    assert "- fs24-in-place-default: met" in text
+    assert "- fs24-in-place-8192: NOT met (KV 3.50 vs planned 3.85 GiB)" in text
+    assert "- fs16-staged-install-8192: NOT met (start failed: OOM)" in text
+    assert "| 16 GiB | staged-install | 8192 | FAILED |" in text
+
+
+def test_report_on_an_empty_folder_says_so(tmp_path):
+    assert fsr.report(tmp_path) == [f"no first-start records in {tmp_path}"]
+    assert os.path.isdir(tmp_path)
