@@ -585,6 +585,20 @@ def test_vram_on_a_bigger_gpu_gives_every_arm_the_cards_share():
     assert mine.share_args == ["--gpu-memory-utilization", "0.1545"]
 
 
+def test_vram_without_a_batch_gives_every_arm_the_batch_size_chose():
+    """No --max-num-seqs from the user: every arm runs the batch `size` chose (as `serve`
+    would start), and the line saying so travels with the plan."""
+
+    from expertcache_cli.baseline.sizing_bridge import offload_from_vram
+
+    p = offload_from_vram("qwen3-30b-a3b-w8a8", 24, ["--max-model-len", "8192"])
+    assert p.share_args == ["--max-num-seqs", str(p.max_num_seqs)] and p.max_num_seqs == 8
+    assert p.batch_choice.startswith("--max-num-seqs 8, the widest batch")
+    assert p.where == "24 GiB"
+    named = offload_from_vram("qwen3-30b-a3b-w8a8", "l4", ["--max-model-len", "8192"])
+    assert named.where.startswith("L4 (22.49 GiB") and named.max_slots < p.max_slots
+
+
 def test_arm_warnings_word_the_trap_as_size_does():
 
     from expertcache_cli.baseline.sizing_bridge import offload_from_vram
