@@ -6,6 +6,11 @@
 # when only this package did not (the caller decides whether it can go on without it).
 export PYTHONPATH="/tmp/site:$PWD" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
 export XDG_CACHE_HOME=/tmp/ec-cache
+# Every server group a runner starts is recorded here while it runs (by
+# expertcache_cli/baseline/server.py, and by bench_mem_server below), with the process that
+# started it: setup ends the groups a killed call left behind, by their process group,
+# and nothing else (never by a name: a vLLM its user started beside the bench is not ours).
+export EXPERTCACHE_SERVER_GROUPS="${EXPERTCACHE_SERVER_GROUPS:-/tmp/ec-bench-groups}"
 
 # One bench arm per server, re-entrant: `bench_arm DIR RUNNER NAME [runner options] --
 # server command` runs `RUNNER NAME --out DIR ...` unless DIR/NAME.json already says ok,
@@ -26,35 +31,78 @@ bench_arm() {
 
 # A server started only for its memory plan (BENCH ONLY): `bench_mem_server NAME LOG TXT
 # [ENV=V ...] -- server command` runs it with the bench memory hook (bench/kernel_trial,
-# EC_BENCH_MEM=1) until vLLM reports its memory (or the start fails), kills it, and appends
-# the memory lines of LOG to TXT under "== NAME".
+# EC_BENCH_MEM=1) until vLLM reports its memory (or the start fails), ends its process
+# group, and appends the memory lines of LOG to TXT under "== NAME".
 bench_mem_server() {
   local name=$1 log=$2 txt=$3; shift 3
   local envs=(EC_BENCH_MEM=1)
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
-  env "${envs[@]}" PYTHONPATH="$PWD/bench/kernel_trial:$PYTHONPATH" timeout 240 "$@" \
+  # setsid: the server (and vLLM's engine, which it forks) in a process group of its own,
+  # led by this PID, so that ending the group ends exactly what this function started
+  env "${envs[@]}" PYTHONPATH="$PWD/bench/kernel_trial:$PYTHONPATH" setsid timeout 240 "$@" \
     > "$log" 2>&1 &
   local pid=$!
+  bench_record_group "$pid" "$@"
   for _ in $(seq 240); do
     grep -q -E "Actual usage|Engine core initialization failed" "$log" && break
     kill -0 $pid 2>/dev/null || break; sleep 1
   done
-  pkill -9 -f "[v]llm.entrypoints|[E]ngineCore"; wait $pid 2>/dev/null
+  bench_end_group "$pid"
   echo "== $name"; grep -h -E \
     "EC_BENCH_MEM|Actual usage|Available KV|memory plan|Compiling a graph|Directly load the compiled" "$log" \
     | sed 's/.*\] //' | cut -c1-330 | tee -a "$txt"
+}
+
+# The process group of PID, from /proc (nothing when PID is gone).
+bench_pgid() {
+  local stat pgrp
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  stat=${stat##*) }
+  read -r _ _ pgrp _ <<< "$stat"
+  echo "$pgrp"
+}
+
+# `bench_record_group PID ARGV...`: once PID (a child of this shell, started with setsid)
+# leads its own process group, record the group as this shell's (bench/groups.py).
+bench_record_group() {
+  local pid=$1; shift
+  for _ in $(seq 50); do
+    [ "$(bench_pgid "$pid")" = "$pid" ] && break
+    kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1
+  done
+  "${PY:-python3}" bench/groups.py record "$pid" --owner $$ -- "$@"
+}
+
+# `bench_end_group PID`: end the process group PID leads (started by this shell with
+# setsid, and not reaped yet, so the PID is still ours), reap it, drop its record.
+bench_end_group() {
+  local pid=$1
+  if [ "$(bench_pgid "$pid")" = "$pid" ]; then
+    kill -KILL -- "-$pid" 2>/dev/null
+  else
+    kill -KILL "$pid" 2>/dev/null
+  fi
+  wait "$pid" 2>/dev/null
+  "${PY:-python3}" bench/groups.py forget "$pid"
+}
+
+# What a killed call left behind: the recorded server groups whose runner is gone
+# (bench/groups.py end), and the ballast by the PID it recorded (bench/ballast.py stop).
+bench_end_leftovers() {
+  "${PY:-python3}" bench/groups.py end
+  "${PY:-python3}" bench/ballast.py stop
 }
 
 device_vllm_setup() {
   local t0=$SECONDS rc=0
   # a call killed at its time limit can leave a vLLM engine and a ballast behind, holding
   # the GPU: every server of the next call would then fail to start (or measure a smaller
-  # card). The bracket keeps pkill from matching this shell's own command line.
+  # card). Only what a bench runner started and recorded is ended; a recorded server whose
+  # runner still runs (a detached one, a neighbour) is kept.
   # EC_KEEP_SERVERS=1: a runner started beside another one (one per GPU of a 2-GPU box,
-  # each with its own CUDA_VISIBLE_DEVICES) must not kill its neighbour's servers
+  # each with its own CUDA_VISIBLE_DEVICES) leaves the ballast and every record alone
   if [ -z "${EC_KEEP_SERVERS:-}" ]; then
-    pkill -9 -f "[v]llm.entrypoints|[E]ngineCore|[b]allast.py hold" 2>/dev/null && sleep 3
-    rm -f /tmp/expertcache-ballast.pid
+    bench_end_leftovers
   fi
   if [ ! -f /tmp/site/vllm/__init__.py ]; then
     mkdir -p /tmp/parts

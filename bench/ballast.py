@@ -16,6 +16,10 @@ N GiB, as it does on a real card.
     python bench/ballast.py start --leave 24      # prints JSON, returns once it holds
     python bench/ballast.py flags --card 24       # vLLM flags for a plain `vllm serve`
     python bench/ballast.py stop                  # by the PID it recorded
+
+The PID file (``EC_BALLAST_PIDFILE``, default /tmp/expertcache-ballast.pid) holds the
+holder's PID and start time: `stop` ends that process (its own process group) and nothing
+else, and a PID since reused by another process is left alone.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+
+from expertcache_cli.baseline import groups  # noqa: E402
 
 GiB = 1024**3
 MiB = 1024**2
@@ -80,8 +86,16 @@ def flags(card_gib: float, total_gib: float) -> list[str]:
 
 
 def start(leave_gib: float, device: int, timeout_s: float = 120.0) -> dict:
-    ready = Path(f"/tmp/expertcache-ballast-{os.getpid()}.json")
+    # the holder's report, beside the PID file; read once, then removed
+    ready = PIDFILE.with_name(f"expertcache-ballast-{os.getpid()}.json")
     ready.unlink(missing_ok=True)
+    try:
+        return _start(leave_gib, device, timeout_s, ready)
+    finally:
+        ready.unlink(missing_ok=True)
+
+
+def _start(leave_gib: float, device: int, timeout_s: float, ready: Path) -> dict:
     proc = subprocess.Popen(
         [sys.executable, __file__, "hold", "--leave", str(leave_gib), "--device", str(device),
          "--ready", str(ready)],
@@ -100,7 +114,7 @@ def start(leave_gib: float, device: int, timeout_s: float = 120.0) -> dict:
         time.sleep(0.2)
     time.sleep(0.3)
     info = json.loads(ready.read_text())
-    PIDFILE.write_text(str(proc.pid))
+    PIDFILE.write_text(f"{proc.pid} {groups.start_time(proc.pid) or '-'}")
     smi = _smi_free_mib(device)
     info.update(
         smi_free_gib=None if smi is None else smi / 1024,
@@ -121,17 +135,21 @@ def start(leave_gib: float, device: int, timeout_s: float = 120.0) -> dict:
 
 
 def stop() -> str:
+    """End the holder the PID file names, if that process is still the holder."""
     if not PIDFILE.exists():
         return "ballast: no pid file, nothing to stop"
-    pid = int(PIDFILE.read_text())
+    words = PIDFILE.read_text().split()
     try:
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(100):
-            os.kill(pid, 0)
-            time.sleep(0.1)
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        pid, started = int(words[0]), words[1]
+    except (IndexError, ValueError):
+        return (f"ballast: {PIDFILE} does not hold a PID and its start time; nothing "
+                "stopped (remove it once no holder runs)")
+    now = groups.start_time(pid)
+    if now is None or now != started:
+        PIDFILE.unlink(missing_ok=True)
+        return f"ballast: pid {pid} has ended already, nothing to stop"
+    if not groups.end_group(pid):  # the holder leads a process group of its own
+        return f"ballast: pid {pid} would not end"
     PIDFILE.unlink(missing_ok=True)
     return f"ballast: stopped pid {pid}"
 

@@ -22,10 +22,13 @@ def make_runner(tmp_path: Path, script: str, files: tuple[str, ...], stub_source
 
     ``stub_source``: the python the stub runs (it logs to ``$STUB_LOG``; ``$REAL_PY`` is
     this interpreter, for what it forwards). ``keep_bench_helpers``: keep the real
-    `_device_vllm.sh` helpers (bench_arm, bench_save) and stub only its setup."""
+    `_device_vllm.sh` helpers (bench_arm, bench_save, bench_mem_server and the process-group
+    records they keep with bench/groups.py, in ``tmp_path/groups``) and stub only its
+    setup."""
     bench = tmp_path / "tree" / "bench"
     bench.mkdir(parents=True)
-    for f in (script, *files):
+    helpers = ("groups.py",) if keep_bench_helpers else ()
+    for f in (script, *files, *helpers):
         shutil.copy(ROOT / "bench" / f, bench / f)
     real = (ROOT / "bench" / "_device_vllm.sh").read_text() if keep_bench_helpers else ""
     (bench / "_device_vllm.sh").write_text(real + "\ndevice_vllm_setup() { return 0; }\n")
@@ -38,7 +41,7 @@ def make_runner(tmp_path: Path, script: str, files: tuple[str, ...], stub_source
         log.write_text("")
         full = {**os.environ, "PY": str(stub), "REAL_PY": sys.executable,
                 "STUB_LOG": str(log), "OUT": str(tmp_path / "out"), "PYTHONPATH": str(ROOT),
-                **env, **extra}
+                "EXPERTCACHE_SERVER_GROUPS": str(tmp_path / "groups"), **env, **extra}
         r = subprocess.run(["bash", f"bench/{script}"], cwd=bench.parent, env=full,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr

@@ -1,9 +1,11 @@
-"""The small-card ballast (bench/ballast.py) refuses a GPU that is not as free as asked."""
+"""The small-card ballast (bench/ballast.py) refuses a GPU that is not as free as asked,
+leaves no report file behind, and `stop` ends the holder it recorded and nothing else."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +25,7 @@ class FakeHolder:
     def __init__(self, argv, **_):
         ready = Path(argv[argv.index("--ready") + 1])
         ready.write_text(json.dumps(FakeHolder.report))
+        FakeHolder.ready = ready
         self.pid = 4242
         self.returncode = None
 
@@ -48,7 +51,9 @@ def test_start_reports_a_card_that_is_as_free_as_asked(fake, monkeypatch):
     monkeypatch.setattr(ballast, "_smi_free_mib", lambda d: 24.0 * 1024)
     info = ballast.start(24, 0)
     assert info["verified"] and not FakeHolder.killed
-    assert (fake / "ballast.pid").read_text() == "4242"
+    assert (fake / "ballast.pid").read_text().split()[0] == "4242"
+    # the holder's report, written beside the PID file, is read and removed
+    assert FakeHolder.ready.parent == fake and not FakeHolder.ready.exists()
 
 
 def test_start_refuses_when_another_process_holds_the_gpu(fake, monkeypatch):
@@ -60,3 +65,33 @@ def test_start_refuses_when_another_process_holds_the_gpu(fake, monkeypatch):
         ballast.start(24, 0)
     assert re.match(r"ballast: cannot leave 24 GiB free: 10\.30 GiB is free", str(exc.value))
     assert FakeHolder.killed and not (fake / "ballast.pid").exists()
+    assert not FakeHolder.ready.exists()
+
+
+@pytest.fixture
+def holder(monkeypatch, tmp_path):
+    """A real process in a session of its own, as the holder runs, and the PID file."""
+    monkeypatch.setattr(ballast, "PIDFILE", tmp_path / "ballast.pid")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)
+    yield proc, tmp_path / "ballast.pid"
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def test_stop_ends_the_recorded_holder(holder):
+    proc, pidfile = holder
+    pidfile.write_text(f"{proc.pid} {ballast.groups.start_time(proc.pid)}")
+    assert ballast.stop() == f"ballast: stopped pid {proc.pid}"
+    assert proc.wait(timeout=10) is not None and not pidfile.exists()
+
+
+def test_stop_leaves_a_process_that_took_the_recorded_pid_alone(holder):
+    proc, pidfile = holder
+    pidfile.write_text(f"{proc.pid} 1")  # the holder started at another time: not this one
+    assert ballast.stop() == f"ballast: pid {proc.pid} has ended already, nothing to stop"
+    assert proc.poll() is None and not pidfile.exists()
+    pidfile.write_text(f"{proc.pid}")  # no start time: nothing to tell it by
+    assert "nothing stopped" in ballast.stop()
+    assert proc.poll() is None and pidfile.exists()

@@ -7,6 +7,7 @@ a runner bug must not be found on the device."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from bench_runner_harness import make_runner
@@ -21,7 +22,7 @@ env = ",".join(k + "=" + os.environ[k] for k in ("EC_BENCH_MEM", "EC_BENCH_NO_CH
                if k in os.environ)
 with open(os.environ["STUB_LOG"], "a") as log:
     log.write(" ".join(args) + ("  ENV=" + env if env else "") + "\n")
-if args[0] in ("-", "-c") or args[1:2] == ["--greedy-report"]:
+if args[0] in ("-", "-c") or args[0].endswith("groups.py") or args[1:2] == ["--greedy-report"]:
     os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
 if args[0].endswith("ballast.py"):
     print(json.dumps({"verb": args[1]}))
@@ -39,6 +40,8 @@ elif args[1:3] == ["expertcache_cli", "serve"]:  # mem24: the lines the runner w
     print(f"(EngineCore) WARNING [x] EC_BENCH_MEM layer 0 call 0: {wide}")
     print("(EngineCore) INFO [x] Actual usage is 20.0 GiB for weight")
     print("(EngineCore) INFO [x] Available KV cache memory: 0.44 GiB")
+    sys.stdout.flush()
+    __import__("time").sleep(60)  # a server runs until the runner ends its process group
 '''
 
 
@@ -72,7 +75,14 @@ def test_card24_runs_the_floor_and_the_cache_with_what_size_planned(runner):
 
 def test_mem24_starts_four_servers_with_the_memory_hook_and_keeps_their_lines(runner):
     run, tmp = runner
+    t0 = time.monotonic()
     calls, stdout = run(STEPS="setup mem24", MEM24="inplace staged nocheck inplace2")
+    # each stub server sleeps 60 s after its memory lines: the runner ended each one's
+    # process group, recorded while it ran, and dropped the record
+    assert time.monotonic() - t0 < 60
+    assert len([c for c in calls if c.startswith("bench/groups.py record")]) == 4
+    assert len([c for c in calls if c.startswith("bench/groups.py forget")]) == 4
+    assert not list((tmp / "groups").glob("*.json"))
     serves = [c for c in calls if c.startswith("-m expertcache_cli serve")]
     assert len(serves) == 4  # in place again last: vLLM's compile cache warm by then
     assert serves[3] == serves[0]

@@ -22,7 +22,7 @@ env = ",".join(k + "=" + os.environ[k] for k in ("EC_BENCH_MEM", "EXPERT_CACHE_W
                if k in os.environ)
 with open(os.environ["STUB_LOG"], "a") as log:
     log.write(" ".join(args) + ("  ENV=" + env if env else "") + "\n")
-if args[0] in ("-", "-c") or args[0].endswith("wide_report.py"):
+if args[0] in ("-", "-c") or args[0].endswith("groups.py") or args[0].endswith("wide_report.py"):
     os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
 if args[0].endswith("wide_steps.py"):
     name, out = args[1], Path(args[args.index("--out") + 1])
@@ -40,6 +40,8 @@ elif args[1:3] == ["vllm.entrypoints.cli.main", "serve"]:  # mem: the lines awai
     print("(EngineCore) INFO [x] Actual usage is 15.0 GiB for weight")
     print("(EngineCore) INFO [x] Available KV cache memory: "
           + ("111.53" if "EXPERT_CACHE_WIDE" in os.environ else "113.47") + " GiB")
+    sys.stdout.flush()
+    __import__("time").sleep(60)  # a server runs until the runner ends its process group
 elif args[1:3] == ["expertcache_cli", "size"]:
     print(json.dumps({"num_layers": 24, "num_moe_layers": 24, "num_experts": 128,
                       "bytes_per_expert": 9437184, "max_num_batched_tokens": 8192})

@@ -6,7 +6,8 @@ only the parent can leave a child holding the GPU (and the port) into the next a
 measurement; a Ctrl-C at the terminal must not reach the server before we stop it in
 order. ``start_new_session`` gives the server its own session and group; stopping asks
 the leader first (it stops its own children in order) and then ends whatever of the group
-is left.
+is left. With ``EXPERTCACHE_SERVER_GROUPS`` set, the group is recorded while it runs
+(``groups``), so that a later process can end it if this one is killed first.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from . import groups
 
 #: Placeholders a ``--server-cmd`` template may use. ``{arm_args}`` and ``{vllm_args}``
 #: expand to several words and must stand alone; when a template omits them they are
@@ -141,6 +143,7 @@ class Server:
     t_spawn: float = 0.0
     start_s: float | None = None
     model_id: str | None = None
+    group_record: Path | None = None
 
     @property
     def base_url(self) -> str:
@@ -167,6 +170,12 @@ class Server:
             raise ServerFailed("start", f"cannot run {self.argv[0]!r}: {exc}") from None
         finally:
             log.close()
+        directory = groups.record_dir()
+        if directory is not None:
+            try:
+                self.group_record = groups.record(directory, self.proc.pid, self.argv)
+            except OSError:
+                pass  # without the record only the cleanup after a killed run is lost
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -266,6 +275,9 @@ class Server:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+        if self.group_record is not None and not groups.members(pgid):
+            self.group_record.unlink(missing_ok=True)
+            self.group_record = None
 
     def _wait_quiet(self, pgid: int, wait_s: float, leader_gone_s: float | None = None) -> None:
         """Until the group is gone or ``wait_s`` passes; once the leader has exited, the
