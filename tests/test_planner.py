@@ -273,6 +273,11 @@ def test_missing_rates_are_named_in_one_line_before_any_work(monkeypatch):
     with pytest.raises(UserError, match="^plan needs the resident rate"):
         plan._check_given(50.0, None, None, None)
     plan._check_given(None, PROBE, None, BASELINE)  # both given: nothing to say
+    from expertcache_cli.cards import parse_vram
+
+    # a card named by --vram gives its usual link (an estimate): only the resident is missing
+    with pytest.raises(UserError, match="^plan needs the resident rate"):
+        plan._check_given(None, None, None, None, parse_vram("rtx-4090")[1])
     monkeypatch.setattr(kernel_check, "device_arch", lambda *a, **k: (90, "H200"))
     with pytest.raises(UserError, match="^plan needs the resident rate"):
         plan._check_given(None, None, None, None)  # a GPU measures the link
