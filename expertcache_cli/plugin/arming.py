@@ -25,7 +25,7 @@ The rules, in order (the first that applies decides):
    per forward through ``functional_call`` and no pointer is stable;
 7. the budget must be below ``E``; every slab contiguous; a slab that is not a multiple
    of 16 bytes (NVFP4's per-expert global scales) travels in the layer's packed side row
-   (`small`), up to `small.MAX_SMALL_BYTES` an expert, and is declined past that.
+   (`small`), up to `formats.SIDE_ROW_LIMIT` an expert, and is declined past that.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from math import prod
 from typing import Any
 
 from ..config import CacheConfig
+from ..formats import SIDE_ROW_LIMIT, side_row_bytes
 from . import marlin
 from .compat import KNOWN_EXPERTS, LOAD_ONLY_TENSORS, NON_EXPERT_TENSORS
-from .small import MAX_SMALL_BYTES, row_bytes
 
 ARM, SKIP, DECLINE = "arm", "skip", "decline"
 
@@ -90,7 +90,7 @@ class Decision:
     @property
     def small_row_bytes(self) -> int:
         """Bytes of the packed side row of one expert (0 without small tensors)."""
-        return row_bytes([s.bytes_per_expert for s in self.small]) if self.small else 0
+        return side_row_bytes([s.bytes_per_expert for s in self.small])
 
     @property
     def bytes_per_slot(self) -> int:
@@ -292,11 +292,11 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
         spec = TensorSpec(pname, per_shape, p.dtype, nbytes, pname in offloaded)
         (small if nbytes % 16 else specs).append(spec)
     ragged = sum(s.bytes_per_expert for s in small)
-    if ragged > MAX_SMALL_BYTES:
+    if ragged > SIDE_ROW_LIMIT:
         names = ", ".join(f"{s.name} ({s.bytes_per_expert} B)" for s in small)
         return decline(
             f"{names}: {ragged} bytes per expert in slabs that are not multiples of 16 "
-            f"(ragged), more than the {MAX_SMALL_BYTES} the packed side row carries")
+            f"(ragged), more than the {SIDE_ROW_LIMIT} the packed side row carries")
     if not specs:
         return decline("every per-expert tensor is a ragged slab (unknown layout)")
     return Decision(lname, ARM, "", num_experts, slots, top_k, specs, aliases, small,

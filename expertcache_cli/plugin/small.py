@@ -10,13 +10,14 @@ another expert's scale.
 How: every such tensor of a layer is packed, expert by expert, into one side row of
 ``row_bytes`` (a multiple of 16) in device memory: ``source[E, row_bytes]`` (uint8),
 built from the layer's own tensors when the layer is armed and again whenever vLLM
-changes the weights (`refresh`). That row is one more slab of the layer's `SlotCache`: it
-is gathered with the weights, by the same kernel launch, into ``[S, row_bytes]``. After
-each cache step one copy per distinct tensor size (`unpack`: one for NVFP4's two 4-byte
-scales) turns the packed slot rows into compact ``[S, *shape]`` buffers of the tensors'
-own dtypes, which are what the kernel is handed. The wide-step scratch is indexed by
-expert id, so there the kernel gets `full`: compact ``[E, *shape]`` device copies made
-with the source, and no copy per step.
+changes the weights (`refresh`); its size and limit are `formats`' rule
+(`side_row_bytes`, `SIDE_ROW_LIMIT`), which sizing uses too. That row is one more slab of
+the layer's `SlotCache`: it is gathered with the weights, by the same kernel launch, into
+``[S, row_bytes]``. After each cache step one copy per run of equally sized tensors
+(`unpack`: one for NVFP4's two 4-byte scales) turns the packed slot rows into compact
+``[S, *shape]`` buffers of the tensors' own dtypes, which are what the kernel is handed.
+The wide-step scratch is indexed by expert id, so there the kernel gets `full`: compact
+``[E, *shape]`` device copies made with the source, and no copy per step.
 
 The side row's bytes come from vLLM's tensors at arming (the values are final then:
 vLLM's offloader has moved them, and the plugin arms after the load), so "sources read
@@ -29,19 +30,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..formats import side_row_bytes
+
 #: the packed row's name among a layer's slot buffers (no vLLM parameter is named so)
 SMALL_ROW = "_expertcache_small_row"
-#: most bytes an expert's small tensors may take together; larger ragged tensors are
-#: declined (this path exists for scales, not for weights)
-MAX_SMALL_BYTES = 256
-#: the gather's unit, and so the packed row's granularity
-ROW_ALIGN = 16
-
-
-def row_bytes(sizes: Sequence[int]) -> int:
-    """Bytes of one packed side row holding tensors of ``sizes`` bytes an expert."""
-    total = sum(int(s) for s in sizes)
-    return -(-total // ROW_ALIGN) * ROW_ALIGN
 
 
 class SmallTensors:
@@ -56,7 +48,7 @@ class SmallTensors:
         self.specs = [(n, tuple(int(d) for d in s), dt, int(b)) for n, s, dt, b in specs]
         self.names = [n for n, *_ in self.specs]
         self.num_experts, self.num_slots = int(num_experts), int(num_slots)
-        self.row_bytes = row_bytes([b for *_, b in self.specs])
+        self.row_bytes = side_row_bytes([b for *_, b in self.specs])
         self.device = torch.device(device)
         #: name -> byte offset of the tensor in the packed row
         self.offsets: dict[str, int] = {}
