@@ -23,8 +23,11 @@ after vLLM built it (`expert_order_blocks`): the blocks, their order, the block 
 the padding are the stock path's, only the weights each block reads are the slot's. The
 remap is three small device ops (the table's resident slots, the block ids clamped, one
 gather), captured in CUDA graphs like the rest of the step. While bound to slots the
-layer also reports ``S`` experts (``global_num_experts``), as a layer of ``S`` experts
-would, so that vLLM's own block-size heuristic sees the stock numbers.
+layer reports ``S`` experts (``global_num_experts``), the experts its weights hold, as an
+``S``-expert layer would (vLLM then estimates no expert-parallel share of the tokens);
+the block list is still built over the real ``E`` by the remap. The block size vLLM picks
+from those counts is its smallest (8) on every step served from slots (tokens x top_k <=
+S), as on the stock path, so the blocks match the stock call's one for one.
 """
 
 from __future__ import annotations
