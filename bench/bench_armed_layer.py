@@ -24,6 +24,11 @@ around a stock call that only copies its input (the experts' GEMMs left out on p
     ... cold     before each layer a kernel writes other memory (twice the L2 unless
                  --thrash-mib says: what probe-link's cold step writes), as a served step's
                  other layers do: the cache state is cold, as served; over "stock, cold"
+    marlin       armed+count on NVFP4-shaped Marlin layers (`plugin.marlin`): what vLLM's
+                 Marlin experts add, the block remap (the table's slots, the block ids
+                 clamped, one gather, inside a stand-in ``moe_align_block_size`` that
+                 launches nothing) and the unpack of the packed side row of the two 4-byte
+                 global scales
 
 Each printed with its cost over ``stock`` per layer and the ratio of the armed path to the
 step alone. The layers are fp8-block-shaped (Qwen3-30B-A3B-FP8: fp8 w13/w2 and fp32 block
@@ -180,6 +185,10 @@ def main() -> None:
             graph_time(torch, lambda s: cold(counted_fns)(), 50) / L * 1e6
             - cold_stock + t["stock"])
         kernels.set_pdl(pdl_default)
+    marlin_fns, marlin_armed = marlin_layers(torch, args, token_count, x, w, ids)
+    t["marlin (armed+count on Marlin)"] = run(lambda: [f(x, w, ids) for f in marlin_fns])
+    assert sum(int(a.cache.stats[1].item()) for a in marlin_armed) == marlin_armed[0].warm, (
+        "a timed Marlin step missed")
     assert installs() == warm, "a timed step missed: not the all-hit steady state"
     print(f"layers={L} E={E} S={S} rows={rows} ({args.tokens} real, the rest padding); "
           f"PDL {'on' if pdl_default else 'off'} by default here; cold rows: "
@@ -193,6 +202,105 @@ def main() -> None:
     for name in [n for n in t if n.startswith("armed")]:
         print(f"{name}: {t[name] - t['stock']:.2f} us/layer over stock = "
               f"{(t[name] - t['stock']) / step:.2f}x the step alone ({step:.2f} us)")
+
+
+def marlin_layers(torch, args, token_count, x, w, ids):
+    """``args.layers`` NVFP4-shaped layers on a stand-in of vLLM's Marlin experts (0.33
+    layout), armed as the plugin arms them: expert-order blocks through the patched
+    ``moe_align_block_size`` of a stand-in module (whose own work is none: preallocated
+    outputs), the packed side row of the global scales; warmed to the all-hit steady state.
+    Returns the layers' forward calls and their `ArmedLayer` objects."""
+    import types
+
+    from expertcache_cli.config import CacheConfig
+    from expertcache_cli.plugin import session
+    from expertcache_cli.plugin.arming import ARM, plan_layer
+    from expertcache_cli.plugin.marlin import BlockOrder
+    from expertcache_cli.plugin.padding import mask_reader
+    from expertcache_cli.plugin.runtime import ArmedLayer
+    from expertcache_cli.plugin.small import SMALL_ROW
+    from expertcache_cli.slotcache import SlotCache
+
+    L, E, S, K = args.layers, args.experts, args.slots, args.top_k
+    blocks = ids.numel()
+    fixed = (torch.zeros(blocks * 8, dtype=torch.int32, device="cuda"),
+             torch.zeros(blocks, dtype=torch.int32, device="cuda"),
+             torch.zeros(1, dtype=torch.int32, device="cuda"))
+    module = types.ModuleType("marlin_moe_bench")
+    module.moe_align_block_size = lambda *a, **k: fixed
+
+    def fused_marlin_moe(topk_ids, global_num_experts):  # what _patch_marlin inspects
+        return module.moe_align_block_size(topk_ids, 8, global_num_experts, None,
+                                           ignore_invalid_experts=True)
+
+    module.fused_marlin_moe = fused_marlin_moe
+    assert session._patch_marlin(module) is None
+    specs = {"w13_weight": ((128, 3072), torch.int32), "w2_weight": ((48, 4096), torch.int32),
+             "w13_weight_scale": ((128, 1536), torch.float8_e4m3fn),
+             "w2_weight_scale": ((48, 2048), torch.float8_e4m3fn),
+             "w13_weight_scale_2": ((), torch.float32), "w2_weight_scale_2": ((), torch.float32)}
+
+    def quant_config(layer):
+        return SimpleNamespace(
+            w1_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale, w1_zp=None,
+            w2_zp=None, w1_bias=None, w2_bias=None, g1_alphas=layer.w13_weight_scale_2,
+            g2_alphas=layer.w2_weight_scale_2)
+
+    class MarlinExperts:  # 0.33's layout, by name and attributes
+        activation_config = None
+
+    class Method:
+        is_monolithic = False
+        moe_quant_config = None
+
+        def __init__(self) -> None:
+            self.moe_kernel = SimpleNamespace(fused_experts=MarlinExperts())
+
+        def get_fused_moe_quant_config(self, layer):
+            return quant_config(layer)
+
+    class Layer(torch.nn.Module):
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.layer_name = f"model.layers.{i}.mlp.experts"
+            self.local_num_experts = self.global_num_experts = E
+            self.top_k, self.expert_map = K, None
+            self.moe_config = SimpleNamespace(
+                moe_parallel_config=SimpleNamespace(use_ep=False), is_lora_enabled=False)
+            self.quant_method = Method()
+            for name, (shape, dt) in specs.items():
+                p = torch.nn.Parameter(torch.zeros((E, *shape), dtype=dt).pin_memory(),
+                                       requires_grad=False)
+                p._vllm_is_uva_offloaded = True
+                self.register_parameter(name, p)
+            self.quant_method.moe_kernel.fused_experts.quant_config = quant_config(self)
+
+        def forward_modular(self, x, topk_weights, topk_ids, shared_experts=None,
+                            shared_experts_input=None):
+            fused_marlin_moe(topk_ids, self.global_num_experts)  # the remap, when bound
+            return x.clone()
+
+    fns, armed = [], []
+    for i in range(L):
+        layer = Layer(i)
+        d = plan_layer(layer, CacheConfig(slots=S))
+        assert d.action == ARM and d.marlin and d.small, d.reason
+        device = torch.device("cuda", torch.cuda.current_device())
+        small = session._small_for(layer, d, device)
+        cache = SlotCache(E, S, {**{s.name: (s.shape, s.dtype) for s in d.specs},
+                                 SMALL_ROW: ((small.row_bytes,), torch.uint8)},
+                          policy="lru", device="cuda", name=d.layer_name)
+        a = ArmedLayer(layer, d, cache, index=i, padding=mask_reader(token_count, 64),
+                       small=small, block_order=BlockOrder(E, device))
+        a.install()
+        layer.forward_modular(x, w, ids)  # eager: the first-call check, and the installs
+        assert a.checked["slots"] == 0.0, "the Marlin first-call check did not pass"
+        a.cache.check_sources(a._sources())
+        fns.append(layer.forward_modular)
+        armed.append(a)
+    torch.cuda.synchronize()
+    armed[0].warm = sum(int(a.cache.stats[1].item()) for a in armed)
+    return fns, armed
 
 
 if __name__ == "__main__":

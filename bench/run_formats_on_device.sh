@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
-# The weight formats users download, served with experts offloaded on the GPU box (issue
-# 11). For each format a LAYERS-layer checkpoint (default 24) of the Qwen3-30B-A3B expert
-# shape (bench/write_checkpoint.py, per-layer seeded routers) and one server per arm. 24, not
+# The weight formats users download, served with experts offloaded on the GPU box (issues
+# 11 and 29). For each format a LAYERS-layer checkpoint (default 24) of the Qwen3-30B-A3B
+# expert shape (bench/write_checkpoint.py, per-layer seeded routers; mxfp4: gpt-oss's shape
+# with MXFP4_EXPERTS experts, default 128 as gpt-oss-120b) and one server per arm. 24, not
 # 8: an 8-layer model decodes at ~620 tok/s on the H200, where the host's per-token work,
 # not the GPU, sets the pace (resident runs 588-655 tok/s in one server), installs hide in
-# the GPU's idle time and neither the all-hit ratio nor the prediction can be judged:
+# the GPU's idle time and neither the all-hit ratio nor the prediction can be judged.
+# Formats: w8a8, fp8-block (Triton), and the 4-bit ones on vLLM's Marlin experts (issue
+# 29): gptq, gptq-act (act order: vLLM 0.26 only), awq, w4a16 (compressed-tensors), nvfp4,
+# mxfp4 (gpt-oss, offloaded with --moe-backend marlin).
 #   floor     experts offloaded, EXPERT_CACHE_DISABLE=1: the floor and the reference tokens
-#   cache     32 slots (16 of gpt-oss-20b's 32), routing over all experts (the missing
+#   cache     SLOTS slots (default 32 of 128; 16 where a layer has 32 experts) (the missing
 #             arm): the startup line
 #             (armed with the tensors it mirrors, or declined with the reason), tok/s, live
 #             installs a token, greedy tokens against the floor's
-#   trial     TRIAL_FORMATS only (default gptq): the cache on vLLM 0.26's Marlin experts
-#             through the bench-only hook (bench/kernel_trial), first-call checked like
-#             every layer (H200: GPTQ's 8 layers all differed and went back to stock)
-# and, where the cache (or the trial) armed, on a second checkpoint whose routers reach
-# only the first 32 experts (`--hot 32`; 16 for mxfp4):
-#   resident  every expert in VRAM, stock vLLM (plugin off)
+#   trial     TRIAL_FORMATS only (default none): the cache on a kernel not yet known
+#             through the bench-only hook (bench/kernel_trial, TRIAL_KERNELS), first-call
+#             checked like every layer
+# Floor and cache route from a trace (ROUTING=trace, the default; bench/trace_routing.py):
+# TRACE8 for the top-8 formats (default traces/demo-qwen3-30b-a3b-tasks.npz), TRACE4 for
+# gpt-oss's top-4 (default a `trace synth --kind tasks` of MXFP4_EXPERTS experts, made once
+# in FM); give recorded traces there for real locality. ROUTING=random: the checkpoints'
+# own random routers (issue 11's runs).
+# And, where the cache (or the trial) armed, on a second checkpoint whose routers reach
+# only the first SLOTS experts (`--hot`), routed by its routers:
+#   resident  every expert in VRAM, stock vLLM (plugin off); mxfp4 on Marlin too
+#             (--moe-backend marlin), so that the all-hit ratio compares one kernel
 #   hot       the cache at as many slots: every read a hit, compared with resident (goal 5%)
 # then, per format, one line: floor, cache, resident and all-hit tok/s, the missing arm
 # against the tok/s predicted from its live installs and the link (`probe-link --only
@@ -31,9 +41,17 @@
 # RUNS (default 5): measured runs a server.
 # Re-entrant (an arm whose JSON says ok is not run again); split by FORMATS across calls:
 #   FORMATS="w8a8 fp8-block" bash bench/run_formats_on_device.sh
+# Issue 29's table (the 4-bit formats on Marlin), two formats a call, detached (a server
+# start outlives a call's 10 minutes; bench/detach.sh polls it):
+#   bash bench/detach.sh formats env OUT=/tmp/of RUNS=3 FORMATS="gptq gptq-act" \
+#     bash bench/run_formats_on_device.sh
+#   RESULTS=/tmp/of bash bench/detach.sh --poll formats 540
+# then FORMATS="awq w4a16", "nvfp4 mxfp4", and "w8a8 fp8-block" (their rows again);
+#   python bench/formats_report.py --table /tmp/fm gptq gptq-act awq w4a16 nvfp4 mxfp4
 set -uo pipefail
 OUT="${OUT:-out}"
 FM="${FM:-/tmp/fm}"  # checkpoints (removed when their arms are done) and records
+MXFP4_EXPERTS="${MXFP4_EXPERTS:-128}"
 mkdir -p "$OUT" "$FM"
 source bench/_device_vllm.sh
 PY="${PY:-python3}"
@@ -59,22 +77,45 @@ run_arm() {  # run_arm NAME [small_card options] -- server command
 served() { $PY bench/formats_report.py --served "$FM/$1.json"; }  # served NAME
 # every arm of this format's all-hit pair (the array `pair`, set per format) done
 pair_done() { local a; for a in "${pair[@]}"; do done_arm "$a" || return 1; done; }
-ckpt() {  # ckpt DIR HOT: written when missing (a LAYERS-layer checkpoint is 8-31 GB)
+ckpt() {  # ckpt DIR HOT: written when missing (a LAYERS-layer checkpoint is 8-41 GB)
   [ -f "$1/model.safetensors.index.json" ] || $PY bench/write_checkpoint.py "$1" \
     --layers "${LAYERS:-24}" --format "$fmt" "${shape[@]}" --hot "$2" 2>&1 | tail -1
 }
+# the routing trace of a format's floor and cache servers (none: their own routers)
+routing() {  # routing TOPK EXPERTS -> sets `route` (small_card options)
+  route=()
+  [ "${ROUTING:-trace}" = random ] && return 0
+  local t
+  if [ "$1" = 8 ]; then
+    t=${TRACE8:-traces/demo-qwen3-30b-a3b-tasks.npz}
+  else
+    t=${TRACE4:-$FM/tasks-top$1-$2.npz}
+    [ -f "$t" ] || $PY -m expertcache_cli trace synth "$t" --kind tasks --steps 3000 \
+      --layers "${LAYERS:-24}" --experts "$2" --top-k "$1" --seed 29 \
+      --model "synthetic, gpt-oss-shaped ($2 experts, top-$1)" > /dev/null
+  fi
+  case $t in /*) ;; *) t=$PWD/$t ;; esac
+  route=(--env "EC_BENCH_TRACE_ROUTING=$t"
+         --env "PYTHONPATH=$PWD/bench/trace_hook:${PYTHONPATH:-}")
+}
 
-for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
+for fmt in ${FORMATS:-w8a8 fp8-block gptq gptq-act awq w4a16 nvfp4 mxfp4}; do
   M=$FM/$fmt H=$FM/$fmt-hot
-  # 32 of 128 slots; gpt-oss-20b (mxfp4) has 32 experts a layer: 16 of them
-  S=32 shape=(--vocab 151936 --context 40960 --head-dim 128)
-  [ "$fmt" = mxfp4 ] && S=16 shape=(--vocab 201088 --context 131072)
+  # SLOTS of 128 (default 32); gpt-oss (mxfp4) has MXFP4_EXPERTS experts a layer: at 32
+  # (gpt-oss-20b), 16 of them
+  S=${SLOTS:-32} shape=(--vocab 151936 --context 40960 --head-dim 128) E=128 K=8 res_args=()
+  if [ "$fmt" = mxfp4 ]; then
+    shape=(--vocab 201088 --context 131072 --experts "$MXFP4_EXPERTS") E=$MXFP4_EXPERTS K=4
+    [ "$E" -le 32 ] && S=16
+    res_args=(--moe-backend marlin)  # resident on the kernel the cache serves from
+  fi
+  routing "$K" "$E"
   # the all-hit pair and what HOT_VARIANTS / RESIDENT_AGAIN add to it
   pair=("$fmt-resident" "$fmt-hot")
   for v in ${HOT_VARIANTS:-}; do pair+=("$fmt-hot_${v%%:*}"); done
   [ "${RESIDENT_AGAIN:-0}" = 1 ] && pair+=("$fmt-resident2")
   trial_fmt=0
-  [[ " w4a16 gptq awq " == *" $fmt "* && " ${TRIAL_FORMATS:-gptq} " == *" $fmt "* ]] && trial_fmt=1
+  [[ " ${TRIAL_FORMATS:-} " == *" $fmt "* ]] && trial_fmt=1
   if ! done_arm "$fmt-floor" || ! done_arm "$fmt-cache" || \
      { [ $trial_fmt = 1 ] && ! done_arm "$fmt-trial"; }; then
     ckpt "$M" 0
@@ -85,10 +126,11 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
     cp "$FM/$fmt-probe.json" "$FM/$fmt-size.json" "$OUT/" 2>/dev/null
   fi
   stats=(--env EXPERT_CACHE_STATS=400)
-  trial=(--env EC_BENCH_TRY_KERNELS=MarlinExperts --env "PYTHONPATH=$PWD/bench/kernel_trial:$PYTHONPATH")
-  run_arm "$fmt-floor" --env EXPERT_CACHE_DISABLE=1 \
+  trial=(--env "EC_BENCH_TRY_KERNELS=${TRIAL_KERNELS:-BatchedMarlinExperts}"
+         --env "PYTHONPATH=$PWD/bench/kernel_trial:${PYTHONPATH:-}")
+  run_arm "$fmt-floor" --env EXPERT_CACHE_DISABLE=1 "${route[@]}" \
     -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots "$S" -- "${COMMON[@]}"
-  run_arm "$fmt-cache" "${stats[@]}" \
+  run_arm "$fmt-cache" "${stats[@]}" "${route[@]}" \
     -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots "$S" -- "${COMMON[@]}"
   # the all-hit server as users run it: no periodic report (its hit rate comes from the
   # final line at shutdown); stop 16's 0.886 had EXPERT_CACHE_STATS=400, now a variant
@@ -102,6 +144,10 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
   fi
   # resident and all-hit only where some layer served from its slots (past its first-call check)
   if served "$fmt-cache" || served "$fmt-trial" || ! want_arm "$fmt-cache"; then
+    # the disk holds one of a format's checkpoints at a time (gpt-oss-120b's experts at 24
+    # layers are 41 GB each): the floor and cache's goes before the all-hit pair's is written
+    if done_arm "$fmt-floor" && done_arm "$fmt-cache" && \
+       { [ $trial_fmt = 0 ] || done_arm "$fmt-trial"; }; then rm -rf "$M"; fi
     pair_done || ckpt "$H" "$S"
     # PROFILE=1: both arms also record one request's decode steps (bench/profile_report.py)
     prof_r=() prof_h=() vprof_r=() vprof_h=()
@@ -111,7 +157,8 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
       vprof_h=(--profiler-config "$($PY bench/small_card.py --print-profiler-config "${prof_h[1]}")")
     fi
     run_arm "$fmt-resident" --env EXPERT_CACHE_DISABLE=1 "${prof_r[@]}" \
-      -- "$PY" -m vllm.entrypoints.cli.main serve "$H" "${COMMON[@]}" "${vprof_r[@]}"
+      -- "$PY" -m vllm.entrypoints.cli.main serve "$H" "${COMMON[@]}" "${res_args[@]}" \
+      "${vprof_r[@]}"
     run_arm "$fmt-hot" "${hot_env[@]}" "${prof_h[@]}" \
       -- "$PY" -m expertcache_cli serve "$H" --vram 141 --slots "$S" -- "${COMMON[@]}" "${vprof_h[@]}"
     for v in ${HOT_VARIANTS:-}; do
@@ -122,7 +169,7 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
     done
     if [ "${RESIDENT_AGAIN:-0}" = 1 ]; then
       run_arm "$fmt-resident2" --env EXPERT_CACHE_DISABLE=1 \
-        -- "$PY" -m vllm.entrypoints.cli.main serve "$H" "${COMMON[@]}"
+        -- "$PY" -m vllm.entrypoints.cli.main serve "$H" "${COMMON[@]}" "${res_args[@]}"
     fi
     if [ "${PROFILE:-0}" = 1 ]; then
       $PY bench/profile_report.py "$FM/prof-$fmt-resident" "$FM/prof-$fmt-hot" \
@@ -130,11 +177,12 @@ for fmt in ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4}; do
     fi
   fi
   $PY bench/formats_report.py "$fmt" "$FM" | tee -a "$OUT/formats.txt"
-  # the disk holds two or three formats' checkpoints at a time, not seven
-  if done_arm "$fmt-floor" && done_arm "$fmt-cache"; then rm -rf "$M"; fi
+  # the disk holds a format's checkpoints, not every format's
+  if done_arm "$fmt-floor" && done_arm "$fmt-cache" && \
+     { [ $trial_fmt = 0 ] || done_arm "$fmt-trial"; }; then rm -rf "$M"; fi
   if pair_done; then rm -rf "$H"; fi
 done
-# issue 11's table, every format run so far
-$PY bench/formats_report.py --table "$FM" ${FORMATS:-w8a8 fp8-block w4a16 gptq awq nvfp4 mxfp4} \
-  > "$OUT/table.md"
+# the formats table (issues 11 and 29), every format run so far
+$PY bench/formats_report.py --table "$FM" \
+  ${FORMATS:-w8a8 fp8-block gptq gptq-act awq w4a16 nvfp4 mxfp4} > "$OUT/table.md"
 echo "done after $SECONDS s"

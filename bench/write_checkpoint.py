@@ -32,6 +32,10 @@ Formats (``--format``):
   [in / 128, out / 8], fp16 ``scales`` [in / 128, out], ``g_idx`` [in]; group 128,
   ``desc_act`` false, symmetric. The router stays bf16 (vLLM finds the quantised layers
   from the tensors' dtypes). vLLM 0.26 serves the experts with Marlin on Hopper.
+- ``gptq-act``: the same with act order (``desc_act`` true): each ``g_idx`` a random
+  assignment of the input rows to the 128-row groups (every group full), as GPTQ's
+  descending-activation order leaves them; vLLM 0.26 sorts them into Marlin's sort indices
+  (0.33 refuses act-order GPTQ).
 - ``awq``: AutoAWQ GEMM 4-bit: ``qweight`` int32 [in, out / 8] packed in AWQ's column
   order (0 2 4 6 1 3 5 7), ``qzeros`` int32 [in / 128, out / 8], fp16 ``scales``
   [in / 128, out]; zero point on, group 128; ``modules_to_not_convert`` names the router.
@@ -39,7 +43,8 @@ Formats (``--format``):
   ``weight_scale`` per 16 inputs, float32 ``weight_scale_2`` and ``input_scale`` scalars;
   ``quant_method: modelopt``, ``quant_algo: NVFP4``, router and LM head in ``ignore``.
 - ``mxfp4``: not this shape but gpt-oss-20b's (2880 wide, 32 experts, top-4, biased
-  attention with sinks), as OpenAI ships it: `bench/write_gpt_oss.py` says the layout.
+  attention with sinks), as OpenAI ships it: `bench/write_gpt_oss.py` says the layout;
+  ``--experts 128`` gives gpt-oss-120b's expert count (the layers are ``--layers``).
 
 ``--hot 32`` routes every layer to its first 32 experts only (the other router rows are
 zero), so a cache of 32 slots hits on (nearly) every read: the all-hit arm that is compared
@@ -67,7 +72,7 @@ sys.path.insert(0, str(HERE))
 
 import e2e_vllm as shape  # noqa: E402  (the bench model's shape and tokenizer)
 
-FORMATS = ("bf16", "w8a8", "fp8-block", "w4a16", "gptq", "awq", "nvfp4", "mxfp4")
+FORMATS = ("bf16", "w8a8", "fp8-block", "w4a16", "gptq", "gptq-act", "awq", "nvfp4", "mxfp4")
 
 #: AutoAWQ's order of eight output columns inside one int32 (vLLM unpacks with its inverse)
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -136,9 +141,10 @@ def w4a16_config() -> dict:
     }
 
 
-def gptq_config() -> dict:
-    """The quantization_config of a 4-bit GPTQ checkpoint (group 128, no act order)."""
-    return {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+def gptq_config(act_order: bool = False) -> dict:
+    """The quantization_config of a 4-bit GPTQ checkpoint (group 128; ``act_order``:
+    desc_act)."""
+    return {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": act_order,
             "sym": True, "lm_head": False, "damp_percent": 0.01, "true_sequential": True,
             "static_groups": False, "checkpoint_format": "gptq"}
 
@@ -158,6 +164,8 @@ def nvfp4_config() -> dict:
 def quantization_config(fmt: str, layers: int) -> dict | None:
     if fmt == "fp8-block":
         return fp8_block_config(layers)
+    if fmt == "gptq-act":
+        return gptq_config(act_order=True)
     makers = {"w8a8": w8a8_config, "w4a16": w4a16_config, "gptq": gptq_config,
               "awq": awq_config, "nvfp4": nvfp4_config}
     return makers[fmt]() if fmt in makers else None
@@ -213,16 +221,20 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
             yield f"{name}.weight_scale", torch.full((out, -(-inp // 128)), 0.01,
                                                      dtype=torch.bfloat16)
             yield f"{name}.weight_shape", torch.tensor([out, inp], dtype=torch.int64)
-        elif fmt in ("gptq", "awq"):  # unsigned codes around the zero point 8
+        elif fmt in ("gptq", "gptq-act", "awq"):  # unsigned codes around the zero point 8
             codes = ((t * 2).round().clamp(-8, 7) + 8).to(torch.int32).t()  # [in, out]
             groups = -(-inp // 128)
-            if fmt == "gptq":
+            if fmt != "awq":
                 yield f"{name}.qweight", pack_nibbles(codes, 0).cpu()
                 # GPTQ (v1) stores zero - 1 in each nibble
                 yield f"{name}.qzeros", torch.full((groups, out // 8), 0x77777777,
                                                    dtype=torch.int32)
                 yield f"{name}.scales", torch.full((groups, out), 0.01, dtype=torch.float16)
-                yield f"{name}.g_idx", (torch.arange(inp, dtype=torch.int32) // 128)
+                rows = torch.arange(inp, dtype=torch.int32)
+                if fmt == "gptq-act":  # act order: the rows' groups in a random order
+                    rows = torch.randperm(inp, generator=g, device=device).to(
+                        torch.int32).cpu()
+                yield f"{name}.g_idx", rows // 128
             else:
                 yield f"{name}.qweight", pack_nibbles(codes, 1, AWQ_PACK_ORDER).cpu()
                 yield f"{name}.qzeros", torch.full((groups, out // 8), 0x88888888 - 2**32,
@@ -269,8 +281,9 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
 
 def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
           shard_bytes: int = 4 << 30, context: int = 4096, head_dim: int | None = None,
-          hot: int = 0) -> dict:
-    """config + tokenizer (from the e2e bench) and safetensors shards with an index."""
+          hot: int = 0, experts: int | None = None) -> dict:
+    """config + tokenizer (from the e2e bench) and safetensors shards with an index.
+    ``experts``: the gpt-oss shape's expert count (``mxfp4`` only; default gpt-oss-20b's)."""
     import json
 
     import torch
@@ -278,17 +291,23 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
 
     if fmt not in FORMATS:
         raise SystemExit(f"--format {fmt!r}: choose from {', '.join(FORMATS)}")
+    import dataclasses
+
     import write_gpt_oss
 
-    experts = write_gpt_oss.shape().experts if fmt == "mxfp4" else shape.E
+    if experts is not None and fmt != "mxfp4":
+        raise SystemExit("--experts: the gpt-oss shape's only (--format mxfp4)")
+    gpt_oss = dataclasses.replace(write_gpt_oss.shape(), experts=experts or
+                                  write_gpt_oss.shape().experts)
+    experts = gpt_oss.experts if fmt == "mxfp4" else shape.E
     if not 0 <= hot <= experts:
         raise SystemExit(f"--hot {hot}: between 0 (route to all) and {experts}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if fmt == "mxfp4":
         if head_dim is not None:
             raise SystemExit("--head-dim: gpt-oss's heads are 64 wide; not for --format mxfp4")
-        write_gpt_oss.write_config(out, layers, vocab, context)
-        pairs = write_gpt_oss.tensors(layers, device, vocab, hot)
+        write_gpt_oss.write_config(out, layers, vocab, context, gpt_oss)
+        pairs = write_gpt_oss.tensors(layers, device, vocab, hot, gpt_oss)
     else:
         shape.write_model(out, layers, vocab_size=vocab, context=context, head_dim=head_dim,
                           quantization_config=quantization_config(fmt, layers))
@@ -328,13 +347,15 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=4096, help="max_position_embeddings")
     ap.add_argument("--head-dim", type=int, default=None,
                     help="attention head width (default hidden / heads; Qwen3-30B-A3B: 128)")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="--format mxfp4: experts a layer (gpt-oss-20b 32, gpt-oss-120b 128)")
     ap.add_argument("--hot", type=int, default=0,
                     help="route to the first N experts of every layer only (an all-hit cache "
                          "at N slots, for the resident comparison); 0: all experts")
     a = ap.parse_args()
     t0 = time.time()
     info = write(a.out, a.layers, a.format, a.vocab, context=a.context, head_dim=a.head_dim,
-                 hot=a.hot)
+                 hot=a.hot, experts=a.experts)
     print(f"wrote {info['tensors']} tensors, {info['bytes'] / 2**30:.2f} GiB in "
           f"{info['shards']} shards to {a.out} ({a.format}) in {time.time() - t0:.0f} s")
     return 0

@@ -147,10 +147,12 @@ def tensors(layers: int, device: str, vocab: int, hot: int = 0, s: Shape | None 
     yield "lm_head.weight", normal(g, vocab, h)
 
 
-def write_config(out: Path, layers: int, vocab: int, context: int) -> None:
-    """config.json and the bench's word-level tokenizer (ids 0-2: unk, bos, eos)."""
+def write_config(out: Path, layers: int, vocab: int, context: int,
+                 s: Shape | None = None) -> None:
+    """config.json (``s``: the shape, default `shape`) and the bench's word-level tokenizer
+    (ids 0-2: unk, bos, eos)."""
     import e2e_vllm
 
     e2e_vllm.write_model(out, layers, vocab_size=vocab, context=context)  # the tokenizer
-    (out / "config.json").write_text(json.dumps(config(shape(), layers, vocab, context),
+    (out / "config.json").write_text(json.dumps(config(s or shape(), layers, vocab, context),
                                                 indent=1))

@@ -32,6 +32,7 @@ TRACE = "EXPERT_CACHE_TRACE"
 WIDE = "EXPERT_CACHE_WIDE"
 PDL = "EXPERT_CACHE_PDL"
 AUDIT = "EXPERT_CACHE_AUDIT"
+MARLIN = "EXPERT_CACHE_MARLIN"
 
 #: every variable the plugin reads, with a one-line meaning (README and docs/plugin.md)
 ENV_VARS: dict[str, str] = {
@@ -49,6 +50,8 @@ ENV_VARS: dict[str, str] = {
          "default on sm_90+ with a 12.3+ driver: each starts while the kernel before it ends)",
     AUDIT: "1 = at shutdown, compare every occupied slot with its expert's weights and the "
            "table with the slots, and log what differs (syncs; copies the slots' experts once)",
+    MARLIN: "1 = arm vLLM's Marlin experts (4-bit: GPTQ, AWQ, W4A16, NVFP4, MXFP4), which "
+            "are not yet proven on a GPU; unset, they are declined and served on the stock path",
 }
 
 #: the variables that change what a server measures or writes: a launcher that states a
@@ -201,6 +204,16 @@ def pdl_from_env(env: Mapping[str, str] | None = None) -> bool:
     if env.get(PDL, "").strip() == "":
         return True
     return _bool(env, PDL)
+
+
+def marlin_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether Marlin experts may be armed. Off unless ``EXPERT_CACHE_MARLIN=1``: their
+    arming (the stock block order remapped to slots, ragged per-expert tensors in a side
+    row) is tested against CPU stand-ins of vLLM 0.26's and 0.33's classes but has not
+    run on a GPU, and serving must not change for a user who did not ask. `size`, `plan`
+    and `serve` read the same switch, so a plan never promises a cache the plugin would
+    decline."""
+    return _bool(os.environ if env is None else env, MARLIN)
 
 
 def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:

@@ -191,7 +191,7 @@ def make_plan(
             own += flags
         notes += [note] if note else []
     if config.SLOTS in env:
-        note = vllm_experts.kernel_note(size.quant, args, wna16_triton(), vtext)
+        note = vllm_experts.kernel_note(size.quant, args, vtext)
         notes += [note] if note else []
     argv = [*(launcher or vllm_command()), "serve", model, *own, *args]
     return ServePlan(model=model, size=size, env=env, argv=argv, notes=notes, per_layer=per_layer)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import formats, installed_vllm
 from .errors import UserError
 from .formats import QUANTS, Tensor, ceil_div, linear_bytes, linear_tensors, quant_from_config
 from .presets import DEFAULT_PRESET, PRESETS, find_preset
@@ -56,9 +57,6 @@ class ModelSize:
     attention_heads: int = 0
     #: tensor-parallel ranks the figures are per (1: the whole model)
     tensor_parallel: int = 1
-    #: one expert as vLLM holds it in host memory when offloaded, where its kernel pads the
-    #: widths (MXFP4 on Marlin, which `serve` offloads it with); 0: ``bytes_per_expert``
-    offloaded_bytes_per_expert: int = 0
 
     def per_rank(self, tp: int) -> ModelSize:
         """The share one of ``tp`` tensor-parallel GPUs holds.
@@ -82,7 +80,6 @@ class ModelSize:
         return dataclasses.replace(
             self,
             bytes_per_expert=sum(t.nbytes for t in tensors),
-            offloaded_bytes_per_expert=ceil_div(self.offloaded_bytes_per_expert, tp),
             expert_tensors=tensors,
             non_expert_bytes=ceil_div(self.non_expert_bytes, tp),
             kv_bytes_per_token=ceil_div(self.kv_bytes_per_token, kv_split),
@@ -131,18 +128,18 @@ class ModelSize:
 
     @property
     def bytes_per_slot(self) -> int:
-        """One slot = one expert id across every MoE layer (the cache's unit of VRAM)."""
-        return self.bytes_per_expert * self.num_moe_layers
+        """One slot = one expert id across every MoE layer (the cache's unit of VRAM): the
+        expert as vLLM holds it, and the packed side row of its ragged tensors
+        (`formats.slot_bytes`)."""
+        side = formats.slot_bytes(self.expert_tensors) - sum(
+            t.nbytes for t in self.expert_tensors)
+        return (self.bytes_per_expert + side) * self.num_moe_layers
 
     @property
     def expert_bytes(self) -> int:
-        return self.bytes_per_slot * self.num_experts
-
-    @property
-    def offloaded_expert_bytes(self) -> int:
-        """Every expert as vLLM holds them offloaded: what ``--cpu-offload-gb`` must cover."""
-        per = self.offloaded_bytes_per_expert or self.bytes_per_expert
-        return per * self.num_moe_layers * self.num_experts
+        """Every expert of every MoE layer as vLLM holds them: resident, or offloaded (what
+        ``--cpu-offload-gb`` must cover)."""
+        return self.bytes_per_expert * self.num_moe_layers * self.num_experts
 
     @property
     def total_bytes(self) -> int:
@@ -150,7 +147,9 @@ class ModelSize:
 
     @property
     def aligned(self) -> bool:
-        return all(t.aligned for t in self.expert_tensors)
+        """Every per-expert tensor can be moved by the gather: a 16-byte slab, or within
+        the packed side row (`formats.ragged_refusal`)."""
+        return formats.ragged_refusal(self.expert_tensors) is None
 
     def active_bytes_per_token(self) -> int:
         """Weight bytes one decode token reads: non-expert + top_k experts in each MoE layer."""
@@ -168,7 +167,6 @@ class ModelSize:
             "bytes_per_expert": self.bytes_per_expert,
             "bytes_per_slot": self.bytes_per_slot,
             "expert_bytes": self.expert_bytes,
-            "offloaded_expert_bytes": self.offloaded_expert_bytes,
             "non_expert_bytes": self.non_expert_bytes,
             "total_bytes": self.total_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -280,14 +278,17 @@ def _model_from_config(
     b16 = 2
 
     # -- experts: vLLM fuses gate and up into w13 [2I, H]; down is w2 [H, I]
-    tensors = linear_tensors("w13", 2 * inter, hidden, quant) + linear_tensors(
-        "w2", hidden, inter, quant
-    )
-    if has_expert_bias:
-        tensors += [
-            Tensor("w13_bias", (2 * inter,), "bf16", 2 * inter * b16),
-            Tensor("w2_bias", (hidden,), "bf16", hidden * b16),
-        ]
+    if quant in formats.MARLIN_QUANTS:
+        tensors = _marlin_experts(cfg, quant, hidden, inter, has_expert_bias, notes)
+    else:
+        tensors = linear_tensors("w13", 2 * inter, hidden, quant) + linear_tensors(
+            "w2", hidden, inter, quant
+        )
+        if has_expert_bias:
+            tensors += [
+                Tensor("w13_bias", (2 * inter,), "bf16", 2 * inter * b16),
+                Tensor("w2_bias", (hidden,), "bf16", hidden * b16),
+            ]
     per_expert = sum(t.nbytes for t in tensors)
 
     # -- attention, per layer
@@ -350,23 +351,6 @@ def _model_from_config(
     kv_win = sliding * window * kv_layer
     if sliding:
         kv_kind += f", {sliding} of {layers} layers sliding ({window} tokens)"
-    offloaded_per_expert = 0
-    if quant == "mxfp4":
-        # Offloaded MXFP4 experts run on Marlin (`vllm_experts.offload_backend_args`), whose
-        # weights vLLM creates padded: hidden to 256, intermediate to 128 (its oracle's
-        # mxfp4_round_up_hidden_size_and_intermediate_size), and offloads at that size
-        h_pad, i_pad = -(-hidden // 256) * 256, -(-inter // 128) * 128
-        if (h_pad, i_pad) != (hidden, inter):
-            padded = linear_tensors("w13", 2 * i_pad, h_pad, quant) + linear_tensors(
-                "w2", h_pad, i_pad, quant)
-            offloaded_per_expert = sum(t.nbytes for t in padded) + (
-                (2 * i_pad + h_pad) * b16 if has_expert_bias else 0)
-            notes.append(
-                f"offloaded, MXFP4 experts run on Marlin, which pads them (hidden {hidden} -> "
-                f"{h_pad}, intermediate {inter} -> {i_pad}): "
-                f"{offloaded_per_expert / 1e6:.2f} MB an expert in host memory, not "
-                f"{per_expert / 1e6:.2f}; --cpu-offload-gb covers that")
-
     return ModelSize(
         name=name,
         source=source,
@@ -378,7 +362,6 @@ def _model_from_config(
         hidden_size=hidden,
         moe_intermediate_size=inter,
         bytes_per_expert=per_expert,
-        offloaded_bytes_per_expert=offloaded_per_expert,
         expert_tensors=tensors,
         non_expert_bytes=non_expert,
         kv_bytes_per_token=kv_tok,
@@ -390,6 +373,31 @@ def _model_from_config(
         kv_heads=0 if mla else kv_heads,
         attention_heads=heads,
     )
+
+
+def _marlin_experts(cfg: dict[str, Any], quant: str, hidden: int, inter: int, bias: bool,
+                    notes: list[str]) -> list[Tensor]:
+    """One expert as vLLM's Marlin experts hold it (`formats.marlin_expert_tensors`), in
+    the layout of the vLLM installed here (the newest read, without one), with a note
+    where Marlin pads the widths."""
+    scheme = formats.wna16_scheme(cfg) if quant == "w4a16" else None
+    layout = formats.marlin_layout(installed_vllm.version())
+    tensors = formats.marlin_expert_tensors(quant, hidden, inter, scheme=scheme, bias=bias,
+                                            layout=layout)
+    group, act = (scheme.group, scheme.act_order and layout == "0.26") if scheme else (128,
+                                                                                       False)
+    h_pad = formats.marlin_hidden(quant, hidden)
+    i_pad = formats.marlin_intermediate(quant, hidden, inter, group, act)
+    if (h_pad, i_pad) != (hidden, inter):
+        plain = linear_tensors("w13", 2 * inter, hidden, quant) + linear_tensors(
+            "w2", hidden, inter, quant)
+        plain_bytes = sum(t.nbytes for t in plain) + ((2 * inter + hidden) * 2 if bias else 0)
+        held = sum(t.nbytes for t in tensors)
+        notes.append(
+            f"4-bit experts run on vLLM's Marlin kernel, which pads them (hidden {hidden} -> "
+            f"{h_pad}, intermediate {inter} -> {i_pad}): {held / 1e6:.2f} MB an expert in "
+            f"host memory and in a slot, not {plain_bytes / 1e6:.2f}")
+    return tensors
 
 
 def _mlp_bytes(hidden: int, inter: int, quant: str) -> int:
@@ -484,7 +492,14 @@ def model_from_checkpoint(directory: Path, quant: str | None = None) -> ModelSiz
             f"expert bytes differ across layers ({len(sizes)} sizes): using the largest"
         )
     on_disk = ceil_div(biggest, model.num_experts)
-    if model.bytes_per_expert > on_disk and model.quant in ("w8a8", "fp8", "fp8-block"):
+    if model.quant in formats.MARLIN_QUANTS:
+        # vLLM repacks (and may pad) these experts for Marlin at load: a slot and the host
+        # copy hold what vLLM holds, not the file's layout
+        if on_disk != model.bytes_per_expert:
+            model.notes.append(
+                f"one expert is {on_disk:,} B on disk and {model.bytes_per_expert:,} B as "
+                "vLLM's Marlin kernel holds it: slots and offload sized at vLLM's")
+    elif model.bytes_per_expert > on_disk and model.quant in ("w8a8", "fp8", "fp8-block"):
         # vLLM holds these scales as fp32 whatever the file stores (often bf16): a slot
         # holds what vLLM holds, so the arithmetic over vLLM's layout is the slot's size
         model.notes.append(

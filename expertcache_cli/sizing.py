@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import budget as rules
-from . import capture, cards, vllm_experts
+from . import capture, cards, formats, vllm_experts
 from .errors import UserError
 from .model_size import ModelSize, load_model
 from .vllm_flags import ONLINE_FORMATS
@@ -379,9 +379,9 @@ def _plan_for(
     for steps wider than the slots; it comes out of the slots' room, and a full batch
     wider than the slots is staged rather than a trap.
     ``moe_backend``: vLLM's ``--moe-backend``; where the experts kernel it leads to is one
-    the plugin declines on every layer (`vllm_experts.declined_kernel`: 4-bit on Marlin,
-    MXFP4), the verdict is offload without the cache, unless ``slots``/``fraction`` force
-    one (a kernel trial).
+    the plugin declines on every layer (`vllm_experts.declined_kernel`: 4-bit formats on
+    FlashInfer, Humming or the emulation backends), the verdict is offload without the
+    cache, unless ``slots``/``fraction`` force one (a kernel trial).
     ``kv_cache_memory_bytes``: the user's ``--kv-cache-memory-bytes``; the plan then sizes
     around that KV cache (it must hold one ``max_model_len`` sequence) instead of one
     sequence's worth, and hands vLLM nothing of its own.
@@ -511,11 +511,9 @@ def _plan_for(
             f"(at most {max_slots} slots)"
         )
         fits_outright = False
-    elif not model.aligned:
+    elif ragged := formats.ragged_refusal(model.expert_tensors):
         verdict = "offload_no_cache"
-        bad = ", ".join(t.name for t in model.expert_tensors if not t.aligned)
-        text = (f"runs only fully offloaded: per-expert tensors ({bad}) are not multiples of "
-                "16 bytes, which the cache's gather cannot move; no cache")
+        text = f"runs only fully offloaded: {ragged}; no cache"
         planned = 0
     elif (declined := vllm_experts.declined_kernel(model.quant, moe_backend)) and not forced:
         verdict = "offload_no_cache"
@@ -582,7 +580,7 @@ def _plan_for(
                 f"--max-model-len 8192 leaves room for {short.max_slots} slots: "
                 f"{short.verdict_text}"
             )
-    offload = math.ceil(model.offloaded_expert_bytes / GiB + 0.5) if verdict in (
+    offload = math.ceil(model.expert_bytes / GiB + 0.5) if verdict in (
         "cache", "offload_no_cache") else 0
     # the KV vLLM is handed: the reserve, plus what whole slots leave of their room (and
     # the scratch, where no cache will allocate it)

@@ -200,7 +200,8 @@ class SlotCache:
 
     def step(self, topk_ids: torch.Tensor, sources: Mapping[str, torch.Tensor],
              real_rows: torch.Tensor | None = None,
-             pad_rows: torch.Tensor | None = None) -> torch.Tensor:
+             pad_rows: torch.Tensor | None = None,
+             remap: bool = True) -> torch.Tensor | None:
         """Manage + gather on torch's current stream; returns slot-space ids.
 
         The result has the shape and dtype of ``topk_ids``; padding (< 0 or >= E) passes
@@ -209,17 +210,20 @@ class SlotCache:
         (`policy.padding_rows`): ``real_rows``, a one-element int32 tensor on this device,
         the number of leading rows that are real (vLLM's V1 runner), and/or ``pad_rows``,
         a bool (or uint8) tensor with one flag a row (its V2 runner's marks). No host
-        synchronisation happens here.
+        synchronisation happens here. ``remap=False``: the installs only, no slot-space
+        ids written (None returned), for a caller that maps experts to slots from
+        `table` itself (vLLM's Marlin, `plugin.marlin`).
         """
         import torch
 
         ids = self._checked_ids(topk_ids)
-        out = torch.empty_like(ids)
+        out = torch.empty_like(ids) if remap else None
         rows = ids.shape[0] if ids.dim() >= 1 else 1
         width = ids.numel() // rows if rows else 1
         real_ptr = 0 if real_rows is None else self._checked_real_rows(real_rows)
         pad_ptr = 0 if pad_rows is None else self._checked_pad_rows(pad_rows, rows)
-        self._run(self._manage, ids, out.data_ptr(), sources, real_ptr, width, pad_ptr)
+        self._run(self._manage, ids, out.data_ptr() if out is not None else 0, sources,
+                  real_ptr, width, pad_ptr)
         return out
 
     def _checked_real_rows(self, real_rows: torch.Tensor) -> int:

@@ -1,14 +1,13 @@
 """Which experts kernel vLLM will run a quantised checkpoint on, as far as the cache cares.
 
-The plugin arms only experts kernels that index the weights by the routing id and nothing
-else (`plugin.compat.KNOWN_EXPERTS`: vLLM's Triton experts). vLLM picks the kernel per
-format in its backend oracles, and for 4-bit weights it prefers Marlin on NVIDIA GPUs
-(0.26: Marlin is the only WNA16 backend there is besides FlashInfer's TRT-LLM kernel;
-0.32 and 0.33 also offer Triton, chosen with ``--moe-backend triton``). MXFP4 goes to
-Marlin or OpenAI's triton_kernels. A cached `serve` of such a checkpoint would silently run
-at the offload floor, every layer declined; this module says so before launch, and names
-the flag where the installed vLLM has a kernel the cache arms. Read from the installed
-vLLM's source, importing nothing.
+The plugin arms the experts kernels it knows (`plugin.compat.KNOWN_EXPERTS`): vLLM's
+Triton experts, and its Marlin experts, which run every 4-bit format on NVIDIA GPUs up to
+Hopper by default (0.26 to 0.33: GPTQ, AWQ, compressed-tensors W4A16, NVFP4 weight-only,
+MXFP4 offloaded). Asked for another backend (``--moe-backend flashinfer_trtllm``,
+``humming``, ``emulation``, ...), vLLM runs them on a kernel the plugin declines, and a
+cached `serve` of such a checkpoint would silently run at the offload floor, every layer
+declined: this module says so before launch. Read from the installed vLLM's source,
+importing nothing.
 
 MXFP4 has a worse trap: on Hopper vLLM (0.26 to 0.33) prefers triton_kernels, whose
 weight processing swaps the expert Parameters for swizzled tensors held as plain
@@ -16,8 +15,8 @@ attributes, which the offloader never re-offloads. Measured on the H200 (vLLM 0.
 8-layer gpt-oss-20b-shaped checkpoint): "Total CPU offloaded parameters: 3.16" GB and
 still 5.8 GiB of weights in VRAM, the whole model. Offloading MXFP4 experts therefore
 needs ``--moe-backend marlin`` (its repacked weights replace the Parameters by name, so
-vLLM moves them back to host memory); `offload_backend_args` adds it, or refuses the
-backends that keep the experts in VRAM.
+vLLM moves them back to host memory, and the plugin arms Marlin); `offload_backend_args`
+adds it, or refuses the backends that keep the experts in VRAM.
 """
 
 from __future__ import annotations
@@ -82,19 +81,35 @@ def wna16_triton_available(source: str | None = None) -> bool | None:
     return installed_vllm.source_says(TRITON_WNA16, WNA16_ORACLE, source)
 
 
-def declined_kernel(quant: str, moe_backend: str | None) -> str | None:
+#: ``--moe-backend`` values under which vLLM runs 4-bit experts on its Marlin experts
+#: (auto: its default on NVIDIA up to Hopper; offloaded MXFP4 gets marlin from `serve`) or,
+#: for the integer formats from 0.32, on its Triton WNA16 experts: kernels the plugin arms
+ARMED_4BIT_BACKENDS = {"w4a16": ("auto", "marlin", "triton"), "nvfp4": ("auto", "marlin"),
+                       "mxfp4": ("auto", "marlin")}
+
+
+def declined_kernel(quant: str, moe_backend: str | None,
+                    marlin: bool | None = None) -> str | None:
     """Why the plugin would decline every MoE layer of a ``quant`` checkpoint that vLLM
     runs with ``--moe-backend moe_backend`` (None: vLLM's default), or None where it can
-    arm them. The same on every vLLM we know (0.26-0.33): 4-bit experts run on Marlin
-    unless Triton is asked for, MXFP4 on Marlin (offloaded) or triton_kernels."""
+    arm them. 4-bit experts on vLLM's default kernel (Marlin on NVIDIA up to Hopper, 0.26
+    to 0.33) are armed where ``marlin`` (default: `config.marlin_from_env`,
+    ``EXPERT_CACHE_MARLIN=1``) allows; another backend named is not. Offloaded MXFP4 runs
+    on Marlin (`offload_backend_args` passes it; a backend that keeps the experts in VRAM
+    is refused there)."""
+    if quant not in ARMED_4BIT_BACKENDS:
+        return None
     backend = (moe_backend or "auto").strip().lower()
-    if quant == "mxfp4":
-        return ("vLLM runs MXFP4 experts on Marlin (offloaded) or triton_kernels, kernels "
-                "the cache does not arm yet")
-    if quant == "w4a16" and backend != "triton":
-        on = "Marlin" if backend in ("auto", "marlin") else f"--moe-backend {backend}"
-        return (f"vLLM runs these 4-bit experts on {on}, which the cache does not arm yet "
-                "(from vLLM 0.32, `-- --moe-backend triton` runs them on a kernel it arms)")
+    if backend not in ARMED_4BIT_BACKENDS[quant]:
+        return (f"vLLM runs these 4-bit experts on --moe-backend {backend}, a kernel the "
+                "cache does not arm (vLLM's default, Marlin, it arms)")
+    if backend == "triton":
+        return None
+    from .config import MARLIN, marlin_from_env
+
+    if not (marlin_from_env() if marlin is None else marlin):
+        return (f"vLLM runs these 4-bit experts on Marlin, which the cache arms only with "
+                f"{MARLIN}=1 until its arming is proven on a GPU")
     return None
 
 
@@ -108,35 +123,19 @@ def triton_refusal(quant: str, args: list[str], triton: bool | None,
         return None
     which = f"vLLM {version}" if version else "the vLLM installed here"
     return (f"--moe-backend triton: {which} has no Triton kernel for 4-bit experts (it runs "
-            "them on Marlin, which the cache does not arm); vLLM 0.32 and later have one, or "
-            "leave the flag out to serve them offloaded without the cache")
+            "them on Marlin); vLLM 0.32 and later have one, or leave the flag out to serve "
+            "them on Marlin, which the cache arms")
 
 
-def kernel_note(quant: str, args: list[str], triton: bool | None,
-                version: str | None = None) -> str | None:
+def kernel_note(quant: str, args: list[str], version: str | None = None) -> str | None:
     """What a cache forced onto a ``quant`` checkpoint (``--slots``) should be told about the
-    kernel vLLM will pick, with the installed vLLM's own way out where it has one; None
-    where the plugin arms that kernel (`declined_kernel` decides)."""
-    which = f"vLLM {version}" if version else "vLLM"
+    kernel vLLM will pick: a backend the plugin declines on every layer; None where it
+    arms that kernel (`declined_kernel` decides)."""
     backend = vllm_flags.vllm_flag_value(args, "--moe-backend")
-    if declined_kernel(quant, backend) is None:
+    why = declined_kernel(quant, backend)
+    if why is None:
         return None
-    if quant == "mxfp4":
-        return (f"{which} runs offloaded MXFP4 experts on Marlin (`serve` passes "
-                "--moe-backend marlin), which the cache does not arm yet: every layer will be "
-                "declined (the offload floor)")
-    if backend not in (None, "auto"):
-        return (f"4-bit experts on --moe-backend {backend}, which the cache does not arm yet: "
-                "every layer will be declined (the offload floor)")
-    if triton is None:  # no vLLM here to read: what every release we know does
-        return ("4-bit experts: vLLM runs them on Marlin by default, which the cache does not "
-                "arm yet; from vLLM 0.32 `-- --moe-backend triton` runs them on Triton, which "
-                "it arms")
-    if triton:
-        return (f"4-bit experts: {which} picks Marlin by default, which the cache does not "
-                "arm yet; add `-- --moe-backend triton` to run them on vLLM's Triton WNA16 "
-                "kernel, which it arms (each layer's first call is checked against the stock "
-                "path)")
-    return (f"4-bit experts: {which} runs them on Marlin, which the cache does not arm yet: "
-            "every layer will be declined (the offload floor); vLLM 0.32 and later can run "
-            "them on Triton (`--moe-backend triton`), which it arms")
+    which = f"vLLM {version}" if version else "vLLM"
+    return (f"4-bit experts on --moe-backend {backend.strip().lower()}: {which} runs them on a "
+            "kernel the cache does not arm, so every layer will be declined (the offload "
+            "floor); leave the flag out to run them on Marlin, which it arms")

@@ -24,6 +24,12 @@ ARMS = {
     "fp8-block-hot": (ARMED, "slots path 8 of 8 layers agreed"),
     "gptq-cache": (DECLINED, None),
     "gptq-trial": (ARMED, "slots path 0 of 8 layers agreed, 8 differed"),
+    "nvfp4-cache": (ARMED, "slots path 24 of 24 layers agreed (largest relative difference 0)"),
+    "nvfp4-hot": (ARMED, "slots path 24 of 24 layers agreed"),
+    "mxfp4-cache": (ARMED, "slots path 24 of 24 layers agreed"),
+    "mxfp4-hot": (ARMED, "slots path 24 of 24 layers agreed"),
+    "gptq-act-cache": (ARMED, "slots path 24 of 24 layers agreed"),
+    "gptq-act-hot": (ARMED, "slots path 24 of 24 layers agreed"),
 }
 
 STUB = r'''#!/usr/bin/env python3
@@ -40,6 +46,11 @@ if args[0].endswith("formats_report.py") or args[0].endswith("profile_report.py"
 if args[0].endswith("write_checkpoint.py"):
     d = Path(args[1]); d.mkdir(parents=True)
     (d / "model.safetensors.index.json").write_text("{}")
+    live = sorted(p.parent.name for p in d.parent.glob("*/model.safetensors.index.json"))
+    with open(os.environ["STUB_LOG"], "a") as log:  # what the disk holds while writing
+        log.write("checkpoints on disk: " + " ".join(live) + "\n")
+elif args[:4] == ["-m", "expertcache_cli", "trace", "synth"]:
+    Path(args[4]).write_text("npz")
 elif args[:3] == ["-m", "expertcache_cli", "size"]:
     print(json.dumps({"bytes_per_expert": 4719744}))
 elif args[:3] == ["-m", "expertcache_cli", "probe-link"]:
@@ -97,18 +108,76 @@ def test_an_armed_format_runs_all_four_arms_and_cleans_up(runner):
 
 def test_a_declined_format_with_a_sent_back_trial_gets_no_resident_or_all_hit_arm(runner):
     run, tmp = runner
-    calls = run("gptq")
+    calls = run("gptq", TRIAL_FORMATS="gptq")
     assert _servers(calls) == ["gptq-floor", "gptq-cache", "gptq-trial"]
     assert [c.split()[1] for c in calls if "write_checkpoint.py" in c] == [
         str(tmp / "fm" / "gptq")]  # the hot checkpoint is never needed
     trial = next(c for c in calls if c.startswith("bench/small_card.py gptq-trial"))
-    assert "EC_BENCH_TRY_KERNELS=MarlinExperts" in trial
+    assert "EC_BENCH_TRY_KERNELS=BatchedMarlinExperts" in trial  # TRIAL_KERNELS' default
     assert not (tmp / "fm" / "gptq").exists()
 
 
 def test_the_trial_runs_only_for_the_formats_named(runner):
     run, _ = runner
     assert _servers(run("awq")) == ["awq-floor", "awq-cache"]  # declined: no trial by default
+
+
+def _call(calls, arm):
+    return next(c for c in calls if c.startswith(f"bench/small_card.py {arm} "))
+
+
+def test_a_4_bit_format_on_marlin_runs_every_arm_routed_by_a_trace(runner):
+    """Issue 29's rows: NVFP4 (the Qwen3-30B-A3B shape) armed on Marlin runs floor, cache,
+    resident and all-hit; floor and cache route from the top-8 trace, the all-hit pair
+    from its own routers; the floor/cache checkpoint is gone before the all-hit one is
+    written (one format's checkpoint on the disk at a time)."""
+    run, tmp = runner
+    calls = run("nvfp4")
+    assert _servers(calls) == ["nvfp4-floor", "nvfp4-cache", "nvfp4-resident", "nvfp4-hot"]
+    for arm in ("nvfp4-floor", "nvfp4-cache"):
+        call = _call(calls, arm)
+        assert "EC_BENCH_TRACE_ROUTING=" in call and "traces/demo-qwen3-30b-a3b-tasks.npz" in call
+        assert "bench/trace_hook" in call and "--slots 32" in call
+    for arm in ("nvfp4-resident", "nvfp4-hot"):
+        assert "EC_BENCH_TRACE_ROUTING" not in _call(calls, arm)
+    assert "--moe-backend" not in _call(calls, "nvfp4-resident")
+    disk = [c for c in calls if c.startswith("checkpoints on disk:")]
+    assert disk == ["checkpoints on disk: nvfp4", "checkpoints on disk: nvfp4-hot"]
+    assert not (tmp / "fm" / "nvfp4").exists()
+
+
+def test_gpt_oss_mxfp4_has_128_experts_a_top_4_trace_and_a_marlin_resident(runner):
+    run, tmp = runner
+    calls = run("mxfp4")
+    writes = [c for c in calls if "write_checkpoint.py" in c]
+    assert all("--format mxfp4" in c and "--experts 128" in c for c in writes)
+    synth = [c for c in calls if c.startswith("-m expertcache_cli trace synth")]
+    assert len(synth) == 1 and "--top-k 4 --seed 29" in synth[0] and "--experts 128" in synth[0]
+    assert str(tmp / "fm" / "tasks-top4-128.npz") in _call(calls, "mxfp4-cache")
+    assert "--slots 32" in _call(calls, "mxfp4-cache")
+    # the all-hit ratio compares one kernel: resident on Marlin too
+    assert "--moe-backend marlin" in _call(calls, "mxfp4-resident")
+    assert "--moe-backend marlin" not in _call(calls, "mxfp4-hot")  # (serve passes it)
+
+
+def test_gpt_oss_20bs_32_experts_get_16_slots_and_random_routing_stays_possible(runner):
+    run, _ = runner
+    calls = run("mxfp4", MXFP4_EXPERTS="32", ROUTING="random")
+    assert "--slots 16" in _call(calls, "mxfp4-cache")
+    assert all("--experts 32" in c for c in calls if "write_checkpoint.py" in c)
+    assert not any("EC_BENCH_TRACE_ROUTING" in c for c in calls)
+    assert not any("trace synth" in c for c in calls)
+
+
+def test_gptq_with_act_order_is_a_format_of_its_own(runner):
+    run, tmp = runner
+    calls = run("gptq-act", TRACE8="/data/olmoe-recorded.npz")
+    assert _servers(calls) == ["gptq-act-floor", "gptq-act-cache", "gptq-act-resident",
+                               "gptq-act-hot"]
+    assert all("--format gptq-act" in c for c in calls if "write_checkpoint.py" in c)
+    assert "EC_BENCH_TRACE_ROUTING=/data/olmoe-recorded.npz" in _call(calls, "gptq-act-cache")
+    report = (tmp / "out" / "formats.txt").read_text()
+    assert report.startswith("gptq-act: floor 100.0 tok/s")
 
 
 def test_profile_records_both_all_hit_servers_and_compares_them(runner):

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ("from expertcache_cli.plugin import arming; "
-         "print('MarlinExperts' in arming.KNOWN_EXPERTS)")
+         "print('BatchedMarlinExperts' in arming.KNOWN_EXPERTS)")
 
 
 def _run(extra_env: dict[str, str]) -> str:
@@ -26,7 +26,7 @@ def _run(extra_env: dict[str, str]) -> str:
 
 def test_the_hook_adds_the_named_kernels_only_when_asked():
     assert _run({}) == "False"
-    assert _run({"EC_BENCH_TRY_KERNELS": "MarlinExperts"}) == "True"
+    assert _run({"EC_BENCH_TRY_KERNELS": "BatchedMarlinExperts"}) == "True"
 
 
 def test_the_no_check_and_memory_hooks_act_only_when_asked():

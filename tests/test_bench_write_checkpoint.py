@@ -56,6 +56,23 @@ def test_gptq_layout(writer):
     assert writer.gptq_config()["desc_act"] is False
 
 
+def test_gptq_with_act_order(writer):
+    """desc_act: each g_idx assigns the input rows to full 128-row groups in a random order
+    (vLLM 0.26 sorts them into Marlin's sort indices); the config says desc_act."""
+    from expertcache_cli import formats
+
+    shape = writer.shape
+    t = _tensors(writer, "gptq-act")
+    g_idx = t["model.layers.0.mlp.experts.0.gate_proj.g_idx"]
+    h = shape.HIDDEN
+    assert g_idx.dtype == torch.int32 and g_idx.shape == (h,)
+    assert torch.bincount(g_idx.long()).tolist() == [128] * (h // 128)
+    assert g_idx.tolist() != [i // 128 for i in range(h)]  # not in order
+    cfg = writer.quantization_config("gptq-act", 1)
+    assert cfg["desc_act"] is True and formats.wna16_scheme(
+        {"quantization_config": cfg}).act_order
+
+
 def test_awq_layout(writer):
     shape = writer.shape
     t = _tensors(writer, "awq")
@@ -80,7 +97,8 @@ def test_nvfp4_layout(writer):
     assert cfg["quant_algo"] == "NVFP4" and "lm_head" in cfg["ignore"]
 
 
-@pytest.mark.parametrize("fmt, quant", [("gptq", "w4a16"), ("awq", "w4a16"),
+@pytest.mark.parametrize("fmt, quant", [("gptq", "w4a16"), ("gptq-act", "w4a16"),
+                                        ("awq", "w4a16"),
                                         ("nvfp4", "nvfp4"), ("w8a8", "w8a8")])
 def test_sizing_reads_each_written_config(writer, tmp_path, fmt, quant):
     from expertcache_cli.formats import quant_from_config
@@ -133,6 +151,11 @@ def test_mxfp4_is_gpt_oss_as_openai_ships_it(writer, tmp_path):
     assert t["model.layers.0.mlp.router.weight"][4:].abs().sum() == 0
     with pytest.raises(SystemExit, match="--hot 17: between 0"):
         writer.write(tmp_path / "x", 1, "mxfp4", vocab=64, hot=17)
+    # gpt-oss-120b's expert count on the same shape (--experts)
+    writer.write(tmp_path / "e", 1, "mxfp4", vocab=64, experts=24, hot=20)
+    assert json.loads((tmp_path / "e" / "config.json").read_text())["num_local_experts"] == 24
+    with pytest.raises(SystemExit, match="--experts: the gpt-oss shape's only"):
+        writer.write(tmp_path / "y", 1, "gptq", vocab=64, experts=24)
 
 
 def test_sizing_reads_the_gpt_oss_checkpoint_as_mxfp4(writer, tmp_path):

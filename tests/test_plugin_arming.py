@@ -45,6 +45,28 @@ def test_scales_zero_points_and_biases_are_mirrored_with_the_weights():
                    "w13_qzeros": True, "w2_bias": False}
 
 
+def test_per_expert_scales_too_small_for_a_slab_travel_in_the_packed_row():
+    """NVFP4's per-expert global scales are 4 bytes an expert: not a 16-byte slab, so not
+    gathered on their own, but packed into one side row that is (and unpacked for the
+    kernel): the layer is armed with them, not declined. A load-time-only shape record
+    (compressed-tensors' ``weight_shape``, 8 bytes) is not mirrored at all."""
+    extra = {
+        "w13_weight_scale_2": FakeTensor((128,), "float32", uva=True),
+        "w2_weight_scale_2": FakeTensor((128,), "float32", uva=True),
+        "w13_weight_shape": FakeTensor((128, 2), "float32", uva=True),
+    }
+    d = plan_layer(RoutedExperts(extra_params=extra), CFG)
+    assert d.action == ARM, d.reason
+    assert [s.name for s in d.specs] == ["w13_weight", "w2_weight"]
+    assert [s.name for s in d.small] == ["w13_weight_scale_2", "w2_weight_scale_2"]
+    assert d.small_row_bytes == 16
+    weights = 64 * 64 * 2 + 64 * 32 * 2
+    assert d.bytes_per_slot == weights + 16 + 8  # the packed row and the compact copies
+    assert d.slot_bytes == 32 * d.bytes_per_slot + 128 * (16 + 8)
+    line = summary_line([d], CFG, "0.26.0")
+    assert "w13_weight_scale_2[float32 1, packed]" in line
+
+
 def test_resident_layer_is_not_armed():
     d = plan_layer(RoutedExperts(uva=False), CFG)
     assert d.action == SKIP and "resident" in d.reason
@@ -62,8 +84,8 @@ def test_resident_layer_is_not_armed():
         (RoutedExperts(quant_method=UnquantizedFusedMoEMethod(TrtLlmBf16ExpertsModular())),
          "TrtLlmBf16ExpertsModular is not known"),
         (RoutedExperts(device="cpu", uva=False), "without UVA"),
-        (RoutedExperts(extra_params={"w13_weight_scale": FakeTensor((128,), "float32", uva=True)}),
-         "4 bytes per expert is not a multiple of 16"),
+        (RoutedExperts(extra_params={"w13_g": FakeTensor((128, 75), "float32", uva=True)}),
+         "w13_g (300 B): 300 bytes per expert in slabs that are not multiples of 16"),
         (RoutedExperts(extra_params={"w2_g": FakeTensor((128, 8, 8), "float32", uva=True,
                                                          contiguous=False)}),
          "not contiguous"),

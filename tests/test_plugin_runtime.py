@@ -21,6 +21,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="no torch: the plugin runtime tests need torch")
 
+from ref_slotcache import RefSlotCache  # noqa: E402
+
 from expertcache_cli.config import CacheConfig  # noqa: E402
 from expertcache_cli.plugin.arming import ARM, plan_layer  # noqa: E402
 from expertcache_cli.plugin.runtime import ArmedLayer, ArmError, patch_tile_lookup  # noqa: E402
@@ -41,61 +43,6 @@ class TileLookup:
 
 
 patch_tile_lookup(TileLookup)
-
-
-class RefSlotCache:
-    """`SlotCache`'s contract on the host, driven by the reference rules."""
-
-    def __init__(self, num_experts, num_slots, specs, *, policy="lru", decay=0,
-                 wide_inserts=None, **_):
-        self.ref = LayerCache(num_experts, num_slots, Policy.parse(policy), decay)
-        self.num_slots = num_slots
-        self.wide_inserts = wide_inserts
-        self.slots = {
-            n: torch.zeros((num_slots, *shape), dtype=dt) for n, (shape, dt) in specs.items()
-        }
-        self.stats = torch.zeros(2, dtype=torch.int64)
-        self.steps = 0
-
-    def fits(self, n):
-        return n <= self.num_slots
-
-    def reset(self):
-        self.ref = LayerCache(self.ref.num_experts, self.num_slots, self.ref.policy,
-                              self.ref.decay)
-
-    def step(self, topk_ids, sources, real_rows=None, pad_rows=None):
-        ids = topk_ids.numpy()
-        real = None if real_rows is None else int(real_rows.reshape(-1)[0])
-        pad = None if pad_rows is None else pad_rows.numpy().astype(bool)
-        self.real_rows_seen = getattr(self, "real_rows_seen", []) + [real]
-        self.pad_rows_seen = getattr(self, "pad_rows_seen", []) + [
-            None if pad is None else pad.tolist()]
-        r = self.ref.step(ids, real_rows=real, pad_rows=pad)
-        for e, s in r.misses:
-            for n, buf in self.slots.items():
-                buf[s] = sources[n][e]
-        self.stats += torch.tensor([r.distinct, r.miss_count])
-        self.steps += 1
-        return torch.from_numpy(self.ref.remap(ids, real, pad)).to(topk_ids.dtype)
-
-    @property
-    def table(self):
-        return torch.from_numpy(self.ref.table)
-
-    @property
-    def slot_expert(self):
-        return torch.from_numpy(self.ref.slot_expert)
-
-    def step_wide(self, topk_ids, sources):
-        """The kernel's wide manager: no max_distinct gate, at most wide_inserts installs."""
-        r = self.ref.step(topk_ids.numpy(), max_distinct=self.ref.num_experts,
-                          max_inserts=self.wide_inserts)
-        for e, s in r.misses:
-            for n, buf in self.slots.items():
-                buf[s] = sources[n][e]
-        self.stats += torch.tensor([r.distinct, r.miss_count])
-        self.wide_steps = getattr(self, "wide_steps", 0) + 1
 
 
 @dataclass

@@ -8,6 +8,7 @@ forgotten norm or bias that a per-expert check would miss.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import subprocess
@@ -151,25 +152,24 @@ def test_deepseek_v2_lite_mla_shared_experts_and_dense_first_layer():
     assert m.total_bytes == 2 * 15_706_484_224
 
 
-def test_gpt_oss_20b_mxfp4_with_biases_and_sliding_windows():
+def test_gpt_oss_20b_mxfp4_with_biases_and_sliding_windows(monkeypatch):
+    monkeypatch.setenv("EXPERT_CACHE_MARLIN", "1")  # the plan where Marlin is armed
     m = model_size.load_model(cfg("gpt-oss-20b.json"))
     assert m.quant == "mxfp4"  # from its quantization_config
     assert (m.num_moe_layers, m.num_experts, m.top_k) == (24, 32, 4)
-    # w13 5760x2880 at 4 bits = 8,294,400 + e8m0 scale per 32 = 518,400 + bf16 bias 11,520
-    # w2  2880x2880 at 4 bits = 4,147,200 + 259,200 + bias 5,760
-    assert m.bytes_per_expert == 8_294_400 + 518_400 + 11_520 + 4_147_200 + 259_200 + 5_760
-    assert m.bytes_per_expert == 13_236_480
     # offloaded, they run on Marlin (serve passes --moe-backend marlin), which vLLM creates
-    # padded (hidden 2880 -> 3072, intermediate 2880 -> 2944) and offloads at that size:
-    # --cpu-offload-gb must cover 14.43 MB an expert, or ~9% of them stay in VRAM
+    # padded (hidden 2880 -> 3072, intermediate 2880 -> 2944) and holds so in host memory
+    # and in a slot: w13 5888x3072 at 4 bits + e8m0 scale per 32 + bf16 bias, w2 3072x2944
     w13 = 2 * 2944 * 3072 // 2 + 2 * 2944 * 3072 // 32 + 2 * 2944 * 2
     w2 = 3072 * 2944 // 2 + 3072 * 2944 // 32 + 3072 * 2
-    assert m.offloaded_expert_bytes == (w13 + w2) * 24 * 32 == 14_431_744 * 24 * 32
-    assert any("Marlin, which pads them" in n for n in m.notes)
+    assert m.bytes_per_expert == w13 + w2 == 14_431_744  # the checkpoint's is 13,236,480
+    assert m.bytes_per_slot == 14_431_744 * 24
+    assert m.expert_bytes == 14_431_744 * 24 * 32
+    assert any("Marlin kernel, which pads them" in n and "not 13.24" in n for n in m.notes)
     p = sizing.plan(m, 12)
-    # offloaded without the cache: the plugin declines MXFP4's kernels on every layer
-    assert p.verdict == "offload_no_cache" and "MXFP4 experts on Marlin" in p.verdict_text
-    assert p.cpu_offload_gb >= m.offloaded_expert_bytes / 2**30 > m.expert_bytes / 2**30 + 0.5
+    # vLLM's Marlin experts are armed: a cache, and --cpu-offload-gb covers the padded bytes
+    assert p.verdict == "cache" and p.slots >= m.top_k
+    assert p.cpu_offload_gb >= m.expert_bytes / 2**30
     # 12 full-attention layers hold every token; 12 sliding ones only 128 tokens
     assert m.kv_bytes_per_token == 12 * 2 * 8 * 64 * 2 == 24_576
     assert m.kv_window_bytes_per_seq == 12 * 128 * 2 * 8 * 64 * 2
@@ -181,8 +181,8 @@ def test_gpt_oss_120b_needs_quant_from_the_user_and_matches_the_preset():
     assert plain.quant == "bf16"  # this copy carries no quantization_config
     m = model_size.load_model(cfg("gpt-oss-120b.json"), quant="mxfp4")
     assert (m.num_moe_layers, m.num_experts, m.top_k) == (36, 128, 4)
-    assert m.bytes_per_expert == 13_236_480
-    assert m.expert_bytes == 13_236_480 * 36 * 128
+    assert m.bytes_per_expert == 14_431_744  # Marlin's padded expert, as for the 20b
+    assert m.expert_bytes == 14_431_744 * 36 * 128
     p = model_size.load_model("gpt-oss-120b")
     assert (p.bytes_per_expert, p.non_expert_bytes) == (m.bytes_per_expert, m.non_expert_bytes)
 
@@ -239,9 +239,10 @@ def test_quant_read_from_compressed_tensors_and_fp8_configs():
     assert m8.quant == "fp8-block"
     w4 = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     m4 = model_size.model_from_config(_with_quant("qwen3-30b-a3b.json", w4), "x")
-    # int4 packs 2 a byte; one bf16 scale per 128 inputs: w13 1536*16*2, w2 2048*6*2
+    # int4 packs 2 a byte; one bf16 scale per 128 inputs: w13 1536*16*2, w2 2048*6*2; and
+    # the zero points vLLM keeps (the exact layouts: tests/test_marlin_sizing.py)
     assert m4.quant == "w4a16"
-    assert m4.bytes_per_expert == (1536 * 2048 + 2048 * 768) // 2 + 1536 * 16 * 2 + 2048 * 6 * 2
+    assert m4.bytes_per_expert > (1536 * 2048 + 2048 * 768) // 2 + 1536 * 16 * 2 + 2048 * 6 * 2
 
 
 def test_unknown_quant_method_is_a_user_error_naming_it():
@@ -577,10 +578,12 @@ def test_online_quantization_is_sized_as_vllm_will_hold_it():
     assert w8a8.quant == "w8a8"  # already quantised: its own format stands
 
 
-def test_a_model_whose_expert_slabs_the_gather_cannot_move_runs_offloaded_without_cache(
+def test_nvfp4s_ragged_global_scales_travel_in_the_side_row_and_larger_ones_are_refused(
         tmp_path):
-    """NVFP4's per-expert global scales are 4 and 8 bytes: no cache, and the verdict says so
-    (not 'cache at N slots' beside a note that the cache refuses the model)."""
+    """NVFP4's per-expert global scales are 4 bytes each: not 16-byte slabs, but the
+    plugin packs them into a side row, so the model is cacheable and a slot counts the row
+    (16 B) besides the compact copies the kernel reads (the expert's 8 B); ragged tensors
+    past the side row's limit are refused with the verdict saying why."""
     from expertcache_cli import formats
 
     conf = qwen3_moe_config(hidden_size=256, moe_intermediate_size=128, quantization_config={
@@ -589,10 +592,15 @@ def test_a_model_whose_expert_slabs_the_gather_cannot_move_runs_offloaded_withou
     path = tmp_path / "config.json"
     path.write_text(json.dumps(conf))
     m = model_size.load_model(path)
-    assert not m.aligned
-    p = sizing.plan(m, 1, slots=4)  # a cache asked for: still none
+    assert m.aligned
+    assert m.bytes_per_slot == (m.bytes_per_expert + 16) * m.num_moe_layers
+    p = sizing.plan(m, 1, slots=4)
+    assert p.verdict == "cache" and p.slots == 4
+    big = dataclasses.replace(m, expert_tensors=m.expert_tensors + [
+        formats.Tensor("w13_odd", (75,), "fp32", 300)])
+    p = sizing.plan(big, 1, slots=4)
     assert p.verdict == "offload_no_cache" and p.slots == 0
-    assert "not multiples of 16 bytes" in p.verdict_text and "weight_scale_2" in p.verdict_text
+    assert "w13_odd" in p.verdict_text and "more than the 256" in p.verdict_text
 
 
 @pytest.mark.parametrize("spec, tp, words", [

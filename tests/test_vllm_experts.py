@@ -8,11 +8,30 @@ from pathlib import Path
 
 import pytest
 
-from expertcache_cli import installed_vllm, vllm_experts
+from expertcache_cli import installed_vllm, model_size, sizing, vllm_experts
 from expertcache_cli.launch import make_plan
 
 V033 = 'mapping = {\n        "triton": WNA16MoEBackend.TRITON,\n        "marlin": ...'
 V026 = 'mapping = {\n        "marlin": WNA16MoEBackend.MARLIN,\n        "humming": ...'
+
+
+@pytest.fixture(autouse=True)
+def _marlin_armed(monkeypatch):
+    """Marlin arming is opt-in (EXPERT_CACHE_MARLIN=1) until it is proven on a GPU; these
+    tests are about plans where it is on (the default is tested on its own below)."""
+    monkeypatch.setenv("EXPERT_CACHE_MARLIN", "1")
+
+
+@pytest.mark.parametrize("quant", ["w4a16", "nvfp4", "mxfp4"])
+def test_marlin_experts_are_declined_unless_asked_for(quant, monkeypatch):
+    monkeypatch.delenv("EXPERT_CACHE_MARLIN")
+    why = vllm_experts.declined_kernel(quant, None)
+    assert why and "EXPERT_CACHE_MARLIN=1" in why and "proven on a GPU" in why
+    assert vllm_experts.declined_kernel(quant, None, marlin=True) is None
+    p = sizing.plan(model_size.load_model(Path(__file__).parent / "configs" / "gpt-oss-120b.json", "mxfp4"), 24)
+    assert p.verdict == "offload_no_cache" and "EXPERT_CACHE_MARLIN=1" in p.verdict_text
+    if quant == "w4a16":  # vLLM 0.32+'s Triton WNA16 kernel is armed either way
+        assert vllm_experts.declined_kernel(quant, "triton") is None
 
 
 def test_the_oracle_source_decides(tmp_path, monkeypatch):
@@ -29,23 +48,33 @@ def test_the_oracle_source_decides(tmp_path, monkeypatch):
     assert vllm_experts.wna16_triton_available() is None
 
 
-@pytest.mark.parametrize("triton, words", [
-    (True, "add `-- --moe-backend triton`"),
-    (False, "vLLM 0.26 runs them on Marlin"),
-    (None, "from vLLM 0.32 `-- --moe-backend triton`"),
-])
-def test_the_note_for_4_bit_experts(triton, words):
-    note = vllm_experts.kernel_note("w4a16", [], triton, "0.26" if triton is False else None)
-    assert words in note and "does not arm yet" in note
+@pytest.mark.parametrize("quant", ["w4a16", "nvfp4", "mxfp4"])
+def test_4_bit_experts_on_vllms_default_kernel_are_armed(quant):
+    """Marlin, vLLM's default for every 4-bit format on NVIDIA up to Hopper (0.26-0.33),
+    is a kernel the plugin arms: no decline, no note."""
+    assert vllm_experts.declined_kernel(quant, None) is None
+    assert vllm_experts.declined_kernel(quant, "marlin") is None
+    assert vllm_experts.kernel_note(quant, [], "0.26") is None
+    assert vllm_experts.kernel_note(quant, ["--moe-backend", "marlin"], "0.33") is None
 
 
-def test_no_note_where_the_cache_arms_or_the_user_chose():
-    assert vllm_experts.kernel_note("w8a8", [], True) is None
-    assert vllm_experts.kernel_note("bf16", [], False) is None
-    assert vllm_experts.kernel_note("w4a16", ["--moe-backend", "triton"], True) is None
-    chosen = vllm_experts.kernel_note("w4a16", ["--moe-backend", "marlin"], True)
-    assert "on --moe-backend marlin" in chosen and "every layer will be declined" in chosen
-    assert "MXFP4" in vllm_experts.kernel_note("mxfp4", [], True)
+@pytest.mark.parametrize("quant, backend", [("w4a16", "humming"),
+                                            ("w4a16", "flashinfer_trtllm"),
+                                            ("nvfp4", "flashinfer_cutlass"),
+                                            ("mxfp4", "flashinfer_trtllm_mxfp4_bf16")])
+def test_4_bit_experts_on_a_backend_the_plugin_does_not_arm_are_declined_with_the_reason(
+        quant, backend):
+    why = vllm_experts.declined_kernel(quant, backend)
+    assert why.startswith(f"vLLM runs these 4-bit experts on --moe-backend {backend}")
+    note = vllm_experts.kernel_note(quant, ["--moe-backend", backend], "0.33")
+    assert f"on --moe-backend {backend}: vLLM 0.33 runs them on a kernel" in note
+    assert "every layer will be declined" in note and "Marlin, which it arms" in note
+
+
+def test_no_note_where_the_cache_arms():
+    assert vllm_experts.kernel_note("w8a8", [], "0.26") is None
+    assert vllm_experts.kernel_note("bf16", ["--moe-backend", "humming"]) is None
+    assert vllm_experts.kernel_note("w4a16", ["--moe-backend", "triton"]) is None  # 0.32+
 
 
 def test_serve_plans_say_it_before_launch(tmp_path):
@@ -56,28 +85,25 @@ def test_serve_plans_say_it_before_launch(tmp_path):
     gptq = tmp_path / "gptq.json"
     gptq.write_text(json.dumps(qwen3_moe_config(quantization_config={
         "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True})))
-    bf16 = tmp_path / "bf16.json"
-    bf16.write_text(json.dumps(qwen3_moe_config()))
 
-    def plan(size_from, triton, args=("--max-num-seqs", "1")):
-        return make_plan("org/model", 24, slots=4, size_from=str(size_from), launcher=["vllm"],
+    def plan(args=("--max-num-seqs", "1")):
+        return make_plan("org/model", 24, slots=4, size_from=str(gptq), launcher=["vllm"],
                          environ={}, vllm_args=list(args), v2_runner_offloads=lambda: True,
-                         wna16_triton=lambda: triton)
+                         wna16_triton=lambda: True)
 
-    w4 = plan(gptq, True)
+    w4 = plan()
     assert w4.size.quant == "w4a16" and "EXPERT_CACHE_SLOTS" in w4.env
-    assert any("add `-- --moe-backend triton`" in n for n in w4.notes)
-    chosen = plan(gptq, True, ("--max-num-seqs", "1", "--moe-backend", "triton"))
-    assert not any("4-bit" in n for n in chosen.notes)
-    assert any("runs them on Marlin" in n for n in plan(gptq, False).notes)
-    assert not any("4-bit" in n for n in plan(bf16, False).notes)
+    assert not any("declined" in n for n in w4.notes)  # Marlin: armed
+    other = plan(("--max-num-seqs", "1", "--moe-backend", "humming"))
+    assert any("on --moe-backend humming" in n and "every layer will be declined" in n
+               for n in other.notes)
 
 
 def test_size_says_it_too(tmp_path):
-    """`size` is where users decide: a GPTQ Qwen3-30B-A3B on 16 GiB is offloaded, and on
-    Marlin every layer would be declined, so the verdict is offload without the cache and
-    says why; --slots forces a cache (a kernel trial) with the note; Triton asked for
-    (`--moe-backend triton`) is a cache with no note."""
+    """`size` is where users decide: a GPTQ Qwen3-30B-A3B on 16 GiB is offloaded and, on
+    vLLM's default Marlin kernel, cached; on a backend the plugin does not arm the verdict
+    is offload without the cache and says why; --slots forces a cache (a kernel trial)
+    with the note."""
     import json
     import subprocess
     import sys
@@ -95,15 +121,15 @@ def test_size_says_it_too(tmp_path):
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
 
-    got = size("--", "--max-model-len", "8192")
+    armed = size("--", "--max-model-len", "8192")
+    assert armed["verdict"] == "cache" and armed["slots"] > 0
+    assert not any("declined" in n for n in armed["notes"])
+    got = size("--", "--max-model-len", "8192", "--moe-backend", "humming")
     assert got["verdict"] == "offload_no_cache" and got["slots"] == 0
-    assert "4-bit experts on Marlin" in got["verdict_text"]
-    assert "--moe-backend triton" in got["verdict_text"]
-    forced = size("--slots", "8", "--", "--max-model-len", "8192")
+    assert "4-bit experts on --moe-backend humming" in got["verdict_text"]
+    forced = size("--slots", "8", "--", "--max-model-len", "8192", "--moe-backend", "humming")
     assert forced["verdict"] == "cache"
-    assert any("4-bit experts" in n for n in forced["notes"])
-    armed = size("--", "--max-model-len", "8192", "--moe-backend", "triton")
-    assert armed["verdict"] == "cache" and not any("4-bit" in n for n in armed["notes"])
+    assert any("every layer will be declined" in n for n in forced["notes"])
 
 
 MXFP4_026 = '"triton": [Mxfp4MoeBackend.TRITON],\n        "marlin": [Mxfp4MoeBackend.MARLIN],'
@@ -172,6 +198,7 @@ def test_triton_for_4_bit_experts_on_a_vllm_without_it_is_refused_before_launch(
     args = ["--moe-backend", "triton"]
     why = vllm_experts.triton_refusal("w4a16", args, False, "0.26")
     assert why.startswith("--moe-backend triton: vLLM 0.26 has no Triton kernel for 4-bit")
+    assert "Marlin, which the cache arms" in why
     assert vllm_experts.triton_refusal("w4a16", args, True) is None  # 0.32+
     assert vllm_experts.triton_refusal("w4a16", args, None) is None  # unknown: vLLM decides
     assert vllm_experts.triton_refusal("w4a16", [], False) is None

@@ -1,6 +1,6 @@
 """BENCH ONLY (also EC_BENCH_NO_CHECK, EC_BENCH_MEM below): with EC_BENCH_TRY_KERNELS
 set (comma-separated experts-kernel class names,
-e.g. ``MarlinExperts``) and this folder on PYTHONPATH, the plugin in every process of the
+e.g. ``BatchedMarlinExperts``) and this folder on PYTHONPATH, the plugin in every process of the
 benchmark treats those kernels as known to index weights by expert id, so a device run
 can try arming a kernel before it is added to `plugin.compat.KNOWN_EXPERTS`. The layer's
 first eager call is still checked against the stock path (plugin.runtime), and every other

@@ -49,7 +49,10 @@ def _model_table(m: model_size.ModelSize) -> Table:
     if m.kv_window_bytes_per_seq:
         kv += f" + {m.kv_window_bytes_per_seq:,} B per sequence for the windows"
     t.add_row("KV per token (bf16)", kv)
-    t.add_row("16-byte slabs", "yes" if m.aligned else "[red]NO: the cache refuses this model[/]")
+    ragged = [x.name for x in m.expert_tensors if not x.aligned]
+    slabs = ("yes" if not ragged else f"yes ({', '.join(ragged)} in the packed side row)"
+             if m.aligned else "[red]NO: the cache refuses this model[/]")
+    t.add_row("16-byte slabs", slabs)
     return t
 
 
@@ -208,9 +211,7 @@ def register(app: typer.Typer) -> None:
         if why:
             raise UserError(why)
         if slots is not None or fraction is not None:  # else the verdict itself says it
-            kernel = vllm_experts.kernel_note(m.quant, args,
-                                              vllm_experts.wna16_triton_available(),
-                                              installed_vllm.release())
+            kernel = vllm_experts.kernel_note(m.quant, args, installed_vllm.release())
             if kernel:
                 m.notes.append(kernel)
         common.update(slots=slots, fraction=fraction, kv_tokens=kv_tokens,

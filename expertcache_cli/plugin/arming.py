@@ -15,7 +15,7 @@ The rules, in order (the first that applies decides):
 2. a monolithic quant method (routing inside the kernel): declined, there are no ids to
    remap;
 3. no modular kernel, or an experts kernel not known to index weights purely by id:
-   declined;
+   declined; vLLM's Marlin experts only in a layout read from 0.26 or 0.33 (`marlin`);
 4. per-expert tensors are the layer's parameters with leading dimension ``E`` (vLLM's
    own EPLB notion, minus its routing-state exceptions); an unknown per-expert buffer,
    or a per-expert tensor held by the quant method or the kernel object instead of the
@@ -23,7 +23,9 @@ The rules, in order (the first that applies decides):
 5. none of them offloaded: not armed (skipped, nothing to gain);
 6. offloaded without UVA (parameters on the CPU device): declined, vLLM copies them in
    per forward through ``functional_call`` and no pointer is stable;
-7. the budget must be below ``E``; every slab contiguous and a multiple of 16 bytes.
+7. the budget must be below ``E``; every slab contiguous; a slab that is not a multiple
+   of 16 bytes (NVFP4's per-expert global scales) travels in the layer's packed side row
+   (`small`), up to `formats.SIDE_ROW_LIMIT` an expert, and is declined past that.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from math import prod
 from typing import Any
 
 from ..config import CacheConfig
-from .compat import KNOWN_EXPERTS, NON_EXPERT_TENSORS
+from ..formats import SIDE_ROW_LIMIT, side_row_bytes
+from . import marlin
+from .compat import KNOWN_EXPERTS, LOAD_ONLY_TENSORS, NON_EXPERT_TENSORS
 
 ARM, SKIP, DECLINE = "arm", "skip", "decline"
 
@@ -66,20 +70,48 @@ class Decision:
     #: ``w13_g_idx``), rebound to that parameter's slots with it; owner is "experts" or
     #: "quant_method"
     aliases: list[tuple[str, str, str]] = field(default_factory=list)
+    #: per-expert tensors whose slab is not a multiple of 16 bytes: moved in the layer's
+    #: packed side row (`small.SmallTensors`), not gathered one by one
+    small: list[TensorSpec] = field(default_factory=list)
+    #: the experts kernel's class name, and for Marlin the vLLM layout it has ("0.26",
+    #: "0.33"; `marlin.layout`)
+    kernel: str = ""
+    layout: str = ""
 
     @property
     def armed(self) -> bool:
         return self.action == ARM
 
     @property
+    def marlin(self) -> bool:
+        """Served with expert-space ids and a remapped block list (`marlin`)."""
+        return self.kernel == marlin.MARLIN_EXPERTS
+
+    @property
+    def small_row_bytes(self) -> int:
+        """Bytes of the packed side row of one expert (0 without small tensors)."""
+        return side_row_bytes([s.bytes_per_expert for s in self.small])
+
+    @property
     def bytes_per_slot(self) -> int:
-        """VRAM one slot takes: one expert's every mirrored tensor."""
-        return sum(s.bytes_per_expert for s in self.specs)
+        """VRAM one slot takes: one expert's every mirrored tensor (small ones twice: in
+        the packed row and in the compact copy the kernel reads)."""
+        small = self.small_row_bytes + sum(s.bytes_per_expert for s in self.small)
+        return sum(s.bytes_per_expert for s in self.specs) + small
+
+    @property
+    def fixed_bytes(self) -> int:
+        """VRAM of the layer's cache whatever its slots: the small tensors' device rows and
+        copies of every expert (a few KiB)."""
+        if not self.small:
+            return 0
+        per = self.small_row_bytes + sum(s.bytes_per_expert for s in self.small)
+        return self.num_experts * per
 
     @property
     def slot_bytes(self) -> int:
         """VRAM the slots of this layer take."""
-        return self.num_slots * self.bytes_per_slot
+        return self.num_slots * self.bytes_per_slot + self.fixed_bytes
 
 
 def is_tensor(obj: Any) -> bool:
@@ -191,11 +223,22 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
         )
     if not hasattr(experts, "quant_config"):
         return decline(f"{experts_name} has no quant_config attribute (unknown layout)")
+    layout = ""
+    if experts_name == marlin.MARLIN_EXPERTS:
+        from ..config import MARLIN, marlin_from_env
+
+        if not marlin_from_env():
+            return decline(f"{experts_name}: Marlin experts are armed only with {MARLIN}=1 "
+                           "until their arming is proven on a GPU")
+        found, why = marlin.layout(experts)
+        if found is None:
+            return decline(why)
+        layout = found
 
     # Rule 4: the per-expert tensors, and nothing per-expert we could not rebind.
     specs_src: list[tuple[str, Any]] = []
     for pname, p in params.items():
-        if pname in NON_EXPERT_TENSORS or p is None:
+        if pname in NON_EXPERT_TENSORS or pname in LOAD_ONLY_TENSORS or p is None:
             continue
         if _leading(p) == num_experts and not is_empty(p):
             specs_src.append((pname, p))
@@ -245,17 +288,24 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
     except ValueError as exc:
         return decline(str(exc))
     specs: list[TensorSpec] = []
+    small: list[TensorSpec] = []
     for pname, p in specs_src:
         if not p.is_contiguous():
             return decline(f"{pname} is not contiguous")
         per_shape = tuple(int(d) for d in tuple(p.shape)[1:])
         nbytes = prod(per_shape) * int(p.element_size())
-        if nbytes % 16:
-            return decline(
-                f"{pname}: {nbytes} bytes per expert is not a multiple of 16 (ragged slab)"
-            )
-        specs.append(TensorSpec(pname, per_shape, p.dtype, nbytes, pname in offloaded))
-    return Decision(lname, ARM, "", num_experts, slots, top_k, specs, aliases)
+        spec = TensorSpec(pname, per_shape, p.dtype, nbytes, pname in offloaded)
+        (small if nbytes % 16 else specs).append(spec)
+    ragged = sum(s.bytes_per_expert for s in small)
+    if ragged > SIDE_ROW_LIMIT:
+        names = ", ".join(f"{s.name} ({s.bytes_per_expert} B)" for s in small)
+        return decline(
+            f"{names}: {ragged} bytes per expert in slabs that are not multiples of 16 "
+            f"(ragged), more than the {SIDE_ROW_LIMIT} the packed side row carries")
+    if not specs:
+        return decline("every per-expert tensor is a ragged slab (unknown layout)")
+    return Decision(lname, ARM, "", num_experts, slots, top_k, specs, aliases, small,
+                    experts_name, layout)
 
 
 def summary_line(
@@ -280,8 +330,9 @@ def summary_line(
     first = armed[0]
     gib = sum(d.slot_bytes for d in armed) / 2**30
     tensors = ", ".join(
-        f"{s.name}[{describe_dtype(s.dtype)} {'x'.join(map(str, s.shape)) or '1'}]"
-        for s in first.specs
+        f"{s.name}[{describe_dtype(s.dtype)} {'x'.join(map(str, s.shape)) or '1'}"
+        f"{', packed' if s in first.small else ''}]"
+        for s in first.specs + first.small
     )
     counts = [d.num_slots for d in armed]
     if len(set(counts)) == 1:
@@ -296,6 +347,9 @@ def summary_line(
         f"policy {policy}",
         f"mirrored {tensors}",
     ]
+    if first.marlin:
+        parts.append(f"experts kernel {first.kernel} (vLLM {first.layout} layout, blocks "
+                     "kept in expert order)")
     staged = cfg.wide.value != "in-place"
     if staged:
         parts.append(f"wide steps {cfg.wide.value} through a {scratch_bytes / 2**30:.2f} GiB "

@@ -29,6 +29,11 @@ What was read (vLLM 0.26.0 and 0.33.0 sources):
 - 0.33 adds a host-resident path in the Triton experts keyed on the
   ``_vllm_is_uva_offloaded`` flag of the weights; slot buffers do not carry it and take
   the ordinary device path.
+- `MarlinExperts` (every 4-bit format vLLM runs on Hopper: GPTQ, AWQ, compressed-tensors
+  W4A16, MXFP4 offloaded, NVFP4 weight-only) keeps its name from 0.26 to 0.33 but not its
+  layout: 0.26 holds act-order's ``g_idx`` and sort indices as kernel attributes, 0.33
+  has none (it refuses act-order GPTQ). `marlin.layout` tells them apart per layer, and
+  anything else is declined.
 """
 
 from __future__ import annotations
@@ -42,11 +47,14 @@ SUPPORTED_MIN = (0, 26)
 SUPPORTED_MAX = (0, 33)
 
 #: experts kernels known to index the weight tensors by the routing ids and nothing else
-#: (no per-expert state built at load time): safe to feed slot-space ids and slot buffers
+#: (every per-expert tensor a parameter of the layer or an alias of one): safe to feed
+#: slot buffers. The Triton ones take slot-space ids; Marlin takes expert-space ids with
+#: its block list remapped to slots (`marlin`), which keeps its reduction order stock.
 KNOWN_EXPERTS = frozenset(
     {
         "TritonExperts",
         "TritonWNA16Experts",
+        "MarlinExperts",
     }
 )
 
@@ -65,6 +73,11 @@ NON_EXPERT_TENSORS = frozenset(
         "expert_local_to_global",
     }
 )
+
+#: per-expert parameters vLLM reads only while loading weights (compressed-tensors records
+#: each expert's original weight shape, float32 [E, 2]; no kernel reads it afterwards, in
+#: 0.26 or 0.33): not mirrored
+LOAD_ONLY_TENSORS = frozenset({"w13_weight_shape", "w2_weight_shape"})
 
 #: the keyword arguments of `RoutedExperts.forward_modular` in 0.26 .. 0.33, after self
 FORWARD_MODULAR_ARGS = ("x", "topk_weights", "topk_ids", "shared_experts", "shared_experts_input")

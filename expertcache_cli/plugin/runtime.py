@@ -17,7 +17,10 @@ For every armed `RoutedExperts` the plugin replaces the instance's ``forward_mod
   for the duration of the stock call the layer's per-expert parameters are the slot
   buffers and the kernel's quant config is the one the quant method itself built from
   them (so scales, zero points and biases follow the weights), then everything is put
-  back.
+  back. Per-expert tensors too small for the gather's slabs come from the layer's packed
+  side row (`small`), unpacked after the step. vLLM's Marlin experts get the ids in
+  expert space instead, with their block list remapped to slots (`marlin`): the stock
+  reduction order, so the stock bits.
 
 Nothing here reads a device value on the host, and every pointer handed to the kernels
 is fixed when the layer is armed, so vLLM's CUDA graphs capture the whole thing. Python
@@ -46,6 +49,7 @@ from typing import Any
 from .arming import Decision, is_empty
 from .padding import capturing as _capturing
 from .padding import mask_reader
+from .small import SMALL_ROW
 
 log = logging.getLogger("vllm.expertcache")
 
@@ -204,6 +208,8 @@ class ArmedLayer:
         decode_tokens: int | None = None,
         scratch: Any | None = None,
         padding: Callable[[int], Any] | None = None,
+        small: Any | None = None,
+        block_order: Any | None = None,
     ) -> None:
         import torch
 
@@ -212,19 +218,29 @@ class ArmedLayer:
         self.cache = cache
         self.index = index
         self.recorder = recorder
+        #: tensors gathered one by one, and those moved in the packed side row (`small`)
         self.names = [s.name for s in decision.specs]
+        self.small = small
+        self.small_names = list(small.names) if small is not None else []
+        #: everything rebound for a slot-bound call
+        self.bound_names = self.names + self.small_names
+        #: Marlin: the block list's expert -> slot remap (`marlin.BlockOrder`); None: the
+        #: kernel takes slot-space ids
+        self.block_order = block_order
         #: every name a mirrored Parameter is registered under, its own first: vLLM's WNA16
         #: methods (0.33's moe_wna16 on Triton too) set ``layer.w13_weight =
         #: layer.w13_qweight``, and the experts call reads ``layer.w13_weight``; rebinding
         #: one name would leave the kernel on the full host tensor with slot ids
         params = layer._parameters
         self.param_names = {n: [n] + [m for m, p in params.items() if p is params[n] and m != n]
-                            for n in self.names}
+                            for n in self.bound_names}
         # Slot buffers wrapped once as Parameters: a registered parameter can only be
         # replaced by a Parameter, and wrapping shares storage (same pointer forever).
         self.slot_params = {
             n: torch.nn.Parameter(cache.slots[n], requires_grad=False) for n in self.names
         }
+        for n in self.small_names:  # the compact copies unpacked after each step
+            self.slot_params[n] = torch.nn.Parameter(small.slots[n], requires_grad=False)
         #: device counter of read-through steps (wide steps on the stock path)
         dev = cache.slots[self.names[0]].device
         self.read_through = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -247,6 +263,9 @@ class ArmedLayer:
                 n: torch.nn.Parameter(scratch.buffers[n], requires_grad=False)
                 for n in self.names
             }
+            for n in self.small_names:  # indexed by expert id: the full device copies
+                self.scratch_params[n] = torch.nn.Parameter(small.full[n],
+                                                            requires_grad=False)
             self.scratch_quant_config = self._build_quant_config(self.scratch_params,
                                                                  "the scratch")
         self._failed = False
@@ -269,7 +288,7 @@ class ArmedLayer:
         bound = self.slot_params if bound is None else bound
         saved: dict[str, Any] = {}  # parameter names, and "role.attr" for kernel aliases
         try:
-            for n in self.names:
+            for n in self.bound_names:
                 for m in self.param_names[n]:
                     saved[m] = params[m]
                     params[m] = bound[n]
@@ -304,7 +323,7 @@ class ArmedLayer:
         scratch, read host memory in place, the very thing staging avoids).
         """
         qm = self.layer.quant_method
-        full_ptrs = {self.layer._parameters[n].data_ptr() for n in self.names}
+        full_ptrs = {self.layer._parameters[n].data_ptr() for n in self.bound_names}
         slot_ptrs = {p.data_ptr() for p in bound.values()}
         saved = self._swap_in(bound)
         try:
@@ -408,14 +427,35 @@ class ArmedLayer:
         (`audit.audit_slots`); syncs the device: for shutdown, not the serving path."""
         from ..audit import audit_slots
 
-        return audit_slots(self.cache.table, self.cache.slot_expert, self.cache.slots,
-                           self._sources())
+        slots, sources = dict(self.cache.slots), self._sources()
+        if self.small is not None:  # and what the kernel reads of the side row: the
+            params = self.layer._parameters  # compact copies, against vLLM's own tensors
+            for n in self.small_names:
+                slots[n], sources[n] = self.small.slots[n], params[n]
+        return audit_slots(self.cache.table, self.cache.slot_expert, slots, sources)
+
+    def reset(self) -> None:
+        """The experts behind the slots changed (vLLM reloaded weights): empty the slots,
+        and rebuild the packed side row from the new tensors."""
+        self.cache.reset()
+        if self.small is not None:
+            params = self.layer._parameters
+            self.small.refresh({n: params[n] for n in self.small_names})
 
     def _sources(self) -> dict[str, Any]:
-        """The mirrored tensors as the layer holds them now (host copies, read fresh: vLLM's
-        offloader moves them after loading); KeyError if one was unregistered."""
+        """The gathered tensors as the layer holds them now (host copies, read fresh: vLLM's
+        offloader moves them after loading), and the packed side row; KeyError if one was
+        unregistered."""
         params = self.layer._parameters
-        return {n: params[n] for n in self.names}
+        out = {n: params[n] for n in self.names}
+        if self.small is not None:
+            out[SMALL_ROW] = self.small.source
+        return out
+
+    def _unpack_small(self) -> None:
+        """The compact copies of the small tensors from their gathered slot rows."""
+        if self.small is not None:
+            self.small.unpack(self.cache.slots[SMALL_ROW])
 
     def _slots(self, ids: Any, topk_ids: Any, pad: Any, stock: Callable[..., Any],
                rows: dict[str, Any] | None = None) -> Any:
@@ -424,13 +464,22 @@ class ArmedLayer:
         import torch
 
         try:
-            slot_ids = self.cache.step(ids, self._sources(), **(rows or {}))
-            if pad is not None:  # padded rows pass any valid slot; vLLM drops their output
-                slot_ids = torch.where(pad.unsqueeze(1), 0, slot_ids)
+            if self.block_order is not None:
+                # Marlin: installs only; the call keeps the expert ids (every row, padded
+                # ones too, as the stock call sees them) and the block list is remapped
+                self.cache.step(ids, self._sources(), remap=False, **(rows or {}))
+                self.block_order.refresh(self.cache.table)
+                call_ids = topk_ids
+            else:
+                call_ids = self.cache.step(ids, self._sources(), **(rows or {}))
+                if pad is not None:  # padded rows pass any valid slot; vLLM drops them
+                    call_ids = torch.where(pad.unsqueeze(1), 0, call_ids)
+            self._unpack_small()
         except Exception as exc:  # refuse at the first call, never break serving
             return self._disarm("cache step", exc, stock, topk_ids)
-        return self._bound_call(stock, slot_ids, self.slot_params, self.slot_quant_config,
-                                self.decision.num_experts, topk_ids, "experts call on slots")
+        return self._bound_call(stock, call_ids, self.slot_params, self.slot_quant_config,
+                                self.decision.num_experts, topk_ids, "experts call on slots",
+                                slots=True)
 
     def _checked_call(self, path: str, stock: Callable[..., Any], x: Any, topk_ids: Any,
                       pad: Any, run: Callable[[], Any]) -> Any:
@@ -480,6 +529,7 @@ class ArmedLayer:
         try:
             sources = self._sources()
             self.cache.step_wide(ids, sources)
+            self._unpack_small()  # installs reached the slots: their compact copies too
             self.scratch.stage(ids, self.cache.table, self.cache.slots, sources)
             self.staged.add_(1)
             self.staged_fetched.add_(self.scratch.counts[1])
@@ -502,13 +552,17 @@ class ArmedLayer:
 
     def _bound_call(self, stock: Callable[[Any], Any], ids: Any, bound: dict[str, Any],
                     quant_config: Any, tile_experts: int | None, topk_ids: Any,
-                    what: str) -> Any:
+                    what: str, slots: bool = False) -> Any:
         """The stock call with the layer's per-expert tensors and quant config bound to
         ``bound`` for exactly its duration; if it raises, the layer is disarmed and the
-        call served from the stock path on ``topk_ids``."""
+        call served from the stock path on ``topk_ids``. ``slots``: bound to the slot
+        buffers, where Marlin also gets its block remap and the slot count as the layer's
+        expert count (`marlin`)."""
         qm = self.layer.quant_method
         experts = self._experts()
         old_qc, old_mqc = experts.quant_config, qm.moe_quant_config
+        order = self.block_order if slots else None
+        old_global = getattr(self.layer, "global_num_experts", None)
         try:
             saved = self._swap_in(bound)
         except Exception as exc:  # the layer changed under us: back to the stock path
@@ -518,11 +572,17 @@ class ArmedLayer:
             if quant_config is not None:
                 experts.quant_config = quant_config
                 qm.moe_quant_config = quant_config
+            if order is not None:
+                self.layer.global_num_experts = self.decision.num_slots
+                order.bind()
             return stock(ids)
         except Exception as exc:  # never break serving: back to the stock path
             failed = exc
         finally:
             _TILE_EXPERTS.value = None
+            if order is not None:
+                order.unbind()
+                self.layer.global_num_experts = old_global
             self._swap_out(saved)
             experts.quant_config, qm.moe_quant_config = old_qc, old_mqc
         return self._disarm(what, failed, stock, topk_ids)

@@ -171,7 +171,7 @@ class Session:
         """The experts behind the slots changed: empty every layer's slots (they refill
         from the new weights on the next steps)."""
         for a in self.armed:
-            a.cache.reset()
+            a.reset()
         if self.armed:
             log.warning("expertcache: %s: the slots of %d layer(s) emptied; they refill from "
                         "the new expert weights", why, len(self.armed))
@@ -303,6 +303,10 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     for d in decisions:
         if refusal and d.action == ARM:
             d.action, d.reason = DECLINE, refusal
+    marlin_refusal = _patch_marlin() if any(d.armed and d.marlin for d in decisions) else None
+    for d in decisions:
+        if marlin_refusal and d.armed and d.marlin:
+            d.action, d.reason = DECLINE, marlin_refusal
     decode_tokens = padded(max_num_seqs, capture_sizes or []) if max_num_seqs else None
     armed: list[ArmedLayer] = []
     scratches: dict[tuple, Any] = {}
@@ -388,6 +392,26 @@ def _patch_tiles() -> None:
                  "vLLM's tiles for the slot count")
 
 
+def _patch_marlin(module: Any = None) -> str | None:
+    """Install the expert-order block remap in vLLM's Marlin MoE module (`marlin`); why
+    Marlin layers cannot be armed, or None. Without it a slot-bound Marlin call would index
+    slot buffers with expert ids: Marlin layers are then declined, never armed."""
+    import importlib
+    import inspect
+
+    from . import marlin
+
+    try:
+        module = module or importlib.import_module(marlin.MARLIN_MODULE)
+        source = inspect.getsource(module.fused_marlin_moe)
+    except Exception as exc:
+        return f"vLLM's Marlin MoE module is not the one read ({exc.__class__.__name__}: {exc})"
+    if "moe_align_block_size(" not in source or not marlin.patch_block_order(module):
+        return ("vLLM's fused_marlin_moe does not build its blocks with moe_align_block_size "
+                "(unknown Marlin layout): its block list cannot be remapped to slots")
+    return None
+
+
 def _spill_path(path: str) -> str:
     """Hidden, beside the trace, unique to this process (a stale one is never appended to)."""
     import os
@@ -416,21 +440,50 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
     wide_inserts = None if scratch is None else (
         0 if cfg.wide is Wide.STAGED else decision.num_slots)
 
+    device = module._parameters[decision.specs[0].name].device
+    specs = {s.name: (s.shape, s.dtype) for s in decision.specs}
+    small = _small_for(module, decision, device)
+    if small is not None:  # the packed side row is one more slab of the cache
+        import torch
+
+        from .small import SMALL_ROW
+
+        specs[SMALL_ROW] = ((small.row_bytes,), torch.uint8)
+    block_order = None
+    if decision.marlin:
+        from .marlin import BlockOrder
+
+        block_order = BlockOrder(decision.num_experts, device)
     # a bare "cuda" device (no index) is resolved to the current one by SlotCache
     cache = SlotCache(
         decision.num_experts,
         decision.num_slots,
-        {s.name: (s.shape, s.dtype) for s in decision.specs},
+        specs,
         policy=cfg.policy,
         decay=cfg.decay,
-        device=module._parameters[decision.specs[0].name].device,
+        device=device,
         name=decision.layer_name,
         wide_inserts=wide_inserts,
     )
     armed = ArmedLayer(module, decision, cache, index=index, decode_tokens=decode_tokens,
-                       scratch=scratch, padding=padding)
+                       scratch=scratch, padding=padding, small=small,
+                       block_order=block_order)
     armed.install()
     return armed
+
+
+def _small_for(module: Any, decision: Decision, device: Any) -> Any:
+    """The layer's packed side row for its ragged per-expert tensors (`small`), filled from
+    the layer's own tensors; None when it has none."""
+    if not decision.small:
+        return None
+    from .small import SmallTensors
+
+    small = SmallTensors([(s.name, s.shape, s.dtype, s.bytes_per_expert)
+                          for s in decision.small],
+                         decision.num_experts, decision.num_slots, device)
+    small.refresh({s.name: module._parameters[s.name] for s in decision.small})
+    return small
 
 
 _SESSIONS: list[Session] = []

@@ -1,0 +1,140 @@
+"""vLLM's Marlin MoE experts (`MarlinExperts`) on slot buffers, bit for bit.
+
+What Marlin reads per expert (vLLM 0.26.0 and 0.33.0, `fused_moe/experts/marlin_moe.py`,
+after `process_weights_after_loading` repacked and padded everything): the packed weights
+``w1``/``w2`` (the layer's ``w13_weight``/``w2_weight``, aliases of ``w13_qweight`` or
+``w13_weight_packed`` for the WNA16 methods), and from the kernel's quant config the
+scales, zero points (AWQ, asymmetric GPTQ), biases (gpt-oss), NVFP4's per-expert global
+scales (``g1_alphas``/``g2_alphas``); in 0.26 also act-order's ``g_idx`` and sort
+indices, held as attributes of the kernel object. Every one of them is a parameter of the
+layer with the expert as its leading dimension, so the generic rebinding covers them
+(`runtime.ArmedLayer`); the kernel attributes are aliases of those parameters and are
+rebound with them (`arming.Decision.aliases`). 0.33 dropped act-order (vLLM refuses
+``desc_act`` GPTQ) and with it those attributes. `layout` tells the two apart and refuses
+anything else.
+
+What differs from the Triton kernels is the order of the work. `fused_marlin_moe` sorts
+the routed (token, expert) pairs into blocks by id (`moe_align_block_size`), and Marlin
+spreads each GEMM's K reduction over thread blocks by the position of each block in that
+order (its "stripes"): with slot ids the blocks sort by slot, the reduction of a row may be
+split at other points, and fp32 partial sums round differently. So for Marlin the stock
+call gets the routing ids in expert space, and the block list is remapped to slots right
+after vLLM built it (`expert_order_blocks`): the blocks, their order, the block size and
+the padding are the stock path's, only the weights each block reads are the slot's. The
+remap is three small device ops (the table's resident slots, the block ids clamped, one
+gather), captured in CUDA graphs like the rest of the step. While bound to slots the
+layer reports ``S`` experts (``global_num_experts``), the experts its weights hold, as an
+``S``-expert layer would (vLLM then estimates no expert-parallel share of the tokens);
+the block list is still built over the real ``E`` by the remap. The block size vLLM picks
+from those counts is its smallest (8) on every step served from slots (tokens x top_k <=
+S), as on the stock path, so the blocks match the stock call's one for one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+#: the experts class this module handles, by name (as `compat.KNOWN_EXPERTS`)
+MARLIN_EXPERTS = "MarlinExperts"
+#: module whose ``moe_align_block_size`` `fused_marlin_moe` calls by name (0.26 and 0.33)
+MARLIN_MODULE = "vllm.model_executor.layers.fused_moe.experts.marlin_moe"
+#: the act-order attributes 0.26's MarlinExperts holds (and 0.33's does not)
+ACT_ORDER_ATTRS = ("w13_g_idx", "w2_g_idx", "w13_g_idx_sort_indices",
+                   "w2_g_idx_sort_indices")
+#: what every release's MarlinExperts reads from its quant config in ``apply``
+QUANT_CONFIG_READS = ("w1_scale", "w2_scale", "w1_bias", "w2_bias", "g1_alphas",
+                      "g2_alphas", "w1_zp", "w2_zp")
+
+LAYOUT_026 = "0.26"
+LAYOUT_033 = "0.33"
+
+
+def layout(experts: Any) -> tuple[str | None, str]:
+    """Which release's MarlinExperts layout ``experts`` has: (``"0.26"`` or ``"0.33"``,
+    ""), or (None, why it is not one the plugin knows)."""
+    name = type(experts).__name__
+    qc = getattr(experts, "quant_config", None)
+    if qc is None:
+        return None, f"{name} has no quant_config (unknown Marlin layout)"
+    cls = type(qc)
+    # looked up on the class (properties are not evaluated) or the instance's own fields
+    missing = [a for a in QUANT_CONFIG_READS
+               if not (hasattr(cls, a) or a in getattr(qc, "__dict__", {}))]
+    if missing:
+        return None, (f"{name}'s quant config lacks {', '.join(missing)} (unknown Marlin "
+                      "layout)")
+    has = [a for a in ACT_ORDER_ATTRS if hasattr(experts, a)]
+    if len(has) == len(ACT_ORDER_ATTRS) and hasattr(experts, "is_k_full"):
+        return LAYOUT_026, ""
+    if not has and hasattr(experts, "activation_config"):
+        return LAYOUT_033, ""
+    return None, (f"{name} holds {', '.join(has) or 'no act-order attributes'} and "
+                  f"{'an' if hasattr(experts, 'activation_config') else 'no'} "
+                  "activation_config: neither vLLM 0.26's nor 0.33's Marlin layout")
+
+
+#: set for exactly the duration of a slot-bound Marlin call: (E, [E] int32 slot of each
+#: expert with non-resident ones at 0); None otherwise (thread-local)
+_BLOCK_SLOTS = threading.local()
+
+
+def expert_order_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap vLLM's ``moe_align_block_size`` as `fused_marlin_moe` sees it: inside a
+    slot-bound Marlin call the routing ids are expert ids, the blocks are built over the
+    real expert count exactly as the stock call builds them, and each block's expert id is
+    then replaced by the expert's slot. Outside such a call it is vLLM's own."""
+
+    def moe_align_block_size(topk_ids: Any, block_size: int, num_experts: int,
+                             expert_map: Any = None, *args: Any, **kwargs: Any) -> Any:
+        ctx = getattr(_BLOCK_SLOTS, "value", None)
+        if ctx is None:
+            return orig(topk_ids, block_size, num_experts, expert_map, *args, **kwargs)
+        import torch
+
+        experts, slot_of = ctx
+        sorted_ids, block_experts, padded = orig(topk_ids, block_size, experts, expert_map,
+                                                 *args, **kwargs)
+        # vLLM fills the block list past the last real block with 0 (or -1): clamped, so
+        # the gather never leaves the table whatever a release writes there
+        index = block_experts.clamp(0, experts - 1)
+        return sorted_ids, torch.index_select(slot_of, 0, index), padded
+
+    moe_align_block_size.__wrapped__ = orig  # type: ignore[attr-defined]
+    return moe_align_block_size
+
+
+def patch_block_order(module: Any) -> bool:
+    """Install `expert_order_blocks` in ``module`` once; False when it has no such name."""
+    orig = getattr(module, "moe_align_block_size", None)
+    if not callable(orig):
+        return False
+    if getattr(orig, "__wrapped__", None) is None:
+        module.moe_align_block_size = expert_order_blocks(orig)
+    return True
+
+
+class BlockOrder:
+    """One armed Marlin layer's block remap: the slot of every expert, refreshed from the
+    cache's table after each step (non-resident experts map to slot 0: only CUDA-graph
+    padding rows route to them, and their output is dropped)."""
+
+    def __init__(self, num_experts: int, device: Any) -> None:
+        import torch
+
+        self.num_experts = int(num_experts)
+        self.slot_of = torch.zeros(self.num_experts, dtype=torch.int32, device=device)
+
+    def refresh(self, table: Any) -> None:
+        """One device op: the table with -1 (not resident) as 0."""
+        import torch
+
+        torch.clamp(table, min=0, out=self.slot_of)
+
+    def bind(self) -> None:
+        _BLOCK_SLOTS.value = (self.num_experts, self.slot_of)
+
+    @staticmethod
+    def unbind() -> None:
+        _BLOCK_SLOTS.value = None
