@@ -15,6 +15,7 @@ from expertcache_cli import formats, model_size, sizing
 from expertcache_cli.config import CacheConfig
 from expertcache_cli.plugin.arming import ARM, plan_layer
 
+
 @pytest.fixture(autouse=True)
 def _marlin_armed(monkeypatch):
     """Marlin arming is opt-in (EXPERT_CACHE_MARLIN=1) until it is proven on a GPU: these

@@ -23,6 +23,7 @@ from expertcache_cli.plugin.arming import ARM, DECLINE, plan_layer, summary_line
 from expertcache_cli.plugin.runtime import ArmedLayer  # noqa: E402
 from expertcache_cli.plugin.small import SMALL_ROW  # noqa: E402
 
+
 @pytest.fixture(autouse=True)
 def _marlin_armed(monkeypatch):
     """Marlin arming is opt-in (EXPERT_CACHE_MARLIN=1) until it is proven on a GPU: these
