@@ -614,9 +614,9 @@ def test_arm_warnings_word_the_trap_as_size_does():
 
 def test_arm_warnings_say_when_size_plans_no_cache_at_all(monkeypatch):
     """gpt-oss-120b's MXFP4 experts offloaded on a 24 GiB card run on Marlin, which the
-    plugin arms (with EXPERT_CACHE_MARLIN=1): a cache arm is fine. Asked onto a backend the plugin declines on every
-    layer, a cache arm would run at the offload floor; the baseline says so before any
-    server starts."""
+    plugin arms (with EXPERT_CACHE_MARLIN=1): a cache arm is fine. Asked onto a backend
+    the plugin declines on every layer, a cache arm would run at the offload floor; the
+    baseline says so before any server starts."""
     from expertcache_cli.baseline.sizing_bridge import offload_from_vram
 
     monkeypatch.setenv("EXPERT_CACHE_MARLIN", "1")

@@ -28,7 +28,8 @@ def test_marlin_experts_are_declined_unless_asked_for(quant, monkeypatch):
     why = vllm_experts.declined_kernel(quant, None)
     assert why and "EXPERT_CACHE_MARLIN=1" in why and "proven on a GPU" in why
     assert vllm_experts.declined_kernel(quant, None, marlin=True) is None
-    p = sizing.plan(model_size.load_model(Path(__file__).parent / "configs" / "gpt-oss-120b.json", "mxfp4"), 24)
+    oss = Path(__file__).parent / "configs" / "gpt-oss-120b.json"
+    p = sizing.plan(model_size.load_model(oss, "mxfp4"), 24)
     assert p.verdict == "offload_no_cache" and "EXPERT_CACHE_MARLIN=1" in p.verdict_text
     if quant == "w4a16":  # vLLM 0.32+'s Triton WNA16 kernel is armed either way
         assert vllm_experts.declined_kernel(quant, "triton") is None
