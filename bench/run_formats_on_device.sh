@@ -54,6 +54,9 @@ FM="${FM:-/tmp/fm}"  # checkpoints (removed when their arms are done) and record
 MXFP4_EXPERTS="${MXFP4_EXPERTS:-128}"
 mkdir -p "$OUT" "$FM"
 source bench/_device_vllm.sh
+# the 4-bit formats run on Marlin, which the plugin arms only when asked for (opt-in until
+# this table proves it); EXPERT_CACHE_MARLIN=0 reruns them with Marlin declined
+export EXPERT_CACHE_MARLIN="${EXPERT_CACHE_MARLIN:-1}"
 PY="${PY:-python3}"
 COMMON=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}"
         --shutdown-timeout 10 --max-model-len 1024 --max-num-seqs 4)
