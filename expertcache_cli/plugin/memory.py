@@ -21,9 +21,11 @@ A cold start costs KV too, and not because of the slots: vLLM compiles the model
 allocations count as activations there (vLLM issue #54122, open in 0.26 and 0.33), so the
 first start of a model and context gets less KV cache than a restart with the compile
 cache warm. On a card sized to the last slot that can be the difference between starting
-and not (the 24 GiB W8A8 card, stop 16: 0.52 GiB of peak before the first MoE call in the
-one server of three that compiled). `compiled_here` tells the memory lines when that
-happened, so the user restarts before giving up slots.
+and not (the 24 GiB W8A8 card: 0.52 GiB of peak before the first MoE call in the one
+server of three that compiled). `expertcache serve` therefore hands vLLM the KV size
+(``--kv-cache-memory-bytes``), and the line says so; where vLLM sized it itself,
+`compiled_here` tells the memory lines when a compile happened, so the user restarts
+before giving up slots.
 """
 
 from __future__ import annotations
