@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import budget, capture, config, installed_vllm, sizing, vllm_experts, vllm_flags, vllm_runner
+from . import budget, config, installed_vllm, sizing, vllm_experts, vllm_flags, vllm_runner
 from .config import TRUE_WORDS, CacheConfig
 from .errors import UserError
 
@@ -116,12 +116,9 @@ def make_plan(
     overrides = sizing_overrides(args)
     size = sizing.plan(
         size_from or model, vram_gb, slots=slots, fraction=fraction,
-        device_total_gib=device_total_gib, wide=wide, **overrides
+        device_total_gib=device_total_gib, wide=wide,
+        narrowest=min(per_layer) if per_layer else None, **overrides
     )
-    if per_layer is not None and "max_num_seqs" not in overrides:
-        size = _batch_for_layers(size, min(per_layer), overrides["graphs"], lambda n: sizing.plan(
-            size_from or model, vram_gb, max_num_seqs=n, slots=slots, fraction=fraction,
-            device_total_gib=device_total_gib, wide=wide, **overrides))
     from .policy import Wide
 
     wide_mode = Wide.parse(size.wide)
@@ -144,14 +141,12 @@ def make_plan(
     else:
         if per_layer is not None:
             _check_per_layer(per_layer, size, plan_file or "")
-        narrow = min(per_layer) if per_layer else size.slots  # reads through first
-        trap = size.padded_batch * size.top_k > narrow and wide_mode is Wide.IN_PLACE
-        if trap and not allow_trap:
-            safe = (size.safe_max_num_seqs if per_layer is None else capture.safe_max_num_seqs(
-                narrow, size.top_k, size.max_num_batched_tokens, overrides["graphs"]))
+        # (sizing judged the trap against the narrowest layer: it reads through first)
+        if size.trap and not allow_trap:
+            narrow = min(per_layer) if per_layer else size.slots
             raise UserError(
                 budget.trap_text(size.max_num_seqs, size.padded_batch, size.top_k, narrow,
-                                 safe, size.graphs).replace(
+                                 size.safe_max_num_seqs, size.graphs).replace(
                     "keeps every decode step on it",
                     "keeps every decode step on it (pass it after --), or --allow-trap to "
                     "serve anyway")
@@ -195,24 +190,6 @@ def make_plan(
         notes += [note] if note else []
     argv = [*(launcher or vllm_command()), "serve", model, *own, *args]
     return ServePlan(model=model, size=size, env=env, argv=argv, notes=notes, per_layer=per_layer)
-
-
-def _batch_for_layers(size: sizing.SizePlan, narrow: int, graphs: capture.GraphSettings,
-                      replan: Callable[[int], sizing.SizePlan]) -> sizing.SizePlan:
-    """A per-layer plan's batch, where the user left it to vLLM: its narrowest layer reads
-    through first, so the widest ``--max-num-seqs`` whose padded decode step fits that
-    layer is chosen (the uniform plan's choice is for the uniform budget)."""
-    if size.verdict != "cache" or size.scratch_bytes or size.padded_batch * size.top_k <= narrow:
-        return size
-    seqs = capture.safe_max_num_seqs(narrow, size.top_k, size.max_num_batched_tokens, graphs)
-    if seqs < 1:
-        return size
-    out = replan(seqs)
-    out.batch_choice = (
-        f"--max-num-seqs {seqs}, the widest batch whose decode steps stay on the plan's "
-        f"narrowest layer ({narrow} slots); choose another with -- --max-num-seqs N (wider "
-        "is refused as the sizing trap)")
-    return out
 
 
 def _check_per_layer(per_layer: list[int], size: sizing.SizePlan, source: str) -> None:

@@ -300,13 +300,14 @@ def plan(
     if max_num_seqs is None and size.trap:
         size = _choose_batch(size, lambda n: _plan_for(
             model_spec, gib, max_model_len, n, gpu_memory_utilization, slots, fraction,
-            **options))
+            **options), options.get("narrowest"))
     size.card = card.describe() if card is not None else None
     return size
 
 
-def _choose_batch(first: SizePlan, replan: Any) -> SizePlan:
-    """The plan at the widest ``--max-num-seqs`` whose decode steps stay on the slots.
+def _choose_batch(first: SizePlan, replan: Any, narrowest: int | None = None) -> SizePlan:
+    """The plan at the widest ``--max-num-seqs`` whose decode steps stay on the slots (on
+    a per-layer plan's ``narrowest`` layer, which reads through first).
 
     A smaller batch frees runtime memory (fewer logit rows), so the slots it allows may
     grow, and with them the batch that fits: iterate from the trap plan's safe batch while
@@ -324,9 +325,11 @@ def _choose_batch(first: SizePlan, replan: Any) -> SizePlan:
         seqs = nxt.safe_max_num_seqs
     if best is None:
         return first
+    where = (f"the plan's narrowest layer ({narrowest} slots)"
+             if narrowest and narrowest < best.slots else f"the {best.slots} slots")
     best.batch_choice = (
-        f"--max-num-seqs {best.max_num_seqs}, the widest batch whose decode steps stay on the "
-        f"{best.slots} slots (vLLM's default {first.max_num_seqs} would read through the host "
+        f"--max-num-seqs {best.max_num_seqs}, the widest batch whose decode steps stay on "
+        f"{where} (vLLM's default {first.max_num_seqs} would read through the host "
         "copies); choose another with -- --max-num-seqs N (wider is refused as the sizing "
         "trap), or --wide staged-install to stage wide batches through a VRAM scratch"
     )
@@ -354,6 +357,7 @@ def _plan_for(
     wide: str = "in-place",
     moe_backend: str | None = None,
     kv_cache_memory_bytes: int | None = None,
+    narrowest: int | None = None,
 ) -> SizePlan:
     """Size the cache for ``model_spec`` on a ``vram_gb`` GiB card, the batch as given.
 
@@ -382,6 +386,8 @@ def _plan_for(
     the plugin declines on every layer (`vllm_experts.declined_kernel`: 4-bit formats on
     FlashInfer, Humming or the emulation backends), the verdict is offload without the
     cache, unless ``slots``/``fraction`` force one (a kernel trial).
+    ``narrowest``: a per-layer plan's smallest budget (`serve --plan`): its layer reads
+    through first, so the trap and the safe batch are judged against it.
     ``kv_cache_memory_bytes``: the user's ``--kv-cache-memory-bytes``; the plan then sizes
     around that KV cache (it must hold one ``max_model_len`` sequence) instead of one
     sequence's worth, and hands vLLM nothing of its own.
@@ -539,13 +545,15 @@ def _plan_for(
 
     widest = capture.padded_batch(max_num_seqs, max_num_batched_tokens, graphs)
     trap_ids = widest * k
+    # the budget a full decode step must fit: the slots, or a per-layer plan's narrowest
+    judged = min(planned, narrowest) if narrowest else planned
     # a full batch wider than the slots: staged through the scratch, else the trap
-    wide_batch = verdict == "cache" and trap_ids > planned
+    wide_batch = verdict == "cache" and trap_ids > judged
     trap = wide_batch and not scratch
-    safe = (capture.safe_max_num_seqs(planned, k, max_num_batched_tokens, graphs)
+    safe = (capture.safe_max_num_seqs(judged, k, max_num_batched_tokens, graphs)
             if verdict == "cache" else 0)
     if trap:
-        notes.append(rules.trap_text(max_num_seqs, widest, k, planned, safe, graphs.source))
+        notes.append(rules.trap_text(max_num_seqs, widest, k, judged, safe, graphs.source))
     break_even = None
     if scratch and verdict in ("cache", "offload_no_cache"):
         cost = scratch / per_slot
