@@ -1,0 +1,258 @@
+"""Every published number cites a record in the repository, and says no more than it.
+
+The README and docs/results.md publish measured numbers in tables. A table that has a
+``record`` column is checked here, row by row:
+
+* the record cell links (markdown ``[text](target)``) to at least one record: a file or
+  folder under ``bench/results/``, or a section of ``bench/RESULTS.md`` (``#anchor``, the
+  heading's GitHub slug); each target must exist. A row whose number has no record in the
+  repository says so in that cell (``no record in the repository``) and then may not bold
+  a number;
+* the row's headline numbers are its **bold** numbers (every row with a record bolds at
+  least one), and each must be found in the records it cites: the same digits, or a more
+  precise figure there that rounds to it (252.6 is found in 252.62 or 252.6195...);
+  thousands separators are ignored;
+* a ``reproduce`` column, where the table has one, names a command in backticks.
+
+A folder record is read as its ``.md``, ``.txt``, ``.json``, ``.jsonl`` and ``.csv`` files
+(not the server logs); a ``bench/RESULTS.md`` section runs from its heading to the next
+heading of the same or a higher level. Tables this file requires to carry records are listed
+in ``REQUIRED``, so a record column cannot be dropped unnoticed.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+JOURNAL = ROOT / "bench" / "RESULTS.md"
+RECORD_SUFFIXES = {".md", ".txt", ".json", ".jsonl", ".csv"}
+NO_RECORD = "no record in the repository"
+
+# (document, heading the table sits under): tables that must have a record column
+REQUIRED = [
+    ("README.md", "## Measured numbers"),
+    ("README.md", "## The plugin at startup"),  # the weight formats table
+    ("docs/results.md", "# Measured numbers"),
+]
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+BOLD = re.compile(r"\*\*(.+?)\*\*")
+NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?")
+THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+
+def split_row(line: str) -> list[str]:
+    """A table line's cells; ``\\|`` inside a cell is not a separator."""
+    body = line.strip()
+    body = body[1:] if body.startswith("|") else body
+    body = body[:-1] if body.endswith("|") and not body.endswith("\\|") else body
+    return [c.strip() for c in re.split(r"(?<!\\)\|", body)]
+
+
+def tables(text: str) -> list[dict]:
+    """Every markdown table: its heading, header cells and data rows (with line numbers)."""
+    out, heading, lines, i = [], "", unfenced(text), 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("#"):
+            heading = line.strip()
+        if (line.lstrip().startswith("|") and i + 1 < len(lines)
+                and re.fullmatch(r"\s*\|?(\s*:?-{3,}:?\s*\|)+\s*:?-*:?\s*\|?\s*", lines[i + 1])):
+            header = [c.lower() for c in split_row(line)]
+            rows, j = [], i + 2
+            while j < len(lines) and lines[j].lstrip().startswith("|"):
+                rows.append((j + 1, split_row(lines[j])))
+                j += 1
+            out.append({"heading": heading, "header": header, "rows": rows})
+            i = j
+            continue
+        i += 1
+    return out
+
+
+def unfenced(text: str) -> list[str]:
+    """The text's lines with those inside code fences blanked (a ``# comment`` in a shell
+    block is not a heading), so line numbers still match the file."""
+    lines, inside = text.splitlines(), False
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            inside = not inside
+            lines[i] = ""
+        elif inside:
+            lines[i] = ""
+    return lines
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading's text."""
+    text = heading.strip().lstrip("#").strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def journal_sections() -> dict[str, str]:
+    """``bench/RESULTS.md``: anchor -> the section's text (heading to the next heading of
+    the same or a higher level), duplicates numbered as GitHub numbers them."""
+    lines = JOURNAL.read_text().splitlines()
+    heads = [(i, len(m.group(1)), m.group(2)) for i, line in enumerate(unfenced("\n".join(lines)))
+             if (m := re.match(r"(#{1,6})\s+(.*)", line))]
+    sections, seen = {}, {}
+    for n, (i, level, title) in enumerate(heads):
+        end = next((j for j, lv, _ in heads[n + 1:] if lv <= level), len(lines))
+        base = slug(title)
+        k = seen.get(base, 0)
+        seen[base] = k + 1
+        sections[base if k == 0 else f"{base}-{k}"] = "\n".join(lines[i:end])
+    return sections
+
+
+def record_text(doc: Path, target: str, sections: dict[str, str]) -> str:
+    """The text of one cited record; AssertionError when it is not a record or is missing."""
+    path_part, _, anchor = target.partition("#")
+    path = (doc.parent / path_part).resolve()
+    if path == JOURNAL:
+        assert anchor, f"{target}: cite a section of bench/RESULTS.md (#anchor), not all of it"
+        assert anchor in sections, f"{target}: bench/RESULTS.md has no section #{anchor}"
+        return sections[anchor]
+    assert path.is_relative_to(RESULTS), (
+        f"{target}: a record is a path under bench/results/ or a section of bench/RESULTS.md")
+    assert path.exists(), f"{target}: no such record"
+    if path.is_file():
+        return path.read_text(errors="replace")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in RECORD_SUFFIXES)
+    assert files, f"{target}: the folder holds no readable record (.md/.txt/.json/...)"
+    return "\n".join(p.read_text(errors="replace") for p in files)
+
+
+def numbers_in(text: str) -> set[str]:
+    return set(NUMBER.findall(THOUSANDS.sub("", text)))
+
+
+def found(claim: str, pool: set[str]) -> bool:
+    """``claim`` is in ``pool`` as written, or as a more precise figure rounding to it."""
+    if claim in pool:
+        return True
+    want = Decimal(claim)
+    places = -want.as_tuple().exponent
+    quantum = Decimal(1).scaleb(-places)
+    for text in pool:
+        have = Decimal(text)
+        if -have.as_tuple().exponent <= places:
+            continue
+        if want in (have.quantize(quantum, ROUND_HALF_UP), have.quantize(quantum, ROUND_HALF_EVEN)):
+            return True
+    return False
+
+
+def published(doc_name: str) -> list[dict]:
+    doc = ROOT / doc_name
+    return [t | {"doc": doc} for t in tables(doc.read_text()) if "record" in t["header"]]
+
+
+def check_table(table: dict, sections: dict[str, str]) -> list[str]:
+    """Every fault of one table, as ``doc:line: what``."""
+    faults, header, doc = [], table["header"], table["doc"]
+    rec_col = header.index("record")
+    cmd_col = header.index("reproduce") if "reproduce" in header else None
+    for line_no, cells in table["rows"]:
+        where = f"{doc.relative_to(ROOT)}:{line_no}"
+        if len(cells) != len(header):
+            faults.append(f"{where}: {len(cells)} cells under {len(header)} headers")
+            continue
+        record = cells[rec_col]
+        others = " ".join(c for k, c in enumerate(cells) if k != rec_col)
+        claims = [THOUSANDS.sub("", n) for span in BOLD.findall(others)
+                  for n in NUMBER.findall(THOUSANDS.sub("", span))]
+        if cmd_col is not None and "`" not in cells[cmd_col]:
+            faults.append(f"{where}: the reproduce cell names no command")
+        targets = LINK.findall(record)
+        if not targets:
+            if NO_RECORD not in record:
+                faults.append(f"{where}: no record linked, and the cell does not say "
+                              f"'{NO_RECORD}'")
+            elif claims:
+                faults.append(f"{where}: bolds {claims} with no record to find them in")
+            continue
+        texts = []
+        for target in targets:
+            try:
+                texts.append(record_text(doc, target, sections))
+            except AssertionError as exc:
+                faults.append(f"{where}: {exc}")
+        if not claims:
+            faults.append(f"{where}: no bold headline number to check against its record")
+        pool = numbers_in("\n".join(texts))
+        missing = [c for c in claims if not found(c, pool)]
+        if texts and missing:
+            faults.append(f"{where}: {missing} not found in {', '.join(targets)}")
+    return faults
+
+
+@pytest.fixture(scope="module")
+def sections() -> dict[str, str]:
+    return journal_sections()
+
+
+@pytest.mark.parametrize("doc_name,heading", REQUIRED)
+def test_required_tables_cite_records(doc_name, heading):
+    found_here = [t for t in published(doc_name) if t["heading"] == heading]
+    assert found_here, f"{doc_name}: no table with a record column under {heading!r}"
+
+
+@pytest.mark.parametrize("doc_name", sorted({d for d, _ in REQUIRED}))
+def test_numbers_match_their_records(doc_name, sections):
+    faults = [f for t in published(doc_name) for f in check_table(t, sections)]
+    assert not faults, "\n".join(faults)
+
+
+def test_the_checker_catches_faults(tmp_path, sections):
+    """The mechanism itself: a wrong number, a missing record, a row without one."""
+    fake = ROOT / "docs" / "_fake.md"  # never written: check_table only needs its location
+    rec = "[r](../bench/results/small-card-h200-2026-12-01c/predict.txt)"
+    sec = "[r](../bench/RESULTS.md#replay-sweep-speed-issue-2)"
+    text = "\n".join([
+        "| what | result | reproduce | record |",
+        "| --- | --- | --- | --- |",
+        f"| ok | **252.6** tok/s | `cmd` | {rec} |",
+        f"| wrong | **253.1** tok/s | `cmd` | {rec} |",
+        "| gone | **1.0** | `cmd` | [r](../bench/results/no-such-run/) |",
+        "| none | **7.0** | `cmd` | - |",
+        "| said | 7.0 | `cmd` | no record in the repository |",
+        f"| section | **5.84** s | `cmd` | {sec} |",
+        f"| no command | **5.84** s | python x | {sec} |",
+    ])
+    (table,) = [t | {"doc": fake} for t in tables(text)]
+    faults = check_table(table, sections)
+    lines = sorted(int(f.split(":")[1]) for f in faults)
+    assert lines == [4, 5, 6, 9], faults
+    assert found("252.6", {"252.62"}) and found("279.9", {"279.87"})
+    assert not found("252.7", {"252.62"}) and not found("252.62", {"252.6"})
+    assert found("43431", numbers_in("43,431 MiB"))
+
+
+def test_readme_probe_link_example_is_its_record():
+    """The README's probe-link excerpt prints the figures of the record it names."""
+    import json
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("$ expertcache probe-link ")
+    block = text[start:text.index("```", start)]
+    match = re.search(r"saved as (bench/results/\S+\.json)", block)
+    assert match, "the probe-link example names no saved record"
+    rec = json.loads((ROOT / match.group(1).rstrip(")")).read_text())
+    rates = {r["path"]: r for r in rec["rates"] + rec["gather"]}
+    zero, gather8 = rates["zero_copy_read"], rates["gather_8"]
+    decode = rec["decode"]
+    for figure in (f"{zero['gbps']:.1f}", f"{zero['seconds'] * 1e6:.0f} us",
+                   f"{zero['spread']:.1%}", f"{gather8['gbps']:.1f}",
+                   f"{gather8['seconds'] * 1e6:.0f} us", f"{gather8['spread']:.1%}",
+                   f"fully resident {decode['resident_tok_s']:.0f} tok/s",
+                   f"no cache {decode['offload_tok_s']:.1f} tok/s",
+                   f"at {decode['gather_gbps']:.1f} GB/s"):
+        assert figure in block, f"README's probe-link example lacks {figure!r} from its record"
