@@ -221,9 +221,11 @@ def test_reloaded_or_woken_weights_empty_the_slots(fresh):
     w.reload_weights()  # before arming: no session, nothing to empty
     w.load_model()
     w.reload_weights("ckpt")
+    w.wake_up(tags=["kv_cache"])  # the weights still asleep: nothing to empty yet
     w.wake_up(tags=["weights"])
     assert seen == ["reload -> vLLM reloaded the weights",
-                    "wake:['weights'] -> vLLM woke from sleep (weights may have been reloaded)"]
+                    "wake:['weights'] -> vLLM woke its weights from sleep (discarded at "
+                    "level 2, maybe replaced)"]
     assert worker_cls.wake_up.__name__ == "wake_up"
 
 

@@ -37,6 +37,21 @@ WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 #: Where vLLM's engine-core process runs its loop (the final counters are logged as it ends).
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 
+#: `Worker` methods after which the experts' bytes may differ from what the slots hold
+#: (read in vLLM 0.26.0's and 0.33.0's gpu_worker.py): every slot is emptied after each.
+#: The weight-transfer API (start/update/finish_weight_update, what RL trainers call)
+#: bypasses ``reload_weights``: chunks land in place between start and finish (a
+#: layerwise reload keeps the layer's tensors on the meta device until its last chunk),
+#: so the slots are emptied once the update is finished, before any step can run.
+#: ``reset_weights`` (0.33) zeroes the weights in place. ``wake_up`` is handled apart
+#: (`_wakes_weights`).
+WEIGHT_CHANGES: tuple[tuple[str, str], ...] = (
+    ("reload_weights", "vLLM reloaded the weights"),
+    ("finish_weight_update", "vLLM finished a weight update (weight transfer)"),
+    ("reset_weights", "vLLM reset the weights"),
+)
+WAKE_WHY = "vLLM woke its weights from sleep (discarded at level 2, maybe replaced)"
+
 _registered = False
 _config: CacheConfig | None = None
 
@@ -199,11 +214,13 @@ def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
         return orig_shutdown(self, *args, **kwargs)
 
     pairs = [(load_model, orig_load), (execute_model, orig_exec), (shutdown, orig_shutdown)]
-    for name, why in (("reload_weights", "vLLM reloaded the weights"),
-                      ("wake_up", "vLLM woke from sleep (weights may have been reloaded)")):
+    for name, why in WEIGHT_CHANGES:
         orig_fn = getattr(worker_cls, name, None)
         if callable(orig_fn):
             pairs.append((_invalidating(orig_fn, why), orig_fn))
+    orig_wake = getattr(worker_cls, "wake_up", None)
+    if callable(orig_wake):
+        pairs.append((_invalidating(orig_wake, WAKE_WHY, _wakes_weights), orig_wake))
     orig_memory = getattr(worker_cls, "determine_available_memory", None)
     if callable(orig_memory):
 
@@ -262,13 +279,23 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
     return session
 
 
-def _invalidating(orig: Callable[..., Any], why: str) -> Callable[..., Any]:
-    """``orig``, then every slot of the worker's session emptied: the weights changed."""
+def _wakes_weights(*args: Any, **kwargs: Any) -> bool:
+    """Whether ``Worker.wake_up(tags)`` brings the weights back: ``tags`` None (all) or
+    naming "weights". A wake of the KV cache alone leaves the weights (and the slots,
+    which sleep with them: `memory.sleep_pool`) unmapped; touching them then would fault."""
+    tags = kwargs.get("tags", args[0] if args else None)
+    return tags is None or "weights" in tags
+
+
+def _invalidating(orig: Callable[..., Any], why: str,
+                  when: Callable[..., bool] | None = None) -> Callable[..., Any]:
+    """``orig``, then every slot of the worker's session emptied: the weights changed
+    (``when(*args, **kwargs)``: only for the calls it says)."""
 
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, *args, **kwargs)
         session = getattr(self, "_expertcache_session", None)
-        if session is not None:
+        if session is not None and (when is None or when(*args, **kwargs)):
             session.invalidate(why)
         return out
 

@@ -169,12 +169,20 @@ class Session:
 
     def invalidate(self, why: str) -> None:
         """The experts behind the slots changed: empty every layer's slots (they refill
-        from the new weights on the next steps)."""
+        from the new weights on the next steps). A layer that cannot be reset (its quant
+        method no longer builds a config on the slots) goes back to the stock path: never
+        a slot kept from the old weights."""
+        emptied = 0
         for a in self.armed:
-            a.reset()
+            try:
+                a.reset()
+                emptied += 1
+            except Exception as exc:
+                a.disarm(f"resetting its slots after new weights failed "
+                         f"({exc.__class__.__name__}: {exc})")
         if self.armed:
             log.warning("expertcache: %s: the slots of %d layer(s) emptied; they refill from "
-                        "the new expert weights", why, len(self.armed))
+                        "the new expert weights", why, emptied)
 
     def after_step(self) -> None:
         """Once per engine step (host side): periodic stats and trace draining. Neither may

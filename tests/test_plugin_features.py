@@ -1,0 +1,238 @@
+"""The plugin under vLLM features that change what the slots stand for: weight updates,
+sleep mode, substituted experts. CPU torch, the reference slot cache, and worker and
+layer stand-ins that do what vLLM 0.26.0's and 0.33.0's do (read in their sources).
+Skipped without torch."""
+
+from __future__ import annotations
+
+import sys
+import types
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="no torch: the plugin feature tests need torch")
+
+from ref_slotcache import RefSlotCache  # noqa: E402
+from test_plugin_runtime import Experts, H, _fake_vllm_layout, _routing  # noqa: E402
+
+import expertcache_cli.plugin as plugin  # noqa: E402
+from expertcache_cli.config import CacheConfig  # noqa: E402
+
+
+class _Model(torch.nn.Module):
+    """Two MoE layers (``model.layers.{0,1}.mlp.experts``), deterministic per seed."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        self.layers = torch.nn.ModuleList()
+        for i in range(2):
+            block = torch.nn.Module()
+            block.experts = Experts(seed=seed + i)
+            block.experts.layer_name = f"model.layers.{i}.mlp.experts"
+            self.layers.append(block)
+
+    def step(self, x, w, ids):
+        for block in self.layers:
+            x = x + block.experts.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+        return x
+
+
+def _copy_in_place(model, named):
+    """What vLLM's reload paths leave: the processed values copied into the tensors the
+    layer already holds (layerwise reload's ``_copy_and_restore_kernel_tensors``,
+    ``param.data.copy_``), so every pointer (and every captured CUDA graph) stays."""
+    with torch.no_grad():
+        for name, value in named:
+            model.get_parameter(name).data.copy_(value)
+
+
+class Worker026:
+    """vLLM 0.26.0's `Worker` as far as weights go: ``reload_weights`` (in place),
+    ``wake_up(tags)``, and the weight-transfer API, whose chunks land between
+    ``start_weight_update`` and ``finish_weight_update`` and bypass ``reload_weights``."""
+
+    def __init__(self, model):
+        self.model = model
+        self.model_runner = SimpleNamespace(get_model=lambda: model, model_memory_usage=1000)
+        self.vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=2),
+                                           model_config=SimpleNamespace(model="tiny"))
+        self.cache_config = SimpleNamespace(kv_cache_memory_bytes=None)
+        self._weight_update_active = False
+
+    def load_model(self):
+        pass
+
+    def execute_model(self, scheduler_output):
+        return None
+
+    def shutdown(self):
+        pass
+
+    def reload_weights(self, weights_iterator=None, is_checkpoint_format=True):
+        _copy_in_place(self.model, weights_iterator)
+
+    def wake_up(self, tags=None):
+        pass
+
+    def start_weight_update(self):
+        assert not self._weight_update_active
+        self._weight_update_active = True
+
+    def update_weights(self, update_info):
+        assert self._weight_update_active, "start_weight_update must be called first"
+        _copy_in_place(self.model, update_info["weights"])
+
+    def finish_weight_update(self):
+        assert self._weight_update_active
+        self._weight_update_active = False
+
+
+class Worker033(Worker026):
+    """0.33.0 adds ``reset_weights`` (``zero_weights``: every weight zeroed in place) and
+    ``discard(tags)``."""
+
+    def reset_weights(self):
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.zero_()
+
+    def discard(self, tags):
+        pass
+
+
+@pytest.fixture()
+def armed_worker(monkeypatch):
+    """A worker class of each version patched by the plugin, and a function that arms a
+    fresh worker on a model (the real `_arm_worker`, the reference slot cache)."""
+    import expertcache_cli.slotcache as slotcache_mod
+    from expertcache_cli.plugin import session as session_mod
+
+    monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
+    monkeypatch.setattr(session_mod, "_SESSIONS", [])
+    _fake_vllm_layout(monkeypatch)
+
+    def make(version):
+        base = {"0.26.0": Worker026, "0.33.0": Worker033}[version]
+        cls = type("Worker", (base,), {})  # a fresh class: patched once, per test
+        mod = types.ModuleType(plugin.WORKER_MODULE)
+        mod.Worker = cls
+        plugin._patch_worker(mod, CacheConfig(slots=6), version)
+        assert cls._expertcache_patched
+
+        def arm(model):
+            w = cls(model)
+            w.load_model()
+            assert w._expertcache_session is not None
+            assert len(w._expertcache_session.armed) == 2
+            return w
+
+        return arm
+
+    return make
+
+
+def _serve(model, stock, steps, rng, tokens=1):
+    """``steps`` decode steps through both models; asserts they agree bit for bit and
+    returns the last output."""
+    out = None
+    for _ in range(steps):
+        x = torch.randn(tokens, H)
+        ids, w = _routing(rng, tokens)
+        got, want = model.step(x, w, ids), stock.step(x, w, ids)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        out = got
+    return out
+
+
+def _new_weights(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()
+            if n.endswith(("w13_weight", "w2_weight", "w13_bias", "w2_bias"))]
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+def test_every_weight_update_path_refreshes_the_slots_as_the_stock_path(armed_worker,
+                                                                        version, caplog):
+    """Through each path that changes weights in place (reload_weights; the weight-transfer
+    API start/update/finish_weight_update; 0.33's reset_weights; wake_up of the weights),
+    the armed layers' outputs change exactly as the stock layers' do: the slots never
+    serve the old experts. A wake of the KV cache alone empties nothing."""
+    arm = armed_worker(version)
+    model, stock = _Model(seed=10), _Model(seed=10)
+    worker = arm(model)
+    rng = np.random.default_rng(3)
+    caplog.set_level("WARNING", logger="vllm.expertcache")
+    before = _serve(model, stock, 8, rng)
+
+    new = _new_weights(model, 1)  # the weight-transfer API: chunks, then finish
+    worker.start_weight_update()
+    worker.update_weights({"weights": new[:4]})
+    worker.update_weights({"weights": new[4:]})
+    worker.finish_weight_update()
+    _copy_in_place(stock, new)
+    assert "finished a weight update" in caplog.text
+    x = torch.randn(1, H)
+    ids, w = _routing(rng, 1)
+    assert not torch.equal(model.step(x, w, ids), before)
+    _serve(model, stock, 8, rng)
+
+    new = _new_weights(model, 2)
+    worker.reload_weights(weights_iterator=iter(new))
+    _copy_in_place(stock, new)
+    _serve(model, stock, 8, rng)
+
+    caplog.clear()
+    worker.wake_up(tags=["kv_cache"])  # weights still asleep: nothing touched
+    assert "emptied" not in caplog.text
+    new = _new_weights(model, 3)  # a level-2 sleep: new weights land, then they wake
+    _copy_in_place(model, new)
+    _copy_in_place(stock, new)
+    worker.wake_up(tags=["weights"])
+    assert "woke its weights" in caplog.text
+    _serve(model, stock, 8, rng)
+
+    if version == "0.33.0":
+        worker.reset_weights()
+        stock_worker = Worker033(stock)
+        stock_worker.reset_weights()
+        assert "reset the weights" in caplog.text
+        assert float(_serve(model, stock, 4, rng).abs().sum()) > 0  # residual stream only
+    sess = worker._expertcache_session
+    assert all(not a._failed for a in sess.armed)
+
+
+def test_a_layer_whose_slots_cannot_be_reset_goes_back_to_the_stock_path(armed_worker,
+                                                                        caplog):
+    """Resetting rebuilds the slot-bound quant config; a quant method that no longer builds
+    one on the slots puts its layer on the stock path, with the reason, never stale."""
+    arm = armed_worker("0.26.0")
+    model, stock = _Model(seed=20), _Model(seed=20)
+    worker = arm(model)
+    rng = np.random.default_rng(4)
+    _serve(model, stock, 4, rng)
+    method = model.layers[0].experts.quant_method
+    method.get_fused_moe_quant_config = lambda layer: (_ for _ in ()).throw(
+        RuntimeError("kernel rebuilt for another layout"))
+    caplog.set_level("ERROR", logger="vllm.expertcache")
+    new = _new_weights(model, 5)
+    worker.reload_weights(weights_iterator=iter(new))
+    _copy_in_place(stock, new)
+    assert "resetting its slots after new weights failed" in caplog.text
+    assert "kernel rebuilt for another layout" in caplog.text
+    a0, a1 = worker._expertcache_session.armed
+    assert a0._failed and "forward_modular" not in model.layers[0].experts.__dict__
+    assert not a1._failed
+    _serve(model, stock, 6, rng)
+
+
+def test_the_weight_changing_worker_methods_are_the_ones_vllm_has():
+    """The names wrapped are vLLM 0.26's and 0.33's (a rename would leave slots stale
+    silently: the list is the contract the stand-ins above are built on)."""
+    names = [n for n, _ in plugin.WEIGHT_CHANGES]
+    assert names == ["reload_weights", "finish_weight_update", "reset_weights"]
+    assert plugin._wakes_weights() and plugin._wakes_weights(None)
+    assert plugin._wakes_weights(tags=["weights"]) and plugin._wakes_weights(["weights", "x"])
+    assert not plugin._wakes_weights(tags=["kv_cache"])
+    assert sys.modules[plugin.__name__] is plugin
