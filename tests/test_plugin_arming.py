@@ -9,6 +9,7 @@ from plugin_standins import (
     FakeModel,
     FakeTensor,
     RoutedExperts,
+    SubstitutedRoutedExperts,
     TritonExperts,
     TrtLlmBf16ExpertsModular,
     UnquantizedFusedMoEMethod,
@@ -201,3 +202,21 @@ def test_find_moe_layers_and_layer_index():
     assert [n for n, _ in found] == [f"model.layers.{i}.mlp.experts" for i in range(4)]
     assert layer_index("model.layers.17.mlp.experts") == 17
     assert layer_index("experts") is None
+
+
+def test_a_layer_class_that_remaps_routing_ids_is_declined_before_any_call():
+    """0.33's SubstitutedRoutedExperts remaps the ids it is handed (logical -> physical):
+    given slot ids it would read the wrong rows, past the slots. Declined at planning,
+    with the class and the hook named; so is a hook replaced on the instance, and an
+    expert_substitution on a layer whose class does not override anything."""
+    cfg = CacheConfig(slots=32)
+    d = plan_layer(SubstitutedRoutedExperts(), cfg)
+    assert d.action == DECLINE
+    assert d.reason.startswith("SubstitutedRoutedExperts overrides forward_modular")
+    plain = RoutedExperts()
+    plain.expert_substitution = SimpleNamespace()
+    assert "substitutes experts" in plan_layer(plain, cfg).reason
+    patched = RoutedExperts()
+    patched.forward_modular = lambda **kw: kw
+    assert "already replaced" in plan_layer(patched, cfg).reason
+    assert plan_layer(RoutedExperts(), cfg).action == ARM
