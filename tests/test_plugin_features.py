@@ -102,6 +102,85 @@ class Worker033(Worker026):
         pass
 
 
+class FakeCuMem:
+    """vLLM's `CuMemAllocator` as its sleep mode uses it (cumem.py, 0.26.0 and 0.33.0):
+    a tensor allocated inside ``use_memory_pool(tag)`` carries the tag; ``sleep`` backs up
+    the allocations of ``offload_tags`` and frees the rest (their bytes are lost: here
+    overwritten with garbage); ``wake_up(tags)`` maps back those of ``tags`` (None: all;
+    0.33 also every tag that is not "weights" or "kv_cache") at the same addresses and
+    restores what was backed up."""
+
+    def __init__(self, version):
+        self.version = version
+        self.tag = None
+        self.allocs: list[list] = []  # [tag, tensor, backup or None, asleep]
+
+    def use_memory_pool(self, tag=None):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            made = {n: getattr(torch, n) for n in ("zeros", "full", "empty")}
+
+            def record(fn):
+                def alloc(*a, **k):
+                    t = fn(*a, **k)
+                    self.allocs.append([tag or "default", t, None, False])
+                    return t
+                return alloc
+
+            for n, fn in made.items():
+                setattr(torch, n, record(fn))
+            try:
+                yield
+            finally:
+                for n, fn in made.items():
+                    setattr(torch, n, fn)
+
+        return ctx()
+
+    def bytes(self, tag, awake=True):
+        return sum(t.numel() * t.element_size() for g, t, _, asleep in self.allocs
+                   if g == tag and asleep != awake)
+
+    def sleep(self, offload_tags=()):
+        for a in self.allocs:
+            tag, t, _, asleep = a
+            if asleep:
+                continue
+            a[2] = t.clone() if tag in offload_tags else None
+            t.fill_(float("nan") if t.is_floating_point() else -7)  # unmapped: garbage
+            a[3] = True
+
+    def wake_up(self, tags=None):
+        for a in self.allocs:
+            tag, t, backup, asleep = a
+            deferrable = tag in ("weights", "kv_cache") or self.version == "0.26.0"
+            if asleep and (tags is None or tag in tags or not deferrable):
+                if backup is not None:
+                    t.copy_(backup)
+                a[2], a[3] = None, False
+
+
+def _sleeping(base):
+    """A worker class with vLLM's cumem sleep backend (`CuMemBackend`: level 1 offloads the
+    weights (0.33: and its runtime tags), level 2 discards them)."""
+
+    class Sleeping(base):
+        def sleep(self, level=1):
+            from vllm.device_allocator import get_mem_allocator_instance
+
+            get_mem_allocator_instance().sleep(offload_tags=("weights",) if level == 1
+                                               else ())
+
+        def wake_up(self, tags=None):
+            from vllm.device_allocator import get_mem_allocator_instance
+
+            get_mem_allocator_instance().wake_up(tags)
+
+    return Sleeping
+
+
 @pytest.fixture()
 def armed_worker(monkeypatch):
     """A worker class of each version patched by the plugin, and a function that arms a
@@ -113,16 +192,18 @@ def armed_worker(monkeypatch):
     monkeypatch.setattr(session_mod, "_SESSIONS", [])
     _fake_vllm_layout(monkeypatch)
 
-    def make(version):
+    def make(version, sleep_mode=False):
         base = {"0.26.0": Worker026, "0.33.0": Worker033}[version]
+        base = _sleeping(base) if sleep_mode else base
         cls = type("Worker", (base,), {})  # a fresh class: patched once, per test
         mod = types.ModuleType(plugin.WORKER_MODULE)
         mod.Worker = cls
         plugin._patch_worker(mod, CacheConfig(slots=6), version)
         assert cls._expertcache_patched
 
-        def arm(model):
+        def arm(model, **model_config):
             w = cls(model)
+            w.vllm_config.model_config.__dict__.update(model_config)
             w.load_model()
             assert w._expertcache_session is not None
             assert len(w._expertcache_session.armed) == 2
@@ -236,3 +317,57 @@ def test_the_weight_changing_worker_methods_are_the_ones_vllm_has():
     assert plugin._wakes_weights(tags=["weights"]) and plugin._wakes_weights(["weights", "x"])
     assert not plugin._wakes_weights(tags=["kv_cache"])
     assert sys.modules[plugin.__name__] is plugin
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+def test_sleep_frees_the_slots_with_the_weights_and_a_wake_serves_the_stock_tokens(
+        armed_worker, monkeypatch, version):
+    """--enable-sleep-mode: the slot buffers are allocated in vLLM's sleep pool under the
+    weights' tag (and nothing else of the cache: its table and counters survive), so
+    sleep() frees them; after a level-2 sleep (slots discarded, new weights loaded) and
+    after a level-1 sleep (slots backed up), a wake of the weights serves exactly what the
+    stock path serves."""
+    allocator = FakeCuMem(version)
+    mod = types.ModuleType("vllm.device_allocator")
+    mod.get_mem_allocator_instance = lambda: allocator
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator", mod)
+    arm = armed_worker(version, sleep_mode=True)
+    model, stock = _Model(seed=30), _Model(seed=30)
+    worker = arm(model, enable_sleep_mode=True, sleep_mode_backend="cumem")
+    sess = worker._expertcache_session
+    slot_bytes = sum(b.numel() * b.element_size() for a in sess.armed
+                     for b in a.cache.slots.values())
+    assert allocator.bytes("weights") == slot_bytes == sess.slot_bytes > 0
+    assert {g for g, *_ in allocator.allocs} == {"weights"}
+    rng = np.random.default_rng(6)
+    _serve(model, stock, 6, rng)
+
+    worker.sleep(level=2)
+    assert allocator.bytes("weights") == 0  # freed: nothing of the cache left mapped
+    new = _new_weights(model, 7)  # the trainer's new weights land while asleep
+    _copy_in_place(model, new)
+    _copy_in_place(stock, new)
+    worker.wake_up(tags=["kv_cache"])
+    assert allocator.bytes("weights") == 0  # still asleep; nothing touched them
+    worker.wake_up(tags=["weights"])
+    assert allocator.bytes("weights") == slot_bytes
+    _serve(model, stock, 6, rng)
+
+    worker.sleep(level=1)
+    worker.wake_up()
+    _serve(model, stock, 6, rng)
+    assert all(not a._failed for a in sess.armed)
+
+
+def test_sleep_mode_with_another_backend_arms_nothing_and_says_why(armed_worker, caplog):
+    """0.33's pluggable sleep backends: only cumem's pool is known; with another one the
+    slots could not sleep, so nothing is armed (one line names the fix)."""
+    from expertcache_cli.plugin import memory
+
+    worker = SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(
+        enable_sleep_mode=True, sleep_mode_backend="cuda_checkpoint")))
+    pool, why = memory.sleep_pool(worker)
+    assert pool is None and "'cuda_checkpoint' backend" in why
+    assert "--sleep-mode-backend cumem or without --enable-sleep-mode" in why
+    worker.vllm_config.model_config.enable_sleep_mode = False
+    assert memory.sleep_pool(worker) == (None, None)

@@ -262,13 +262,15 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
     try:
         vc = worker.vllm_config
         model = worker.model_runner.get_model()
+        pool, sleep_refusal = memory.sleep_pool(worker)
         session = arm_model(
             model, cfg, version,
             max_num_seqs=getattr(vc.scheduler_config, "max_num_seqs", None),
             model_name=str(getattr(vc.model_config, "model", "")) or None,
             capture_sizes=_capture_sizes(vc),
-            refusal=memory.accounting_refusal(worker),
+            refusal=sleep_refusal or memory.accounting_refusal(worker),
             padding=_padding_reader(worker),
+            pool=pool,
         )
     except Exception as exc:
         log.exception("expertcache: arming failed (%s); serving on the stock path", exc)

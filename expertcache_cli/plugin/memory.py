@@ -39,6 +39,49 @@ GiB = 1024**3
 WEIGHTS_ATTR = "model_memory_usage"
 
 
+#: the tag of vLLM's sleep-mode pool the slots and the wide-step scratch are allocated
+#: under: the weights' own, so they sleep, wake and are discarded exactly as the weights
+SLEEP_TAG = "weights"
+
+
+def sleep_pool(worker: Any) -> tuple[Any, str | None]:
+    """Where the slots and the scratch are allocated under vLLM's sleep mode: (a
+    zero-argument callable returning the allocation context, or None; why the cache
+    cannot be armed, or None).
+
+    Sleep mode (``--enable-sleep-mode``, vLLM 0.26 and 0.33) allocates the weights inside
+    ``CuMemAllocator.use_memory_pool(tag="weights")`` and ``sleep()`` frees that pool
+    (level 1 backs it up to host memory, level 2 discards it); the plugin allocates
+    after the load, outside it, so ``sleep()`` would keep every slot. Allocated under the
+    same tag, the slots and the scratch sleep and wake with the weights at the same
+    virtual addresses (captured CUDA graphs stay valid); after a wake of the weights the
+    slots are emptied (`Worker.wake_up` hook), since a level-2 sleep left them garbage.
+    The cache's small state (table, counters) stays outside: it survives any sleep.
+    Another sleep backend (0.33's ``--sleep-mode-backend``) is refused: what it frees is
+    not known."""
+    mc = getattr(getattr(worker, "vllm_config", None), "model_config", None)
+    if not getattr(mc, "enable_sleep_mode", False):
+        return None, None
+    backend = getattr(mc, "sleep_mode_backend", "cumem") or "cumem"
+    if backend != "cumem":
+        return None, (f"sleep mode with the {backend!r} backend: the slots cannot be put in "
+                      "what it frees, so sleep() would keep them in VRAM; serve with "
+                      "--sleep-mode-backend cumem or without --enable-sleep-mode")
+    try:
+        from vllm.device_allocator import get_mem_allocator_instance
+
+        use = get_mem_allocator_instance().use_memory_pool
+    except Exception as exc:
+        return None, (f"sleep mode: vLLM's sleep-mode allocator is not reachable "
+                      f"({exc.__class__.__name__}: {exc}), so sleep() would keep the slots "
+                      "in VRAM; serve without --enable-sleep-mode")
+
+    def pool() -> Any:
+        return use(tag=SLEEP_TAG)
+
+    return pool, None
+
+
 def accounting_refusal(worker: Any) -> str | None:
     """Why slot memory could not enter this worker's memory plan, or None."""
     runner = getattr(worker, "model_runner", None)

@@ -14,6 +14,7 @@ serving never stalls for it; only the final report at shutdown, the trace's drai
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -293,12 +294,15 @@ def _vllm_ranks() -> dict[str, int]:
 def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
               max_num_seqs: int | None = None, model_name: str | None = None,
               capture_sizes: list[int] | None = None, refusal: str | None = None,
-              padding: Callable[[int], Any] | None = None) -> Session:
+              padding: Callable[[int], Any] | None = None,
+              pool: Callable[[], Any] | None = None) -> Session:
     """Plan, build and install the caches of one loaded model; never raises.
 
     ``refusal``: why no slot could be accounted for in vLLM's memory plan (`memory`);
     every layer that would be armed is declined with it, before anything is allocated.
     ``padding``: how the armed layers read a step's padded rows (`padding.mask_reader`).
+    ``pool``: the allocation context of vLLM's sleep-mode pool (`memory.sleep_pool`): the
+    slot buffers and the scratch are allocated inside it, so they sleep with the weights.
     """
     from ..capture import padded
 
@@ -320,9 +324,9 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     scratches: dict[tuple, Any] = {}
     for decision, module in ((d, m) for d, (_, m) in zip(decisions, layers) if d.action == ARM):
         try:
-            scratch = _scratch_for(module, decision, cfg, scratches)
+            scratch = _scratch_for(module, decision, cfg, scratches, pool)
             armed.append(_arm_one(module, decision, cfg, len(armed), decode_tokens, scratch,
-                                  padding))
+                                  padding, pool))
         except Exception as exc:
             decision.action = DECLINE
             decision.reason = f"arming failed: {exc.__class__.__name__}: {exc}"
@@ -346,7 +350,7 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
 
 
 def _scratch_for(module: Any, decision: Decision, cfg: CacheConfig,
-                 scratches: dict[tuple, Any]) -> Any:
+                 scratches: dict[tuple, Any], pool: Callable[[], Any] | None = None) -> Any:
     """The wide-step scratch this layer shares with the layers shaped like it (None in
     place). One is built per shape: layers run one after another on one stream."""
     from ..policy import Wide
@@ -358,9 +362,10 @@ def _scratch_for(module: Any, decision: Decision, cfg: CacheConfig,
     specs = {s.name: (s.shape, s.dtype) for s in decision.specs}
     key = scratch_key(decision.num_experts, specs)
     if key not in scratches:
-        # on the device of the layer's experts, as its SlotCache
-        scratches[key] = Scratch(decision.num_experts, specs,
-                                 module._parameters[decision.specs[0].name].device)
+        # on the device of the layer's experts, as its SlotCache (in the sleep pool)
+        with pool() if pool is not None else contextlib.nullcontext():
+            scratches[key] = Scratch(decision.num_experts, specs,
+                                     module._parameters[decision.specs[0].name].device)
     return scratches[key]
 
 
@@ -440,7 +445,8 @@ def _with_trace(cfg: CacheConfig, path: str) -> CacheConfig:
 
 def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
              decode_tokens: int | None = None, scratch: Any | None = None,
-             padding: Callable[[int], Any] | None = None) -> ArmedLayer:
+             padding: Callable[[int], Any] | None = None,
+             pool: Callable[[], Any] | None = None) -> ArmedLayer:
     from ..policy import Wide
     from ..slotcache import SlotCache
 
@@ -472,6 +478,7 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
         device=device,
         name=decision.layer_name,
         wide_inserts=wide_inserts,
+        pool=pool,
     )
     armed = ArmedLayer(module, decision, cache, index=index, decode_tokens=decode_tokens,
                        scratch=scratch, padding=padding, small=small,
