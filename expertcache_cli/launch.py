@@ -148,10 +148,11 @@ def make_plan(
         trap = size.padded_batch * size.top_k > narrow and wide_mode is Wide.IN_PLACE
         if trap and not allow_trap:
             safe = (size.safe_max_num_seqs if per_layer is None else capture.safe_max_num_seqs(
-                narrow, size.top_k, size.max_num_batched_tokens, overrides["graphs"]))
+                narrow, size.top_k, size.max_num_batched_tokens, overrides["graphs"],
+                1 + size.speculative_tokens))
             raise UserError(
                 budget.trap_text(size.max_num_seqs, size.padded_batch, size.top_k, narrow,
-                                 safe, size.graphs).replace(
+                                 safe, size.graphs, size.speculative_tokens).replace(
                     "keeps every decode step on it",
                     "keeps every decode step on it (pass it after --), or --allow-trap to "
                     "serve anyway")

@@ -268,6 +268,7 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
             max_num_seqs=getattr(vc.scheduler_config, "max_num_seqs", None),
             model_name=str(getattr(vc.model_config, "model", "")) or None,
             capture_sizes=_capture_sizes(vc),
+            spec_tokens=speculative_tokens(vc),
             refusal=sleep_refusal or memory.accounting_refusal(worker),
             padding=_padding_reader(worker),
             pool=pool,
@@ -316,6 +317,16 @@ def _padding_reader(worker: Any) -> Any:
         return padding.mask_reader(count, max_tokens)
     log.debug("expertcache: padding rows from vLLM's V2 marks only (%s)", why)
     return padding.mask_reader()
+
+
+def speculative_tokens(vc: Any) -> int:
+    """Draft tokens each sequence carries into a verify step (vLLM's speculative config,
+    ``num_speculative_tokens``, 0.26 and 0.33; 0 without speculative decoding): a decode
+    step is then ``max_num_seqs x (1 + k)`` tokens, which the TRAP and the decode-width
+    counter must count."""
+    spec = getattr(vc, "speculative_config", None)
+    n = getattr(spec, "num_speculative_tokens", None) if spec is not None else None
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
 def _capture_sizes(vc: Any) -> list[int]:

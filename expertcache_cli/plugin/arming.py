@@ -348,6 +348,7 @@ def summary_line(
     decisions: list[Decision], cfg: CacheConfig, vllm_version: str, max_num_seqs: int | None = None,
     capture_sizes: list[int] | None = None,
     scratch_bytes: int = 0,
+    spec_tokens: int = 0,
 ) -> str:
     """The one startup line: what is armed, on how many layers, budget, policy, tensors.
 
@@ -400,13 +401,14 @@ def summary_line(
 
         sizes = list(capture_sizes or [])
         k, slots = first.top_k, min(counts)  # the narrowest layer reads through first
-        widest = padded(max_num_seqs, sizes)
+        # speculative decoding: each sequence's verify step carries its draft tokens
+        widest = padded(max_num_seqs * (1 + spec_tokens), sizes)
         if widest * k > slots and staged:
             parts.append(f"full batches ({widest} x {k} ids > {slots} slots) are staged "
                          "through the scratch")
         elif widest * k > slots:
-            safe = safe_for_sizes(slots, k, sizes)
+            safe = safe_for_sizes(slots, k, sizes, 1 + spec_tokens)
             parts.append("TRAP: " + trap_text(max_num_seqs, widest, k, slots, safe,
-                                              "vLLM's capture sizes").removeprefix(
+                                              "vLLM's capture sizes", spec_tokens).removeprefix(
                                                   "sizing trap: "))
     return head + "; ".join(parts)

@@ -295,12 +295,14 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
               max_num_seqs: int | None = None, model_name: str | None = None,
               capture_sizes: list[int] | None = None, refusal: str | None = None,
               padding: Callable[[int], Any] | None = None,
-              pool: Callable[[], Any] | None = None) -> Session:
+              pool: Callable[[], Any] | None = None, spec_tokens: int = 0) -> Session:
     """Plan, build and install the caches of one loaded model; never raises.
 
     ``refusal``: why no slot could be accounted for in vLLM's memory plan (`memory`);
     every layer that would be armed is declined with it, before anything is allocated.
     ``padding``: how the armed layers read a step's padded rows (`padding.mask_reader`).
+    ``spec_tokens``: speculative decoding's draft tokens per sequence (a decode step
+    carries ``max_num_seqs x (1 + spec_tokens)`` tokens).
     ``pool``: the allocation context of vLLM's sleep-mode pool (`memory.sleep_pool`): the
     slot buffers and the scratch are allocated inside it, so they sleep with the weights.
     """
@@ -319,7 +321,8 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     for d in decisions:
         if marlin_refusal and d.armed and d.marlin:
             d.action, d.reason = DECLINE, marlin_refusal
-    decode_tokens = padded(max_num_seqs, capture_sizes or []) if max_num_seqs else None
+    decode_tokens = (padded(max_num_seqs * (1 + spec_tokens), capture_sizes or [])
+                     if max_num_seqs else None)
     armed: list[ArmedLayer] = []
     scratches: dict[tuple, Any] = {}
     for decision, module in ((d, m) for d, (_, m) in zip(decisions, layers) if d.action == ARM):
@@ -345,7 +348,7 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
             log.warning("expertcache: %s not armed: %s", d.layer_name, d.reason)
     session = Session(cfg, decisions, armed, recorder)
     log.info("%s", summary_line(decisions, cfg, vllm_version, max_num_seqs, capture_sizes,
-                                session.scratch_bytes))
+                                session.scratch_bytes, spec_tokens))
     return session
 
 
