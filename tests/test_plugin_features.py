@@ -371,3 +371,24 @@ def test_sleep_mode_with_another_backend_arms_nothing_and_says_why(armed_worker,
     assert "--sleep-mode-backend cumem or without --enable-sleep-mode" in why
     worker.vllm_config.model_config.enable_sleep_mode = False
     assert memory.sleep_pool(worker) == (None, None)
+
+
+def test_a_per_layer_plan_on_a_pipeline_stage_arms_nothing_and_says_why(armed_worker,
+                                                                       monkeypatch, caplog):
+    """A stage of a pipeline holds some MoE layers; a per-layer plan is for the whole model,
+    so no layer is armed, with one line naming the feature and the fix. One budget for
+    every layer still arms the stage."""
+    import expertcache_cli.slotcache as slotcache_mod
+    from expertcache_cli.config import from_env
+
+    monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
+    _fake_vllm_layout(monkeypatch)
+    caplog.set_level("WARNING", logger="vllm.expertcache")
+    worker = Worker026(_Model(seed=40))
+    worker.vllm_config.parallel_config = SimpleNamespace(pipeline_parallel_size=2)
+    sess = plugin._arm_worker(worker, from_env({"EXPERT_CACHE_SLOTS": "6,5,4,6"}), "0.26.0")
+    assert not sess.armed
+    assert "pipeline parallel (2 stages) with a per-layer plan" in caplog.text
+    assert "EXPERT_CACHE_SLOTS=S or EXPERT_CACHE_FRACTION" in caplog.text
+    uniform = plugin._arm_worker(Worker026(_Model(seed=41)), CacheConfig(slots=6), "0.26.0")
+    assert len(uniform.armed) == 2

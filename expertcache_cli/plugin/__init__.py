@@ -269,7 +269,8 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
             model_name=str(getattr(vc.model_config, "model", "")) or None,
             capture_sizes=_capture_sizes(vc),
             spec_tokens=speculative_tokens(vc),
-            refusal=sleep_refusal or memory.accounting_refusal(worker),
+            refusal=(sleep_refusal or pipeline_refusal(cfg, vc)
+                     or memory.accounting_refusal(worker)),
             padding=_padding_reader(worker),
             pool=pool,
         )
@@ -317,6 +318,21 @@ def _padding_reader(worker: Any) -> Any:
         return padding.mask_reader(count, max_tokens)
     log.debug("expertcache: padding rows from vLLM's V2 marks only (%s)", why)
     return padding.mask_reader()
+
+
+def pipeline_refusal(cfg: CacheConfig, vc: Any) -> str | None:
+    """Why a per-layer plan cannot be armed on a pipeline stage, or None. The budgets
+    (``EXPERT_CACHE_SLOTS=S1,S2,...``) are one per MoE layer of the whole model; a stage
+    holds some of them and cannot tell which MoE layers (dense layers interleave) the other
+    stages hold, so indexing by its own layers would give each layer another's budget."""
+    pp = int(getattr(getattr(vc, "parallel_config", None), "pipeline_parallel_size", 1) or 1)
+    if pp <= 1 or cfg.slots_per_layer is None:
+        return None
+    return (f"pipeline parallel ({pp} stages) with a per-layer plan (EXPERT_CACHE_SLOTS lists "
+            f"{len(cfg.slots_per_layer)} budgets for the whole model): a stage cannot tell "
+            "which budgets are its own; give one budget for every layer "
+            "(EXPERT_CACHE_SLOTS=S or EXPERT_CACHE_FRACTION) or serve without pipeline "
+            "parallel")
 
 
 def speculative_tokens(vc: Any) -> int:
