@@ -25,7 +25,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ..config import CacheConfig, ConfigError, from_env
+from ..config import FRACTION, SLOTS, CacheConfig, ConfigError, from_env
 from ..vllm_runner import runner_ignores_offload
 from . import memory
 from .compat import layout_refusal, version_refusal
@@ -129,6 +129,11 @@ def register() -> None:
     _config = cfg
     if cfg.disabled:
         log.warning("expertcache: EXPERT_CACHE_DISABLE=1: no layer will be armed (stock path)")
+        return
+    if not cfg.asked:  # opt-in: installed is not asked
+        log.info("expertcache: installed but not asked for (no %s or %s, which `expertcache "
+                 "serve` sets): nothing is armed, vLLM serves on its stock path", SLOTS,
+                 FRACTION)
         return
     try:
         import vllm
