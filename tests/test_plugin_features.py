@@ -392,3 +392,46 @@ def test_a_per_layer_plan_on_a_pipeline_stage_arms_nothing_and_says_why(armed_wo
     assert "EXPERT_CACHE_SLOTS=S or EXPERT_CACHE_FRACTION" in caplog.text
     uniform = plugin._arm_worker(Worker026(_Model(seed=41)), CacheConfig(slots=6), "0.26.0")
     assert len(uniform.armed) == 2
+
+
+# The non-KV lines of vLLM's `memory_profiling` (vllm/utils/mem_utils.py), as released.
+def memory_profiling_026(result, non_torch_memory, peak_activation_memory):
+    result.non_kv_cache_memory = (
+        non_torch_memory + peak_activation_memory + result.weights_memory
+    )
+
+
+def memory_profiling_033(result):
+    result.total_consumed = (
+        result.before_create.free_memory - result.after_profile.free_memory
+    )
+    result.non_kv_cache_memory = result.total_consumed + result.transient_peak_headroom
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+def test_the_memory_plan_line_says_what_each_vllm_does(armed_worker, monkeypatch, version,
+                                                       caplog):
+    """0.26 sizes KV from model_memory_usage + the profile's increase: the slot bytes are
+    added to it and the line says "counted as weights". 0.33 sizes KV from the free-memory
+    drop it measures (model_memory_usage unread): the slots, allocated before the profile,
+    are measured; nothing is added and the line says so."""
+    from expertcache_cli.plugin import memory
+
+    fn = {"0.26.0": memory_profiling_026, "0.33.0": memory_profiling_033}[version]
+    expect = {"0.26.0": memory.WEIGHTS, "0.33.0": memory.MEASURED}[version]
+    assert memory.plan_mechanism(fn) == expect
+    assert memory.plan_mechanism(lambda: None) is None
+    monkeypatch.setattr(memory, "plan_mechanism", lambda profiling=None: expect)
+    worker = armed_worker(version)(_Model(seed=50))
+    sess = worker._expertcache_session
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    plugin._log_memory_plan(worker, sess, 3 * 2**30)
+    if version == "0.26.0":
+        assert worker.model_runner.model_memory_usage == 1000 + sess.slot_bytes
+        assert "GiB of slots counted as weights" in caplog.text
+    else:
+        assert worker.model_runner.model_memory_usage == 1000  # vLLM's own record, kept
+        assert "allocated before vLLM's memory profile, which counts them" in caplog.text
+        # and a runner without the attribute is no reason to decline there
+        assert memory.accounting_refusal(SimpleNamespace(), memory.MEASURED) is None
+    assert "vLLM chose 3.00 GiB of KV cache" in caplog.text

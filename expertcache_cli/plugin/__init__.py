@@ -268,6 +268,7 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
         vc = worker.vllm_config
         model = worker.model_runner.get_model()
         pool, sleep_refusal = memory.sleep_pool(worker)
+        mechanism = memory.plan_mechanism()
         session = arm_model(
             model, cfg, version,
             max_num_seqs=getattr(vc.scheduler_config, "max_num_seqs", None),
@@ -275,14 +276,17 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
             capture_sizes=_capture_sizes(vc),
             spec_tokens=speculative_tokens(vc),
             refusal=(sleep_refusal or pipeline_refusal(cfg, vc)
-                     or memory.accounting_refusal(worker)),
+                     or memory.accounting_refusal(worker, mechanism)),
             padding=_padding_reader(worker),
             pool=pool,
         )
     except Exception as exc:
         log.exception("expertcache: arming failed (%s); serving on the stock path", exc)
         return None
-    if session.armed:  # (refused accounting declined every layer: nothing to count)
+    session.memory_mechanism = mechanism
+    if session.armed and mechanism != memory.MEASURED:
+        # (0.26, or not recognised: where model_memory_usage is not read, adding is inert;
+        # refused accounting declined every layer: nothing to count)
         session.weights_bytes = memory.count_as_weights(worker, session.cache_bytes)
     register_session(session)
     return session
@@ -370,7 +374,9 @@ def _log_memory_plan(worker: Any, session: Any, kv_bytes: Any) -> None:
         kv = getattr(worker, "available_kv_cache_memory_bytes", None)
     cold = memory.cold_compile_note(memory.compiled_here()) if not explicit else ""
     log.info("%s%s", memory.kv_line(session.slot_bytes, session.weights_bytes, kv,
-                                    bool(explicit), session.scratch_bytes), cold)
+                                    bool(explicit), session.scratch_bytes,
+                                    getattr(session, "memory_mechanism", memory.WEIGHTS)),
+             cold)
     if kv is None or explicit:
         return
     try:

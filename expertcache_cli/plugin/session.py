@@ -58,6 +58,8 @@ class Session:
         self.layer_steps = 0
         #: the weight bytes vLLM plans around once the slots were added (`memory`)
         self.weights_bytes = 0
+        #: how this vLLM sizes its KV cache (`memory.plan_mechanism`; None: not recognised)
+        self.memory_mechanism: str | None = None
         self._next_report = cfg.stats_every
         self._last = (0, 0)
         self._closed = False
