@@ -60,10 +60,15 @@ def online_policy(name: str | Policy | None, decay: int = 0) -> tuple[Policy, in
 
 
 def trap_text(max_num_seqs: int, padded: int, top_k: int, slots: int, safe: int,
-              graphs: str) -> str:
-    """The one wording of the sizing trap (size, serve and the plugin's startup line)."""
-    batch = (f"a full batch of {max_num_seqs} seqs runs as {padded} (CUDA-graph padding, "
-             f"{graphs})" if padded != max_num_seqs else f"a full batch of {max_num_seqs} seqs")
+              graphs: str, spec_tokens: int = 0) -> str:
+    """The one wording of the sizing trap (size, serve and the plugin's startup line).
+    ``spec_tokens``: draft tokens a sequence carries into each verify step (speculative
+    decoding: a decode step is ``max_num_seqs x (1 + k)`` tokens)."""
+    tokens = max_num_seqs * (1 + spec_tokens)
+    seqs = (f"{max_num_seqs} seqs x (1 + {spec_tokens} draft tokens, speculative decoding)"
+            if spec_tokens else f"{max_num_seqs} seqs")
+    batch = (f"a full batch of {seqs} runs as {padded} (CUDA-graph padding, "
+             f"{graphs})" if padded != tokens else f"a full batch of {seqs}")
     return (
         f"sizing trap: {batch} x top_k {top_k} = {padded * top_k} ids > {slots} slots: "
         f"batched decode steps bypass the cache silently; --max-num-seqs {safe} keeps every "

@@ -75,24 +75,31 @@ def padded(n: int, sizes: Sequence[int]) -> int:
     return min(fits) if fits else n
 
 
-def padded_batch(max_num_seqs: int, max_num_batched_tokens: int, g: GraphSettings) -> int:
-    """Tokens of the widest decode step: a full batch of ``max_num_seqs``, padded."""
-    return padded(max_num_seqs, capture_sizes(max_num_seqs, max_num_batched_tokens, g))
+def padded_batch(max_num_seqs: int, max_num_batched_tokens: int, g: GraphSettings,
+                 query_len: int = 1) -> int:
+    """Tokens of the widest decode step: a full batch of ``max_num_seqs``, padded.
+    ``query_len``: tokens a sequence carries in a decode step, ``1 + k`` under speculative
+    decoding with ``k`` draft tokens (the verify step scores them all); vLLM then sizes
+    its capture list for ``max_num_seqs x query_len`` tokens."""
+    tokens = max_num_seqs * max(int(query_len), 1)
+    return padded(tokens, capture_sizes(tokens, max_num_batched_tokens, g))
 
 
 def safe_max_num_seqs(slots: int, top_k: int, max_num_batched_tokens: int,
-                      g: GraphSettings) -> int:
+                      g: GraphSettings, query_len: int = 1) -> int:
     """The largest ``--max-num-seqs`` whose padded full batch stays within the slots.
 
     Monotone in the batch (a smaller batch never pads wider), so checking the full
     batch of each candidate is enough; the capture sizes themselves depend on it.
     """
-    return _largest(slots, top_k, lambda n: padded_batch(n, max_num_batched_tokens, g))
+    return _largest(slots, top_k,
+                    lambda n: padded_batch(n, max_num_batched_tokens, g, query_len))
 
 
-def safe_for_sizes(slots: int, top_k: int, sizes: Sequence[int]) -> int:
+def safe_for_sizes(slots: int, top_k: int, sizes: Sequence[int], query_len: int = 1) -> int:
     """The same, for capture sizes already fixed (the plugin reads vLLM's own)."""
-    return _largest(slots, top_k, lambda n: padded(n, sizes))
+    q = max(int(query_len), 1)
+    return _largest(slots, top_k, lambda n: padded(n * q, sizes))
 
 
 def _largest(slots: int, top_k: int, padded_of: Callable[[int], int]) -> int:

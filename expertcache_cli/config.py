@@ -60,7 +60,9 @@ ENV_VARS: dict[str, str] = {
 #: AUDIT only checks them at shutdown.)
 MEANING = (SLOTS, FRACTION, POLICY, DECAY, DISABLE, STATS, TRACE, WIDE)
 
-#: slots as a fraction of the experts when neither SLOTS nor FRACTION is given
+#: slots as a fraction of the experts when neither SLOTS nor FRACTION is given, for a
+#: `CacheConfig` built in code (benches, tests); the plugin itself arms nothing unless a
+#: budget is asked for (`CacheConfig.asked`)
 DEFAULT_FRACTION = 0.25
 
 #: the values that turn a boolean variable on (any case); launch.make_plan reads them too
@@ -97,6 +99,14 @@ class CacheConfig:
     pdl: bool = True
     #: at shutdown, check the slots against their experts' weights (`Session.audit`)
     audit: bool = False
+
+    @property
+    def asked(self) -> bool:
+        """Whether a budget was asked for (``EXPERT_CACHE_SLOTS`` or ``FRACTION``, which
+        `serve` and `baseline` set). The plugin arms nothing without one: installed into a
+        vLLM environment, it must not cache a model nobody meant it to."""
+        return (self.slots is not None or self.slots_per_layer is not None
+                or self.fraction is not None)
 
     def slots_for(self, num_experts: int, index: int | None = None) -> int:
         """Slots for the ``index``-th MoE layer, of ``num_experts`` experts; ValueError when

@@ -146,7 +146,8 @@ def make_plan(
             narrow = min(per_layer) if per_layer else size.slots
             raise UserError(
                 budget.trap_text(size.max_num_seqs, size.padded_batch, size.top_k, narrow,
-                                 size.safe_max_num_seqs, size.graphs).replace(
+                                 size.safe_max_num_seqs, size.graphs,
+                                 size.speculative_tokens).replace(
                     "keeps every decode step on it",
                     "keeps every decode step on it (pass it after --), or --allow-trap to "
                     "serve anyway")

@@ -188,6 +188,10 @@ class SizePlan:
     aligned: bool
     notes: list[str] = field(default_factory=list)
     wide: str = "in-place"  # what steps wider than the slots do (policy.Wide)
+    #: speculative decoding's draft tokens a sequence carries into each verify step (vLLM's
+    #: ``--speculative-config`` num_speculative_tokens): a full decode step is
+    #: ``max_num_seqs x (1 + k)`` tokens before padding (0: no speculative decoding)
+    speculative_tokens: int = 0
     scratch_bytes: int = 0  # the staged modes' scratch: one layer's experts (0 in place)
     #: decoded tokens a prompt below which the scratch pays for itself (`scratch_break_even`;
     #: None: no scratch, or full batches wider than the slots, which it serves anyway)
@@ -358,6 +362,7 @@ def _plan_for(
     moe_backend: str | None = None,
     kv_cache_memory_bytes: int | None = None,
     narrowest: int | None = None,
+    speculative_tokens: int = 0,
 ) -> SizePlan:
     """Size the cache for ``model_spec`` on a ``vram_gb`` GiB card, the batch as given.
 
@@ -543,17 +548,20 @@ def _plan_for(
         if util_fit is not None and util_fit > gpu_memory_utilization and not forced:
             text += f"; fits outright with --gpu-memory-utilization {util_fit:g}"
 
-    widest = capture.padded_batch(max_num_seqs, max_num_batched_tokens, graphs)
+    # speculative decoding: every sequence of a verify step carries its k draft tokens
+    q = 1 + max(int(speculative_tokens or 0), 0)
+    widest = capture.padded_batch(max_num_seqs, max_num_batched_tokens, graphs, q)
     trap_ids = widest * k
     # the budget a full decode step must fit: the slots, or a per-layer plan's narrowest
     judged = min(planned, narrowest) if narrowest else planned
     # a full batch wider than the slots: staged through the scratch, else the trap
     wide_batch = verdict == "cache" and trap_ids > judged
     trap = wide_batch and not scratch
-    safe = (capture.safe_max_num_seqs(judged, k, max_num_batched_tokens, graphs)
+    safe = (capture.safe_max_num_seqs(judged, k, max_num_batched_tokens, graphs, q)
             if verdict == "cache" else 0)
     if trap:
-        notes.append(rules.trap_text(max_num_seqs, widest, k, judged, safe, graphs.source))
+        notes.append(rules.trap_text(max_num_seqs, widest, k, judged, safe, graphs.source,
+                                     q - 1))
     break_even = None
     if scratch and verdict in ("cache", "offload_no_cache"):
         cost = scratch / per_slot
@@ -605,6 +613,7 @@ def _plan_for(
         offload) else []
 
     return SizePlan(
+        speculative_tokens=q - 1,
         model=model.name,
         quant=model.quant,
         num_experts=E,

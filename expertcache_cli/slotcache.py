@@ -13,8 +13,8 @@ call, because vLLM's offloader moves the expert tensors to host memory after loa
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from . import binding
 from .policy import Policy
@@ -43,7 +43,10 @@ class SlotCache:
         device: torch.device | int | None = None,
         name: str = "",
         wide_inserts: int | None = None,
+        pool: Callable[[], Any] | None = None,
     ) -> None:
+        import contextlib
+
         import torch
 
         self.name = name
@@ -92,10 +95,13 @@ class SlotCache:
         #: device int64 [2]: distinct routed ids seen (requests), experts installed
         self.stats = torch.zeros(2, dtype=torch.int64, device=dev)
         #: name -> [S, *shape] slot buffer on the device; pointers stable for life
-        self.slots: dict[str, torch.Tensor] = {
-            key: torch.zeros((S, *shape), dtype=dtype, device=dev)
-            for key, (shape, dtype) in self.specs.items()
-        }
+        #: (``pool``: the allocation context of vLLM's sleep-mode pool, slots only: the
+        #: state above must survive a sleep that discards them)
+        with pool() if pool is not None else contextlib.nullcontext():
+            self.slots: dict[str, torch.Tensor] = {
+                key: torch.zeros((S, *shape), dtype=dtype, device=dev)
+                for key, (shape, dtype) in self.specs.items()
+            }
 
         kernels = binding.get_kernels(dev.index)
         self.backend = kernels.description

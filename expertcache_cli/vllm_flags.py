@@ -25,7 +25,24 @@ VLLM_PLAN_FLAGS: dict[str, tuple[str, type | str]] = {
     "--quantization": ("vllm_quantization", str),
     "--moe-backend": ("moe_backend", str),
     "--kv-cache-memory-bytes": ("kv_cache_memory_bytes", "bytes"),
+    "--speculative-config": ("speculative_tokens", "spec"),
 }
+
+
+def speculative_tokens(raw: str) -> int:
+    """Draft tokens a sequence carries into each verify step, from vLLM's
+    ``--speculative-config`` JSON (``num_speculative_tokens``; MTP and EAGLE may leave it
+    to the draft model: counted as 1, the least any method proposes)."""
+    import json
+
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise ValueError(raw) from None
+    if not isinstance(value, dict):
+        raise ValueError(raw)
+    n = value.get("num_speculative_tokens")
+    return 1 if n is None else max(int(n), 0)
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -106,11 +123,13 @@ def plan_kwargs_from_vllm_args(args: Sequence[str]) -> dict[str, Any]:
         raw = vllm_flag_value(args, flag)
         if raw is None:
             continue
-        parse = human_readable_bytes if kind == "bytes" else kind
+        parse = (human_readable_bytes if kind == "bytes"
+                 else speculative_tokens if kind == "spec" else kind)
         try:
             out[key] = parse(raw)
         except ValueError:
-            what = "byte count" if kind == "bytes" else kind.__name__
+            what = ("byte count" if kind == "bytes" else "JSON object" if kind == "spec"
+                    else kind.__name__)
             raise UserError(f"vLLM argument {flag} {raw!r} is not a valid {what}") from None
     return out
 

@@ -101,6 +101,20 @@ class RoutedExperts:
         return kwargs
 
 
+class SubstitutedRoutedExperts(RoutedExperts):
+    """vLLM 0.33's MoNE layer (`expert_substitution.SubstitutedRoutedExperts`): weights only
+    for the retained experts, and a ``forward_modular`` that first remaps the logical ids
+    in ``topk_ids`` to physical rows in place (``transform_routes``), then calls the base
+    method."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.expert_substitution = SimpleNamespace(num_logical_experts=160)
+
+    def forward_modular(self, **kwargs: Any) -> Any:  # pragma: no cover - shape only
+        return super().forward_modular(**kwargs)
+
+
 class FakeModel:
     def __init__(self, layers: list[Any]) -> None:
         self.layers = layers

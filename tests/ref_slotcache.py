@@ -16,13 +16,16 @@ class RefSlotCache:
     """`SlotCache`'s contract on the host, driven by the reference rules."""
 
     def __init__(self, num_experts, num_slots, specs, *, policy="lru", decay=0,
-                 wide_inserts=None, **_):
+                 wide_inserts=None, pool=None, **_):
+        import contextlib
+
         self.ref = LayerCache(num_experts, num_slots, Policy.parse(policy), decay)
         self.num_slots = num_slots
         self.wide_inserts = wide_inserts
-        self.slots = {
-            n: torch.zeros((num_slots, *shape), dtype=dt) for n, (shape, dt) in specs.items()
-        }
+        with pool() if pool is not None else contextlib.nullcontext():  # as SlotCache
+            self.slots = {
+                n: torch.zeros((num_slots, *shape), dtype=dt) for n, (shape, dt) in specs.items()
+            }
         self.stats = torch.zeros(2, dtype=torch.int64)
         self.steps = 0
 

@@ -9,6 +9,7 @@ from plugin_standins import (
     FakeModel,
     FakeTensor,
     RoutedExperts,
+    SubstitutedRoutedExperts,
     TritonExperts,
     TrtLlmBf16ExpertsModular,
     UnquantizedFusedMoEMethod,
@@ -201,3 +202,43 @@ def test_find_moe_layers_and_layer_index():
     assert [n for n, _ in found] == [f"model.layers.{i}.mlp.experts" for i in range(4)]
     assert layer_index("model.layers.17.mlp.experts") == 17
     assert layer_index("experts") is None
+
+
+def test_a_layer_class_that_remaps_routing_ids_is_declined_before_any_call():
+    """0.33's SubstitutedRoutedExperts remaps the ids it is handed (logical -> physical):
+    given slot ids it would read the wrong rows, past the slots. Declined at planning,
+    with the class and the hook named; so is a hook replaced on the instance, and an
+    expert_substitution on a layer whose class does not override anything."""
+    cfg = CacheConfig(slots=32)
+    d = plan_layer(SubstitutedRoutedExperts(), cfg)
+    assert d.action == DECLINE
+    assert d.reason.startswith("SubstitutedRoutedExperts overrides forward_modular")
+    plain = RoutedExperts()
+    plain.expert_substitution = SimpleNamespace()
+    assert "substitutes experts" in plan_layer(plain, cfg).reason
+    patched = RoutedExperts()
+    patched.forward_modular = lambda **kw: kw
+    assert "already replaced" in plan_layer(patched, cfg).reason
+    assert plan_layer(RoutedExperts(), cfg).action == ARM
+
+
+def test_speculative_decoding_draft_tokens_count_in_the_trap():
+    """A verify step carries every sequence's draft tokens: with 3 (n-gram, MTP, EAGLE), a
+    full batch of 8 is 32 tokens, padded to vLLM's 32-graph: 32 x top_k 8 = 256 ids. The
+    startup TRAP says so and names the batch that fits (2 seqs x 4 tokens x 8 = 64)."""
+    from expertcache_cli.plugin import speculative_tokens
+
+    d = plan_layer(RoutedExperts(), CacheConfig(slots=80))
+    sizes = [1, 2, 4, 8, 16, 24, 32]
+    plain = summary_line([d], CacheConfig(slots=80), "0.33.0", max_num_seqs=8,
+                         capture_sizes=sizes)
+    assert "TRAP" not in plain  # 8 x 8 = 64 ids fit 80 slots
+    spec = summary_line([d], CacheConfig(slots=80), "0.33.0", max_num_seqs=8,
+                        capture_sizes=sizes, spec_tokens=3)
+    assert ("TRAP: a full batch of 8 seqs x (1 + 3 draft tokens, speculative decoding) x "
+            "top_k 8 = 256 ids > 80 slots") in spec
+    assert "--max-num-seqs 2 keeps every decode step on it" in spec
+    vc = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3))
+    assert speculative_tokens(vc) == 3
+    assert speculative_tokens(SimpleNamespace(speculative_config=None)) == 0
+    assert speculative_tokens(SimpleNamespace()) == 0

@@ -18,6 +18,7 @@ def fresh(monkeypatch):
     for name in list(__import__("os").environ):
         if name.startswith("EXPERT_CACHE_"):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("EXPERT_CACHE_SLOTS", "4")  # asked for (the plugin is opt-in)
     before = list(sys.meta_path)
     yield monkeypatch
     sys.meta_path[:] = before
@@ -221,9 +222,11 @@ def test_reloaded_or_woken_weights_empty_the_slots(fresh):
     w.reload_weights()  # before arming: no session, nothing to empty
     w.load_model()
     w.reload_weights("ckpt")
+    w.wake_up(tags=["kv_cache"])  # the weights still asleep: nothing to empty yet
     w.wake_up(tags=["weights"])
     assert seen == ["reload -> vLLM reloaded the weights",
-                    "wake:['weights'] -> vLLM woke from sleep (weights may have been reloaded)"]
+                    "wake:['weights'] -> vLLM woke its weights from sleep (discarded at "
+                    "level 2, maybe replaced)"]
     assert worker_cls.wake_up.__name__ == "wake_up"
 
 
@@ -245,3 +248,32 @@ def test_a_v2_runner_that_will_not_offload_is_named_before_the_load(fresh, caplo
     assert w.calls == ["load"]
     assert "vLLM 0.26.0's V2 model runner never installs the CPU offloader" in caplog.text
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in caplog.text
+
+
+def test_installed_but_not_asked_arms_nothing_and_says_so_once(fresh, caplog):
+    """Opt-in: without EXPERT_CACHE_SLOTS or EXPERT_CACHE_FRACTION (what `expertcache serve`
+    and `baseline` set) the plugin leaves vLLM alone, says so once in the process, and
+    does not wrap the worker; a budget asked for arms as before."""
+    fresh.delenv("EXPERT_CACHE_SLOTS")
+    _fake_vllm(fresh, "0.33.0")
+    worker_cls = _fake_worker_module(fresh)
+    with caplog.at_level("INFO", logger="vllm.expertcache"):
+        plugin.register()
+        plugin.register()
+    assert not getattr(worker_cls, "_expertcache_patched", False)
+    assert caplog.text.count("installed but not asked for") == 1
+    assert "EXPERT_CACHE_SLOTS or EXPERT_CACHE_FRACTION" in caplog.text
+    fresh.setattr(plugin, "_registered", False)
+    fresh.setenv("EXPERT_CACHE_FRACTION", "0.3")
+    plugin.register()
+    assert worker_cls._expertcache_patched
+
+
+def test_serve_and_baseline_environments_ask_for_the_cache():
+    """The launchers' environments read back as asked (they always name a budget)."""
+    from expertcache_cli.config import CacheConfig, from_env
+
+    assert from_env(CacheConfig(slots=48).to_env()).asked
+    assert from_env(CacheConfig(slots_per_layer=(4, 5)).to_env()).asked
+    assert from_env(CacheConfig(fraction=0.3).to_env()).asked
+    assert not from_env({}).asked

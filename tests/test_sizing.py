@@ -655,3 +655,21 @@ def test_the_vllm_command_is_one_line_at_80_columns_and_in_a_pipe():
     want = "  vllm serve MODEL " + " ".join(p.vllm_args())
     assert len(want) > 80 and want in r.stdout.splitlines()
     assert r.stdout.splitlines()[-2:] == ["vLLM:", want]
+
+
+def test_size_counts_speculative_draft_tokens_in_the_trap():
+    """`size -- --speculative-config '{"num_speculative_tokens": 3}'`: a decode step of 8
+    seqs carries 8 x (1 + 3) = 32 tokens; the trap and the safe batch count them."""
+    from expertcache_cli import sizing, vllm_flags
+
+    kw = vllm_flags.plan_kwargs_from_vllm_args(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+         "--max-num-seqs", "8"])
+    assert kw["speculative_tokens"] == 3 and kw["max_num_seqs"] == 8
+    plain = sizing.plan(None, 24, max_num_seqs=8)
+    spec = sizing.plan(None, 24, **kw)
+    assert not plain.trap and plain.padded_batch == 8
+    assert spec.trap and spec.padded_batch == 32 and spec.trap_ids == 32 * spec.top_k
+    assert spec.speculative_tokens == 3 and spec.safe_max_num_seqs * 4 * 8 <= spec.slots
+    assert any("8 seqs x (1 + 3 draft tokens" in n for n in spec.notes)
+    assert vllm_flags.speculative_tokens('{"method": "mtp"}') == 1  # left to the model

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ..config import CacheConfig, ConfigError, from_env
+from ..config import FRACTION, SLOTS, CacheConfig, ConfigError, from_env
 from ..vllm_runner import runner_ignores_offload
 from . import memory
 from .compat import layout_refusal, version_refusal
@@ -36,6 +36,21 @@ log = logging.getLogger("vllm.expertcache")
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 #: Where vLLM's engine-core process runs its loop (the final counters are logged as it ends).
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+
+#: `Worker` methods after which the experts' bytes may differ from what the slots hold
+#: (read in vLLM 0.26.0's and 0.33.0's gpu_worker.py): every slot is emptied after each.
+#: The weight-transfer API (start/update/finish_weight_update, what RL trainers call)
+#: bypasses ``reload_weights``: chunks land in place between start and finish (a
+#: layerwise reload keeps the layer's tensors on the meta device until its last chunk),
+#: so the slots are emptied once the update is finished, before any step can run.
+#: ``reset_weights`` (0.33) zeroes the weights in place. ``wake_up`` is handled apart
+#: (`_wakes_weights`).
+WEIGHT_CHANGES: tuple[tuple[str, str], ...] = (
+    ("reload_weights", "vLLM reloaded the weights"),
+    ("finish_weight_update", "vLLM finished a weight update (weight transfer)"),
+    ("reset_weights", "vLLM reset the weights"),
+)
+WAKE_WHY = "vLLM woke its weights from sleep (discarded at level 2, maybe replaced)"
 
 _registered = False
 _config: CacheConfig | None = None
@@ -114,6 +129,11 @@ def register() -> None:
     _config = cfg
     if cfg.disabled:
         log.warning("expertcache: EXPERT_CACHE_DISABLE=1: no layer will be armed (stock path)")
+        return
+    if not cfg.asked:  # opt-in: installed is not asked
+        log.info("expertcache: installed but not asked for (no %s or %s, which `expertcache "
+                 "serve` sets): nothing is armed, vLLM serves on its stock path", SLOTS,
+                 FRACTION)
         return
     try:
         import vllm
@@ -199,11 +219,13 @@ def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
         return orig_shutdown(self, *args, **kwargs)
 
     pairs = [(load_model, orig_load), (execute_model, orig_exec), (shutdown, orig_shutdown)]
-    for name, why in (("reload_weights", "vLLM reloaded the weights"),
-                      ("wake_up", "vLLM woke from sleep (weights may have been reloaded)")):
+    for name, why in WEIGHT_CHANGES:
         orig_fn = getattr(worker_cls, name, None)
         if callable(orig_fn):
             pairs.append((_invalidating(orig_fn, why), orig_fn))
+    orig_wake = getattr(worker_cls, "wake_up", None)
+    if callable(orig_wake):
+        pairs.append((_invalidating(orig_wake, WAKE_WHY, _wakes_weights), orig_wake))
     orig_memory = getattr(worker_cls, "determine_available_memory", None)
     if callable(orig_memory):
 
@@ -245,30 +267,48 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
     try:
         vc = worker.vllm_config
         model = worker.model_runner.get_model()
+        pool, sleep_refusal = memory.sleep_pool(worker)
+        mechanism = memory.plan_mechanism()
         session = arm_model(
             model, cfg, version,
             max_num_seqs=getattr(vc.scheduler_config, "max_num_seqs", None),
             model_name=str(getattr(vc.model_config, "model", "")) or None,
             capture_sizes=_capture_sizes(vc),
-            refusal=memory.accounting_refusal(worker),
+            spec_tokens=speculative_tokens(vc),
+            refusal=(sleep_refusal or pipeline_refusal(cfg, vc)
+                     or memory.accounting_refusal(worker, mechanism)),
             padding=_padding_reader(worker),
+            pool=pool,
         )
     except Exception as exc:
         log.exception("expertcache: arming failed (%s); serving on the stock path", exc)
         return None
-    if session.armed:  # (refused accounting declined every layer: nothing to count)
+    session.memory_mechanism = mechanism
+    if session.armed and mechanism != memory.MEASURED:
+        # (0.26, or not recognised: where model_memory_usage is not read, adding is inert;
+        # refused accounting declined every layer: nothing to count)
         session.weights_bytes = memory.count_as_weights(worker, session.cache_bytes)
     register_session(session)
     return session
 
 
-def _invalidating(orig: Callable[..., Any], why: str) -> Callable[..., Any]:
-    """``orig``, then every slot of the worker's session emptied: the weights changed."""
+def _wakes_weights(*args: Any, **kwargs: Any) -> bool:
+    """Whether ``Worker.wake_up(tags)`` brings the weights back: ``tags`` None (all) or
+    naming "weights". A wake of the KV cache alone leaves the weights (and the slots,
+    which sleep with them: `memory.sleep_pool`) unmapped; touching them then would fault."""
+    tags = kwargs.get("tags", args[0] if args else None)
+    return tags is None or "weights" in tags
+
+
+def _invalidating(orig: Callable[..., Any], why: str,
+                  when: Callable[..., bool] | None = None) -> Callable[..., Any]:
+    """``orig``, then every slot of the worker's session emptied: the weights changed
+    (``when(*args, **kwargs)``: only for the calls it says)."""
 
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, *args, **kwargs)
         session = getattr(self, "_expertcache_session", None)
-        if session is not None:
+        if session is not None and (when is None or when(*args, **kwargs)):
             session.invalidate(why)
         return out
 
@@ -287,6 +327,31 @@ def _padding_reader(worker: Any) -> Any:
         return padding.mask_reader(count, max_tokens)
     log.debug("expertcache: padding rows from vLLM's V2 marks only (%s)", why)
     return padding.mask_reader()
+
+
+def pipeline_refusal(cfg: CacheConfig, vc: Any) -> str | None:
+    """Why a per-layer plan cannot be armed on a pipeline stage, or None. The budgets
+    (``EXPERT_CACHE_SLOTS=S1,S2,...``) are one per MoE layer of the whole model; a stage
+    holds some of them and cannot tell which MoE layers (dense layers interleave) the other
+    stages hold, so indexing by its own layers would give each layer another's budget."""
+    pp = int(getattr(getattr(vc, "parallel_config", None), "pipeline_parallel_size", 1) or 1)
+    if pp <= 1 or cfg.slots_per_layer is None:
+        return None
+    return (f"pipeline parallel ({pp} stages) with a per-layer plan (EXPERT_CACHE_SLOTS lists "
+            f"{len(cfg.slots_per_layer)} budgets for the whole model): a stage cannot tell "
+            "which budgets are its own; give one budget for every layer "
+            "(EXPERT_CACHE_SLOTS=S or EXPERT_CACHE_FRACTION) or serve without pipeline "
+            "parallel")
+
+
+def speculative_tokens(vc: Any) -> int:
+    """Draft tokens each sequence carries into a verify step (vLLM's speculative config,
+    ``num_speculative_tokens``, 0.26 and 0.33; 0 without speculative decoding): a decode
+    step is then ``max_num_seqs x (1 + k)`` tokens, which the TRAP and the decode-width
+    counter must count."""
+    spec = getattr(vc, "speculative_config", None)
+    n = getattr(spec, "num_speculative_tokens", None) if spec is not None else None
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
 def _capture_sizes(vc: Any) -> list[int]:
@@ -309,7 +374,9 @@ def _log_memory_plan(worker: Any, session: Any, kv_bytes: Any) -> None:
         kv = getattr(worker, "available_kv_cache_memory_bytes", None)
     cold = memory.cold_compile_note(memory.compiled_here()) if not explicit else ""
     log.info("%s%s", memory.kv_line(session.slot_bytes, session.weights_bytes, kv,
-                                    bool(explicit), session.scratch_bytes), cold)
+                                    bool(explicit), session.scratch_bytes,
+                                    getattr(session, "memory_mechanism", memory.WEIGHTS)),
+             cold)
     if kv is None or explicit:
         return
     try:

@@ -161,6 +161,39 @@ def describe_dtype(dtype: Any) -> str:
     return text.removeprefix("torch.")
 
 
+#: the methods through which routing ids reach the experts; a subclass of vLLM's
+#: `RoutedExperts` that overrides one sees the ids the plugin hands the stock method
+ROUTING_HOOKS = ("forward_modular",)
+
+
+def routing_override(layer: Any) -> str | None:
+    """Why a layer whose class changes how routing ids reach its experts cannot be armed,
+    or None. vLLM 0.33's `SubstitutedRoutedExperts` (MoNE checkpoints) overrides
+    ``forward_modular`` to remap logical ids to physical rows in place: under the plugin
+    it would remap slot ids (wrong experts, and an index past the slots). Any subclass
+    between the layer's class and `RoutedExperts` that defines a routing hook, an
+    ``expert_substitution`` on the layer, or a hook already replaced on the instance, is
+    declined before any call."""
+    mro = type(layer).__mro__
+    base = next((i for i, c in enumerate(mro) if c.__name__ == "RoutedExperts"), None)
+    for cls in mro[:base] if base is not None else ():
+        for hook in ROUTING_HOOKS:
+            if hook in vars(cls):
+                return (f"{cls.__name__} overrides {hook}, which changes how routing ids "
+                        "reach the experts (the cache would hand it slot ids): served on "
+                        "the stock path")
+    if getattr(layer, "expert_substitution", None) is not None:
+        return ("the layer substitutes experts (expert_substitution: logical ids remapped "
+                "to physical rows), which the cache's slot ids would bypass: served on the "
+                "stock path")
+    own = getattr(layer, "__dict__", {})
+    for hook in ROUTING_HOOKS:
+        if hook in own:
+            return (f"{hook} is already replaced on this layer (another plugin?): served on "
+                    "the stock path")
+    return None
+
+
 def plan_layer(layer: Any, cfg: CacheConfig, name: str | None = None,
                index: int | None = None) -> Decision:
     """Decide for one vLLM `RoutedExperts` (or stand-in), the ``index``-th MoE layer of the
@@ -183,6 +216,9 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
 
     if num_experts <= 0:
         return decline("no expert count on the layer (unknown layout)")
+    override = routing_override(layer)
+    if override:
+        return decline(override)
     moe_config = getattr(layer, "moe_config", None)
     parallel = getattr(moe_config, "moe_parallel_config", None)
     if getattr(layer, "expert_map", None) is not None or getattr(parallel, "use_ep", False):
@@ -312,6 +348,7 @@ def summary_line(
     decisions: list[Decision], cfg: CacheConfig, vllm_version: str, max_num_seqs: int | None = None,
     capture_sizes: list[int] | None = None,
     scratch_bytes: int = 0,
+    spec_tokens: int = 0,
 ) -> str:
     """The one startup line: what is armed, on how many layers, budget, policy, tensors.
 
@@ -364,13 +401,14 @@ def summary_line(
 
         sizes = list(capture_sizes or [])
         k, slots = first.top_k, min(counts)  # the narrowest layer reads through first
-        widest = padded(max_num_seqs, sizes)
+        # speculative decoding: each sequence's verify step carries its draft tokens
+        widest = padded(max_num_seqs * (1 + spec_tokens), sizes)
         if widest * k > slots and staged:
             parts.append(f"full batches ({widest} x {k} ids > {slots} slots) are staged "
                          "through the scratch")
         elif widest * k > slots:
-            safe = safe_for_sizes(slots, k, sizes)
+            safe = safe_for_sizes(slots, k, sizes, 1 + spec_tokens)
             parts.append("TRAP: " + trap_text(max_num_seqs, widest, k, slots, safe,
-                                              "vLLM's capture sizes").removeprefix(
+                                              "vLLM's capture sizes", spec_tokens).removeprefix(
                                                   "sizing trap: "))
     return head + "; ".join(parts)

@@ -1,8 +1,18 @@
-"""Slot memory in vLLM's memory plan: the slots are weights, so the KV cache shrinks.
+"""Slot memory in vLLM's memory plan: the KV cache must shrink by the slots' bytes.
 
-Why this exists: vLLM sizes its KV cache as ``requested - non-KV`` where the non-KV part
-is the weights it measured while loading (``model_runner.model_memory_usage``) plus what
-its profile run adds on top of a snapshot taken *after* loading. The plugin allocates
+How vLLM sizes its KV cache differs by release (`plan_mechanism` reads which, from
+``vllm.utils.mem_utils.memory_profiling``):
+
+- vLLM 0.26 (`WEIGHTS`): ``requested - non-KV`` where the non-KV part is the weights it
+  measured while loading (``model_runner.model_memory_usage``) plus what its profile run
+  adds (torch's peak increase, the non-torch increase) on top of a snapshot taken
+  *after* loading: memory allocated between the two is seen by neither. Handled below.
+- vLLM 0.33 (`MEASURED`): the non-KV part is the drop in free device memory
+  (``mem_get_info``) since before the engine started, plus the profile's transient peak;
+  ``model_memory_usage`` is passed along but no longer read. The slots, allocated before
+  the profile, are in that drop: vLLM counts them itself, and nothing is added.
+
+The 0.26 story: The plugin allocates
 the slot buffers right after ``Worker.load_model`` returns, between those two
 measurements, so neither sees them: at ``--gpu-memory-utilization 0.3`` on the H200 the
 KV cache took the same 41 GiB with 8.4 GiB of slots as without, the server overshot its
@@ -38,9 +48,78 @@ GiB = 1024**3
 #: the model runner attribute vLLM's KV sizing reads as the weights' bytes
 WEIGHTS_ATTR = "model_memory_usage"
 
+#: how vLLM sizes its KV cache (`plan_mechanism`): the weights attribute plus the
+#: profile's increase (0.26), or the free-memory drop it measures (0.33)
+WEIGHTS, MEASURED = "weights", "measured"
 
-def accounting_refusal(worker: Any) -> str | None:
-    """Why slot memory could not enter this worker's memory plan, or None."""
+
+def plan_mechanism(profiling: Any = None) -> str | None:
+    """`WEIGHTS` or `MEASURED`: what vLLM's ``memory_profiling`` (or ``profiling``, a
+    function with its source) computes the non-KV memory from; None when neither is
+    recognised (or vLLM is not importable)."""
+    import inspect
+
+    try:
+        if profiling is None:
+            from vllm.utils.mem_utils import memory_profiling as profiling
+        src = "".join(inspect.getsource(profiling).split())
+    except Exception:
+        return None
+    if "non_kv_cache_memory=result.total_consumed" in src:
+        return MEASURED
+    if "non_kv_cache_memory=(" in src and "result.weights_memory)" in src:
+        return WEIGHTS
+    return None
+
+
+#: the tag of vLLM's sleep-mode pool the slots and the wide-step scratch are allocated
+#: under: the weights' own, so they sleep, wake and are discarded exactly as the weights
+SLEEP_TAG = "weights"
+
+
+def sleep_pool(worker: Any) -> tuple[Any, str | None]:
+    """Where the slots and the scratch are allocated under vLLM's sleep mode: (a
+    zero-argument callable returning the allocation context, or None; why the cache
+    cannot be armed, or None).
+
+    Sleep mode (``--enable-sleep-mode``, vLLM 0.26 and 0.33) allocates the weights inside
+    ``CuMemAllocator.use_memory_pool(tag="weights")`` and ``sleep()`` frees that pool
+    (level 1 backs it up to host memory, level 2 discards it); the plugin allocates
+    after the load, outside it, so ``sleep()`` would keep every slot. Allocated under the
+    same tag, the slots and the scratch sleep and wake with the weights at the same
+    virtual addresses (captured CUDA graphs stay valid); after a wake of the weights the
+    slots are emptied (`Worker.wake_up` hook), since a level-2 sleep left them garbage.
+    The cache's small state (table, counters) stays outside: it survives any sleep.
+    Another sleep backend (0.33's ``--sleep-mode-backend``) is refused: what it frees is
+    not known."""
+    mc = getattr(getattr(worker, "vllm_config", None), "model_config", None)
+    if not getattr(mc, "enable_sleep_mode", False):
+        return None, None
+    backend = getattr(mc, "sleep_mode_backend", "cumem") or "cumem"
+    if backend != "cumem":
+        return None, (f"sleep mode with the {backend!r} backend: the slots cannot be put in "
+                      "what it frees, so sleep() would keep them in VRAM; serve with "
+                      "--sleep-mode-backend cumem or without --enable-sleep-mode")
+    try:
+        from vllm.device_allocator import get_mem_allocator_instance
+
+        use = get_mem_allocator_instance().use_memory_pool
+    except Exception as exc:
+        return None, (f"sleep mode: vLLM's sleep-mode allocator is not reachable "
+                      f"({exc.__class__.__name__}: {exc}), so sleep() would keep the slots "
+                      "in VRAM; serve without --enable-sleep-mode")
+
+    def pool() -> Any:
+        return use(tag=SLEEP_TAG)
+
+    return pool, None
+
+
+def accounting_refusal(worker: Any, mechanism: str | None = WEIGHTS) -> str | None:
+    """Why slot memory could not enter this worker's memory plan, or None (`MEASURED`:
+    vLLM measures it; nothing to add, nothing to refuse)."""
+    if mechanism == MEASURED:
+        return None
     runner = getattr(worker, "model_runner", None)
     if runner is None:
         return "the vLLM worker has no model_runner (unknown layout)"
@@ -70,14 +149,19 @@ def explicit_kv_bytes(worker: Any) -> int | None:
 
 
 def kv_line(slot_bytes: int, weights_bytes: int, kv_bytes: int | None, explicit: bool,
-            scratch_bytes: int = 0) -> str:
+            scratch_bytes: int = 0, mechanism: str | None = WEIGHTS) -> str:
     """The memory line after vLLM sized its KV cache: slots (and the wide-step scratch),
-    weights, and the KV it chose."""
+    how they entered vLLM's plan (``mechanism``), and the KV it chose."""
     what = f"{slot_bytes / GiB:.2f} GiB of slots"
     if scratch_bytes:
         what += f" and {scratch_bytes / GiB:.2f} GiB of wide-step scratch"
-    head = (f"expertcache: memory plan: {what} counted as weights "
-            f"({weights_bytes / GiB:.2f} GiB in all)")
+    if mechanism == MEASURED:
+        head = (f"expertcache: memory plan: {what} allocated before vLLM's memory profile, "
+                "which counts them (this vLLM sizes its KV cache from the free device memory "
+                "it measures)")
+    else:
+        head = (f"expertcache: memory plan: {what} counted as weights "
+                f"({weights_bytes / GiB:.2f} GiB in all)")
     if kv_bytes is None:
         return head + "; vLLM reported no KV cache size"
     if explicit:

@@ -435,12 +435,32 @@ class ArmedLayer:
         return audit_slots(self.cache.table, self.cache.slot_expert, slots, sources)
 
     def reset(self) -> None:
-        """The experts behind the slots changed (vLLM reloaded weights): empty the slots,
-        and rebuild the packed side row from the new tensors."""
+        """The experts behind the slots changed (a reload, a weight transfer, a wake from
+        sleep): empty the slots, rebuild the packed side row from the new tensors, rebuild
+        the slot-bound (and scratch-bound) quant configs (a reload reruns the quant
+        method's ``process_weights_after_loading``, which may build a new kernel and
+        config), and check each path again at its next eager call. Raises `ArmError`
+        where the quant method no longer builds a config on the slots: the caller puts the
+        layer back on the stock path."""
         self.cache.reset()
         if self.small is not None:
             params = self.layer._parameters
             self.small.refresh({n: params[n] for n in self.small_names})
+        if self._failed:
+            return
+        self.slot_quant_config = self._build_quant_config(self.slot_params, "slot buffers")
+        if self.scratch is not None:
+            self.scratch_quant_config = self._build_quant_config(self.scratch_params,
+                                                                 "the scratch")
+        self.checked = {"slots": None, "scratch": None}
+        self._check_attempts = {"slots": CHECK_ATTEMPTS, "scratch": CHECK_ATTEMPTS}
+
+    def disarm(self, why: str) -> None:
+        """Put the layer back on the stock path for good, saying why (not in a call)."""
+        self._failed = True
+        log.error("expertcache: %s: %s; layer back on the stock path",
+                  self.decision.layer_name, why)
+        self.uninstall()
 
     def _sources(self) -> dict[str, Any]:
         """The gathered tensors as the layer holds them now (host copies, read fresh: vLLM's

@@ -14,6 +14,7 @@ serving never stalls for it; only the final report at shutdown, the trace's drai
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -57,6 +58,8 @@ class Session:
         self.layer_steps = 0
         #: the weight bytes vLLM plans around once the slots were added (`memory`)
         self.weights_bytes = 0
+        #: how this vLLM sizes its KV cache (`memory.plan_mechanism`; None: not recognised)
+        self.memory_mechanism: str | None = None
         self._next_report = cfg.stats_every
         self._last = (0, 0)
         self._closed = False
@@ -169,12 +172,20 @@ class Session:
 
     def invalidate(self, why: str) -> None:
         """The experts behind the slots changed: empty every layer's slots (they refill
-        from the new weights on the next steps)."""
+        from the new weights on the next steps). A layer that cannot be reset (its quant
+        method no longer builds a config on the slots) goes back to the stock path: never
+        a slot kept from the old weights."""
+        emptied = 0
         for a in self.armed:
-            a.reset()
+            try:
+                a.reset()
+                emptied += 1
+            except Exception as exc:
+                a.disarm(f"resetting its slots after new weights failed "
+                         f"({exc.__class__.__name__}: {exc})")
         if self.armed:
             log.warning("expertcache: %s: the slots of %d layer(s) emptied; they refill from "
-                        "the new expert weights", why, len(self.armed))
+                        "the new expert weights", why, emptied)
 
     def after_step(self) -> None:
         """Once per engine step (host side): periodic stats and trace draining. Neither may
@@ -285,12 +296,17 @@ def _vllm_ranks() -> dict[str, int]:
 def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
               max_num_seqs: int | None = None, model_name: str | None = None,
               capture_sizes: list[int] | None = None, refusal: str | None = None,
-              padding: Callable[[int], Any] | None = None) -> Session:
+              padding: Callable[[int], Any] | None = None,
+              pool: Callable[[], Any] | None = None, spec_tokens: int = 0) -> Session:
     """Plan, build and install the caches of one loaded model; never raises.
 
     ``refusal``: why no slot could be accounted for in vLLM's memory plan (`memory`);
     every layer that would be armed is declined with it, before anything is allocated.
     ``padding``: how the armed layers read a step's padded rows (`padding.mask_reader`).
+    ``spec_tokens``: speculative decoding's draft tokens per sequence (a decode step
+    carries ``max_num_seqs x (1 + spec_tokens)`` tokens).
+    ``pool``: the allocation context of vLLM's sleep-mode pool (`memory.sleep_pool`): the
+    slot buffers and the scratch are allocated inside it, so they sleep with the weights.
     """
     from ..capture import padded
 
@@ -307,14 +323,15 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     for d in decisions:
         if marlin_refusal and d.armed and d.marlin:
             d.action, d.reason = DECLINE, marlin_refusal
-    decode_tokens = padded(max_num_seqs, capture_sizes or []) if max_num_seqs else None
+    decode_tokens = (padded(max_num_seqs * (1 + spec_tokens), capture_sizes or [])
+                     if max_num_seqs else None)
     armed: list[ArmedLayer] = []
     scratches: dict[tuple, Any] = {}
     for decision, module in ((d, m) for d, (_, m) in zip(decisions, layers) if d.action == ARM):
         try:
-            scratch = _scratch_for(module, decision, cfg, scratches)
+            scratch = _scratch_for(module, decision, cfg, scratches, pool)
             armed.append(_arm_one(module, decision, cfg, len(armed), decode_tokens, scratch,
-                                  padding))
+                                  padding, pool))
         except Exception as exc:
             decision.action = DECLINE
             decision.reason = f"arming failed: {exc.__class__.__name__}: {exc}"
@@ -333,12 +350,12 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
             log.warning("expertcache: %s not armed: %s", d.layer_name, d.reason)
     session = Session(cfg, decisions, armed, recorder)
     log.info("%s", summary_line(decisions, cfg, vllm_version, max_num_seqs, capture_sizes,
-                                session.scratch_bytes))
+                                session.scratch_bytes, spec_tokens))
     return session
 
 
 def _scratch_for(module: Any, decision: Decision, cfg: CacheConfig,
-                 scratches: dict[tuple, Any]) -> Any:
+                 scratches: dict[tuple, Any], pool: Callable[[], Any] | None = None) -> Any:
     """The wide-step scratch this layer shares with the layers shaped like it (None in
     place). One is built per shape: layers run one after another on one stream."""
     from ..policy import Wide
@@ -350,9 +367,10 @@ def _scratch_for(module: Any, decision: Decision, cfg: CacheConfig,
     specs = {s.name: (s.shape, s.dtype) for s in decision.specs}
     key = scratch_key(decision.num_experts, specs)
     if key not in scratches:
-        # on the device of the layer's experts, as its SlotCache
-        scratches[key] = Scratch(decision.num_experts, specs,
-                                 module._parameters[decision.specs[0].name].device)
+        # on the device of the layer's experts, as its SlotCache (in the sleep pool)
+        with pool() if pool is not None else contextlib.nullcontext():
+            scratches[key] = Scratch(decision.num_experts, specs,
+                                     module._parameters[decision.specs[0].name].device)
     return scratches[key]
 
 
@@ -432,7 +450,8 @@ def _with_trace(cfg: CacheConfig, path: str) -> CacheConfig:
 
 def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
              decode_tokens: int | None = None, scratch: Any | None = None,
-             padding: Callable[[int], Any] | None = None) -> ArmedLayer:
+             padding: Callable[[int], Any] | None = None,
+             pool: Callable[[], Any] | None = None) -> ArmedLayer:
     from ..policy import Wide
     from ..slotcache import SlotCache
 
@@ -464,6 +483,7 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
         device=device,
         name=decision.layer_name,
         wide_inserts=wide_inserts,
+        pool=pool,
     )
     armed = ArmedLayer(module, decision, cache, index=index, decode_tokens=decode_tokens,
                        scratch=scratch, padding=padding, small=small,
