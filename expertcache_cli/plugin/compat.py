@@ -128,3 +128,15 @@ def layout_refusal(routed_experts_cls: Any, kernel_cls: Any | None = None) -> st
     ):
         return "FusedMoEKernel.fused_experts is not a property (unknown kernel layout)"
     return None
+
+
+def wrap_once(module: Any, name: str, wrap: Any) -> bool:
+    """Replace ``module.name`` by ``wrap(original)``, once: a function already wrapped
+    (its ``__wrapped__`` set) is left as it is, since plugins run more than once a
+    process. False when ``module`` has no callable of that name (an unknown layout)."""
+    orig = getattr(module, name, None)
+    if not callable(orig):
+        return False
+    if getattr(orig, "__wrapped__", None) is None:
+        setattr(module, name, wrap(orig))
+    return True

@@ -36,6 +36,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .compat import wrap_once
+
 #: the experts class this module handles, by name (as `compat.KNOWN_EXPERTS`)
 MARLIN_EXPERTS = "MarlinExperts"
 #: module whose ``moe_align_block_size`` `fused_marlin_moe` calls by name (0.26 and 0.33)
@@ -107,12 +109,7 @@ def expert_order_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def patch_block_order(module: Any) -> bool:
     """Install `expert_order_blocks` in ``module`` once; False when it has no such name."""
-    orig = getattr(module, "moe_align_block_size", None)
-    if not callable(orig):
-        return False
-    if getattr(orig, "__wrapped__", None) is None:
-        module.moe_align_block_size = expert_order_blocks(orig)
-    return True
+    return wrap_once(module, "moe_align_block_size", expert_order_blocks)
 
 
 class BlockOrder:

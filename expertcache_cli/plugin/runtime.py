@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .arming import Decision, is_empty
+from .compat import wrap_once
 from .padding import capturing as _capturing
 from .padding import mask_reader
 from .small import SMALL_ROW
@@ -182,12 +183,7 @@ def full_expert_tiles(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def patch_tile_lookup(module: Any) -> bool:
     """Install `full_expert_tiles` on ``module`` once; False when it has no such lookup."""
-    orig = getattr(module, "try_get_optimal_moe_config", None)
-    if not callable(orig):
-        return False
-    if getattr(orig, "__wrapped__", None) is None:
-        module.try_get_optimal_moe_config = full_expert_tiles(orig)
-    return True
+    return wrap_once(module, "try_get_optimal_moe_config", full_expert_tiles)
 
 
 class ArmError(RuntimeError):
