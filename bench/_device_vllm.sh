@@ -113,7 +113,7 @@ device_vllm_setup() {
       return 1
     fi
   fi
-  if ! python3 -c "from expertcache_cli.launch import plugin_installed as p; \
+  if ! python3 -c "from expertcache_cli.planning.launch import plugin_installed as p; \
 exit(not p())" 2>/dev/null; then
     python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || rc=2
   fi

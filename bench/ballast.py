@@ -77,7 +77,7 @@ def hold(leave_gib: float, device: int, ready: Path) -> None:
 
 def flags(card_gib: float, total_gib: float) -> list[str]:
     """vLLM flags that budget as a ``card_gib`` card would, on a GPU of ``total_gib``."""
-    from expertcache_cli import sizing
+    from expertcache_cli.sizing import sizing
 
     p = sizing.plan(None, card_gib, max_model_len=1024, device_total_gib=total_gib)
     args = p.vllm_args()
@@ -176,7 +176,7 @@ def main() -> int:
     elif a.cmd == "stop":
         print(stop())
     else:
-        from expertcache_cli.gpu_info import device_total_gib
+        from expertcache_cli.device.gpu_info import device_total_gib
 
         total = a.total or device_total_gib()
         if total is None:

@@ -56,12 +56,12 @@ def main() -> None:
 
     import torch
 
-    from expertcache_cli import binding
     from expertcache_cli.config import CacheConfig
+    from expertcache_cli.device import binding
+    from expertcache_cli.device.slotcache import SlotCache
     from expertcache_cli.plugin.arming import ARM, plan_layer
     from expertcache_cli.plugin.padding import mask_reader
     from expertcache_cli.plugin.runtime import ArmedLayer
-    from expertcache_cli.slotcache import SlotCache
 
     header(torch, "bench_armed_layer: the plugin's per-layer path around the cache step")
     L, E, S, K = args.layers, args.experts, args.slots, args.top_k
@@ -213,13 +213,13 @@ def marlin_layers(torch, args, token_count, x, w, ids):
     import types
 
     from expertcache_cli.config import CacheConfig
+    from expertcache_cli.device.slotcache import SlotCache
     from expertcache_cli.plugin import session
     from expertcache_cli.plugin.arming import ARM, plan_layer
     from expertcache_cli.plugin.marlin import BlockOrder
     from expertcache_cli.plugin.padding import mask_reader
     from expertcache_cli.plugin.runtime import ArmedLayer
     from expertcache_cli.plugin.small import SMALL_ROW
-    from expertcache_cli.slotcache import SlotCache
 
     L, E, S, K = args.layers, args.experts, args.slots, args.top_k
     blocks = ids.numel()

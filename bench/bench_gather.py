@@ -29,7 +29,7 @@ def main() -> None:
 
     import torch
 
-    from expertcache_cli import binding
+    from expertcache_cli.device import binding
 
     header(torch, "bench_gather: host->slot gather vs copy engine vs contiguous SM read")
     base = Baselines(torch)

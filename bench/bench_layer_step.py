@@ -39,8 +39,8 @@ def main() -> None:
 
     import torch
 
-    from expertcache_cli import binding
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device import binding
+    from expertcache_cli.device.slotcache import SlotCache
 
     header(torch, "bench_layer_step: per-layer manager + no-miss gather + remap, CUDA graph")
     L, E, S, W = args.layers, args.experts, args.slots, args.ids

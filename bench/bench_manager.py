@@ -24,8 +24,8 @@ def main() -> None:
 
     import torch
 
-    from expertcache_cli import binding
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device import binding
+    from expertcache_cli.device.slotcache import SlotCache
 
     header(torch, "bench_manager: manager kernel, us per call (CUDA graph replay)")
     base = Baselines(torch)

@@ -27,9 +27,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from expertcache_cli import trace as trace_io  # noqa: E402
-from expertcache_cli.policy import Policy, replay_layer_reference  # noqa: E402
-from expertcache_cli.synth import SynthSpec, synthesize  # noqa: E402
+from expertcache_cli.rules import trace as trace_io  # noqa: E402
+from expertcache_cli.rules.policy import Policy, replay_layer_reference  # noqa: E402
+from expertcache_cli.rules.synth import SynthSpec, synthesize  # noqa: E402
 
 POLICIES = ["lru", "lfu", "opt"]
 SLOTS = [8, 16, 24, 32]
@@ -37,8 +37,8 @@ SLOTS = [8, 16, 24, 32]
 SWEEP = """
 import sys, time
 t0 = time.perf_counter()
-from expertcache_cli import engine, trace
-from expertcache_cli.policy import Policy
+from expertcache_cli.rules import engine, trace
+from expertcache_cli.rules.policy import Policy
 t = trace.load(sys.argv[1])
 r = engine.sweep(t.topk_ids, t.num_experts, [Policy.LRU, Policy.LFU, Policy.OPT], [8, 16, 24, 32])
 print(time.perf_counter() - t0, sum(c.installs for c in r))

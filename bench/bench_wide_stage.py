@@ -44,7 +44,7 @@ def measure(torch, E: int, S: int, specs: dict, reps: int, *, device: str = "cud
     engine's seconds for its H slabs. ``timer(torch, body, reps)``, ``memcpy(dst, src,
     nbytes, stream)`` and ``copier`` (`Scratch`'s) default to the CUDA ones; the CPU test
     passes stand-ins. Returns (bytes an expert, rows)."""
-    from expertcache_cli.scratch import Scratch
+    from expertcache_cli.device.scratch import Scratch
 
     timer = timer or graph_time
     if memcpy is None:

@@ -174,7 +174,7 @@ def run_arm(name: str, model_dir: Path, out: Path, tokens: int, layers: int,
     import torch
     from vllm import LLM, SamplingParams
 
-    from expertcache_cli import launch
+    from expertcache_cli.planning import launch
     from expertcache_cli.plugin import session as ec_session
 
     rec: dict = {"arm": name, "offload": offload, "env": env, "layers": layers}
@@ -250,9 +250,9 @@ def run_arm(name: str, model_dir: Path, out: Path, tokens: int, layers: int,
 # ----------------------------------------------------------------------------- driver
 def replay_check(out: Path, name: str) -> dict:
     """Replay the recorded trace at the live budget; installs must equal the live count."""
-    from expertcache_cli.engine import sweep
-    from expertcache_cli.policy import Policy
-    from expertcache_cli.trace import load
+    from expertcache_cli.rules.engine import sweep
+    from expertcache_cli.rules.policy import Policy
+    from expertcache_cli.rules.trace import load
 
     tr = load(out / f"trace_{name}.npz")
     live = json.loads((out / f"trace_{name}.live.json").read_text())

@@ -68,7 +68,7 @@ def predicted_tok_s(resident: float, per_token: float, bytes_per_expert: int,
                     gbps: float, step_us: float = 0.0, layers: int = 0) -> float:
     """The planner's own prediction (`planner.predict_ms`), single stream: every MoE layer
     runs the cache's step once a token (``step_us`` from the format's probe, 0 if absent)."""
-    from expertcache_cli.planner import Inputs, predict_ms
+    from expertcache_cli.planning.planner import Inputs, predict_ms
 
     inputs = Inputs(bytes_per_expert, "size", gbps, "probe", resident, "resident arm",
                     step_us)
@@ -265,7 +265,7 @@ def load_run(fmt: str, d: Path) -> tuple[dict[str, dict], int | None, float | No
         pass
     try:
         from expertcache_cli.errors import UserError
-        from expertcache_cli.planner import read_probe
+        from expertcache_cli.planning.planner import read_probe
 
         gbps, _, step = read_probe(d / f"{fmt}-probe.json")
         step_us = step[0] if step else 0.0

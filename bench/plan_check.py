@@ -38,9 +38,9 @@ def window_hit_rate(trace_path: str | Path, policy: str, slots: int, steps: int)
     0.641/0.747/0.866)."""
     import dataclasses
 
-    from expertcache_cli import trace as tracefile
-    from expertcache_cli.policy import Policy
-    from expertcache_cli.replay import replay
+    from expertcache_cli.rules import trace as tracefile
+    from expertcache_cli.rules.policy import Policy
+    from expertcache_cli.rules.replay import replay
 
     tr = tracefile.load(trace_path)
     # the replay `plan` runs, on the trace's first steps (the same miss count and rate)

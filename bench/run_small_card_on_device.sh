@@ -181,7 +181,7 @@ PY
       # the probe measured it, the installs over the link)
       $PY - "$SC/probe.json" <<'PY' | tee "$OUT/predict.txt"
 import json, os, sys
-from expertcache_cli import planner
+from expertcache_cli.planning import planner
 def load(name):
     return json.load(open(f"{os.environ['SC']}/{name}.json"))
 mean = lambda xs: sum(xs) / len(xs)  # noqa: E731

@@ -91,7 +91,7 @@ def install(path: str | None = None) -> TraceRouting | None:
     if not path:
         return None
     from expertcache_cli.plugin import when_imported
-    from expertcache_cli.trace import load
+    from expertcache_cli.rules.trace import load
 
     trace = load(path)
     routing = TraceRouting(trace.topk_ids, trace.top_k)

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, required=True)
     args = ap.parse_args(argv)
     from expertcache_cli.errors import UserError
-    from expertcache_cli.planner import read_probe
+    from expertcache_cli.planning.planner import read_probe
 
     try:
         size = json.loads(args.size.read_text())

@@ -17,26 +17,26 @@ __version__ = "0.1.0"
 #: public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     # the cache rules and the replay
-    "Policy": "policy",
-    "LayerCache": "policy",
-    "replay_trace": "replay",
-    "Trace": "trace",
-    "load_trace": "trace",
-    "save_trace": "trace",
+    "Policy": "rules.policy",
+    "LayerCache": "rules.policy",
+    "replay_trace": "rules.replay",
+    "Trace": "rules.trace",
+    "load_trace": "rules.trace",
+    "save_trace": "rules.trace",
     # sizing a model on a card
-    "load_model": "model_size",
-    "ModelSize": "model_size",
-    "plan": "sizing",
-    "SizePlan": "sizing",
-    "plan_trace": "planner",
+    "load_model": "sizing.model_size",
+    "ModelSize": "sizing.model_size",
+    "plan": "sizing.sizing",
+    "SizePlan": "sizing.sizing",
+    "plan_trace": "planning.planner",
     # the plugin's configuration
     "CacheConfig": "config",
     "from_env": "config",
     # the kernels and the link
-    "SlotCache": "slotcache",
+    "SlotCache": "device.slotcache",
     "probe_link": "probe",
     # serving
-    "make_serve_plan": "launch",
+    "make_serve_plan": "planning.launch",
     "BaselineConfig": "baseline.runner",
     "run_baseline": "baseline.runner",
 }

@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import budget
 from .errors import UserError
-from .policy import Policy, Wide
+from .rules import budget
+from .rules.policy import Policy, Wide
 
 SLOTS = "EXPERT_CACHE_SLOTS"
 FRACTION = "EXPERT_CACHE_FRACTION"

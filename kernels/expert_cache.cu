@@ -21,7 +21,7 @@
 // are kept out by EC_KERNELS_ONLY) and by nvcc into a shared library whose C entry points
 // expert_cache_manage / expert_cache_gather validate their arguments, return a nonzero
 // EC_ERR_* code instead of launching when something is wrong, and otherwise return the
-// launch error code. expertcache_cli/binding.py is the one Python module that mirrors
+// launch error code. expertcache_cli/device/binding.py is the one Python module that mirrors
 // this ABI; change both together and bump EC_ABI_VERSION.
 #include "ec_compat.h"
 
@@ -34,8 +34,8 @@
 #define EC_TAB_REGS 4               // table entries per manager thread held in registers
 static_assert(EC_THREADS % EC_WARP == 0, "the manager's scan takes whole warps");
 
-#define EC_POLICY_LRU 0             // = expertcache_cli.policy.Policy.LRU
-#define EC_POLICY_LFU 1             // = expertcache_cli.policy.Policy.LFU
+#define EC_POLICY_LRU 0             // = expertcache_cli.rules.policy.Policy.LRU
+#define EC_POLICY_LFU 1             // = expertcache_cli.rules.policy.Policy.LFU
 
 // Validation failures of the host wrappers (CUDA error codes are all below 1000).
 #define EC_ERR_SIZE 1001            // num_experts / num_slots / n_ids / grid out of range

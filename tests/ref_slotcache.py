@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from expertcache_cli.policy import LayerCache, Policy
+from expertcache_cli.rules.policy import LayerCache, Policy
 
 
 class RefSlotCache:

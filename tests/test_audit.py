@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from expertcache_cli.audit import MAX_LISTED, AuditResult, audit_line, audit_slots
+from expertcache_cli.device.audit import MAX_LISTED, AuditResult, audit_line, audit_slots
 
 torch = pytest.importorskip("torch", reason="no torch: the slot audit compares torch tensors")
 

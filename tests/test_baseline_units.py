@@ -66,7 +66,7 @@ def test_parse_arms_rejects(bad):
 
 def test_a_plan_arm_serves_the_plans_per_layer_budgets(tmp_path):
     """`baseline --arms plan:PLAN.json` confirms exactly what `serve --plan` deploys."""
-    from expertcache_cli.planner import PLAN_FORMAT
+    from expertcache_cli.planning.planner import PLAN_FORMAT
 
     path = tmp_path / "My Plan.json"  # case and spaces kept: it is a path
     path.write_text(json.dumps({"format": PLAN_FORMAT, "recommended": {

@@ -51,7 +51,7 @@ def test_install_needs_the_variable(monkeypatch):
 def test_install_patches_vllms_router_class_when_its_module_is_imported(monkeypatch):
     import types
 
-    from expertcache_cli.trace import Trace, save
+    from expertcache_cli.rules.trace import Trace, save
 
     path = save(Trace(topk_ids=np.array([[[3, 4]], [[5, 6]]]), num_experts=8, top_k=2),
                 Path(pytest.importorskip("tempfile").mkdtemp()) / "t.npz")

@@ -37,7 +37,7 @@ def test_the_bound_is_resident_plus_the_missing_experts_of_every_chunk_and_layer
 
 
 def test_tables_and_verdicts(tmp_path, capsys):
-    from expertcache_cli.planner import read_probe
+    from expertcache_cli.planning.planner import read_probe
 
     gbps = read_probe(PROBE)[0]  # the rate the report will use
     b2048 = wide_report.bound_ms(40.0, 2048, SIZE, 64, gbps)

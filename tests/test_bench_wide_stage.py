@@ -20,7 +20,7 @@ NS = 1e-9
 
 
 def _stand_ins():
-    from expertcache_cli.scratch import torch_copiers
+    from expertcache_cli.device.scratch import torch_copiers
 
     spent = [0.0]
 

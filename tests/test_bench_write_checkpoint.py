@@ -59,7 +59,7 @@ def test_gptq_layout(writer):
 def test_gptq_with_act_order(writer):
     """desc_act: each g_idx assigns the input rows to full 128-row groups in a random order
     (vLLM 0.26 sorts them into Marlin's sort indices); the config says desc_act."""
-    from expertcache_cli import formats
+    from expertcache_cli.sizing import formats
 
     shape = writer.shape
     t = _tensors(writer, "gptq-act")
@@ -101,7 +101,7 @@ def test_nvfp4_layout(writer):
                                         ("awq", "w4a16"),
                                         ("nvfp4", "nvfp4"), ("w8a8", "w8a8")])
 def test_sizing_reads_each_written_config(writer, tmp_path, fmt, quant):
-    from expertcache_cli.formats import quant_from_config
+    from expertcache_cli.sizing.formats import quant_from_config
 
     writer.write(tmp_path / fmt, 1, fmt, vocab=64)
     cfg = json.loads((tmp_path / fmt / "config.json").read_text())
@@ -159,7 +159,7 @@ def test_mxfp4_is_gpt_oss_as_openai_ships_it(writer, tmp_path):
 
 
 def test_sizing_reads_the_gpt_oss_checkpoint_as_mxfp4(writer, tmp_path):
-    from expertcache_cli import model_size
+    from expertcache_cli.sizing import model_size
 
     writer.write(tmp_path / "m", 2, "mxfp4", vocab=64)
     m = model_size.load_model(str(tmp_path / "m"))

@@ -9,7 +9,7 @@ import ctypes
 
 import pytest
 
-from expertcache_cli import binding
+from expertcache_cli.device import binding
 
 STATE = dict(table=0x1000, slot_expert=0x2000, prio=0x3000, step=0x4000, miss_expert=0x5000,
              miss_slot=0x6000, miss_count=0x7000, stats=0x8000, num_experts=128,

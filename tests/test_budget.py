@@ -6,11 +6,12 @@ import math
 
 import pytest
 
-from expertcache_cli import budget, sizing
 from expertcache_cli.errors import UserError
-from expertcache_cli.launch import make_plan
-from expertcache_cli.model_size import model_from_config
-from expertcache_cli.policy import Policy
+from expertcache_cli.planning.launch import make_plan
+from expertcache_cli.rules import budget
+from expertcache_cli.rules.policy import Policy
+from expertcache_cli.sizing import sizing
+from expertcache_cli.sizing.model_size import model_from_config
 
 
 @pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 1.5, math.nan])

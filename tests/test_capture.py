@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from expertcache_cli import capture
 from expertcache_cli.errors import UserError
+from expertcache_cli.vllm_facts import capture
 
 OLD = capture.settings_from_vllm_args([], version=(0, 26))
 NEW = capture.settings_from_vllm_args([], version=(0, 33))

@@ -2,8 +2,8 @@
 
 import pytest
 
-from expertcache_cli import cards
 from expertcache_cli.errors import UserError
+from expertcache_cli.sizing import cards
 
 
 def test_a_number_stays_gib_and_a_name_is_the_card():

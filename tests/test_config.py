@@ -6,7 +6,7 @@ import pytest
 
 from expertcache_cli.config import ENV_VARS, CacheConfig, ConfigError, from_env
 from expertcache_cli.errors import UserError
-from expertcache_cli.policy import Policy, Wide
+from expertcache_cli.rules.policy import Policy, Wide
 
 
 def test_empty_environment_gives_defaults():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from expertcache_cli import engine
-from expertcache_cli.policy import LayerCache, Policy, Wide, replay_layer_reference
-from expertcache_cli.synth import SynthSpec, synthesize
+from expertcache_cli.rules import engine
+from expertcache_cli.rules.policy import LayerCache, Policy, Wide, replay_layer_reference
+from expertcache_cli.rules.synth import SynthSpec, synthesize
 
 
 def random_seq(rng: np.random.Generator, t: int, w: int, e: int) -> np.ndarray:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from expertcache_cli import binding, kernel_build
-from expertcache_cli.policy import Policy
+from expertcache_cli.device import binding, kernel_build
+from expertcache_cli.rules.policy import Policy
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 

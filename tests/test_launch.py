@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from expertcache_cli import sizing
 from expertcache_cli.errors import UserError
-from expertcache_cli.launch import flag_value, make_plan, sizing_overrides
+from expertcache_cli.planning.launch import flag_value, make_plan, sizing_overrides
+from expertcache_cli.sizing import sizing
 
 MODEL = "Qwen/Qwen3-30B-A3B"  # bf16 preset: 128 experts, top-8, 48 MoE layers
 VLLM = ["vllm"]
@@ -79,7 +79,7 @@ def test_with_every_batch_narrow_the_scratch_says_when_it_costs_more_than_it_sav
     """No full batch wider than the slots: the scratch serves only prefills, so the plan
     says how many decoded tokens a prompt it pays for (uniform routing), and past that
     it costs more than it saves. With wide batches it serves those and says so instead."""
-    from expertcache_cli.sizing import scratch_break_even
+    from expertcache_cli.sizing.sizing import scratch_break_even
 
     # 82 slots of 128, top-8, 2.67 slots of scratch: 82 x 128 / (8 x 2.67)
     assert scratch_break_even(82, 128, 8, 2.67) == round(82 * 128 / (8 * 2.67))
@@ -219,7 +219,7 @@ def _fake_smi(tmp_path, body: str):
 
 
 def test_gpu_total_is_what_vllm_sees_total_minus_reserved(tmp_path, monkeypatch):
-    from expertcache_cli import gpu_info
+    from expertcache_cli.device import gpu_info
 
     env = _fake_smi(tmp_path, 'echo "$@" >> "$(dirname "$0")/args"\necho "143771, 615"\n')
     monkeypatch.setenv("PATH", env["PATH"])
@@ -252,7 +252,7 @@ def test_model_must_be_what_vllm_loads(tmp_path):
 def test_launch_refusal_names_what_is_missing(monkeypatch):
     import importlib.util
 
-    from expertcache_cli.launch import launch_refusal
+    from expertcache_cli.planning.launch import launch_refusal
 
     assert "not a program" in launch_refusal(["/nonexistent/vllm", "serve", "m"])
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
@@ -263,7 +263,7 @@ def test_launch_refusal_names_what_is_missing(monkeypatch):
 def _plan_file(tmp_path, per_layer, policy="lru"):
     import json
 
-    from expertcache_cli.planner import PLAN_FORMAT
+    from expertcache_cli.planning.planner import PLAN_FORMAT
 
     f = tmp_path / "plan.json"
     f.write_text(json.dumps({"format": PLAN_FORMAT, "recommended": {
@@ -367,8 +367,8 @@ def test_baseline_refuses_online_quantization_for_offloaded_arms(tmp_path):
 def test_serve_and_baseline_refuse_to_run_the_cache_without_the_plugin(tmp_path, monkeypatch):
     """A cache arm or a cached server whose vLLM cannot find the plugin would run uncached
     and look like it worked: refused before anything starts (a dry run only warns)."""
-    from expertcache_cli import launch
     from expertcache_cli.commands import baseline as bl_cmd
+    from expertcache_cli.planning import launch
 
     monkeypatch.setattr(launch, "plugin_installed", lambda: False)
     arms = __import__("expertcache_cli.baseline.arms", fromlist=["parse_arms"]).parse_arms

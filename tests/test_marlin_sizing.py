@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from plugin_standins import FakeTensor, RoutedExperts
 
-from expertcache_cli import formats, model_size, sizing
 from expertcache_cli.config import CacheConfig
 from expertcache_cli.plugin.arming import ARM, plan_layer
+from expertcache_cli.sizing import formats, model_size, sizing
 
 
 @pytest.fixture(autouse=True)

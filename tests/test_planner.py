@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from expertcache_cli import planner
 from expertcache_cli.errors import UserError
-from expertcache_cli.policy import Policy
-from expertcache_cli.trace import load
+from expertcache_cli.planning import planner
+from expertcache_cli.rules.policy import Policy
+from expertcache_cli.rules.trace import load
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "traces" / "demo-qwen3-30b-a3b-tasks.npz"
@@ -254,8 +254,8 @@ def test_help_marks_the_inputs_a_machine_with_no_gpu_must_bring():
 
 
 def test_missing_rates_are_named_in_one_line_before_any_work(monkeypatch):
-    from expertcache_cli import kernel_check
     from expertcache_cli.commands import plan
+    from expertcache_cli.device import kernel_check
     from expertcache_cli.errors import DeviceUnavailable
 
     def no_gpu(*a, **k):
@@ -273,7 +273,7 @@ def test_missing_rates_are_named_in_one_line_before_any_work(monkeypatch):
     with pytest.raises(UserError, match="^plan needs the resident rate"):
         plan._check_given(50.0, None, None, None)
     plan._check_given(None, PROBE, None, BASELINE)  # both given: nothing to say
-    from expertcache_cli.cards import parse_vram
+    from expertcache_cli.sizing.cards import parse_vram
 
     # a card named by --vram gives its usual link (an estimate): only the resident is missing
     with pytest.raises(UserError, match="^plan needs the resident rate"):
@@ -298,7 +298,7 @@ W8A8 = ["--model", "qwen3-30b-a3b-w8a8", "--vram", "24", "--probe", str(PROBE),
 
 def _serve_accepts(cmd: str, plan_file: Path, **kw):
     """Run `serve`'s own checks (`launch.make_plan`) on the command `plan` printed."""
-    from expertcache_cli.launch import make_plan
+    from expertcache_cli.planning.launch import make_plan
 
     head, _, tail = cmd.partition(" -- ")
     assert "--size-from qwen3-30b-a3b-w8a8 --vram 24" in head
@@ -313,8 +313,8 @@ def test_the_per_layer_split_keeps_every_layer_at_the_widest_decode_step():
     """85 slots at --max-num-seqs 8: a full decode batch is 64 ids. The unconstrained split
     of the demo trace puts layers at 56 slots, which serve refuses (the sizing trap); the
     recommended one keeps every layer at >= 64."""
-    from expertcache_cli import serving
-    from expertcache_cli.split import recommend
+    from expertcache_cli.planning import serving
+    from expertcache_cli.rules.split import recommend
 
     trace = load(TRACE)
     (free,) = recommend(trace, Policy.LRU, [85])

@@ -185,7 +185,7 @@ def _sleeping(base):
 def armed_worker(monkeypatch):
     """A worker class of each version patched by the plugin, and a function that arms a
     fresh worker on a model (the real `_arm_worker`, the reference slot cache)."""
-    import expertcache_cli.slotcache as slotcache_mod
+    import expertcache_cli.device.slotcache as slotcache_mod
     from expertcache_cli.plugin import session as session_mod
 
     monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
@@ -378,7 +378,7 @@ def test_a_per_layer_plan_on_a_pipeline_stage_arms_nothing_and_says_why(armed_wo
     """A stage of a pipeline holds some MoE layers; a per-layer plan is for the whole model,
     so no layer is armed, with one line naming the feature and the fix. One budget for
     every layer still arms the stage."""
-    import expertcache_cli.slotcache as slotcache_mod
+    import expertcache_cli.device.slotcache as slotcache_mod
     from expertcache_cli.config import from_env
 
     monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)

@@ -55,7 +55,7 @@ def _arm(layer, slots=S, wide_inserts=None):
     cache = RefSlotCache(d.num_experts, d.num_slots, specs, wide_inserts=wide_inserts)
     scratch = None
     if wide_inserts is not None:
-        from expertcache_cli.scratch import Scratch, torch_copiers
+        from expertcache_cli.device.scratch import Scratch, torch_copiers
 
         scratch = Scratch(d.num_experts, {s.name: (s.shape, s.dtype) for s in d.specs},
                           "cpu", copier=torch_copiers)

@@ -26,7 +26,7 @@ from ref_slotcache import RefSlotCache  # noqa: E402
 from expertcache_cli.config import CacheConfig  # noqa: E402
 from expertcache_cli.plugin.arming import ARM, plan_layer  # noqa: E402
 from expertcache_cli.plugin.runtime import ArmedLayer, ArmError, patch_tile_lookup  # noqa: E402
-from expertcache_cli.policy import LayerCache, Policy, Wide  # noqa: E402
+from expertcache_cli.rules.policy import LayerCache, Policy, Wide  # noqa: E402
 
 E, H, INTER, TOPK = 16, 8, 4, 2
 
@@ -127,7 +127,7 @@ def _arm(layer, slots=6, recorder=None, wide_inserts=None):
     cache = RefSlotCache(d.num_experts, d.num_slots, specs, wide_inserts=wide_inserts)
     scratch = None
     if wide_inserts is not None:
-        from expertcache_cli.scratch import Scratch, torch_copiers
+        from expertcache_cli.device.scratch import Scratch, torch_copiers
 
         scratch = Scratch(d.num_experts, specs, "cpu", copier=torch_copiers)
     armed = ArmedLayer(layer, d, cache, index=0, recorder=recorder, scratch=scratch)
@@ -203,8 +203,8 @@ def test_recorded_trace_replays_to_the_live_install_count(tmp_path, wide):
     real token count; replayed under the server's wide-step mode, the file gives the live
     installs (and, staged, the live scratch fetches) exactly."""
     from expertcache_cli.plugin.recorder import TraceRecorder
-    from expertcache_cli.policy import replay_layer_reference
-    from expertcache_cli.trace import load
+    from expertcache_cli.rules.policy import replay_layer_reference
+    from expertcache_cli.rules.trace import load
 
     layer = Experts(seed=3)
     rec = TraceRecorder(1, E, TOPK, torch.device("cpu"), capacity=16, layer_names=[5],
@@ -269,9 +269,9 @@ class _ThreeLayers(torch.nn.Module):
 
 def test_arm_model_arms_declines_and_records_a_trace(tmp_path, monkeypatch, caplog):
     """The whole per-worker flow: plan, build, install, record, and close at shutdown."""
-    import expertcache_cli.slotcache as slotcache_mod
+    import expertcache_cli.device.slotcache as slotcache_mod
     from expertcache_cli.plugin.session import arm_model
-    from expertcache_cli.trace import load
+    from expertcache_cli.rules.trace import load
 
     monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
     model = _ThreeLayers()
@@ -340,8 +340,8 @@ def test_slot_bytes_join_the_weights_vllm_plans_its_kv_cache_around(monkeypatch,
     """vLLM's KV sizing reads model_runner.model_memory_usage as the weights; the
     slots must be in it (else the KV cache takes their memory), exactly their bytes, and a
     declined layer adds nothing."""
+    import expertcache_cli.device.slotcache as slotcache_mod
     import expertcache_cli.plugin as plugin
-    import expertcache_cli.slotcache as slotcache_mod
     from expertcache_cli.plugin import session as session_mod
 
     monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
@@ -372,8 +372,8 @@ def test_slot_bytes_join_the_weights_vllm_plans_its_kv_cache_around(monkeypatch,
 def test_a_kv_cache_too_small_for_one_sequence_says_how_many_slots_to_drop(monkeypatch, caplog):
     """vLLM refuses to start when its KV cache cannot hold one --max-model-len sequence;
     after the slots took their share, the plugin says so first, with the fix in slots."""
+    import expertcache_cli.device.slotcache as slotcache_mod
     import expertcache_cli.plugin as plugin
-    import expertcache_cli.slotcache as slotcache_mod
     from expertcache_cli.plugin import session as session_mod
 
     monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
@@ -409,8 +409,8 @@ def test_a_cold_compile_in_the_profile_step_is_named_in_the_memory_lines(monkeyp
     import sys
     import types
 
+    import expertcache_cli.device.slotcache as slotcache_mod
     import expertcache_cli.plugin as plugin
-    import expertcache_cli.slotcache as slotcache_mod
     from expertcache_cli.plugin import memory
     from expertcache_cli.plugin import session as session_mod
 
@@ -477,8 +477,8 @@ def test_the_shortfall_line_without_slots_to_spare_names_the_context():
 def test_a_runner_that_cannot_count_slots_is_not_armed(monkeypatch, caplog):
     """No model_memory_usage: the slots could not enter vLLM's plan, so nothing is
     allocated and the model serves on the stock path, with the reason logged."""
+    import expertcache_cli.device.slotcache as slotcache_mod
     import expertcache_cli.plugin as plugin
-    import expertcache_cli.slotcache as slotcache_mod
 
     made: list[int] = []
 
@@ -782,7 +782,7 @@ def test_the_recorder_spills_to_disk_and_writes_the_same_trace(tmp_path):
     """Host memory stays bounded: drained rows go to a spill file, not a Python list; the
     trace written from the spill equals the one from memory, and the spill is removed."""
     from expertcache_cli.plugin.recorder import TraceRecorder
-    from expertcache_cli.trace import load
+    from expertcache_cli.rules.trace import load
 
     spill = tmp_path / ".live.npz.spill"
     recs = [TraceRecorder(2, E, TOPK, torch.device("cpu"), capacity=8, spill=s)
@@ -872,9 +872,9 @@ def test_a_trace_with_masked_padding_replays_to_the_live_counters(tmp_path, monk
     import sys
     import types
 
-    from expertcache_cli import engine
     from expertcache_cli.plugin.recorder import TraceRecorder
-    from expertcache_cli.trace import load
+    from expertcache_cli.rules import engine
+    from expertcache_cli.rules.trace import load
 
     state = {"mask": None}
     fc = types.ModuleType("vllm.forward_context")
@@ -907,7 +907,7 @@ def test_a_trace_with_masked_padding_replays_to_the_live_counters(tmp_path, monk
 def test_per_layer_budgets_arm_each_layer_with_its_own_slots(monkeypatch, caplog):
     """EXPERT_CACHE_SLOTS=6,5,4 (a plan's split): layer i gets the i-th budget; the startup
     line lists them; a list of the wrong length (a plan for another model) arms nothing."""
-    import expertcache_cli.slotcache as slotcache_mod
+    import expertcache_cli.device.slotcache as slotcache_mod
     from expertcache_cli.config import from_env
     from expertcache_cli.plugin.session import arm_model
 
@@ -979,9 +979,9 @@ def test_the_wide_step_scratch_is_shared_planned_and_announced(monkeypatch, capl
     """EXPERT_CACHE_WIDE=staged-install: one scratch for the two same-shaped layers, its
     bytes (every expert of one layer) join the slots in vLLM's memory plan, the startup
     and memory lines say so, and the sizing trap is no longer a silent bypass."""
+    import expertcache_cli.device.scratch as scratch_mod
+    import expertcache_cli.device.slotcache as slotcache_mod
     import expertcache_cli.plugin as plugin
-    import expertcache_cli.scratch as scratch_mod
-    import expertcache_cli.slotcache as slotcache_mod
     from expertcache_cli.plugin import session as session_mod
     from expertcache_cli.plugin.arming import summary_line
 

@@ -34,7 +34,7 @@ sys.path.insert(0, sys.argv[2])
 d = Path(sys.argv[1])
 os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", EXPERT_CACHE_SLOTS="4",
                   VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-from expertcache_cli import launch
+from expertcache_cli.planning import launch
 from expertcache_cli.plugin import session
 entry_point = launch.plugin_installed()
 if not entry_point:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from expertcache_cli.policy import NEVER, LayerCache, Policy
+from expertcache_cli.rules.policy import NEVER, LayerCache, Policy
 
 
 def state(c: LayerCache) -> tuple[list[int], list[int], list[int], int]:

@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
-from expertcache_cli import model_size, probe
+from expertcache_cli import probe
 from expertcache_cli.errors import UserError
-from expertcache_cli.policy import LayerCache, Policy
+from expertcache_cli.rules.policy import LayerCache, Policy
+from expertcache_cli.sizing import model_size
 
 
 @pytest.mark.parametrize(
@@ -229,7 +230,7 @@ def test_the_cache_step_is_measured_saved_and_read_by_plan(monkeypatch, tmp_path
     """`probe-link --only gather,step` saves the all-hit step, and `plan --probe` adds it."""
     import json
 
-    from expertcache_cli import planner
+    from expertcache_cli.planning import planner
 
     calls: list[str] = []
     _fake_registry(monkeypatch, calls)
@@ -255,8 +256,8 @@ def test_probe_link_prints_the_cold_step_beside_the_warm_one(monkeypatch, tmp_pa
 
     from typer.testing import CliRunner
 
-    from expertcache_cli import planner
     from expertcache_cli.cli import app
+    from expertcache_cli.planning import planner
 
     calls: list[str] = []
     _fake_registry(monkeypatch, calls)

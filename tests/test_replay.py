@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from expertcache_cli.commands import DEMO_TRACE, demo_trace_path
-from expertcache_cli.trace import load
+from expertcache_cli.rules.trace import load
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 
@@ -267,9 +267,9 @@ def test_decay_without_lfu_is_refused():
 def test_a_split_never_recommends_a_budget_the_plugin_refuses():
     """64-expert layers: a split that gives one layer all 64 slots cannot be served
     (S must be below E), so the grid stops at 63."""
-    from expertcache_cli.policy import Policy
-    from expertcache_cli.split import recommend, slot_grid
-    from expertcache_cli.trace import load
+    from expertcache_cli.rules.policy import Policy
+    from expertcache_cli.rules.split import recommend, slot_grid
+    from expertcache_cli.rules.trace import load
 
     assert max(slot_grid(64, [32, 64])) <= 63 and slot_grid(64, [63])[-1] == 63
     trace = load(TRACES / "demo-olmoe-1b-7b-zipf.npz")  # 64 experts

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="no torch: the scratch tests need torch")
 
-from expertcache_cli.scratch import Scratch, scratch_bytes, stage_lists, torch_copiers  # noqa: E402
+from expertcache_cli.device.scratch import Scratch, scratch_bytes, stage_lists, torch_copiers  # noqa: E402
 
 
 def _lists(ids: np.ndarray, table: np.ndarray):

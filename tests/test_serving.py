@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from expertcache_cli import serving, vllm_flags
 from expertcache_cli.errors import UserError
+from expertcache_cli.planning import serving
+from expertcache_cli.vllm_facts import vllm_flags
 
 
 def test_the_option_wins_over_the_flag_after_dashes():

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from tiny_moe import qwen3_moe_config
 
-from expertcache_cli import capture, cards, model_size, sizing, vllm_flags
 from expertcache_cli.errors import UserError
-from expertcache_cli.presets import DEFAULT_PRESET, PRESETS
+from expertcache_cli.sizing import cards, model_size, sizing
+from expertcache_cli.sizing.presets import DEFAULT_PRESET, PRESETS
+from expertcache_cli.vllm_facts import capture, vllm_flags
 
 CONFIGS = Path(__file__).parent / "configs"
 GiB = 1024**3
@@ -495,7 +496,7 @@ def test_cli_json_one_object():
 def test_cli_reads_vllm_flags_after_the_double_dash_as_serve_does():
     """`size ... -- VLLM ARGS` plans as `serve` would for the same flags (the
     slot count `serve` arms is the one `size` printed), CUDA-graph padding included."""
-    from expertcache_cli.launch import make_plan
+    from expertcache_cli.planning.launch import make_plan
 
     flags = ["--max-model-len", "8192", "--max-num-seqs", "8", "--enforce-eager"]
     d = json.loads(_cli("--vram", "24", "--json", "--", *flags).stdout)
@@ -584,7 +585,7 @@ def test_nvfp4s_ragged_global_scales_travel_in_the_side_row_and_larger_ones_are_
     plugin packs them into a side row, so the model is cacheable and a slot counts the row
     (16 B) besides the compact copies the kernel reads (the expert's 8 B); ragged tensors
     past the side row's limit are refused with the verdict saying why."""
-    from expertcache_cli import formats
+    from expertcache_cli.sizing import formats
 
     conf = qwen3_moe_config(hidden_size=256, moe_intermediate_size=128, quantization_config={
         "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16})
@@ -660,7 +661,8 @@ def test_the_vllm_command_is_one_line_at_80_columns_and_in_a_pipe():
 def test_size_counts_speculative_draft_tokens_in_the_trap():
     """`size -- --speculative-config '{"num_speculative_tokens": 3}'`: a decode step of 8
     seqs carries 8 x (1 + 3) = 32 tokens; the trap and the safe batch count them."""
-    from expertcache_cli import sizing, vllm_flags
+    from expertcache_cli.sizing import sizing
+    from expertcache_cli.vllm_facts import vllm_flags
 
     kw = vllm_flags.plan_kwargs_from_vllm_args(
         ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',

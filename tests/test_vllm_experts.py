@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from expertcache_cli import installed_vllm, model_size, sizing, vllm_experts
-from expertcache_cli.launch import make_plan
+from expertcache_cli.planning.launch import make_plan
+from expertcache_cli.sizing import model_size, sizing
+from expertcache_cli.vllm_facts import installed_vllm, vllm_experts
 
 V033 = 'mapping = {\n        "triton": WNA16MoEBackend.TRITON,\n        "marlin": ...'
 V026 = 'mapping = {\n        "marlin": WNA16MoEBackend.MARLIN,\n        "humming": ...'

@@ -7,11 +7,11 @@ import types
 
 import pytest
 
-from expertcache_cli import installed_vllm, vllm_runner
 from expertcache_cli.baseline.arms import parse_arms
 from expertcache_cli.baseline.runner import BaselineConfig, _offload_env, run_baseline
 from expertcache_cli.errors import UserError
-from expertcache_cli.launch import make_plan
+from expertcache_cli.planning.launch import make_plan
+from expertcache_cli.vllm_facts import installed_vllm, vllm_runner
 
 ENV = vllm_runner.ENV
 V026_LIKE = "from vllm.model_executor.offloader import get_offloader\nclass GPUModelRunner: ..."

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .. import config
 from ..config import CacheConfig
 from ..errors import UserError
-from ..policy import Policy, Wide
+from ..rules.policy import Policy, Wide
 
 _CACHE_RE = re.compile(r"^cache:(\d+)(?::(lru|lfu))?(?::(in-place|staged|staged-install))?$")
 
@@ -101,7 +101,7 @@ def parse_arm(text: str) -> Arm:
     ``plan:PLAN.json`` (a `plan --save` file: its per-layer budgets and policy, the way
     `serve --plan` serves them, so a baseline confirms exactly what is deployed)."""
     if text.strip().startswith("plan:"):
-        from ..planner import read_plan
+        from ..planning.planner import read_plan
 
         path = text.strip()[len("plan:"):]
         rec = read_plan(path)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import installed_vllm, vllm_runner
 from ..errors import Interrupted, UserError
+from ..vllm_facts import installed_vllm, vllm_runner
 from . import store as _store
 from .arms import Arm, round_order
 from .client import RequestFailed, measure_run

@@ -39,7 +39,7 @@ def default_template() -> str:
     it exists, else the same CLI through this python (the project's device bundle and some
     CPU builds have no working script). Braces in its paths are escaped for the template.
     """
-    from ..launch import vllm_command
+    from ..planning.launch import vllm_command
 
     launcher = shlex.join(vllm_command()).replace("{", "{{").replace("}", "}}")
     return launcher + " serve {model} --host {host} --port {port} {arm_args} {vllm_args}"

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .. import capture, sizing, vllm_flags
 from ..errors import UserError
+from ..sizing import sizing
+from ..vllm_facts import capture, vllm_flags
 
 
 @dataclass
@@ -38,7 +39,7 @@ class OffloadPlan:
     def arm_warnings(self, arms: list, concurrency: int) -> list[str]:
         """What a careful engineer would say about each cache arm's slots before running:
         too many to fit, too few for the streams each run sends, or below the trap."""
-        from ..budget import trap_text
+        from ..rules.budget import trap_text
 
         out = []
         k = self.top_k

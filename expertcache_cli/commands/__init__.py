@@ -59,7 +59,7 @@ def default_budgets(num_experts: int, top_k: int = 0) -> list[int]:
     slots or fewer a one-token step leaves no choice: every policy counts alike), each a
     budget the plugin serves (`budget.slot_limit`: below E, within the kernel). 16, 32, 64
     of 128 experts top-8; 16, 32, 48 of 64 top-8. When none is above top_k: the largest."""
-    from ..budget import slot_limit
+    from ..rules.budget import slot_limit
 
     top = slot_limit(num_experts)
     cands = list(dict.fromkeys(min(top, max(1, num_experts * n // 8)) for n in DEFAULT_EIGHTHS))
@@ -136,8 +136,8 @@ def workload(trace, wide: str, batch: int | None, batch_tokens: int | None = Non
     """The trace as the user asked to model it, and the wide-step mode, from the options
     `replay` and `plan` share (one line on a bad value). ``batch_tokens``: what a step of
     the batch runs at on the server (`serving.Server.batch_tokens`)."""
-    from ..policy import Wide
-    from ..trace import rebatch
+    from ..rules.policy import Wide
+    from ..rules.trace import rebatch
 
     try:
         mode = Wide.parse(wide)

@@ -46,7 +46,7 @@ def _vram_offload(model: str, vram: str, vllm_args: list[str], arms: list, concu
     """--cpu-offload-gb from the sizing library, warnings on the sizing trap, and (on a GPU
     bigger than the card) the flags that make every arm's server budget as the card."""
     from ..baseline.sizing_bridge import offload_from_vram
-    from ..gpu_info import device_total_gib
+    from ..device.gpu_info import device_total_gib
 
     p = offload_from_vram(model, vram, vllm_args, device_total_gib())
     err.print(f"--vram {vram} ({p.where}): {p.text}; offload arms get --cpu-offload-gb "
@@ -66,9 +66,9 @@ def _offload_checks(model: str, vllm_args: list[str]) -> list[str]:
     and a format that needs a flag to stay offloaded gets it (MXFP4: --moe-backend marlin),
     returned for the offloaded arms only. A model sizing cannot read (an HF id it does not
     know) is left to vLLM."""
-    from .. import installed_vllm, vllm_experts
-    from ..model_size import load_model
-    from ..vllm_flags import online_quantization_refusal
+    from ..sizing.model_size import load_model
+    from ..vllm_facts import installed_vllm, vllm_experts
+    from ..vllm_facts.vllm_flags import online_quantization_refusal
 
     try:
         m = load_model(model)
@@ -92,7 +92,7 @@ def _plugin_refusals(arms: list, server_cmd: str | None) -> list[str]:
     before any server starts: each is refused, a cache arm that cannot arm measures nothing."""
     import os
 
-    from ..launch import plugin_installed
+    from ..planning.launch import plugin_installed
 
     if not any(a.kind == "cache" for a in arms):
         return []

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import typer
 
-from .. import config, kernel_build
+from .. import config
+from ..device import kernel_build
+from ..device.kernel_check import device_arch
+from ..device.kernel_check import self_test as run_self_test
 from ..errors import DeviceUnavailable
-from ..kernel_check import device_arch
-from ..kernel_check import self_test as run_self_test
 from . import parse_int_list
 
 
@@ -55,7 +56,7 @@ def build_kernels(
     lib_env = os.environ.get(config.LIB)
     if lib_env and not arch:
         # The runtime will use this library, not NVRTC: check that one instead.
-        from ..binding import ABI_VERSION, LibraryKernels
+        from ..device.binding import ABI_VERSION, LibraryKernels
 
         LibraryKernels(lib_env)  # checks the file, its exports and its ABI version
         print(f"{config.LIB}={lib_env}: exports "

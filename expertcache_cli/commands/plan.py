@@ -9,8 +9,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ..cards import Card, parse_vram, typical_link_gbps
 from ..errors import UserError
+from ..sizing.cards import Card, parse_vram, typical_link_gbps
 from ..tables import Table
 from . import (
     BATCH_HELP,
@@ -37,7 +37,7 @@ def _link(link_gbps: float | None, probe_file: Path | None, model: str | None,
     (`cards.typical_link_gbps`), said to be an estimate, rather than a probe of whatever
     GPU this machine has (a plan for another card is usually made away from it).
     """
-    from .. import planner
+    from ..planning import planner
 
     if link_gbps is not None:
         if not math.isfinite(link_gbps) or link_gbps <= 0:
@@ -51,7 +51,7 @@ def _link(link_gbps: float | None, probe_file: Path | None, model: str | None,
             "link, scaled): an estimate; `probe-link --save FILE` on the machine and --probe "
             "FILE measure yours"), None
     from .. import probe
-    from ..kernel_check import device_arch
+    from ..device.kernel_check import device_arch
 
     device_arch(0, hint=f"plan needs {LINK_INPUT}")
     # the gather at this model's expert slab: the rate the cache's own copies run at; and
@@ -86,8 +86,8 @@ def _check_given(link_gbps: float | None, probe_file: Path | None,
         raise UserError("give --resident-tok-s or --baseline, not both")
     missing, where = [], ""
     if link_gbps is None and probe_file is None and card is None:
+        from ..device.kernel_check import device_arch
         from ..errors import DeviceUnavailable
-        from ..kernel_check import device_arch
 
         try:
             device_arch(0)
@@ -101,7 +101,7 @@ def _check_given(link_gbps: float | None, probe_file: Path | None,
 
 
 def _resident(resident_tok_s: float | None, baseline: Path | None) -> tuple[float, str]:
-    from .. import planner
+    from ..planning import planner
 
     if resident_tok_s is not None:
         if not math.isfinite(resident_tok_s) or resident_tok_s <= 0:
@@ -122,8 +122,8 @@ def _fits(model, vram: str, mode, srv, batch: int | None) -> int:
     the release is assumed, as the release that pads most pads it, as the
     ``--max-num-seqs`` the serve command carries is (`planner.serveable`).
     """
-    from .. import sizing
-    from ..vllm_flags import plan_kwargs_from_vllm_args
+    from ..sizing import sizing
+    from ..vllm_facts.vllm_flags import plan_kwargs_from_vllm_args
 
     kw = plan_kwargs_from_vllm_args(srv.vllm_args) | {"graphs": srv.graphs}
     if batch and not srv.seqs_given:
@@ -187,10 +187,10 @@ def register(app: typer.Typer) -> None:
         vllm_version: str | None = typer.Option(None, "--vllm-version", help=VLLM_VERSION_HELP),
     ) -> None:
         """Predicted decode tok/s per policy and slot budget from a trace, and what to serve."""
-        from .. import planner, serving
         from ..files import atomic_write, check_output
-        from ..model_size import load_model
-        from ..trace import load
+        from ..planning import planner, serving
+        from ..rules.trace import load
+        from ..sizing.model_size import load_model
         from . import passthrough_args
         from .replay import parse_policies
 

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from ..errors import UserError
-from ..presets import DEFAULT_PRESET
+from ..sizing.presets import DEFAULT_PRESET
 from ..tables import Table
 
 console = Console()

@@ -10,9 +10,9 @@ from rich.console import Console
 
 from ..errors import UserError
 from ..files import atomic_write, check_output
-from ..policy import Policy, Wide
+from ..rules.policy import Policy, Wide
+from ..rules.trace import Trace, load, shared_note
 from ..tables import Table
-from ..trace import Trace, load, shared_note
 from . import (
     BATCH_HELP,
     MAX_NUM_SEQS_HELP,
@@ -140,9 +140,9 @@ def replay_command(
     vllm_version: str | None = typer.Option(None, "--vllm-version", help=VLLM_VERSION_HELP),
 ) -> None:
     """Replay a routing trace: experts fetched per policy and slot budget."""
-    from ..replay import replay
-    from ..serving import server as serving_server
-    from ..split import recommend
+    from ..planning.serving import server as serving_server
+    from ..rules.replay import replay
+    from ..rules.split import recommend
     from . import passthrough_args
 
     if csv is not None:
@@ -172,7 +172,7 @@ def replay_command(
         raise UserError(f"--wide {mode.value}: --device cuda replays the manager's in-place "
                         "rules only (the staged ones are checked by the plugin's device tests)")
     if device == "cuda":
-        from ..kernel_check import device_arch
+        from ..device.kernel_check import device_arch
 
         # no torch or no GPU: one line now, not after the sweep
         device_arch(0, hint="--device cuda runs the real kernels; use --device cpu here")
@@ -195,7 +195,7 @@ def replay_command(
 
     device_check = None
     if device == "cuda":
-        from ..device_replay import compare_with_engine
+        from ..device.device_replay import compare_with_engine
 
         device_check = compare_with_engine(trace, policies, budgets, decay, max_inserts, report)
 

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from ..errors import UserError
-from ..launch import launch_refusal, make_plan, plugin_installed
+from ..planning.launch import launch_refusal, make_plan, plugin_installed
 from . import VRAM_HELP, passthrough_args
 
 console = Console(stderr=True)
@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
             "staged-install through a VRAM scratch (EXPERT_CACHE_WIDE; sized with the slots)"),
     ) -> None:
         """Launch `vllm serve MODEL` with experts offloaded and the slot cache sized and armed."""
-        from ..gpu_info import device_total_gib
+        from ..device.gpu_info import device_total_gib
 
         plan_file = plan
         plan = make_plan(

@@ -8,10 +8,11 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from .. import cards, formats, installed_vllm, model_size, sizing, vllm_experts, vllm_flags
 from ..errors import UserError
-from ..presets import DEFAULT_PRESET, PRESETS
+from ..sizing import cards, formats, model_size, sizing
+from ..sizing.presets import DEFAULT_PRESET, PRESETS
 from ..tables import Table
+from ..vllm_facts import installed_vllm, vllm_experts, vllm_flags
 from . import VRAM_HELP, json_text, passthrough_args
 
 console = Console()

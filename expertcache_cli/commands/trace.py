@@ -41,8 +41,8 @@ def synth_command(
 ) -> None:
     """Write a synthetic routing trace (labelled synthetic in its `source`)."""
     from ..files import check_output
-    from ..synth import SynthSpec, synthesize
-    from ..trace import npz_path, save
+    from ..rules.synth import SynthSpec, synthesize
+    from ..rules.trace import npz_path, save
 
     if kind not in KINDS:
         raise UserError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -82,7 +82,7 @@ def info_command(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Describe a trace file (validating it)."""
-    from ..trace import describe, load
+    from ..rules.trace import describe, load
 
     facts = describe(load(path))
     if as_json:

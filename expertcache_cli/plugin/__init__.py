@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from ..config import FRACTION, SLOTS, CacheConfig, ConfigError, from_env
-from ..vllm_runner import runner_ignores_offload
+from ..vllm_facts.vllm_runner import runner_ignores_offload
 from . import memory
 from .compat import layout_refusal, version_refusal
 

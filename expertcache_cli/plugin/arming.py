@@ -36,7 +36,7 @@ from math import prod
 from typing import Any
 
 from ..config import CacheConfig
-from ..formats import SIDE_ROW_LIMIT, side_row_bytes
+from ..sizing.formats import SIDE_ROW_LIMIT, side_row_bytes
 from . import marlin
 from .compat import KNOWN_EXPERTS, LOAD_ONLY_TENSORS, NON_EXPERT_TENSORS
 
@@ -396,8 +396,8 @@ def summary_line(
     if declined:
         parts.append(f"{len(declined)} declined (see warnings)")
     if max_num_seqs is not None and first.top_k:
-        from ..budget import trap_text
-        from ..capture import padded, safe_for_sizes
+        from ..rules.budget import trap_text
+        from ..vllm_facts.capture import padded, safe_for_sizes
 
         sizes = list(capture_sizes or [])
         k, slots = first.top_k, min(counts)  # the narrowest layer reads through first

@@ -88,7 +88,7 @@ class TraceRecorder:
         n = int(topk_ids.numel())
         if n > self.width:
             # wider than a row: its distinct experts (all the rules read), ascending
-            from ..scratch import routed_mask
+            from ..device.scratch import routed_mask
 
             routed = routed_mask(topk_ids, self.num_experts)
             row = torch.where(routed, self._experts, -1).reshape(1, -1).to(self.ring.dtype)
@@ -136,7 +136,7 @@ class TraceRecorder:
         """Drain and write the trace (docs/design.md, The routing trace format); the live
         counters go beside it as JSON."""
         from ..files import atomic_write
-        from ..trace import Trace, save
+        from ..rules.trace import Trace, save
 
         self.drain()
         if not self.rows:

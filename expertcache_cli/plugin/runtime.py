@@ -421,7 +421,7 @@ class ArmedLayer:
     def audit(self) -> Any:
         """The slots against their experts' sources and the table against the slots
         (`audit.audit_slots`); syncs the device: for shutdown, not the serving path."""
-        from ..audit import audit_slots
+        from ..device.audit import audit_slots
 
         slots, sources = dict(self.cache.slots), self._sources()
         if self.small is not None:  # and what the kernel reads of the side row: the

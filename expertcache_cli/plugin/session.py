@@ -260,7 +260,7 @@ class Session:
         """``EXPERT_CACHE_AUDIT=1``: check every armed layer's slots and table at rest
         (`audit`) and log one line, an error when anything differs. Layers that went back
         to the stock path are audited too: their slots are what they served from."""
-        from ..audit import audit_line
+        from ..device.audit import audit_line
 
         ok, line = audit_line([(a.decision.layer_name, a.audit()) for a in self.armed])
         (log.info if ok else log.error)("%s", line)
@@ -308,7 +308,7 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     ``pool``: the allocation context of vLLM's sleep-mode pool (`memory.sleep_pool`): the
     slot buffers and the scratch are allocated inside it, so they sleep with the weights.
     """
-    from ..capture import padded
+    from ..vllm_facts.capture import padded
 
     layers = find_moe_layers(model)
     decisions = [plan_layer(module, cfg, name, i) for i, (name, module) in enumerate(layers)]
@@ -358,11 +358,11 @@ def _scratch_for(module: Any, decision: Decision, cfg: CacheConfig,
                  scratches: dict[tuple, Any], pool: Callable[[], Any] | None = None) -> Any:
     """The wide-step scratch this layer shares with the layers shaped like it (None in
     place). One is built per shape: layers run one after another on one stream."""
-    from ..policy import Wide
+    from ..rules.policy import Wide
 
     if cfg.wide is Wide.IN_PLACE:
         return None
-    from ..scratch import Scratch, scratch_key
+    from ..device.scratch import Scratch, scratch_key
 
     specs = {s.name: (s.shape, s.dtype) for s in decision.specs}
     key = scratch_key(decision.num_experts, specs)
@@ -452,8 +452,8 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
              decode_tokens: int | None = None, scratch: Any | None = None,
              padding: Callable[[int], Any] | None = None,
              pool: Callable[[], Any] | None = None) -> ArmedLayer:
-    from ..policy import Wide
-    from ..slotcache import SlotCache
+    from ..device.slotcache import SlotCache
+    from ..rules.policy import Wide
 
     # staged: wide steps refresh hits and install nothing; staged-install: up to the cap
     wide_inserts = None if scratch is None else (

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..formats import side_row_bytes
+from ..sizing.formats import side_row_bytes
 
 #: the packed row's name among a layer's slot buffers (no vLLM parameter is named so)
 SMALL_ROW = "_expertcache_small_row"

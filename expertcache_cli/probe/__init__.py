@@ -89,7 +89,7 @@ def probe_link(
     A measurement that fails is recorded in ``errors`` and the rest still run: a probe
     that dies on its sixth figure tells the user nothing about the first five.
     """
-    from ..model_size import load_model
+    from ..sizing.model_size import load_model
 
     if repeats < 1 or warmup < 0:
         raise UserError("--repeats must be >= 1")

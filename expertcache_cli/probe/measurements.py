@@ -159,7 +159,7 @@ def measure_gather(torch, device: int, tensors: Sequence[tuple[str, int]], num_e
     per_expert = sum(n for _, n in tensors)
     out: list[Rate] = []
     try:
-        from ..slotcache import SlotCache
+        from ..device.slotcache import SlotCache
 
         specs = {k: ((v.shape[1],), torch.uint8) for k, v in srcs.items()}
         impl = ""
@@ -247,7 +247,7 @@ def measure_step(torch, device: int, n_tensors: int, num_experts: int, top_k: in
     served decode step's attention and other layers do, so the step finds its state out of
     L2 (served on the H200 the manager took 3.56 us a call against ~2.4 us warm); the same
     graph without the steps is timed too and taken off."""
-    from ..slotcache import SlotCache
+    from ..device.slotcache import SlotCache
 
     dev = torch.device("cuda", device)
     e = num_experts

@@ -55,7 +55,7 @@ def _check_slots(torch, cache, sources, ctx):
 @pytest.mark.parametrize("where", ["pinned", "device"])
 def test_gather_bytes_equal_source_rows(cuda, n, where):
     torch = cuda
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.slotcache import SlotCache
 
     E, S = 48, 12
     specs, sources = _make_sources(torch, n, E, where, seed=n)
@@ -73,7 +73,7 @@ def test_gather_bytes_equal_source_rows(cuda, n, where):
 def test_gather_reads_sources_fresh(cuda):
     """A source tensor that moves between calls (vLLM's offloader) is read at its new home."""
     torch = cuda
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.slotcache import SlotCache
 
     E, S = 16, 4
     specs, sources = _make_sources(torch, 2, E, "pinned", seed=1)
@@ -93,7 +93,7 @@ def test_gather_reads_sources_fresh(cuda):
 @pytest.mark.device
 def test_gather_refuses_bad_sources(cuda):
     torch = cuda
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.slotcache import SlotCache
 
     with pytest.raises(ValueError, match="multiple of 16"):
         SlotCache(8, 4, {"w": ((3,), torch.bfloat16)})  # 6-byte slab: refused, not truncated
@@ -115,8 +115,8 @@ def test_the_shutdown_audit_passes_the_kernels_slots_and_catches_one_flipped_bit
     manager and the gather from pinned memory it finds every slot sound, and one bit
     flipped in one slot of one tensor, or a table entry moved, is named."""
     torch = cuda
-    from expertcache_cli.audit import audit_slots
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.audit import audit_slots
+    from expertcache_cli.device.slotcache import SlotCache
 
     E, S = 48, 12
     specs, sources = _make_sources(torch, 4, E, "pinned", seed=11)

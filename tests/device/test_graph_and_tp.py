@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from kernel_helpers import assert_same_state
 
-from expertcache_cli.policy import LayerCache, Policy
+from expertcache_cli.rules.policy import LayerCache, Policy
 
 
 def _setup(torch, E=64, seed=0):
@@ -47,7 +47,7 @@ def _assert_caches_equal(torch, a, b, ctx):
 @pytest.mark.parametrize("policy,decay", [("lru", 0), ("lfu", 5)])
 def test_graph_replay_equals_eager(cuda, policy, decay):
     torch = cuda
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.slotcache import SlotCache
 
     E, S = 64, 24
     specs, sources = _setup(torch, E)
@@ -83,7 +83,7 @@ def test_real_rows_in_a_graph_match_the_reference_and_the_masked_step(cuda, mode
     to -1, step, set them to slot 0): the same state, installs and slot ids, with five
     launches fewer a layer."""
     torch = cuda
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.slotcache import SlotCache
 
     E, S, rows = 64, 24, 4
     specs, sources = _setup(torch, E, seed=11)
@@ -129,7 +129,7 @@ def test_real_rows_in_a_graph_match_the_reference_and_the_masked_step(cuda, mode
 @pytest.mark.device
 def test_two_caches_stay_identical(cuda):
     torch = cuda
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.slotcache import SlotCache
 
     E, S = 128, 40
     specs, sources = _setup(torch, E, seed=3)
@@ -145,7 +145,7 @@ def test_two_caches_stay_identical(cuda):
 
 @pytest.mark.device
 def test_device_replay_matches_reference(cuda):
-    from expertcache_cli.device_replay import device_replay
+    from expertcache_cli.device.device_replay import device_replay
 
     rng = np.random.default_rng(11)
     T, L, W, E, S = 400, 3, 24, 96, 16
@@ -171,8 +171,8 @@ def test_pdl_graph_of_layers_equals_the_reference_and_the_plain_launch(cuda):
     this step's miss list. Two sets of caches, one captured with PDL and one without,
     replayed 150 steps: identical to each other and to the reference, state and slots."""
     torch = cuda
-    from expertcache_cli import binding
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device import binding
+    from expertcache_cli.device.slotcache import SlotCache
 
     kernels = binding.get_kernels(torch.cuda.current_device())
     if not kernels.pdl_supported:
@@ -226,8 +226,8 @@ def test_library_backend(cuda, tmp_path, monkeypatch, pdl):
     torch = cuda
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not on PATH: the ahead-of-time library cannot be built here")
-    from expertcache_cli import binding, kernel_build
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device import binding, kernel_build
+    from expertcache_cli.device.slotcache import SlotCache
 
     major, minor = torch.cuda.get_device_capability()
     lib = kernel_build.build_shared_library(tmp_path / "libec.so", (major * 10 + minor,))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from kernel_helpers import assert_same_state
 
-from expertcache_cli.policy import LayerCache, Policy
+from expertcache_cli.rules.policy import LayerCache, Policy
 
 STEPS = 1800  # per (pattern, policy): 6 x 2 x 1800 = 21,600 steps
 
@@ -66,7 +66,7 @@ PATTERNS = ["tiny-churn", "skewed", "insert-cap", "read-through", "padding", "ba
 @pytest.mark.parametrize("name", PATTERNS)
 def test_manager_matches_reference(cuda, name, policy, decay):
     torch = cuda
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.slotcache import SlotCache
 
     rng = np.random.default_rng(zlib.crc32(f"{name}/{policy.name}".encode()))
     cfg, rows = pattern(name, rng, STEPS)
@@ -93,7 +93,7 @@ def test_manager_matches_reference(cuda, name, policy, decay):
 
 @pytest.mark.device
 def test_manager_refuses_bad_arguments(cuda):
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.slotcache import SlotCache
 
     with pytest.raises(ValueError, match="num_slots"):
         SlotCache(16, 0, {})
@@ -111,7 +111,7 @@ def test_reset_empties_the_slots_and_the_cache_then_matches_a_fresh_reference(cu
     """SlotCache.reset (weights reloaded): state as at construction, statistics kept, and
     the steps after it agree with a fresh reference cache field by field."""
     torch = cuda
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.slotcache import SlotCache
 
     rng = np.random.default_rng(3)
     cache = SlotCache(64, 16, {}, policy=Policy.LFU, decay=5)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from kernel_helpers import assert_same_state
 
-from expertcache_cli import binding
-from expertcache_cli.policy import LayerCache, Policy
+from expertcache_cli.device import binding
+from expertcache_cli.rules.policy import LayerCache, Policy
 
 
 def _zipf_rows(rng, e: int, steps: int, width: int) -> list[np.ndarray]:
@@ -25,7 +25,7 @@ def test_manager_at_large_expert_and_slot_counts(cuda, e, s):
     """Every field equals the reference after every step (int64 ids, 64 a step; with
     1024 slots and 64 ids no step reads through, the table fills and then evicts)."""
     torch = cuda
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.slotcache import SlotCache
 
     if s >= e:
         pytest.skip("slots must be below the experts")
@@ -43,7 +43,7 @@ def test_manager_at_large_expert_and_slot_counts(cuda, e, s):
 def test_manager_at_the_kernel_limits(cuda):
     """E = MAX_EXPERTS, S = MAX_SLOTS, LFU with decay: 100 steps of 512 ids."""
     torch = cuda
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.slotcache import SlotCache
 
     e, s = binding.MAX_EXPERTS, binding.MAX_SLOTS
     rng = np.random.default_rng(1)
@@ -59,7 +59,7 @@ def test_manager_at_the_kernel_limits(cuda):
 def test_gather_from_a_source_past_two_gib(cuda):
     """Experts whose byte offset in the source is past 2^31: the gather's 64-bit index."""
     torch = cuda
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.slotcache import SlotCache
 
     e, slab = 80, 32 << 20  # 80 x 32 MiB = 2.5 GiB of pinned host memory
     src = torch.empty((e, slab), dtype=torch.uint8, pin_memory=True)
@@ -80,11 +80,11 @@ def test_a_hundred_thousand_steps_with_stats_and_trace(cuda, tmp_path):
     """The counters equal the compiled engine's over 100,000 steps; the trace recorder,
     drained as the plugin drains it, writes back exactly the routing it was fed."""
     torch = cuda
-    from expertcache_cli import engine
+    from expertcache_cli.device.slotcache import SlotCache
     from expertcache_cli.plugin.recorder import TraceRecorder
-    from expertcache_cli.slotcache import SlotCache
-    from expertcache_cli.synth import SynthSpec, synthesize
-    from expertcache_cli.trace import load
+    from expertcache_cli.rules import engine
+    from expertcache_cli.rules.synth import SynthSpec, synthesize
+    from expertcache_cli.rules.trace import load
 
     steps = 100_000
     tr = synthesize(SynthSpec(steps=steps, layers=1, experts=128, top_k=8, seed=4, tasks=4))

@@ -16,8 +16,8 @@ def _routing(E, steps, tokens=2, top_k=4, seed=0):
 
 
 def _setup(torch, E, S):
+    from expertcache_cli.device.slotcache import SlotCache
     from expertcache_cli.plugin.small import SMALL_ROW, SmallTensors
-    from expertcache_cli.slotcache import SlotCache
 
     g = torch.Generator().manual_seed(0)
     weights = torch.randn((E, 64, 32), generator=g).to(torch.bfloat16).pin_memory()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from kernel_helpers import assert_same_state
 
-from expertcache_cli.policy import LayerCache, Policy, Wide
+from expertcache_cli.rules.policy import LayerCache, Policy, Wide
 
 
 def _sources(torch, E, seed=0):
@@ -44,8 +44,8 @@ def _check_scratch(torch, scratch, cache, sources, row, ctx):
 @pytest.mark.parametrize("policy,decay", [(Policy.LRU, 0), (Policy.LFU, 5)], ids=["lru", "lfu"])
 def test_wide_steps_match_the_reference_and_stage_the_right_bytes(cuda, wide, policy, decay):
     torch = cuda
-    from expertcache_cli.scratch import Scratch
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.scratch import Scratch
+    from expertcache_cli.device.slotcache import SlotCache
 
     E, S = 64, 16
     specs, sources = _sources(torch, E)
@@ -76,8 +76,8 @@ def test_wide_steps_match_the_reference_and_stage_the_right_bytes(cuda, wide, po
 @pytest.mark.device
 def test_a_graph_of_narrow_and_wide_steps_replays_to_the_eager_run(cuda):
     torch = cuda
-    from expertcache_cli.scratch import Scratch
-    from expertcache_cli.slotcache import SlotCache
+    from expertcache_cli.device.scratch import Scratch
+    from expertcache_cli.device.slotcache import SlotCache
 
     E, S = 64, 16
     specs, sources = _sources(torch, E, seed=5)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import UserError
+from ..errors import UserError
 
 MiB = 1024**2
 GiB = 1024**3

@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..config import FALSE_WORDS, TRUE_WORDS
+from ..errors import UserError
 from . import installed_vllm
-from .config import FALSE_WORDS, TRUE_WORDS
-from .errors import UserError
 
 ENV = "VLLM_USE_V2_MODEL_RUNNER"
 V2_RUNNER_FILE = ("v1", "worker", "gpu", "model_runner.py")

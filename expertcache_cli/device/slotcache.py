@@ -16,8 +16,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..rules.policy import Policy
 from . import binding
-from .policy import Policy
 
 if TYPE_CHECKING:
     import torch

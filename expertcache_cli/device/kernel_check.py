@@ -7,7 +7,7 @@ device checked field by field against the reference rules.
 
 from __future__ import annotations
 
-from .errors import DeviceUnavailable, UserError
+from ..errors import DeviceUnavailable, UserError
 
 
 def device_arch(device: int, hint: str = "pass --arch (e.g. --arch 90) to compile without one"
@@ -35,7 +35,7 @@ def self_test(device: int) -> str:
     import numpy as np
     import torch
 
-    from .policy import LayerCache
+    from ..rules.policy import LayerCache
     from .slotcache import SlotCache
 
     src = torch.arange(16 * 8, dtype=torch.int16).reshape(16, 8).pin_memory()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from .binding import MAX_EXPERTS, MAX_SLOTS
+from ..device.binding import MAX_EXPERTS, MAX_SLOTS
 from .policy import Policy
 
 __all__ = ["MAX_EXPERTS", "MAX_SLOTS", "check_fraction", "online_policy", "slot_limit",

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import UserError
+from ..errors import UserError
 
 #: Weight formats we can size. Each maps a [out, in] linear layer to its bytes.
 QUANTS = ("bf16", "fp16", "w8a8", "fp8", "fp8-block", "w4a16", "mxfp4", "nvfp4")

@@ -19,11 +19,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import budget as rules
-from . import capture, cards, formats, vllm_experts
-from .errors import UserError
+from ..errors import UserError
+from ..rules import budget as rules
+from ..vllm_facts import capture, vllm_experts
+from ..vllm_facts.vllm_flags import ONLINE_FORMATS
+from . import cards, formats
 from .model_size import ModelSize, load_model
-from .vllm_flags import ONLINE_FORMATS
 
 GiB = 1024**3
 
@@ -405,8 +406,8 @@ def _plan_for(
     restart served. With the size given, the profile still runs (and compiles) but no
     longer decides the KV cache.
     """
-    from .policy import Wide
-    from .scratch import scratch_bytes
+    from ..device.scratch import scratch_bytes
+    from ..rules.policy import Wide
 
     try:
         wide_mode = Wide.parse(wide)

@@ -21,8 +21,8 @@ adds it, or refuses the backends that keep the experts in VRAM.
 
 from __future__ import annotations
 
+from ..errors import UserError
 from . import installed_vllm, vllm_flags
-from .errors import UserError
 
 WNA16_ORACLE = ("model_executor", "layers", "fused_moe", "oracle", "int_wna16.py")
 #: the line of the WNA16 oracle that maps ``--moe-backend triton`` to the Triton experts
@@ -105,7 +105,7 @@ def declined_kernel(quant: str, moe_backend: str | None,
                 "cache does not arm (vLLM's default, Marlin, it arms)")
     if backend == "triton":
         return None
-    from .config import MARLIN, marlin_from_env
+    from ..config import MARLIN, marlin_from_env
 
     if not (marlin_from_env() if marlin is None else marlin):
         return (f"vLLM runs these 4-bit experts on Marlin, which the cache arms only with "

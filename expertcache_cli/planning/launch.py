@@ -18,9 +18,12 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import budget, config, installed_vllm, sizing, vllm_experts, vllm_flags, vllm_runner
-from .config import TRUE_WORDS, CacheConfig
-from .errors import UserError
+from .. import config
+from ..config import TRUE_WORDS, CacheConfig
+from ..errors import UserError
+from ..rules import budget
+from ..sizing import sizing
+from ..vllm_facts import installed_vllm, vllm_experts, vllm_flags, vllm_runner
 
 #: flags serve sets itself; given by the user, the user's value wins (noted in the plan)
 _OWNED_FLAGS = ("--cpu-offload-gb", "--cpu-offload-params", "--gpu-memory-utilization",
@@ -119,7 +122,7 @@ def make_plan(
         device_total_gib=device_total_gib, wide=wide,
         narrowest=min(per_layer) if per_layer else None, **overrides
     )
-    from .policy import Wide
+    from ..rules.policy import Wide
 
     wide_mode = Wide.parse(size.wide)
     notes = list(size.notes)
@@ -215,7 +218,7 @@ def _check_per_layer(per_layer: list[int], size: sizing.SizePlan, source: str) -
 
 def _refuse_online_quantization(args: Sequence[str], spec: str) -> None:
     """Experts offloaded and quantised while loading: vLLM cannot do it (one line, the way)."""
-    from .model_size import load_model
+    from ..sizing.model_size import load_model
 
     m = load_model(spec)
     why = vllm_flags.online_quantization_refusal(args, m.quant, m.name,
@@ -232,7 +235,7 @@ def model_refusal(model: str) -> None:
     """
     from pathlib import Path
 
-    from .presets import PRESETS
+    from ..sizing.presets import PRESETS
 
     path = Path(model).expanduser()
     if path.is_file():

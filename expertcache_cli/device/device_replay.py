@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..rules.policy import Policy, gate_widths
 from . import binding
-from .policy import Policy, gate_widths
 
 
 def device_replay(

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UserError
-from .files import atomic_write
+from ..errors import UserError
+from ..files import atomic_write
 
 
 class TraceError(UserError):
@@ -198,7 +198,7 @@ def save(trace: Trace, path: str | Path) -> Path:
 def default_padded(n: int) -> int:
     """The tokens a decode batch of ``n`` runs at under vLLM's default capture sizes
     (`capture.capture_sizes` without flags, a large max_num_seqs)."""
-    from .capture import GraphSettings, capture_sizes, padded
+    from ..vllm_facts.capture import GraphSettings, capture_sizes, padded
 
     return padded(n, capture_sizes(max(n, 256), 8192, GraphSettings()))
 

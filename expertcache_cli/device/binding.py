@@ -36,7 +36,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
-from .policy import Policy
+from ..rules.policy import Policy
 
 ABI_VERSION = 3  # = EC_ABI_VERSION in expert_cache.cu
 THREADS = 256  # = EC_THREADS: manager block size and gather block size
@@ -256,7 +256,7 @@ class NvrtcKernels(Kernels):
                 self._module, b"expert_cache_gather_kernel"
             )
             self._check(err, "cuModuleGetFunction(expert_cache_gather_kernel)")
-        from .config import pdl_from_env
+        from ..config import pdl_from_env
 
         self.set_pdl(pdl_from_env())
         self.description = (
@@ -320,7 +320,8 @@ class LibraryKernels(Kernels):
     backend = "library"
 
     def __init__(self, path: str | Path, device_index: int | None = None) -> None:
-        from . import config, kernel_build
+        from .. import config
+        from . import kernel_build
 
         path = Path(path)
         if not path.is_file():
@@ -538,7 +539,7 @@ def get_kernels(device_index: int) -> Kernels:
     with _LOCK:
         k = _LOADED.get(device_index)
         if k is None:
-            from .config import LIB
+            from ..config import LIB
 
             lib = os.environ.get(LIB)
             k = LibraryKernels(lib, device_index) if lib else NvrtcKernels(device_index)

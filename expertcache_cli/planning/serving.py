@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import capture
-from .errors import UserError
-from .vllm_flags import plan_kwargs_from_vllm_args, with_flag
+from ..errors import UserError
+from ..vllm_facts import capture
+from ..vllm_facts.vllm_flags import plan_kwargs_from_vllm_args, with_flag
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def server(vllm_args: Sequence[str], *, max_num_seqs: int | None = None,
     the streams to price, which the server must be able to run at once; ``vram_gib``:
     the card, whose size decides vLLM's batch defaults (None: under 70 GiB).
     """
-    from .sizing import vllm_defaults
+    from ..sizing.sizing import vllm_defaults
 
     args = list(vllm_args)
     if max_num_seqs is not None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import UserError
 from . import capture
-from .errors import UserError
 
 #: vLLM flags that change a plan, and the `plan` keyword (and type) each one feeds. Every
 #: caller that passes a user's vLLM arguments through (`serve`, `baseline`) reads them here.

@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 #: C entry points of the shared library (host wrappers that validate, then launch).
 LIBRARY_ENTRY_POINTS = ("expert_cache_manage", "expert_cache_gather", "expert_cache_set_pdl")

@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import formats, installed_vllm
-from .errors import UserError
+from ..errors import UserError
+from ..vllm_facts import installed_vllm
+from . import formats
 from .formats import QUANTS, Tensor, ceil_div, linear_bytes, linear_tensors, quant_from_config
 from .presets import DEFAULT_PRESET, PRESETS, find_preset
 

@@ -24,8 +24,8 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..errors import UserError
 from . import installed_vllm
-from .errors import UserError
 
 #: the vLLM release from which the uniform decode size (max_num_seqs) is also captured
 #: (read in 0.30.0, which does not, and 0.31.0, which does)

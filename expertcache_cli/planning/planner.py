@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import capture
-from .errors import UserError
-from .policy import Policy, Wide
+from ..errors import UserError
+from ..rules.policy import Policy, Wide
+from ..rules.trace import Trace, shared_note
+from ..vllm_facts import capture
 from .serving import Server
-from .trace import Trace, shared_note
 
 #: the plan file's format (serve --plan checks it)
 PLAN_FORMAT = 1
@@ -87,7 +87,7 @@ def read_probe(path: str | Path) -> tuple[float, str, tuple[float, str] | None]:
 
 
 def _link_of(data: Any, path: str | Path) -> tuple[float, str]:
-    from .probe.report import Rate, gather_row, is_stand_in
+    from ..probe.report import Rate, gather_row, is_stand_in
 
     if not isinstance(data, dict):
         raise UserError(f"--probe {path}: not a probe-link --json file")
@@ -120,7 +120,7 @@ def _step_of(data: Any, path: str | Path) -> tuple[float, str] | None:
 
 def resident_from_baseline(path: str | Path) -> tuple[float, str]:
     """The resident arm's decode rate (mean of restart means) from a baseline results file."""
-    from .baseline.runner import load_summary
+    from ..baseline.runner import load_summary
 
     summary, _ = load_summary(path)
     arm = next((a for a in summary.arms if a.arm == "resident" and a.restarts > 0), None)
@@ -194,12 +194,12 @@ def plan_trace(
     ``server``: the batch flags and vLLM release served with (`serving.server`; default:
     read from ``vllm_args``): the recommendation is one `serve` takes (`serveable`).
     """
-    from .replay import replay
+    from ..rules.replay import replay
+    from ..rules.split import recommend
     from .serving import server as read_server
-    from .split import recommend
 
     if server is None:
-        from .cards import parse_vram
+        from ..sizing.cards import parse_vram
 
         server = read_server(vllm_args or [], batch=batch, vram_gib=parse_vram(vram_gb)[0])
     vllm_args = server.vllm_args
