@@ -56,12 +56,14 @@ def main() -> None:
 
     import torch
 
-    from expertcache_cli.config import CacheConfig
+    from expertcache_cli.config import CacheConfig, kernel_source
     from expertcache_cli.device import binding
     from expertcache_cli.device.slotcache import SlotCache
     from expertcache_cli.plugin.arming import ARM, plan_layer
     from expertcache_cli.plugin.padding import mask_reader
     from expertcache_cli.plugin.runtime import ArmedLayer
+
+    binding.select(*kernel_source())  # EXPERT_CACHE_LIB and _PDL, as the commands read them
 
     header(torch, "bench_armed_layer: the plugin's per-layer path around the cache step")
     L, E, S, K = args.layers, args.experts, args.slots, args.top_k

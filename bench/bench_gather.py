@@ -29,7 +29,10 @@ def main() -> None:
 
     import torch
 
+    from expertcache_cli.config import kernel_source
     from expertcache_cli.device import binding
+
+    binding.select(*kernel_source())  # EXPERT_CACHE_LIB and _PDL, as the commands read them
 
     header(torch, "bench_gather: host->slot gather vs copy engine vs contiguous SM read")
     base = Baselines(torch)

@@ -39,8 +39,11 @@ def main() -> None:
 
     import torch
 
+    from expertcache_cli.config import kernel_source
     from expertcache_cli.device import binding
     from expertcache_cli.device.slotcache import SlotCache
+
+    binding.select(*kernel_source())  # EXPERT_CACHE_LIB and _PDL, as the commands read them
 
     header(torch, "bench_layer_step: per-layer manager + no-miss gather + remap, CUDA graph")
     L, E, S, W = args.layers, args.experts, args.slots, args.ids

@@ -24,8 +24,11 @@ def main() -> None:
 
     import torch
 
+    from expertcache_cli.config import kernel_source
     from expertcache_cli.device import binding
     from expertcache_cli.device.slotcache import SlotCache
+
+    binding.select(*kernel_source())  # EXPERT_CACHE_LIB and _PDL, as the commands read them
 
     header(torch, "bench_manager: manager kernel, us per call (CUDA graph replay)")
     base = Baselines(torch)

@@ -216,6 +216,15 @@ def pdl_from_env(env: Mapping[str, str] | None = None) -> bool:
     return _bool(env, PDL)
 
 
+def kernel_source(env: Mapping[str, str] | None = None) -> tuple[str | None, bool]:
+    """Where the cache's kernels come from and how they launch, as the environment says:
+    (the library ``EXPERT_CACHE_LIB`` names, or None for the NVRTC build; PDL per
+    ``EXPERT_CACHE_PDL``). The commands hand it to `binding.select`, which reads no
+    environment itself; the plugin hands over its `CacheConfig`'s ``lib`` and ``pdl``."""
+    env = os.environ if env is None else env
+    return env.get(LIB) or None, pdl_from_env(env)
+
+
 def marlin_from_env(env: Mapping[str, str] | None = None) -> bool:
     """Whether Marlin experts may be armed. Off unless ``EXPERT_CACHE_MARLIN=1``: their
     arming (the stock block order remapped to slots, ragged per-expert tensors in a side

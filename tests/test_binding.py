@@ -252,3 +252,30 @@ def test_driver_version_is_zero_without_a_driver(monkeypatch):
 
     monkeypatch.setattr(binding.ctypes, "CDLL", no_lib)
     assert binding.driver_version() == 0
+
+
+def test_the_caller_selects_the_kernels_a_device_loads(monkeypatch):
+    """`select` decides what `get_kernels` loads for a device not loaded yet: a library or
+    NVRTC, with PDL or without; unselected, NVRTC with PDL (an unset environment)."""
+    made = []
+    monkeypatch.setattr(binding, "NvrtcKernels", lambda *a: made.append(("nvrtc", *a)) or a)
+    monkeypatch.setattr(binding, "LibraryKernels", lambda *a: made.append(("lib", *a)) or a)
+    monkeypatch.setattr(binding, "_LOADED", {})
+    monkeypatch.setattr(binding, "_SOURCE", binding._SOURCE)
+    binding.get_kernels(0)
+    binding.select("/opt/libexpertcache.so", pdl=False)
+    binding.get_kernels(1)
+    binding.get_kernels(0)  # loaded once per device: the earlier choice stays
+    binding.select(None, pdl=False)
+    binding.get_kernels(2)
+    assert made == [("nvrtc", 0, True), ("lib", "/opt/libexpertcache.so", 1, False),
+                    ("nvrtc", 2, False)]
+
+
+def test_the_binding_reads_no_environment():
+    """Where the kernels come from is handed in (`select`), never read here: the device
+    layer sits below the configuration (tests/test_layout.py checks the imports)."""
+    import re
+    from pathlib import Path
+
+    assert re.search(r"\benviron\b|getenv", Path(binding.__file__).read_text()) is None

@@ -157,3 +157,15 @@ def test_pdl_switch_reads_as_the_other_booleans_and_defaults_on(value, want):
 def test_a_bad_pdl_value_is_one_clear_error():
     with pytest.raises(ConfigError, match="EXPERT_CACHE_PDL='maybe': expected 1 or 0"):
         from_env({"EXPERT_CACHE_PDL": "maybe"})
+
+
+@pytest.mark.parametrize("env, want", [
+    ({}, (None, True)),
+    ({"EXPERT_CACHE_LIB": "/opt/libexpertcache.so", "EXPERT_CACHE_PDL": "0"},
+     ("/opt/libexpertcache.so", False)),
+    ({"EXPERT_CACHE_LIB": "", "EXPERT_CACHE_PDL": "1"}, (None, True)),
+])
+def test_kernel_source_is_what_the_environment_hands_the_binding(env, want):
+    from expertcache_cli.config import kernel_source
+
+    assert kernel_source(env) == want

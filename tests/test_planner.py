@@ -70,7 +70,9 @@ def test_the_step_is_read_from_a_probe_that_measured_it(tmp_path):
 def test_inputs_read_from_a_saved_probe_and_a_baseline_file(tmp_path):
     rate, src = planner.read_probe(PROBE)[:2]
     assert rate == pytest.approx(49.48, abs=0.01) and "NVIDIA H200" in src
-    tok_s, src = planner.resident_from_baseline(BASELINE)
+    from expertcache_cli.baseline.runner import resident_from_baseline
+
+    tok_s, src = resident_from_baseline(BASELINE)
     assert tok_s == pytest.approx(605.1, abs=0.1) and "3 restart(s)" in src
     with pytest.raises(UserError, match="not JSON"):
         planner.read_probe(BASELINE)[:2]  # JSON lines, not a probe

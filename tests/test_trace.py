@@ -103,7 +103,7 @@ def _single_stream() -> Trace:
 
 
 def test_rebatch_interleaves_offset_streams_of_the_decode_steps():
-    from expertcache_cli.rules.trace import rebatch
+    from expertcache_cli.planning.rebatch import rebatch
 
     tr = rebatch(_single_stream(), 3)
     assert tr.topk_ids.shape == (6, 2, 6)  # 6 decode steps, 3 streams x top-2
@@ -120,7 +120,7 @@ def test_rebatch_interleaves_offset_streams_of_the_decode_steps():
 
 def test_rebatch_refuses_what_it_cannot_model():
     from expertcache_cli.errors import UserError
-    from expertcache_cli.rules.trace import rebatch
+    from expertcache_cli.planning.rebatch import rebatch
 
     with pytest.raises(UserError, match="--batch must be >= 1"):
         rebatch(_single_stream(), 0)
@@ -147,7 +147,7 @@ def _requests_trace(requests: int, decode: int) -> Trace:
 
 
 def test_a_rebatch_says_when_its_streams_share_a_request_and_prices_distinct_ones_apart():
-    from expertcache_cli.rules.trace import rebatch, shared_note
+    from expertcache_cli.planning.rebatch import rebatch, shared_note
 
     one = rebatch(_requests_trace(1, 40), 4)
     assert one.extra["shared"] == {"requests": 1, "streams": 4, "fewest": 1, "median": 1.0}
@@ -187,10 +187,10 @@ def test_a_rebatch_counts_as_the_streams_side_by_side_in_bounded_memory(n):
     """Every count of every policy, mode and budget, and the reuse distances, equal those of
     the naive [T, L, n x W] array, while the trace stays [T, L, at most E] for any n (n past
     the trace's 30 decode steps included: those streams are copies)."""
+    from expertcache_cli.planning.rebatch import rebatch
     from expertcache_cli.rules import engine
     from expertcache_cli.rules.policy import Policy, Wide
     from expertcache_cli.rules.replay import reuse_percentiles
-    from expertcache_cli.rules.trace import rebatch
 
     rng = np.random.default_rng(n)
     e, k, t = 24, 3, 31
@@ -221,7 +221,7 @@ def test_the_demo_trace_rebatched_to_100000_streams_stays_the_size_of_its_expert
     """`replay --batch 100000` was killed for memory: the streams side by side are
     3000 x 48 x 800,000 ids. Re-batched, the trace holds at most E=128 ids a layer-step."""
     from expertcache_cli.commands import demo_trace_path
-    from expertcache_cli.rules.trace import rebatch
+    from expertcache_cli.planning.rebatch import rebatch
 
     demo = load(demo_trace_path())
     tr = rebatch(demo, 100_000)
@@ -233,7 +233,7 @@ def test_the_demo_trace_rebatched_to_100000_streams_stays_the_size_of_its_expert
 
 
 def test_a_rebatch_to_more_streams_than_memory_holds_is_every_start_once():
-    from expertcache_cli.rules.trace import rebatch
+    from expertcache_cli.planning.rebatch import rebatch
 
     tr = rebatch(_single_stream(), 10**12)  # never an array of 10**12 streams
     assert tr.extra["shared"]["streams"] == 10**12 and tr.tokens == 6 * 10**12
@@ -242,7 +242,7 @@ def test_a_rebatch_to_more_streams_than_memory_holds_is_every_start_once():
 
 
 def test_shared_requests_counts_streams_that_start_together_once():
-    from expertcache_cli.rules.trace import shared_requests
+    from expertcache_cli.planning.rebatch import shared_requests
 
     single = np.array([False] + [True] * 9 + [False] + [True] * 9)
     many = shared_requests(single, [(i * 18) // 5000 for i in range(5000)], 5000)

@@ -454,3 +454,13 @@ def load_summary(path: str | os.PathLike[str]):
     if meta is None and not records:
         raise UserError(f"{path}: empty results file")
     return summarise(records, meta), records
+
+
+def resident_from_baseline(path: str | Path) -> tuple[float, str]:
+    """The resident arm's decode rate (mean of restart means) from a baseline results file."""
+    summary, _ = load_summary(path)
+    arm = next((a for a in summary.arms if a.arm == "resident" and a.restarts > 0), None)
+    if arm is None or not math.isfinite(arm.mean_tok_s):
+        raise UserError(f"--baseline {path}: no measured resident arm")
+    return float(arm.mean_tok_s), (f"baseline {path}: resident arm, {arm.restarts} restart(s), "
+                                   f"{arm.runs} run(s)")

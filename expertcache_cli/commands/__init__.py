@@ -136,8 +136,8 @@ def workload(trace, wide: str, batch: int | None, batch_tokens: int | None = Non
     """The trace as the user asked to model it, and the wide-step mode, from the options
     `replay` and `plan` share (one line on a bad value). ``batch_tokens``: what a step of
     the batch runs at on the server (`serving.Server.batch_tokens`)."""
+    from ..planning.rebatch import rebatch
     from ..rules.policy import Wide
-    from ..rules.trace import rebatch
 
     try:
         mode = Wide.parse(wide)
@@ -146,3 +146,13 @@ def workload(trace, wide: str, batch: int | None, batch_tokens: int | None = Non
     if batch is not None:
         trace = rebatch(trace, batch, batch_tokens)
     return trace, mode
+
+
+def select_kernels() -> None:
+    """Hand the device binding the environment's choice of kernels (``EXPERT_CACHE_LIB``,
+    ``EXPERT_CACHE_PDL``) before a command loads them: the binding reads no environment,
+    so the command, which runs on the user's, says it."""
+    from ..config import kernel_source
+    from ..device import binding
+
+    binding.select(*kernel_source())

@@ -21,7 +21,7 @@ from ..device import kernel_build
 from ..device.kernel_check import device_arch
 from ..device.kernel_check import self_test as run_self_test
 from ..errors import DeviceUnavailable
-from . import parse_int_list
+from . import parse_int_list, select_kernels
 
 
 def build_kernels(
@@ -58,7 +58,10 @@ def build_kernels(
         # The runtime will use this library, not NVRTC: check that one instead.
         from ..device.binding import ABI_VERSION, LibraryKernels
 
-        LibraryKernels(lib_env)  # checks the file, its exports and its ABI version
+        try:  # the file, its exports and its ABI version
+            LibraryKernels(lib_env, pdl=config.pdl_from_env())
+        except kernel_build.KernelBuildError as exc:  # its message starts with the path
+            raise kernel_build.KernelBuildError(f"{config.LIB}={exc}") from None
         print(f"{config.LIB}={lib_env}: exports "
               f"{', '.join(kernel_build.LIBRARY_ENTRY_POINTS)}, kernel ABI {ABI_VERSION} "
               "(NVRTC is not used while it is set)")
@@ -68,6 +71,7 @@ def build_kernels(
             except DeviceUnavailable as exc:
                 print(f"self-test skipped: {exc}")
                 return
+            select_kernels()
             print(run_self_test(device))
         return
     if arch:
@@ -86,6 +90,7 @@ def build_kernels(
         print(f"{target}{on}: {img.path} ({img.path.stat().st_size:,} B, {how}); entry points "
               f"{', '.join(kernel_build.KERNEL_ENTRY_POINTS)}")
     if not arch and self_test:
+        select_kernels()
         print(run_self_test(device))
 
 

@@ -20,6 +20,7 @@ from . import (
     demo_trace_path,
     json_text,
     parse_budgets,
+    select_kernels,
     workload,
 )
 
@@ -54,6 +55,7 @@ def _link(link_gbps: float | None, probe_file: Path | None, model: str | None,
     from ..device.kernel_check import device_arch
 
     device_arch(0, hint=f"plan needs {LINK_INPUT}")
+    select_kernels()
     # the gather at this model's expert slab: the rate the cache's own copies run at; and
     # the cache's step when every expert hits
     rep = probe.probe_link(model=model, repeats=3, warmup=1, only=("gather", "step"))
@@ -101,14 +103,14 @@ def _check_given(link_gbps: float | None, probe_file: Path | None,
 
 
 def _resident(resident_tok_s: float | None, baseline: Path | None) -> tuple[float, str]:
-    from ..planning import planner
-
     if resident_tok_s is not None:
         if not math.isfinite(resident_tok_s) or resident_tok_s <= 0:
             raise UserError(f"--resident-tok-s must be positive, got {resident_tok_s}")
         return resident_tok_s, "given (--resident-tok-s)"
     if baseline is not None:
-        return planner.resident_from_baseline(baseline)
+        from ..baseline.runner import resident_from_baseline
+
+        return resident_from_baseline(baseline)
     raise UserError(f"plan needs {RESIDENT_INPUT}")
 
 

@@ -11,6 +11,7 @@ from rich.console import Console
 from ..errors import UserError
 from ..sizing.presets import DEFAULT_PRESET
 from ..tables import Table
+from . import select_kernels
 
 console = Console()
 
@@ -60,6 +61,7 @@ def register(app: typer.Typer) -> None:
         if save is not None:
             save = check_output(save, "--save")  # before minutes of measuring
         mdl = str(model) if not Path(model).exists() else Path(model)
+        select_kernels()
         rep = probe.probe_link(device=device, model=mdl, quant=quant, sizes_mib=size_list,
                                repeats=repeats, warmup=warmup, pin=pin, only=only_keys)
         data = rep.to_json()

@@ -10,8 +10,9 @@ from rich.console import Console
 
 from ..errors import UserError
 from ..files import atomic_write, check_output
+from ..planning.rebatch import shared_note
 from ..rules.policy import Policy, Wide
-from ..rules.trace import Trace, load, shared_note
+from ..rules.trace import Trace, load
 from ..tables import Table
 from . import (
     BATCH_HELP,
@@ -21,6 +22,7 @@ from . import (
     demo_trace_path,
     json_text,
     parse_budgets,
+    select_kernels,
     workload,
 )
 
@@ -58,7 +60,7 @@ def _trace_json(path: Path, trace: Trace) -> dict:
         "expert_bytes": trace.expert_bytes,
         "model": trace.model,
         "source": trace.source,
-        # --batch: the streams' requests (trace.shared_requests), and the note when they share
+        # --batch: the streams' requests (rebatch.shared_requests), and the note when they share
         "rebatch": trace.extra.get("shared"),
         "rebatch_note": shared_note(trace),
     }
@@ -197,6 +199,7 @@ def replay_command(
     if device == "cuda":
         from ..device.device_replay import compare_with_engine
 
+        select_kernels()
         device_check = compare_with_engine(trace, policies, budgets, decay, max_inserts, report)
 
     if csv is not None:

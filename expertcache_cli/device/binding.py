@@ -9,8 +9,14 @@ module is the only Python code that knows their signatures. It can drive either 
   `kernel_build`), loaded with the driver API from `cuda-bindings`, launched with
   ``cuLaunchKernelEx`` on the caller's stream. The checks the C wrappers would do are done
   here, before launching.
-* ``LibraryKernels``: a shared library built by ``kernels/build.sh`` and named by
-  ``EXPERT_CACHE_LIB``, called through ctypes.
+* ``LibraryKernels``: a shared library built by ``kernels/build.sh``, called through
+  ctypes.
+
+Which of the two a process loads, and whether it launches with PDL, is its caller's
+choice, handed over with `select` (the plugin from its `CacheConfig`, the commands from
+``EXPERT_CACHE_LIB`` and ``EXPERT_CACHE_PDL`` through `config.kernel_source`): this
+module reads no environment, so the device layer does not depend on the configuration
+above it.
 
 Launchers (`ManageLauncher`, `GatherLauncher`) check and prebuild their argument blocks
 once, so a call only rewrites the few values that change (ids, output, source pointers):
@@ -19,7 +25,7 @@ They hand themselves to the backend (`Kernels.run_manage` / `run_gather`), the o
 that differs between the two builds.
 
 Both can launch with programmatic dependent launch (PDL) on sm_90 and newer
-(on by default where the GPU and driver have it; ``EXPERT_CACHE_PDL=0`` turns it off): a
+(on by default where the GPU and driver have it; ``select(pdl=False)`` turns it off): a
 launch may begin while the kernel before it in the stream ends, and waits inside
 (``ec_grid_wait``) before reading what that kernel wrote. It hides the launch of the
 gather behind the manager, and the manager's start behind the router; CUDA graphs capture
@@ -36,13 +42,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..rules.budget import MAX_EXPERTS, MAX_SLOTS
 from ..rules.policy import Policy
 
 ABI_VERSION = 3  # = EC_ABI_VERSION in expert_cache.cu
 THREADS = 256  # = EC_THREADS: manager block size and gather block size
 WARP = 32  # = EC_WARP on NVIDIA: the manager keeps one scan total a warp
-MAX_EXPERTS = 16384  # = EC_MAX_EXPERTS
-MAX_SLOTS = 1024  # = EC_MAX_SLOTS
+# MAX_EXPERTS (= EC_MAX_EXPERTS) and MAX_SLOTS (= EC_MAX_SLOTS) are rules of the slot
+# budget as well: `budget` defines them, below this module, and the checks here use them.
 GATHER_MAX_TENSORS = 8  # = EC_GATHER_MAX_TENSORS: wider gathers are split across launches
 VEC_BYTES = 16  # every gather lane moves 16 bytes; slabs must be multiples of it
 
@@ -216,7 +223,7 @@ class NvrtcKernels(Kernels):
 
     backend = "nvrtc"
 
-    def __init__(self, device_index: int) -> None:
+    def __init__(self, device_index: int, pdl: bool = True) -> None:
         import torch
 
         from . import kernel_build
@@ -256,9 +263,7 @@ class NvrtcKernels(Kernels):
                 self._module, b"expert_cache_gather_kernel"
             )
             self._check(err, "cuModuleGetFunction(expert_cache_gather_kernel)")
-        from ..config import pdl_from_env
-
-        self.set_pdl(pdl_from_env())
+        self.set_pdl(pdl)
         self.description = (
             f"NVRTC {self.image.kind} for sm_{self.image.arch} ({self.image.path}"
             f"{', cached' if self.image.cached else ', compiled now'})"
@@ -319,14 +324,14 @@ class LibraryKernels(Kernels):
 
     backend = "library"
 
-    def __init__(self, path: str | Path, device_index: int | None = None) -> None:
-        from .. import config
+    def __init__(self, path: str | Path, device_index: int | None = None,
+                 pdl: bool = True) -> None:
         from . import kernel_build
 
         path = Path(path)
         if not path.is_file():
             raise kernel_build.KernelBuildError(
-                f"{config.LIB}={path}: no such file (build it with kernels/build.sh "
+                f"{path}: no such file (build it with kernels/build.sh "
                 "or `expertcache build-kernels --library`)"
             )
         missing = kernel_build.missing_entry_points(
@@ -356,7 +361,7 @@ class LibraryKernels(Kernels):
 
             self.pdl_supported = pdl_possible(
                 torch.cuda.get_device_capability(device_index)[0], driver_version())
-        self.set_pdl(config.pdl_from_env())
+        self.set_pdl(pdl)
         self.description = (f"shared library {path}"
                             f"{', programmatic dependent launch' if self.pdl else ''}")
 
@@ -528,20 +533,32 @@ def default_gather_grid(device_index: int) -> int:
 
 _LOADED: dict[int, Kernels] = {}
 _LOCK = threading.Lock()
+#: (library path or None for NVRTC, PDL): the caller's choice, `select`
+_SOURCE: tuple[str | None, bool] = (None, True)
+
+
+def select(library: str | os.PathLike[str] | None = None, pdl: bool = True) -> None:
+    """Where this process's kernels come from and how they launch, for devices not loaded
+    yet: a prebuilt shared library (``library``) or, without one, the source compiled with
+    NVRTC; with programmatic dependent launch where the GPU has it (``pdl``).
+
+    Why the caller says it: the binding sits below the configuration, and a process knows
+    its own choice (the plugin has its `CacheConfig`, a command reads the environment
+    through `config.kernel_source`, a bench sets what it times). Unselected, a process
+    gets NVRTC with PDL, what an unset environment means.
+    """
+    global _SOURCE
+    with _LOCK:
+        _SOURCE = (os.fspath(library) if library else None, bool(pdl))
 
 
 def get_kernels(device_index: int) -> Kernels:
-    """The kernels for one device, loaded once per process.
-
-    ``EXPERT_CACHE_LIB=/path/libexpertcache.so`` selects a prebuilt library; otherwise the
-    source is compiled with NVRTC (or taken from the per-user cache).
-    """
+    """The kernels for one device, loaded once per process from the `select`-ed source."""
     with _LOCK:
         k = _LOADED.get(device_index)
         if k is None:
-            from ..config import LIB
-
-            lib = os.environ.get(LIB)
-            k = LibraryKernels(lib, device_index) if lib else NvrtcKernels(device_index)
+            lib, pdl = _SOURCE
+            k = (LibraryKernels(lib, device_index, pdl) if lib
+                 else NvrtcKernels(device_index, pdl))
             _LOADED[device_index] = k
         return k

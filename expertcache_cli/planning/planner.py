@@ -33,8 +33,9 @@ from typing import Any
 
 from ..errors import UserError
 from ..rules.policy import Policy, Wide
-from ..rules.trace import Trace, shared_note
+from ..rules.trace import Trace
 from ..vllm_facts import capture
+from .rebatch import shared_note
 from .serving import Server
 
 #: the plan file's format (serve --plan checks it)
@@ -118,18 +119,6 @@ def _step_of(data: Any, path: str | Path) -> tuple[float, str] | None:
     return float(us), f"probe-link on {where} ({path}: the cache step, every expert a hit)"
 
 
-def resident_from_baseline(path: str | Path) -> tuple[float, str]:
-    """The resident arm's decode rate (mean of restart means) from a baseline results file."""
-    from ..baseline.runner import load_summary
-
-    summary, _ = load_summary(path)
-    arm = next((a for a in summary.arms if a.arm == "resident" and a.restarts > 0), None)
-    if arm is None or not math.isfinite(arm.mean_tok_s):
-        raise UserError(f"--baseline {path}: no measured resident arm")
-    return float(arm.mean_tok_s), (f"baseline {path}: resident arm, {arm.restarts} restart(s), "
-                                   f"{arm.runs} run(s)")
-
-
 def slot_grid(num_experts: int, top_k: int, upto: int, points: int = 12) -> list[int]:
     """Budgets worth predicting: from top_k (one token's experts) up to ``upto``."""
     upto = min(upto, num_experts - 1)
@@ -190,7 +179,7 @@ def plan_trace(
     ``fits_upto``: the most slots `size` says fit on the card (None: not sized, every
     budget assumed to fit, and the notes say so). ``wide``: how steps wider than the
     slots are modelled; ``batch``: the trace was re-batched to that many streams
-    (`trace.rebatch`), and the resident rate is then the aggregate at that batch.
+    (`rebatch.rebatch`), and the resident rate is then the aggregate at that batch.
     ``server``: the batch flags and vLLM release served with (`serving.server`; default:
     read from ``vllm_args``): the recommendation is one `serve` takes (`serveable`).
     """

@@ -308,8 +308,10 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     ``pool``: the allocation context of vLLM's sleep-mode pool (`memory.sleep_pool`): the
     slot buffers and the scratch are allocated inside it, so they sleep with the weights.
     """
+    from ..device import binding
     from ..vllm_facts.capture import padded
 
+    binding.select(cfg.lib, cfg.pdl)  # the kernels this process loads: the configuration's
     layers = find_moe_layers(model)
     decisions = [plan_layer(module, cfg, name, i) for i, (name, module) in enumerate(layers)]
     if cfg.slots_per_layer is not None and len(cfg.slots_per_layer) != len(layers):

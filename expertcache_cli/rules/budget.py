@@ -4,7 +4,8 @@ all obey, so they cannot disagree.
 - a fraction of the experts becomes slots rounded half up, at least 1, and must lie in
   (0, 1): a budget of every expert is what not offloading does, without the cache's work;
 - slots must be below the layer's expert count and within the kernel's limit
-  (``binding.MAX_SLOTS``; the manager keeps its state in one block's shared memory);
+  (`MAX_SLOTS`, here because the budget obeys it; the manager keeps its state in one
+  block's shared memory, and `binding` checks its launches against the same numbers);
 - the online policies are LRU and LFU; a decay applies to LFU only (Belady's optimum needs
   the future and exists only in replay);
 - the sizing trap is worded once (`trap_text`); how a batch is padded is `capture`.
@@ -18,11 +19,15 @@ from __future__ import annotations
 
 import math
 
-from ..device.binding import MAX_EXPERTS, MAX_SLOTS
 from .policy import Policy
 
 __all__ = ["MAX_EXPERTS", "MAX_SLOTS", "check_fraction", "online_policy", "slot_limit",
            "slots_from_fraction", "trap_text"]
+
+#: the cache kernel's limits, = EC_MAX_EXPERTS and EC_MAX_SLOTS in kernels/expert_cache.cu
+#: (tests/test_kernel_build.py reads them from the source)
+MAX_EXPERTS = 16384
+MAX_SLOTS = 1024
 
 
 def check_fraction(fraction: float) -> float:
