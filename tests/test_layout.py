@@ -14,13 +14,8 @@ Nothing is imported: the check runs without torch, vLLM or numba.
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
-
-PACKAGE = "expertcache_cli"
-ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+from package_imports import PACKAGE, import_graph
 
 #: Sections, lowest first (docs/layout.md says why). A section may import its own modules
 #: and any section below it, never one above; peers of one entry do not import each other.
@@ -43,53 +38,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("__main__",),
 ]
 LEVEL = {section: i for i, names in enumerate(LAYERS) for section in names}
-
-
-def _modules(root: Path) -> dict[str, tuple[Path, bool]]:
-    """Dotted module name -> (file, is a package ``__init__``) for every module under root."""
-    out = {}
-    for path in sorted(root.rglob("*.py")):
-        parts = list(path.relative_to(root.parent).with_suffix("").parts)
-        is_pkg = parts[-1] == "__init__"
-        if is_pkg:
-            parts.pop()
-        out[".".join(parts)] = (path, is_pkg)
-    return out
-
-
-def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports (static, function-local included)."""
-    mods = _modules(root)
-    pkg = root.name
-    graph: dict[str, set[str]] = {name: set() for name in mods}
-
-    def known(name: str) -> str:
-        while name not in mods and "." in name:
-            name = name.rsplit(".", 1)[0]
-        return name
-
-    for name, (path, is_pkg) in mods.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names if a.name.split(".")[0] == pkg]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = name.split(".") if is_pkg else name.split(".")[:-1]
-                    base = base[: len(base) - (node.level - 1)]
-                    module = ".".join(base + ([node.module] if node.module else []))
-                elif (node.module or "").split(".")[0] == pkg:
-                    module = node.module or ""
-                else:
-                    continue
-                # ``from pkg import mod`` imports the module; ``from mod import name`` the module
-                targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in mods else module
-                           for a in node.names]
-            for target in targets:
-                target = known(target)
-                if target != name:
-                    graph[name].add(target)
-    return graph
 
 
 def section(module: str) -> str:
