@@ -11,6 +11,7 @@ REPORT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="p
 <testcase classname="tests.device.test_scale" name="test_a" time="0"><skipped/></testcase>
 <testcase classname="tests.test_x.TestGroup" name="test_b" time="0"><skipped/></testcase>
 <testcase classname="tests.test_ran" name="test_c" time="0"/>
+<testcase classname="tests.bench.test_bench_wide_stage" name="test_d" time="0"><skipped/></testcase>
 </testsuite></testsuites>"""
 
 
@@ -19,4 +20,5 @@ def test_the_files_with_a_skip_and_only_those(tmp_path):
     report.write_text(REPORT)
     out = subprocess.run([sys.executable, str(ROOT / ".ci" / "skipped_files.py"), str(report)],
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["tests/device/test_scale.py", "tests/test_audit.py", "tests/test_x.py"]
+    assert out == ["tests/bench/test_bench_wide_stage.py", "tests/device/test_scale.py",
+                   "tests/test_audit.py", "tests/test_x.py"]

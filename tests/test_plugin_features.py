@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="no torch: the plugin feature tests need torch")
 
+from armed_standins import Experts, H, fake_vllm_layout, routing  # noqa: E402
 from ref_slotcache import RefSlotCache  # noqa: E402
-from test_plugin_runtime import Experts, H, _fake_vllm_layout, _routing  # noqa: E402
 
 import expertcache_cli.plugin as plugin  # noqa: E402
 from expertcache_cli.config import CacheConfig  # noqa: E402
@@ -190,7 +190,7 @@ def armed_worker(monkeypatch):
 
     monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
     monkeypatch.setattr(session_mod, "_SESSIONS", [])
-    _fake_vllm_layout(monkeypatch)
+    fake_vllm_layout(monkeypatch)
 
     def make(version, sleep_mode=False):
         base = {"0.26.0": Worker026, "0.33.0": Worker033}[version]
@@ -220,7 +220,7 @@ def _serve(model, stock, steps, rng, tokens=1):
     out = None
     for _ in range(steps):
         x = torch.randn(tokens, H)
-        ids, w = _routing(rng, tokens)
+        ids, w = routing(rng, tokens)
         got, want = model.step(x, w, ids), stock.step(x, w, ids)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         out = got
@@ -255,7 +255,7 @@ def test_every_weight_update_path_refreshes_the_slots_as_the_stock_path(armed_wo
     _copy_in_place(stock, new)
     assert "finished a weight update" in caplog.text
     x = torch.randn(1, H)
-    ids, w = _routing(rng, 1)
+    ids, w = routing(rng, 1)
     assert not torch.equal(model.step(x, w, ids), before)
     _serve(model, stock, 8, rng)
 
@@ -382,7 +382,7 @@ def test_a_per_layer_plan_on_a_pipeline_stage_arms_nothing_and_says_why(armed_wo
     from expertcache_cli.config import from_env
 
     monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
-    _fake_vllm_layout(monkeypatch)
+    fake_vllm_layout(monkeypatch)
     caplog.set_level("WARNING", logger="vllm.expertcache")
     worker = Worker026(_Model(seed=40))
     worker.vllm_config.parallel_config = SimpleNamespace(pipeline_parallel_size=2)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from bench_runner_harness import make_runner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 STUB = r'''#!/usr/bin/env python3
 """python3 for the runner: GPU steps recorded and faked; inline scripts run for real."""

@@ -7,7 +7,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "detach.sh"
 
 

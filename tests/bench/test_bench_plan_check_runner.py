@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from bench_runner_harness import make_runner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("httpx", reason="the comparison reads baseline files with the bench's client")
 
 STUB = r'''#!/usr/bin/env python3

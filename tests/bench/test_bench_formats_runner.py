@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from bench_runner_harness import make_runner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("httpx", reason="the formats report imports the bench's server client")
 
 ARMED = "expertcache: vLLM 0.26.0: armed 8 of 8 MoE layers; 32 of 128 experts/layer as slots"

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="no torch: the routing hook needs torch")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import trace_routing  # noqa: E402

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from bench_runner_harness import make_runner
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import first_start_report as fsr  # noqa: E402
 
 STUB = r'''#!/usr/bin/env python3

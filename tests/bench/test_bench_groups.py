@@ -16,7 +16,7 @@ import pytest
 
 from expertcache_cli.baseline import groups
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OLD_PATTERN = r"vllm.entrypoints|EngineCore|ballast.py hold"
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /proc (not Linux)")

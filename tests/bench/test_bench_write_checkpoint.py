@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the writer needs torch")
 pytest.importorskip("safetensors", reason="the writer needs safetensors")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 
