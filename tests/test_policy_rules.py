@@ -178,3 +178,27 @@ def test_rows_the_runner_marks_are_padding_too():
 def test_unknown_policy_is_a_clear_error(bad):
     with pytest.raises(ValueError):
         Policy.parse(bad)
+
+
+def test_wide_codes_are_pinned_to_the_engine_and_the_kernel():
+    """`Wide.code` is written on each member, not the enum's order: the numba engine
+    branches on these integers, and the kernel takes a wide step as a manager call whose
+    ``max_inserts`` is `Wide.insert_cap` (the ABI has no wide-mode argument of its own)."""
+    from pathlib import Path
+
+    from expertcache_cli.device import binding
+    from expertcache_cli.rules import engine
+    from expertcache_cli.rules.policy import Wide
+
+    assert {m: m.code for m in Wide} == {Wide.IN_PLACE: 0, Wide.STAGED: 1,
+                                        Wide.STAGED_INSTALL: 2}
+    assert (engine.WIDE_IN_PLACE, engine.WIDE_STAGED, engine.WIDE_STAGED_INSTALL) == (0, 1, 2)
+    # the insert cap, once: staged installs nothing, staged-install keeps the cache's cap
+    assert [m.insert_cap(5) for m in Wide] == [0, 0, 5]
+    for m in Wide:  # every cap is an argument the kernel's manager takes
+        binding.check_manage_config(64, 8, 0, 64, m.insert_cap(8))
+    names = [name for name, _ in binding.MANAGE_ARGS]
+    assert names[-1] == "max_inserts" and not any("wide" in n for n in names)
+    cu = (Path(__file__).resolve().parents[1] / "kernels" / "expert_cache.cu").read_text()
+    assert "max_inserts < 0" in cu and "min(n_missing, max_inserts)" in cu
+    assert "EC_WIDE" not in cu

@@ -455,11 +455,10 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
              padding: Callable[[int], Any] | None = None,
              pool: Callable[[], Any] | None = None) -> ArmedLayer:
     from ..device.slotcache import SlotCache
-    from ..rules.policy import Wide
 
-    # staged: wide steps refresh hits and install nothing; staged-install: up to the cap
-    wide_inserts = None if scratch is None else (
-        0 if cfg.wide is Wide.STAGED else decision.num_slots)
+    # wide steps install up to the mode's cap (`Wide.insert_cap`; the SlotCache bounds it
+    # by its own cap): nothing staged, the cache's cap staged-install
+    wide_inserts = None if scratch is None else cfg.wide.insert_cap(decision.num_slots)
 
     device = module._parameters[decision.specs[0].name].device
     specs = {s.name: (s.shape, s.dtype) for s in decision.specs}

@@ -26,17 +26,24 @@ from .policy import NEVER, Policy, Wide, gate_widths
 INSTALLS, DROPPED, RT_STEPS, RT_IDS, REQUESTS, SERVED_STEPS, STAGED_STEPS, STAGED_IDS = range(8)
 N_COUNTERS = 8
 
+#: The wide-step codes the compiled loop branches on: `Wide.code` of each member
+#: (tests/test_policy_rules.py pins the two together).
+WIDE_IN_PLACE = Wide.IN_PLACE.code
+WIDE_STAGED = Wide.STAGED.code
+WIDE_STAGED_INSTALL = Wide.STAGED_INSTALL.code
+
 _SLOT_BITS = 16  # victim key = occupied << 62 | priority << 16 | slot
 _MAX_SLOTS = 1 << _SLOT_BITS
 
 
 @njit(cache=True, nogil=True)
 def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_inserts, out,
-                  per_step, wide):
+                  per_step, wide, wide_cap):
     """Replay one layer's ``seq[T, W]``; counters into ``out``, installs per step into
     ``per_step`` (length T, or length 0 to skip). ``widths[t]`` is what the shape gate
     compares at step t (`policy.gate_widths`); ``wide`` is `Wide.code` (what a step wider
-    than the slots does)."""
+    than the slots does), ``wide_cap`` the installs such a step may make
+    (`Wide.insert_cap`, computed once outside the compiled loop)."""
     t_steps, width = seq.shape
     table = np.full(num_experts, -1, np.int32)
     slot_expert = np.full(num_slots, -1, np.int32)
@@ -71,7 +78,7 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
                 if s >= 0:
                     prio[s] = nextuse[distinct[i]]
         is_wide = widths[t] > num_slots  # the shape gate: tokens x top_k > slots
-        if is_wide and wide == 0:  # in place: read through, the cache untouched
+        if is_wide and wide == WIDE_IN_PLACE:  # in place: read through, the cache untouched
             out[RT_STEPS] += 1
             out[RT_IDS] += n
             continue
@@ -80,8 +87,8 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
         else:
             out[SERVED_STEPS] += 1
         step += 1
-        # a staged wide step is the manager step installing nothing (`policy._staged`)
-        cap = 0 if (is_wide and wide == 1) else max_inserts
+        # a wide step is the manager step at the wide cap (`policy._staged`)
+        cap = wide_cap if is_wide else max_inserts
         # ascending order of the distinct ids (n is small: insertion sort)
         for i in range(1, n):
             v = distinct[i]
@@ -232,7 +239,7 @@ def sweep(
     wider than the slots does (`policy.Wide`). Jobs run in parallel threads;
     ``progress(done, total)`` is called as each (policy, slots, layer) job ends.
     """
-    wide_code = Wide.parse(wide).code
+    wide_mode = Wide.parse(wide)
     ids = np.ascontiguousarray(ids, dtype=np.int32)
     t_steps, n_layers, _ = ids.shape
     if widths is None:
@@ -256,7 +263,8 @@ def sweep(
         nxt = nxt_all[layer] if p is Policy.OPT else no_next
         cap = s if max_inserts is None else max_inserts
         _replay_layer(seq, nxt, np.ascontiguousarray(widths[:, layer]), num_experts, s, int(p),
-                      decay, cap, out[j], empty_steps, wide_code)
+                      decay, cap, out[j], empty_steps, wide_mode.code,
+                      wide_mode.insert_cap(cap))
 
     # The compiled loops release the GIL, so plain threads use every core.
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
@@ -289,6 +297,7 @@ def installs_per_step(
     out = np.zeros(N_COUNTERS, np.int64)
     per_step = np.zeros(seq.shape[0], np.int64)
     cap = slots if max_inserts is None else max_inserts
+    wide_mode = Wide.parse(wide)
     _replay_layer(seq, nxt, widths, num_experts, slots, int(policy), decay, cap, out, per_step,
-                  Wide.parse(wide).code)
+                  wide_mode.code, wide_mode.insert_cap(cap))
     return per_step

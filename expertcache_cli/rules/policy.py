@@ -66,11 +66,22 @@ class Policy(IntEnum):
 
 
 class Wide(str, Enum):
-    """What a step too wide for the slots does (docs/design.md, Wide steps)."""
+    """What a step too wide for the slots does (docs/design.md, Wide steps).
 
-    IN_PLACE = "in-place"
-    STAGED = "staged"
-    STAGED_INSTALL = "staged-install"
+    Each member carries its engine code explicitly (`code`), not its position in the
+    enum: the numba engine (`engine.WIDE_*`) branches on those integers, so reordering
+    or inserting a member must not change them (tests/test_policy_rules.py pins them).
+    """
+
+    IN_PLACE = ("in-place", 0)
+    STAGED = ("staged", 1)
+    STAGED_INSTALL = ("staged-install", 2)
+
+    def __new__(cls, value: str, code: int) -> Wide:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member._code = code
+        return member
 
     @classmethod
     def parse(cls, name: str | Wide) -> Wide:
@@ -86,8 +97,20 @@ class Wide(str, Enum):
 
     @property
     def code(self) -> int:
-        """The engine's integer for the mode (0 in-place, 1 staged, 2 staged-install)."""
-        return list(Wide).index(self)
+        """The engine's integer for the mode (0 in-place, 1 staged, 2 staged-install):
+        written on each member, so that the numba engine never depends on the order."""
+        return self._code
+
+    def insert_cap(self, max_inserts: int) -> int:
+        """How many misses a wide step may install, given the cache's own cap.
+
+        The one definition the reference (`LayerCache._staged`), the numba engine and the
+        plugin's wide manager all use: staged installs nothing (its misses go to the
+        scratch only), staged-install keeps the cache's cap, and in place runs no manager
+        on a wide step at all (so it installs nothing either). The kernel takes the result
+        as its ``max_inserts`` argument, which allows 0..num_slots.
+        """
+        return max_inserts if self is Wide.STAGED_INSTALL else 0
 
 
 @dataclass
@@ -221,8 +244,8 @@ class LayerCache:
         manager step with no max_distinct gate, installing nothing (staged) or up to the
         cap (staged-install), as the kernel runs it. What it does not install (every miss,
         or those past the cap or the evictable slots) is fetched into the scratch."""
-        cap = 0 if self.wide is Wide.STAGED else self.max_inserts
-        r = self.step(ids, max_distinct=self.num_experts, max_inserts=cap)
+        r = self.step(ids, max_distinct=self.num_experts,
+                      max_inserts=self.wide.insert_cap(self.max_inserts))
         return StepResult(r.misses, False, r.distinct, 0, True, r.dropped)
 
     def step(self, ids: Sequence[int] | np.ndarray, *, max_distinct: int | None = None,
