@@ -75,7 +75,10 @@ def test_a_plan_arm_serves_the_plans_per_layer_budgets(tmp_path):
     assert arm.kind == "cache" and arm.name == f"plan:{path}" and arm.slots == 40
     env = arm.env()
     assert env["EXPERT_CACHE_SLOTS"] == "40,56,48" and env["EXPERT_CACHE_POLICY"] == "lfu"
-    assert arm.offloaded
+    assert arm.offloaded and env["EXPERT_CACHE_WIDE"] is None  # priced in place
+    path.write_text(json.dumps({"format": PLAN_FORMAT, "recommended": {
+        "policy": "lru", "slots": 48, "per_layer_slots": [40, 56, 48], "wide": "staged"}}))
+    assert parse_arm(f"plan:{path}").env()["EXPERT_CACHE_WIDE"] == "staged"  # as priced
     with pytest.raises(UserError, match="--plan .*cannot read"):
         parse_arm(f"plan:{tmp_path / 'missing.json'}")
     (tmp_path / "bad.json").write_text("{}")

@@ -419,3 +419,35 @@ def test_plan_batch_pads_as_the_server_will_and_serves_that_batch():
     assert not staged["allow_trap"] and "--wide staged-install" in staged["serve_command"]
     r = _cli(*W8A8, "--batch", "16", "--max-num-seqs", "8")
     assert r.returncode == 2 and "--batch 16 is more than --max-num-seqs 8" in r.stderr
+
+
+def test_a_plan_priced_staged_is_served_staged_by_serve_plan(tmp_path):
+    """A plan priced with `--wide staged-install` is served that way by `serve --plan`
+    alone: the wide mode travels in the plan file, and a contradicting `--wide` is refused
+    rather than serve a plan its prices do not describe."""
+    out = tmp_path / "plan.json"
+    r = _cli(*W8A8, "--slots", "64", "--wide", "staged-install", "--json", "--save", str(out),
+             "--", "--max-model-len", "8192", "--max-num-seqs", "8")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["recommended"]["wide"] == "staged-install"
+    head = "expertcache serve Qwen/Qwen3-30B-A3B --size-from qwen3-30b-a3b-w8a8 --vram 24 --plan"
+    tail = " -- --max-model-len 8192 --max-num-seqs 8"
+    plan = _serve_accepts(head + tail, out)
+    assert plan.env["EXPERT_CACHE_WIDE"] == "staged-install"
+    assert _serve_accepts(head + tail, out, wide="staged-install").env == plan.env
+    with pytest.raises(UserError, match="--wide in-place: .* priced with --wide staged-install"):
+        _serve_accepts(head + tail, out, wide="in-place")
+    # a plan file from before the wide mode was saved there: the trace's, else in place
+    from expertcache_cli.rules.policy import Wide
+
+    data = json.loads(out.read_text())
+    del data["recommended"]["wide"]
+    out.write_text(json.dumps(data))
+    assert planner.read_plan(out)["wide"] is Wide.STAGED_INSTALL
+    del data["trace"]["wide"]
+    out.write_text(json.dumps(data))
+    assert planner.read_plan(out)["wide"] is Wide.IN_PLACE
+    data["recommended"]["wide"] = "sideways"
+    out.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="unknown wide-step mode 'sideways'"):
+        planner.read_plan(out)

@@ -31,7 +31,7 @@ class Arm:
     kind: str
     slots: int | None = None
     policy: str | None = None
-    wide: str | None = None
+    wide: Wide | None = None
     #: a ``plan:PLAN.json`` arm: the plan's per-layer budgets, served as `serve --plan` would
     slots_per_layer: tuple[int, ...] | None = None
 
@@ -53,7 +53,7 @@ class Arm:
                       else {"slots": self.slots})
             cfg = CacheConfig(**budget, policy=Policy.parse(self.policy or "lru"),
                               stats_every=stats_every or 0,
-                              wide=Wide.parse(self.wide or Wide.IN_PLACE))
+                              wide=self.wide or Wide.IN_PLACE)
         else:
             cfg = CacheConfig(disabled=True)
         env.update(cfg.to_env())
@@ -106,7 +106,8 @@ def parse_arm(text: str) -> Arm:
         path = text.strip()[len("plan:"):]
         rec = read_plan(path)
         return Arm(name=text.strip(), kind="cache", slots=min(rec["per_layer_slots"]),
-                   policy=rec["policy"], slots_per_layer=tuple(rec["per_layer_slots"]))
+                   policy=rec["policy"], slots_per_layer=tuple(rec["per_layer_slots"]),
+                   wide=rec["wide"])
     t = text.strip().lower()
     if t in ("resident", "offload"):
         return Arm(name=t, kind=t)
@@ -120,7 +121,8 @@ def parse_arm(text: str) -> Arm:
     slots = int(m.group(1))
     if slots <= 0:
         raise UserError(f"bad arm {text!r}: the slot budget must be at least 1")
-    return Arm(name=t, kind="cache", slots=slots, policy=m.group(2), wide=m.group(3))
+    return Arm(name=t, kind="cache", slots=slots, policy=m.group(2),
+               wide=Wide.parse(m.group(3)) if m.group(3) else None)
 
 
 def parse_arms(text: str) -> list[Arm]:

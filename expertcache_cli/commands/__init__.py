@@ -132,17 +132,24 @@ VLLM_VERSION_HELP = ("the vLLM release the server runs (X.Y, 0.26-0.33): 0.31+ c
                      "else the newest known")
 
 
+def wide_option(text: str):
+    """The ``--wide`` option as a `Wide`, or one line naming the choices: the command line
+    is where the mode is parsed, everything below takes the type."""
+    from ..rules.policy import Wide
+
+    try:
+        return Wide.parse(text)
+    except ValueError as exc:
+        raise UserError(f"--wide: {exc}") from None
+
+
 def workload(trace, wide: str, batch: int | None, batch_tokens: int | None = None):
     """The trace as the user asked to model it, and the wide-step mode, from the options
     `replay` and `plan` share (one line on a bad value). ``batch_tokens``: what a step of
     the batch runs at on the server (`serving.Server.batch_tokens`)."""
     from ..planning.rebatch import rebatch
-    from ..rules.policy import Wide
 
-    try:
-        mode = Wide.parse(wide)
-    except ValueError as exc:
-        raise UserError(f"--wide: {exc}") from None
+    mode = wide_option(wide)
     if batch is not None:
         trace = rebatch(trace, batch, batch_tokens)
     return trace, mode

@@ -132,7 +132,7 @@ def _fits(model, vram: str, mode, srv, batch: int | None) -> int:
         kw["max_num_seqs"] = srv.max_num_seqs
     elif not srv.seqs_given:
         kw["graphs"] = srv.safety_graphs[0]
-    return sizing.plan(model, vram, wide=mode.value, **kw).max_slots
+    return sizing.plan(model, vram, wide=mode, **kw).max_slots
 
 
 def register(app: typer.Typer) -> None:

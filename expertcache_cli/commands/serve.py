@@ -10,7 +10,7 @@ from rich.console import Console
 
 from ..errors import UserError
 from ..planning.launch import launch_refusal, make_plan, plugin_installed
-from . import VRAM_HELP, passthrough_args
+from . import VRAM_HELP, passthrough_args, wide_option
 
 console = Console(stderr=True)
 
@@ -39,9 +39,10 @@ def register(app: typer.Typer) -> None:
             False, help="serve even when a full batch would bypass the cache (sizing trap)"
         ),
         dry_run: bool = typer.Option(False, help="print the plan and the command, run nothing"),
-        wide: str = typer.Option(
-            "in-place", "--wide", help="steps wider than the slots: in-place, or staged / "
-            "staged-install through a VRAM scratch (EXPERT_CACHE_WIDE; sized with the slots)"),
+        wide: str | None = typer.Option(
+            None, "--wide", help="steps wider than the slots: in-place, or staged / "
+            "staged-install through a VRAM scratch (EXPERT_CACHE_WIDE; sized with the slots); "
+            "default: the --plan's mode, else in-place"),
     ) -> None:
         """Launch `vllm serve MODEL` with experts offloaded and the slot cache sized and armed."""
         from ..device.gpu_info import device_total_gib
@@ -50,7 +51,8 @@ def register(app: typer.Typer) -> None:
         plan = make_plan(
             model, vram, slots=slots, fraction=fraction, policy=policy, decay=decay,
             size_from=size_from, allow_trap=allow_trap, vllm_args=passthrough_args(ctx.args),
-            device_total_gib=device_total_gib(), plan_file=plan_file, wide=wide,
+            device_total_gib=device_total_gib(), plan_file=plan_file,
+            wide=None if wide is None else wide_option(wide),
         )
         s = plan.size
         console.print(f"[bold]expertcache serve[/]: {s.model} on {s.where}: {s.verdict_text}")

@@ -13,7 +13,7 @@ from ..sizing import cards, formats, model_size, sizing
 from ..sizing.presets import DEFAULT_PRESET, PRESETS
 from ..tables import Table
 from ..vllm_facts import installed_vllm, vllm_experts, vllm_flags
-from . import VRAM_HELP, json_text, passthrough_args
+from . import VRAM_HELP, json_text, passthrough_args, wide_option
 
 console = Console()
 
@@ -81,7 +81,7 @@ def _plan_table(p: sizing.SizePlan) -> Table:
     )
     if p.scratch_bytes:
         t.add_row("  - wide-step scratch", f"{_gib(p.scratch_bytes)} (one layer's "
-                  f"{p.num_experts} experts, --wide {p.wide})")
+                  f"{p.num_experts} experts, --wide {p.wide.value})")
     t.add_row("  = for expert slots", _gib(p.slot_budget_bytes))
     colour = {"fits_outright": "green", "cache": "cyan", "offload_no_cache": "yellow",
               "does_not_fit": "red"}[p.verdict]
@@ -216,7 +216,7 @@ def register(app: typer.Typer) -> None:
             if kernel:
                 m.notes.append(kernel)
         common.update(slots=slots, fraction=fraction, kv_tokens=kv_tokens,
-                      overhead_gb=overhead_gb, wide=wide)
+                      overhead_gb=overhead_gb, wide=wide_option(wide))
         if vram is None:
             rows = [(cards.CARDS[name].describe(), sizing.plan(m, name, **common))
                     for name in sizing.COMMON_CARDS]

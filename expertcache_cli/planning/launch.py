@@ -22,6 +22,7 @@ from .. import config
 from ..config import TRUE_WORDS, CacheConfig
 from ..errors import UserError
 from ..rules import budget
+from ..rules.policy import Wide
 from ..sizing import sizing
 from ..vllm_facts import installed_vllm, vllm_experts, vllm_flags, vllm_runner
 
@@ -61,6 +62,22 @@ class ServePlan:
         return (env + " " if env else "") + shlex.join(self.argv)
 
 
+def _wide(given: Wide | str | None, planned: Wide | None, plan_file: str | None) -> Wide:
+    """The wide-step mode to serve: the one given, else the plan file's, else in place;
+    one line when the given one is not a mode or contradicts the plan's."""
+    if given is not None:
+        try:
+            given = Wide.parse(given)
+        except ValueError as exc:
+            raise UserError(f"--wide: {exc}") from None
+    if planned is not None and given is not None and given is not planned:
+        raise UserError(
+            f"--wide {given.value}: the plan {plan_file} was priced with --wide "
+            f"{planned.value}; serve it that way (leave --wide out) or plan again with "
+            f"--wide {given.value}")
+    return given or planned or Wide.IN_PLACE
+
+
 def make_plan(
     model: str,
     vram_gb: float,
@@ -76,7 +93,7 @@ def make_plan(
     environ: Mapping[str, str] | None = None,
     device_total_gib: float | None = None,
     plan_file: str | None = None,
-    wide: str = "in-place",
+    wide: Wide | str | None = None,
     v2_runner_offloads: Callable[[], bool | None] = vllm_runner.v2_runner_offloads,
     wna16_triton: Callable[[], bool | None] = vllm_experts.wna16_triton_available,
     mxfp4_marlin: Callable[[], bool | None] = vllm_experts.mxfp4_marlin_available,
@@ -91,7 +108,9 @@ def make_plan(
     the host with Marlin (`vllm_experts`).
     ``plan_file``: a plan from `expertcache plan --save`; its per-layer budgets and policy
     are served, checked against this card (one per MoE layer, each below E, all of them
-    within the bytes of the uniform budget that fits).
+    within the bytes of the uniform budget that fits), with the wide-step mode it was
+    priced with: ``wide`` None takes the plan's (in place without a plan), and a ``wide``
+    that contradicts the plan's is refused, since the plan's predictions would not hold.
     """
 
     environ = os.environ if environ is None else environ
@@ -104,6 +123,7 @@ def make_plan(
 
         rec = read_plan(plan_file)
         per_layer, policy = list(rec["per_layer_slots"]), rec["policy"]
+    wide = _wide(wide, rec["wide"] if plan_file is not None else None, plan_file)
     try:
         pol = budget.online_policy(policy)[0]
     except ValueError as exc:
@@ -122,9 +142,7 @@ def make_plan(
         device_total_gib=device_total_gib, wide=wide,
         narrowest=min(per_layer) if per_layer else None, **overrides
     )
-    from ..rules.policy import Wide
-
-    wide_mode = Wide.parse(size.wide)
+    wide_mode = size.wide
     notes = list(size.notes)
     own: list[str] = []
     if size.verdict in ("cache", "offload_no_cache"):

@@ -244,6 +244,7 @@ def plan_trace(
             "max_num_seqs": serve.max_num_seqs,
             "min_layer_slots": serve.floor or None,
             "allow_trap": serve.allow_trap,
+            "wide": wide.value,
             "vllm": server.release.name,
             "vllm_source": server.release.source,
             "serve_command": serve_command(serve_model, vram_gb, best, plan_file, use_split,
@@ -415,4 +416,12 @@ def read_plan(path: str | Path) -> dict[str, Any]:
         raise UserError(f"--plan {path}: per_layer_slots must be a list of positive integers")
     if rec.get("policy") not in ("lru", "lfu"):
         raise UserError(f"--plan {path}: policy must be lru or lfu, got {rec.get('policy')!r}")
-    return rec
+    # the wide mode the plan was priced with (plan files from before it was saved there:
+    # the trace's, else in place, which is what they were priced as)
+    trace = data.get("trace") if isinstance(data.get("trace"), dict) else {}
+    raw = rec.get("wide", trace.get("wide")) or Wide.IN_PLACE.value
+    try:
+        wide = Wide.parse(str(raw))
+    except ValueError as exc:
+        raise UserError(f"--plan {path}: {exc}") from None
+    return {**rec, "wide": wide}

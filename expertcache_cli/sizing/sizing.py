@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..rules import budget as rules
+from ..rules.policy import Wide
 from ..vllm_facts import capture, vllm_experts
 from ..vllm_facts.vllm_flags import ONLINE_FORMATS
 from . import cards, formats
@@ -188,7 +189,7 @@ class SizePlan:
     utilization_to_fit_outright: float | None
     aligned: bool
     notes: list[str] = field(default_factory=list)
-    wide: str = "in-place"  # what steps wider than the slots do (policy.Wide)
+    wide: Wide = Wide.IN_PLACE  # what steps wider than the slots do
     #: speculative decoding's draft tokens a sequence carries into each verify step (vLLM's
     #: ``--speculative-config`` num_speculative_tokens): a full decode step is
     #: ``max_num_seqs x (1 + k)`` tokens before padding (0: no speculative decoding)
@@ -248,6 +249,7 @@ class SizePlan:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        d["wide"] = self.wide.value
         d["vllm_args"] = self.vllm_args()
         return d
 
@@ -298,7 +300,14 @@ def plan(
     whose padded decode step stays on the slots (`_choose_batch`) and says so in
     ``batch_choice``; a batch the user gave is planned as given, trap and all, for
     `serve` to refuse. Staged wide modes stage a full batch instead, so nothing is chosen.
+    ``wide`` (an option of `_plan_for`) is a `Wide`; text from a library caller is parsed
+    here, once, with one line on a bad name.
     """
+    if "wide" in options and not isinstance(options["wide"], Wide):
+        try:
+            options["wide"] = Wide.parse(options["wide"])
+        except ValueError as exc:
+            raise UserError(f"--wide: {exc}") from None
     gib, card = cards.parse_vram(vram_gb)
     size = _plan_for(model_spec, gib, max_model_len, max_num_seqs, gpu_memory_utilization,
                      slots, fraction, **options)
@@ -359,7 +368,7 @@ def _plan_for(
     device_total_gib: float | None = None,
     tensor_parallel_size: int | None = None,
     vllm_quantization: str | None = None,
-    wide: str = "in-place",
+    wide: Wide = Wide.IN_PLACE,
     moe_backend: str | None = None,
     kv_cache_memory_bytes: int | None = None,
     narrowest: int | None = None,
@@ -407,12 +416,8 @@ def _plan_for(
     longer decides the KV cache.
     """
     from ..device.scratch import scratch_bytes
-    from ..rules.policy import Wide
 
-    try:
-        wide_mode = Wide.parse(wide)
-    except ValueError as exc:
-        raise UserError(f"--wide: {exc}") from None
+    wide_mode = wide
     _check_inputs(vram_gb=vram_gb, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, kv_tokens=kv_tokens,
                   overhead_gb=overhead_gb, gpu_memory_utilization=gpu_memory_utilization,
@@ -590,7 +595,7 @@ def _plan_for(
         short = _plan_for(model, vram_gb, 8192, max_num_seqs, gpu_memory_utilization,
                      max_num_batched_tokens=max_num_batched_tokens,
                      kv_cache_dtype=kv_cache_dtype, overhead_gb=overhead_gb, graphs=graphs,
-                     device_total_gib=device, wide=wide_mode.value)
+                     device_total_gib=device, wide=wide_mode)
         if short.max_slots > max_slots or short.verdict != verdict:
             notes.append(
                 f"KV for one {max_model_len}-token sequence takes {gib(kv_reserved):.2f} GiB; "
@@ -651,7 +656,7 @@ def _plan_for(
         utilization_to_fit_outright=util_fit,
         aligned=model.aligned,
         notes=notes,
-        wide=wide_mode.value,
+        wide=wide_mode,
         scratch_bytes=scratch,
         scratch_break_even_tokens=break_even,
         kv_cache_bytes=int(kv_handed),
