@@ -127,16 +127,10 @@ class CacheConfig:
         else:
             frac = DEFAULT_FRACTION if self.fraction is None else self.fraction
             s = budget.slots_from_fraction(frac, num_experts)
-        if s >= num_experts:
-            raise ValueError(
-                f"slot budget {s} is not below the layer's {num_experts} experts "
-                "(nothing to cache: do not offload the experts instead)"
-            )
-        if s > budget.MAX_SLOTS:
-            raise ValueError(
-                f"slot budget {s} is above the cache kernel's limit of {budget.MAX_SLOTS} a layer"
-            )
-        return s
+        try:
+            return budget.check_slots(s, num_experts, "the layer's ")
+        except ValueError as exc:
+            raise ValueError(f"slot budget {exc}") from None
 
     def budget_text(self) -> str:
         """How the budget was asked for, as the startup line states it."""

@@ -52,3 +52,20 @@ def test_the_planner_honours_the_kernels_slot_limit():
     with pytest.raises(ValueError, match="kernel's limit"):
         CacheConfig(slots=2000).slots_for(4096)
     assert budget.slot_limit(128) == 127 and budget.slot_limit(4096) == 1024
+
+
+def test_one_slot_check_and_one_list_of_online_policies():
+    """The plugin's configuration, `size`/`serve`'s --slots and a plan's per-layer budgets
+    share `check_slots` (below E, within the kernel); every list of the policies a live
+    cache runs reads `ONLINE_POLICIES`, which the kernel's codes cover exactly."""
+    from expertcache_cli.device import binding
+    from expertcache_cli.rules.policy import Policy
+
+    assert budget.check_slots(budget.slot_limit(128), 128) == 127
+    with pytest.raises(ValueError, match="128 is not below the 128 experts"):
+        budget.check_slots(128, 128)
+    with pytest.raises(ValueError, match="kernel's limit: it holds at most 1024 slots"):
+        budget.check_slots(1025, 4096)
+    assert budget.ONLINE_POLICIES == (Policy.LRU, Policy.LFU)
+    assert tuple(binding.POLICY_CODES) == budget.ONLINE_POLICIES
+    assert budget.online_names() == "lru or lfu"

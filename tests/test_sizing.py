@@ -675,3 +675,10 @@ def test_size_counts_speculative_draft_tokens_in_the_trap():
     assert spec.speculative_tokens == 3 and spec.safe_max_num_seqs * 4 * 8 <= spec.slots
     assert any("8 seqs x (1 + 3 draft tokens" in n for n in spec.notes)
     assert vllm_flags.speculative_tokens('{"method": "mtp"}') == 1  # left to the model
+
+
+def test_the_verdict_is_one_enum_whose_names_the_json_keeps():
+    p = sizing.plan("qwen3-30b-a3b", 24, max_model_len=8192, max_num_seqs=4)
+    assert p.verdict is sizing.Verdict.CACHE and p.verdict.offloads
+    assert type(p.to_json()["verdict"]) is str and p.to_json()["verdict"] == "cache"
+    assert not sizing.Verdict.FITS_OUTRIGHT.offloads and not sizing.Verdict.DOES_NOT_FIT.offloads

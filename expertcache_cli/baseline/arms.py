@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from .. import config
 from ..config import CacheConfig
 from ..errors import UserError
+from ..rules.budget import online_names
 from ..rules.policy import Policy, Wide
 
-_CACHE_RE = re.compile(r"^cache:(\d+)(?::(lru|lfu))?(?::(in-place|staged|staged-install))?$")
+_CACHE_RE = re.compile(rf"^cache:(\d+)(?::({online_names('|')}))?"
+                       rf"(?::({'|'.join(m.value for m in Wide)}))?$")
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ def parse_arm(text: str) -> Arm:
     m = _CACHE_RE.match(t)
     if not m:
         raise UserError(
-            f"bad arm {text!r}: expected resident, offload, cache:SLOTS, cache:SLOTS:lru|lfu, "
+            f"bad arm {text!r}: expected resident, offload, cache:SLOTS, "
+            f"cache:SLOTS:{online_names('|')}, "
             "optionally :staged or :staged-install (wide steps through a scratch), or "
             "plan:PLAN.json"
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError
 from ..sizing import sizing
+from ..sizing.sizing import Verdict
 from ..vllm_facts import capture, vllm_flags
 
 
@@ -70,7 +71,7 @@ def offload_from_vram(
     """The plan's ``--cpu-offload-gb``; refuses when offload would mean nothing."""
     kwargs = vllm_flags.plan_kwargs_from_vllm_args(vllm_args)
     p = sizing.plan(model, vram_gb=vram, device_total_gib=device_total_gib, **kwargs)
-    if p.verdict == "does_not_fit":
+    if p.verdict is Verdict.DOES_NOT_FIT:
         raise UserError(f"--vram {vram}: {p.verdict_text}")
     if p.fits_outright or p.cpu_offload_gb <= 0:
         raise UserError(
@@ -84,7 +85,7 @@ def offload_from_vram(
         max_num_seqs=int(p.max_num_seqs),
         max_slots=int(p.max_slots),
         text=p.verdict_text,
-        no_cache=p.verdict_text if p.verdict == "offload_no_cache" else None,
+        no_cache=p.verdict_text if p.verdict is Verdict.OFFLOAD_NO_CACHE else None,
         share_args=_share_args(p, vllm_args),
         graphs=p.graphs,
         where=p.where,

@@ -11,6 +11,7 @@ from rich.console import Console
 from ..errors import UserError
 from ..files import atomic_write, check_output
 from ..planning.rebatch import shared_note
+from ..rules.budget import ONLINE_POLICIES
 from ..rules.policy import Policy, Wide
 from ..rules.trace import Trace, load
 from ..tables import Table
@@ -192,7 +193,7 @@ def replay_command(
             progress=update,
             wide=mode,
         )
-    split_policy = next((p for p in policies if p is not Policy.OPT), Policy.LRU)
+    split_policy = next((p for p in policies if p in ONLINE_POLICIES), Policy.LRU)
     splits = recommend(trace, split_policy, budgets, decay, mode) if per_layer else []
 
     device_check = None

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from ..errors import UserError
 from ..planning.launch import launch_refusal, make_plan, plugin_installed
+from ..sizing.sizing import Verdict
 from . import VRAM_HELP, passthrough_args, wide_option
 
 console = Console(stderr=True)
@@ -56,7 +57,7 @@ def register(app: typer.Typer) -> None:
         )
         s = plan.size
         console.print(f"[bold]expertcache serve[/]: {s.model} on {s.where}: {s.verdict_text}")
-        if s.verdict == "cache":
+        if s.verdict is Verdict.CACHE:
             pad = f" (a CUDA graph of {s.padded_batch})" if s.padded_batch != s.max_num_seqs else ""
             if plan.per_layer:
                 n = plan.per_layer

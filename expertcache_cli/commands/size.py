@@ -11,6 +11,7 @@ from rich.console import Console
 from ..errors import UserError
 from ..sizing import cards, formats, model_size, sizing
 from ..sizing.presets import DEFAULT_PRESET, PRESETS
+from ..sizing.sizing import Verdict
 from ..tables import Table
 from ..vllm_facts import installed_vllm, vllm_experts, vllm_flags
 from . import VRAM_HELP, json_text, passthrough_args, wide_option
@@ -83,8 +84,8 @@ def _plan_table(p: sizing.SizePlan) -> Table:
         t.add_row("  - wide-step scratch", f"{_gib(p.scratch_bytes)} (one layer's "
                   f"{p.num_experts} experts, --wide {p.wide.value})")
     t.add_row("  = for expert slots", _gib(p.slot_budget_bytes))
-    colour = {"fits_outright": "green", "cache": "cyan", "offload_no_cache": "yellow",
-              "does_not_fit": "red"}[p.verdict]
+    colour = {Verdict.FITS_OUTRIGHT: "green", Verdict.CACHE: "cyan",
+              Verdict.OFFLOAD_NO_CACHE: "yellow", Verdict.DOES_NOT_FIT: "red"}[p.verdict]
     t.add_row("verdict", f"[{colour}]{p.verdict_text}[/]")
     if p.batch_choice:
         t.add_row("batch", p.batch_choice)
@@ -92,7 +93,7 @@ def _plan_table(p: sizing.SizePlan) -> Table:
         t.add_row("KV cache", f"{_gib(p.kv_cache_bytes)}: the reserve and what whole slots "
                   "leave, handed to vLLM (--kv-cache-memory-bytes) so that a first start's "
                   "compile cannot shrink it")
-    if p.verdict == "cache":
+    if p.verdict is Verdict.CACHE:
         t.add_row(
             "cache slots",
             f"{p.slots} per MoE layer ({_gib(p.slots * p.bytes_per_slot)}): "
@@ -105,10 +106,10 @@ def _plan_table(p: sizing.SizePlan) -> Table:
 
 
 _SHORT = {
-    "fits_outright": "fits outright",
-    "cache": "cache",
-    "offload_no_cache": "offloaded, no room for a cache",
-    "does_not_fit": "does not fit",
+    Verdict.FITS_OUTRIGHT: "fits outright",
+    Verdict.CACHE: "cache",
+    Verdict.OFFLOAD_NO_CACHE: "offloaded, no room for a cache",
+    Verdict.DOES_NOT_FIT: "does not fit",
 }
 
 
@@ -126,7 +127,7 @@ def _cards_table(m: model_size.ModelSize, rows: list[tuple[str, sizing.SizePlan]
             f"{p.slots} of {p.num_experts}",
             _SHORT[p.verdict]
             + (f"; fits at utilization {p.utilization_to_fit_outright:.2f}"
-               if p.verdict == "cache" and p.utilization_to_fit_outright else ""),
+               if p.verdict is Verdict.CACHE and p.utilization_to_fit_outright else ""),
             str(p.cpu_offload_gb) if p.cpu_offload_gb else "-",
             f"{p.trap_ids} ids > {p.slots}" if p.trap else "-",
         )
@@ -229,7 +230,7 @@ def register(app: typer.Typer) -> None:
             console.print(_cards_table(m, rows))
             return
         p = sizing.plan(m, vram, **common)
-        if p.verdict in ("cache", "offload_no_cache"):  # a kernel that cannot offload: refused
+        if p.verdict.offloads:  # a kernel that cannot offload: refused
             vllm_experts.offload_backend_args(m.quant, args, vllm_experts.mxfp4_marlin_available(),
                                               installed_vllm.release())
         if as_json:
@@ -237,6 +238,6 @@ def register(app: typer.Typer) -> None:
             return
         console.print(_model_table(m))
         console.print(_plan_table(p))
-        if p.verdict in ("cache", "offload_no_cache"):
+        if p.verdict.offloads:
             # plain print: a command to copy is one line, never wrapped by rich
             print(f"vLLM:\n  vllm serve MODEL {shlex.join(p.vllm_args())}")

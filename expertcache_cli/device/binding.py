@@ -42,7 +42,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..rules.budget import MAX_EXPERTS, MAX_SLOTS
+from ..rules.budget import MAX_EXPERTS, MAX_SLOTS, ONLINE_POLICIES, online_names
 from ..rules.policy import Policy
 
 ABI_VERSION = 3  # = EC_ABI_VERSION in expert_cache.cu
@@ -56,6 +56,7 @@ VEC_BYTES = 16  # every gather lane moves 16 bytes; slabs must be multiples of i
 #: kernel policy codes (= EC_POLICY_*): exactly the `Policy` enum values
 POLICY_CODES = {Policy.LRU: 0, Policy.LFU: 1}
 assert all(int(p) == c for p, c in POLICY_CODES.items())
+assert tuple(POLICY_CODES) == ONLINE_POLICIES  # the kernel runs every online policy
 
 #: nonzero codes returned by the C wrappers instead of launching (CUDA errors are < 1000)
 ERROR_CODES = {
@@ -82,7 +83,7 @@ def policy_code(policy: str | int | Policy) -> int:
     if p not in POLICY_CODES:
         raise ValueError(
             f"policy {p.name.lower()} cannot run on the device (it needs the future routing); "
-            "choose lru or lfu"
+            f"choose {online_names()}"
         )
     return POLICY_CODES[p]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..rules.budget import ONLINE_POLICIES
 from ..rules.policy import Policy, gate_widths
 from . import binding
 
@@ -87,7 +88,7 @@ def compare_with_engine(trace, policies, budgets, decay, max_inserts, report) ->
     rows = []
     per_layer = report.per_layer
     for pol in policies:
-        if pol is Policy.OPT:
+        if pol not in ONLINE_POLICIES:
             continue  # Belady needs the future: there is no kernel for it
         for s in budgets:
             dev = device_replay(trace.topk_ids, trace.num_experts, pol, s, decay, max_inserts,

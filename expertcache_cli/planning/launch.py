@@ -24,6 +24,7 @@ from ..errors import UserError
 from ..rules import budget
 from ..rules.policy import Wide
 from ..sizing import sizing
+from ..sizing.sizing import Verdict
 from ..vllm_facts import installed_vllm, vllm_experts, vllm_flags, vllm_runner
 
 #: flags serve sets itself; given by the user, the user's value wins (noted in the plan)
@@ -145,17 +146,17 @@ def make_plan(
     wide_mode = size.wide
     notes = list(size.notes)
     own: list[str] = []
-    if size.verdict in ("cache", "offload_no_cache"):
+    if size.verdict.offloads:
         _refuse_online_quantization(args, size_from or model)
     why = vllm_experts.triton_refusal(size.quant, args, wna16_triton(), installed_vllm.release())
     if why:
         raise UserError(why)
-    if size.verdict == "does_not_fit":
+    if size.verdict is Verdict.DOES_NOT_FIT:
         raise UserError(f"{size.model} on {size.where}: {size.verdict_text}")
-    if size.verdict == "fits_outright":
+    if size.verdict is Verdict.FITS_OUTRIGHT:
         notes.append("every expert fits in VRAM: serving without offload, the cache stays off")
         env = CacheConfig(disabled=True).to_env()
-    elif size.verdict == "offload_no_cache":
+    elif size.verdict is Verdict.OFFLOAD_NO_CACHE:
         # (the verdict's text says why: too little room for top_k slots, or ragged slabs)
         notes.append("experts offloaded, the cache off")
         env = CacheConfig(disabled=True).to_env()
@@ -224,9 +225,10 @@ def _check_per_layer(per_layer: list[int], size: sizing.SizePlan, source: str) -
     if min(per_layer) < size.top_k:
         raise UserError(f"--plan {source}: a layer budget of {min(per_layer)} slots is below "
                         f"top_k {size.top_k}: not even one token could be served from it")
-    if worst > budget.slot_limit(experts):
-        raise UserError(f"--plan {source}: a layer budget of {worst} slots is not below the "
-                        f"{experts} experts (or above the kernel's {budget.MAX_SLOTS})")
+    try:
+        budget.check_slots(worst, experts)
+    except ValueError as exc:
+        raise UserError(f"--plan {source}: a layer budget of {exc}") from None
     if sum(per_layer) > size.max_slots * layers:
         need = sum(per_layer) * size.bytes_per_expert / 2**30
         room = size.max_slots * size.bytes_per_slot / 2**30

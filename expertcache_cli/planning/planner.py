@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..rules.budget import ONLINE_POLICIES, online_names
 from ..rules.policy import Policy, Wide
 from ..rules.trace import Trace
 from ..vllm_facts import capture
@@ -195,9 +196,10 @@ def plan_trace(
 
     if not budgets:
         raise UserError("no slot budget to predict: the card holds fewer than top_k slots")
-    online = [p for p in policies if p is not Policy.OPT]
+    online = [p for p in policies if p in ONLINE_POLICIES]
     if not online:
-        raise UserError("--policy: plan recommends a policy the plugin runs: lru or lfu")
+        raise UserError("--policy: plan recommends a policy the plugin runs: "
+                        f"{online_names()}")
     report = replay(trace, online, budgets, wide=wide)
     tokens = max(1, trace.tokens)
     # every layer runs the cache's step once a step, and a step decodes tokens / steps
@@ -414,8 +416,9 @@ def read_plan(path: str | Path) -> dict[str, Any]:
     if not isinstance(slots, list) or not slots or not all(
             isinstance(s, int) and s > 0 for s in slots):
         raise UserError(f"--plan {path}: per_layer_slots must be a list of positive integers")
-    if rec.get("policy") not in ("lru", "lfu"):
-        raise UserError(f"--plan {path}: policy must be lru or lfu, got {rec.get('policy')!r}")
+    if rec.get("policy") not in online_names(",").split(","):
+        raise UserError(f"--plan {path}: policy must be {online_names()}, got "
+                        f"{rec.get('policy')!r}")
     # the wide mode the plan was priced with (plan files from before it was saved there:
     # the trace's, else in place, which is what they were priced as)
     trace = data.get("trace") if isinstance(data.get("trace"), dict) else {}

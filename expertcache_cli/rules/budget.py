@@ -21,8 +21,8 @@ import math
 
 from .policy import Policy
 
-__all__ = ["MAX_EXPERTS", "MAX_SLOTS", "check_fraction", "online_policy", "slot_limit",
-           "slots_from_fraction", "trap_text"]
+__all__ = ["MAX_EXPERTS", "MAX_SLOTS", "ONLINE_POLICIES", "check_fraction", "check_slots",
+           "online_names", "online_policy", "slot_limit", "slots_from_fraction", "trap_text"]
 
 #: the cache kernel's limits, = EC_MAX_EXPERTS and EC_MAX_SLOTS in kernels/expert_cache.cu
 #: (tests/test_kernel_build.py reads them from the source)
@@ -47,15 +47,40 @@ def slot_limit(num_experts: int) -> int:
     return max(0, min(num_experts - 1, MAX_SLOTS))
 
 
+def check_slots(slots: int, num_experts: int, whose: str = "") -> int:
+    """``slots`` itself when a layer of ``num_experts`` may have them (`slot_limit`), else
+    ValueError saying which rule it breaks: the one check the plugin's configuration,
+    `size`/`serve`'s ``--slots`` and a plan file's per-layer budgets share. ``whose``
+    qualifies the experts in the message ("the layer's ")."""
+    if slots <= slot_limit(num_experts):
+        return slots
+    if slots >= num_experts:
+        raise ValueError(f"{slots} is not below {whose or 'the '}{num_experts} experts "
+                         "(nothing to cache: do not offload the experts instead)")
+    raise ValueError(f"{slots} is above the cache kernel's limit: it holds at most {MAX_SLOTS} "
+                     "slots a layer")
+
+
+#: The policies a live cache runs (the plugin and the kernel); Belady's optimum (`Policy.OPT`)
+#: needs the future and exists only in replay. Every list of them reads this one.
+ONLINE_POLICIES: tuple[Policy, ...] = (Policy.LRU, Policy.LFU)
+
+
+def online_names(sep: str = " or ") -> str:
+    """The online policies' names as the user types them ("lru or lfu")."""
+    return sep.join(p.name.lower() for p in ONLINE_POLICIES)
+
+
 def online_policy(name: str | Policy | None, decay: int = 0) -> tuple[Policy, int]:
     """(policy, decay) for a cache that runs live: LRU or LFU, decay >= 0 and LFU only."""
     try:
         policy = Policy.parse(name) if name not in (None, "") else Policy.LRU
     except ValueError:
         policy = None  # type: ignore[assignment]
-    if policy not in (Policy.LRU, Policy.LFU):
+    if policy not in ONLINE_POLICIES:
         raise ValueError(
-            "choose lru or lfu (opt needs the future: it exists only in `expertcache replay`)"
+            f"choose {online_names()} (opt needs the future: it exists only in `expertcache "
+            "replay`)"
         )
     if decay < 0:
         raise ValueError(f"decay {decay} must be >= 0")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,24 @@ def _check_inputs(**values: float | None) -> None:
             raise UserError(f"{flag} must be a whole number, got {value:g}")
 
 
+class Verdict(str, Enum):
+    """What sizing decides for a model on a card, one name each.
+
+    A ``str`` so that the JSON of `size --json` and the plan file keep the names they
+    always had; code compares members, never spellings."""
+
+    FITS_OUTRIGHT = "fits_outright"
+    CACHE = "cache"
+    OFFLOAD_NO_CACHE = "offload_no_cache"
+    DOES_NOT_FIT = "does_not_fit"
+
+    @property
+    def offloads(self) -> bool:
+        """The experts live in host memory (with the cache or without it): vLLM gets
+        ``--cpu-offload-gb``, and what cannot be offloaded is refused."""
+        return self in (Verdict.CACHE, Verdict.OFFLOAD_NO_CACHE)
+
+
 @dataclass
 class SizePlan:
     """A model on a card: the slot budget, the vLLM flags, the verdict, the trap."""
@@ -176,7 +195,7 @@ class SizePlan:
     max_slots: int  # slots that fit (capped at num_experts)
     slots: int  # slots planned (max_slots unless forced)
     fits_outright: bool
-    verdict: str  # fits_outright | cache | offload_no_cache | does_not_fit
+    verdict: Verdict
     verdict_text: str
     cpu_offload_gb: int
     trap: bool
@@ -235,7 +254,7 @@ class SizePlan:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
-        if not self.fits_outright and self.verdict in ("cache", "offload_no_cache"):
+        if not self.fits_outright and self.verdict.offloads:
             if self.kv_cache_bytes and not self.kv_given:
                 args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
             args += ["--cpu-offload-gb", str(self.cpu_offload_gb)]
@@ -250,6 +269,7 @@ class SizePlan:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["wide"] = self.wide.value
+        d["verdict"] = self.verdict.value
         d["vllm_args"] = self.vllm_args()
         return d
 
@@ -331,7 +351,7 @@ def _choose_batch(first: SizePlan, replan: Any, narrowest: int | None = None) ->
     best, seqs = None, first.safe_max_num_seqs
     while seqs > 0:
         nxt = replan(seqs)
-        if nxt.verdict != "cache" or nxt.trap:
+        if nxt.verdict is not Verdict.CACHE or nxt.trap:
             break
         best = nxt
         if nxt.safe_max_num_seqs <= seqs:
@@ -440,9 +460,11 @@ def _plan_for(
             raise UserError(f"--fraction: {exc}") from None
     if slots is not None and not 0 <= slots <= model.num_experts:
         raise UserError(f"--slots must be between 0 and {model.num_experts} (the expert count)")
-    if slots is not None and rules.MAX_SLOTS < slots < model.num_experts:
-        raise UserError(f"--slots {slots}: the cache kernel holds at most {rules.MAX_SLOTS} "
-                        "slots a layer")
+    if slots is not None and slots < model.num_experts:  # (all of them: no cache, checked)
+        try:
+            rules.check_slots(slots, model.num_experts)
+        except ValueError as exc:
+            raise UserError(f"--slots {exc}") from None
     d_seqs, d_batched = vllm_defaults(vram_gb)
     max_model_len = int(max_model_len if max_model_len is not None
                         else model.max_position_embeddings)
@@ -506,7 +528,7 @@ def _plan_for(
     gib = lambda b: b / GiB  # noqa: E731
 
     if slot_budget < 0:
-        verdict = "does_not_fit"
+        verdict = Verdict.DOES_NOT_FIT
         text = (
             f"does not fit even with offload: non-expert weights {gib(model.non_expert_bytes):.2f}"
             f" + KV {gib(kv_reserved):.2f} + runtime {gib(overhead):.2f} GiB exceed the "
@@ -515,13 +537,13 @@ def _plan_for(
         planned = 0
         fits_outright = False
     elif fits_outright and (not forced or planned == E):
-        verdict, planned = "fits_outright", E
+        verdict, planned = Verdict.FITS_OUTRIGHT, E
         text = (
             f"fits outright: all {E} experts ({gib(model.expert_bytes):.2f} GiB) stay in VRAM "
             f"with {gib(slot_budget - model.expert_bytes):.2f} GiB to spare; no offload, no cache"
         )
     elif forced and planned * per_slot > slot_budget:
-        verdict = "does_not_fit"
+        verdict = Verdict.DOES_NOT_FIT
         text = (
             f"{planned} slots need {gib(planned * per_slot):.2f} GiB but only "
             f"{gib(slot_budget):.2f} GiB is left after non-expert weights, KV and runtime "
@@ -529,15 +551,15 @@ def _plan_for(
         )
         fits_outright = False
     elif ragged := formats.ragged_refusal(model.expert_tensors):
-        verdict = "offload_no_cache"
+        verdict = Verdict.OFFLOAD_NO_CACHE
         text = f"runs only fully offloaded: {ragged}; no cache"
         planned = 0
     elif (declined := vllm_experts.declined_kernel(model.quant, moe_backend)) and not forced:
-        verdict = "offload_no_cache"
+        verdict = Verdict.OFFLOAD_NO_CACHE
         text = f"runs only fully offloaded: {declined}; no cache"
         planned = 0
     elif planned < k:
-        verdict = "offload_no_cache"
+        verdict = Verdict.OFFLOAD_NO_CACHE
         text = (
             f"runs only fully offloaded: room for {planned} slot{'s' * (planned != 1)}, "
             f"fewer than top_k={k}, so "
@@ -545,7 +567,7 @@ def _plan_for(
         )
         planned = 0
     else:
-        verdict = "cache"
+        verdict = Verdict.CACHE
         if planned > rules.slot_limit(E):
             planned = rules.slot_limit(E)
             notes.append(f"the cache kernel holds at most {rules.MAX_SLOTS} slots a layer: "
@@ -561,17 +583,17 @@ def _plan_for(
     # the budget a full decode step must fit: the slots, or a per-layer plan's narrowest
     judged = min(planned, narrowest) if narrowest else planned
     # a full batch wider than the slots: staged through the scratch, else the trap
-    wide_batch = verdict == "cache" and trap_ids > judged
+    wide_batch = verdict is Verdict.CACHE and trap_ids > judged
     trap = wide_batch and not scratch
     safe = (capture.safe_max_num_seqs(judged, k, max_num_batched_tokens, graphs, q)
-            if verdict == "cache" else 0)
+            if verdict is Verdict.CACHE else 0)
     if trap:
         notes.append(rules.trap_text(max_num_seqs, widest, k, judged, safe, graphs.source,
                                      q - 1))
     break_even = None
-    if scratch and verdict in ("cache", "offload_no_cache"):
+    if scratch and verdict.offloads:
         cost = scratch / per_slot
-        if verdict == "cache" and not wide_batch:
+        if verdict is Verdict.CACHE and not wide_batch:
             break_even = scratch_break_even(planned, E, k, cost)
         notes.append(
             f"wide steps {wide_mode.value}: the scratch (one layer's {E} experts, "
@@ -579,18 +601,18 @@ def _plan_for(
             + (f"; a full batch ({trap_ids} ids > {planned} slots) is staged through it"
                if wide_batch else "")
             + ("; it leaves fewer than top_k slots: it costs more than it saves, serve in "
-               "place instead" if verdict == "offload_no_cache" else "")
+               "place instead" if verdict is Verdict.OFFLOAD_NO_CACHE else "")
             + (f"; with every decode batch narrow it saves only prefills: under uniform "
                f"routing it pays while requests decode fewer than ~{break_even:,} tokens a "
                "prompt, and costs more than it saves past that"
                if break_even is not None else "")
             + ("; `plan --wide` prices the trade on your trace"
-               if verdict == "cache" else "")
+               if verdict is Verdict.CACHE else "")
             + (f"; the runtime estimate includes the {STAGED_WARM_PEAK_GIB:.2f} GiB a staged "
                f"server's profile step peaked above it at more than "
                f"{STAGED_PEAK_FREE_TOKENS:,} batched tokens (measured, not modelled)"
                if staged_peak and overhead_gb is None else ""))
-    if (verdict in ("cache", "offload_no_cache") and not forced and max_model_len > 8192
+    if (verdict.offloads and not forced and max_model_len > 8192
             and kv_tokens == max_model_len and kv_reserved > budget // 10):
         short = _plan_for(model, vram_gb, 8192, max_num_seqs, gpu_memory_utilization,
                      max_num_batched_tokens=max_num_batched_tokens,
@@ -602,16 +624,15 @@ def _plan_for(
                 f"--max-model-len 8192 leaves room for {short.max_slots} slots: "
                 f"{short.verdict_text}"
             )
-    offload = math.ceil(model.expert_bytes / GiB + 0.5) if verdict in (
-        "cache", "offload_no_cache") else 0
+    offload = math.ceil(model.expert_bytes / GiB + 0.5) if verdict.offloads else 0
     # the KV vLLM is handed: the reserve, plus what whole slots leave of their room (and
     # the scratch, where no cache will allocate it)
     kv_handed = 0
     if kv_cache_memory_bytes is not None:
         kv_handed = kv_reserved
-    elif verdict == "cache":
+    elif verdict is Verdict.CACHE:
         kv_handed = kv_reserved + slot_budget - planned * per_slot
-    elif verdict == "offload_no_cache":
+    elif verdict is Verdict.OFFLOAD_NO_CACHE:
         kv_handed = kv_reserved + slot_budget + scratch
     # (a --moe-backend that cannot offload this format is refused here, in one line)
     offload_args = vllm_experts.offload_backend_args(
@@ -641,7 +662,7 @@ def _plan_for(
         slot_budget_bytes=slot_budget,
         max_slots=max_slots,
         slots=planned,
-        fits_outright=verdict == "fits_outright",
+        fits_outright=verdict is Verdict.FITS_OUTRIGHT,
         verdict=verdict,
         verdict_text=text,
         cpu_offload_gb=offload,
