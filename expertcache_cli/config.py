@@ -34,24 +34,51 @@ PDL = "EXPERT_CACHE_PDL"
 AUDIT = "EXPERT_CACHE_AUDIT"
 MARLIN = "EXPERT_CACHE_MARLIN"
 
-#: every variable the plugin reads, with a one-line meaning (README and docs/plugin.md)
-ENV_VARS: dict[str, str] = {
-    SLOTS: "slots per MoE layer (1 <= S < experts), or one per MoE layer: S1,S2,...",
-    FRACTION: "slots per layer as a fraction of the experts (0 < F < 1)",
-    POLICY: "replacement policy: lru (default) or lfu",
-    DECAY: "LFU only: halve every priority each N steps of a layer (0 = never)",
-    DISABLE: "1 = do not arm any layer (the control arm; stock offload path)",
-    LIB: "path of a prebuilt kernel library (.so) instead of the NVRTC build",
-    STATS: "log the live hit rate every N layer-steps (syncs the device)",
-    TRACE: "record the routing of every armed layer into this .npz at exit",
-    WIDE: "steps wider than the slots: in-place (default), staged or staged-install "
-          "(through a VRAM scratch of one layer's experts)",
-    PDL: "0 = launch the cache's kernels without programmatic dependent launch (on by "
-         "default on sm_90+ with a 12.3+ driver: each starts while the kernel before it ends)",
-    AUDIT: "1 = at shutdown, compare every occupied slot with its expert's weights and the "
-           "table with the slots, and log what differs (syncs; copies the slots' experts once)",
-    MARLIN: "1 = arm vLLM's Marlin experts (4-bit: GPTQ, AWQ, W4A16, NVFP4, MXFP4), which "
-            "are not yet proven on a GPU; unset, they are declined and served on the stock path",
+@dataclass(frozen=True)
+class EnvVar:
+    """One variable of the contract: what it means and its default, as the README's and
+    docs/plugin.md's tables must state them (tests/test_config.py holds both tables
+    against this one: the same variables, each default cell starting with ``default``,
+    each meaning cell carrying every phrase of ``says``)."""
+
+    meaning: str
+    default: str
+    #: phrases every text that documents the variable must carry: what it must not
+    #: drift away from (backticks aside)
+    says: tuple[str, ...]
+
+
+#: every variable the plugin reads: the source the docs' tables are checked against
+ENV_VARS: dict[str, EnvVar] = {
+    SLOTS: EnvVar("slots per MoE layer (1 <= S < experts), or one per MoE layer: S1,S2,...",
+                  "unset", ("S1,S2,...",)),
+    FRACTION: EnvVar("slots per layer as a fraction of the experts (0 < F < 1)", "unset",
+                     ("0 < F < 1",)),
+    POLICY: EnvVar("replacement policy: lru (default) or lfu", "lru", ("lru", "lfu")),
+    DECAY: EnvVar("LFU only: halve every priority each N steps of a layer (0 = never)", "0",
+                  ("LFU only", "halve every priority each")),
+    DISABLE: EnvVar("1 = do not arm any layer (the control arm; stock offload path)", "off",
+                    ("stock offload path",)),
+    LIB: EnvVar("path of a prebuilt kernel library (.so) instead of the NVRTC build", "unset",
+                ("prebuilt", "instead of the NVRTC build")),
+    STATS: EnvVar("log the live hit rate every N layer-steps (the counters are copied behind "
+                  "the step's work and never waited for)", "0",
+                  ("hit rate every", "never waited for")),
+    TRACE: EnvVar("record the routing of every armed layer into this .npz at shutdown",
+                  "unset", ("routing", ".npz", "shutdown")),
+    WIDE: EnvVar("steps wider than the slots: in-place (default), staged or staged-install "
+                 "(through a VRAM scratch of one layer's experts)", "in-place",
+                 ("in-place", "staged-install", "scratch")),
+    PDL: EnvVar("0 = launch the cache's kernels without programmatic dependent launch (on by "
+                "default on sm_90 and newer with a 12.3+ driver: each starts while the kernel "
+                "before it ends)", "on", ("programmatic dependent launch", "sm_90", "12.3+")),
+    AUDIT: EnvVar("1 = at shutdown, compare every occupied slot with its expert's weights and "
+                  "the table with the slots, and log what differs (syncs; copies the slots' "
+                  "experts once)", "off", ("at shutdown", "occupied slot")),
+    MARLIN: EnvVar("1 = arm vLLM's Marlin experts (4-bit: GPTQ, AWQ, W4A16, NVFP4, MXFP4), "
+                   "which are not yet proven on a GPU; unset, they are declined and served on "
+                   "the stock path", "off",
+                   ("arm vLLM's Marlin experts", "not yet proven on a GPU")),
 }
 
 #: the variables that change what a server measures or writes: a launcher that states a

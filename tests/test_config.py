@@ -80,12 +80,39 @@ def test_budget_at_or_above_the_expert_count_is_refused():
     assert CacheConfig(fraction=0.001).slots_for(128) == 1  # never zero
 
 
-def test_every_variable_is_documented_in_the_readme():
+def _env_table(doc: str, after: str) -> dict[str, tuple[str, str]]:
+    """The variable table that follows the sentence ``after`` in ``doc``: name -> (meaning,
+    default), backticks dropped."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    missing = [v for v in ENV_VARS if v not in readme]
-    assert not missing, f"README does not document {missing}"
+    text = (Path(__file__).resolve().parents[1] / doc).read_text()
+    lines = text[text.index(after):].splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| variable |"))
+    rows: dict[str, tuple[str, str]] = {}
+    for line in lines[head + 2:]:
+        if not line.startswith("|"):
+            break
+        name, meaning, default = (c.strip().replace("`", "") for c in line.strip("|").split(" | "))
+        rows[name] = (meaning, default)
+    return rows
+
+
+@pytest.mark.parametrize("doc, after", [
+    ("README.md", "The plugin reads these in every vLLM process"),
+    ("docs/plugin.md", "Read by the vLLM plugin once per process"),
+])
+def test_the_docs_env_tables_are_configs_contract(doc, after):
+    """config.ENV_VARS is the contract; the README's and docs/plugin.md's tables name the
+    same variables, each with config's default and every phrase config says it must carry
+    (so that, say, one text cannot call STATS a device sync while the code never waits)."""
+    table = _env_table(doc, after)
+    assert sorted(table) == sorted(ENV_VARS), f"{doc} names other variables than config"
+    for name, var in ENV_VARS.items():
+        meaning, default = table[name]
+        assert default.lower().startswith(var.default), (doc, name, default)
+        for phrase in var.says:
+            assert phrase in meaning, f"{doc}: {name} does not say {phrase!r}"
+            assert phrase in var.meaning, f"config: {name} does not say {phrase!r}"
 
 
 @pytest.mark.parametrize("cfg", [
