@@ -25,7 +25,12 @@ from ref_slotcache import RefSlotCache  # noqa: E402
 
 from expertcache_cli.config import CacheConfig  # noqa: E402
 from expertcache_cli.plugin.arming import ARM, plan_layer  # noqa: E402
-from expertcache_cli.plugin.runtime import ArmedLayer, ArmError, patch_tile_lookup  # noqa: E402
+from expertcache_cli.plugin.runtime import (  # noqa: E402
+    ArmedLayer,
+    ArmError,
+    Sweep,
+    patch_tile_lookup,
+)
 from expertcache_cli.policy import LayerCache, Policy, Wide  # noqa: E402
 
 E, H, INTER, TOPK = 16, 8, 4, 2
@@ -140,6 +145,13 @@ def _routing(rng, tokens):
     return torch.from_numpy(ids.astype(np.int32)), torch.rand(tokens, TOPK)
 
 
+def _swept(armed):
+    """Mark the layer's sweep of every expert done (an agreeing one of no steps): for the
+    tests of what follows it, the check of the real call."""
+    armed.sweep_result = Sweep([], 0.0)
+    return armed
+
+
 def test_armed_layer_matches_the_stock_path_and_restores_everything():
     stock, cached = Experts(seed=1), Experts(seed=1)
     TileLookup.seen.clear()
@@ -161,14 +173,18 @@ def test_armed_layer_matches_the_stock_path_and_restores_everything():
         # after every call: the layer is back on its full tensors and config
         assert cached.w13_weight.data_ptr() == full_ptr
         assert cached.quant_method.moe_kernel.fused_experts.quant_config is qc_before
+    # the first call swept every expert through the 6 slots first: 3 steps of 3 tokens x
+    # top-2, each on the slots and on the stock path, all agreeing
+    (sweep,) = armed.sweep_result.paths
+    assert (sweep.path, sweep.covered, sweep.steps, sweep.worst) == ("slots", E, 3, 0.0)
     # the stock kernel sized its tiles for the 16 real experts, never for the 6 slots (the
-    # one extra call: the first slot step checked against the stock path)
-    assert set(TileLookup.seen) == {E} and len(TileLookup.seen) == 121
+    # extra calls: the sweep's 2 x 3, and the first slot step checked against the stock path)
+    assert set(TileLookup.seen) == {E} and len(TileLookup.seen) == 121 + 2 * 3
     assert armed.checked == {"slots": 0.0, "scratch": None}
     assert cached.w13_weight.shape[0] == E and armed.slot_params["w13_weight"].shape[0] == 6
     slot_ptr = armed.cache.slots["w13_weight"].data_ptr()
-    assert cached.weights_seen.count(slot_ptr) == served == armed.cache.steps
-    assert cached.weights_seen.count(full_ptr) == 60 - served + 1
+    assert cached.weights_seen.count(slot_ptr) == served + 3 == armed.cache.steps
+    assert cached.weights_seen.count(full_ptr) == 60 - served + 1 + 3
     assert int(armed.read_through) == 60 - served
     assert armed.slot_quant_config.w13_bias.data_ptr() == armed.cache.slots["w13_bias"].data_ptr()
 
@@ -596,8 +612,8 @@ def test_rows_vllm_marks_as_padding_install_nothing_and_count_nothing(monkeypatc
     w, x = torch.rand(3, TOPK), torch.randn(3, H)
     got = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
     # the manager gets the ids as they are and vLLM's marks (it leaves the rows out itself)
-    assert seen[0].tolist() == ids.tolist()
-    assert cache.pad_rows_seen[0] == [False, False, True] and armed.checked["slots"] == 0.0
+    assert seen[-1].tolist() == ids.tolist()  # (after the sweep's steps, which mark none)
+    assert cache.pad_rows_seen[-1] == [False, False, True] and armed.checked["slots"] == 0.0
     assert np.flatnonzero(np.asarray(cache.ref.table) >= 0).tolist() == [1, 2, 3]  # no 14, 15
     assert cache.stats.tolist() == [3, 3]  # requests: the 3 real distinct ids only
     armed.uninstall()
@@ -952,7 +968,10 @@ def test_wide_steps_staged_through_the_scratch_equal_the_stock_path(wide):
     assert int(armed.read_through) == 0
     assert int(armed.staged) == wide_steps == 17
     assert int(armed.staged_fetched) == fetched > 0
-    assert cached.weights_seen.count(scratch_ptr) == wide_steps
+    # (and the sweep's one wide step routing all 16 experts through the scratch)
+    assert [(p.path, p.covered, p.steps) for p in armed.sweep_result.paths] == [
+        ("slots", E, 3), ("scratch", E, 1)]
+    assert cached.weights_seen.count(scratch_ptr) == wide_steps + 1
     assert set(TileLookup.seen) == {E}
     assert armed.scratch_quant_config.w13_bias.data_ptr() == (
         armed.scratch.buffers["w13_bias"].data_ptr())
@@ -1017,12 +1036,14 @@ def test_the_wide_step_scratch_is_shared_planned_and_announced(monkeypatch, capl
 
 # -- the slot path can never take a server down ------------------------------------------
 
-def _one_call_with_a_slot_variant(caplog, seed, variant):
+def _one_call_with_a_slot_variant(caplog, seed, variant, swept=False):
     """Arm a layer whose experts call is ``variant(out, on_slots)`` of the stock one, serve
-    one decode step; returns the armed layer, what it served and what the stock path
-    gives."""
+    one decode step (``swept``: with the sweep of every expert marked done); returns the
+    armed layer, what it served and what the stock path gives."""
     layer = Experts(seed=seed)
     armed = _arm(layer)
+    if swept:
+        _swept(armed)
     assert "forward_modular" in layer.__dict__  # the instance hook is installed
     stock_forward = Experts.forward_modular
 
@@ -1054,17 +1075,27 @@ def test_an_experts_call_that_raises_on_slot_buffers_falls_back_and_disarms(capl
     assert "forward_modular" not in layer.__dict__
 
 
-def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(caplog):
+@pytest.mark.parametrize("swept", [False, True])
+def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(caplog, swept):
     """A quant method whose kernel reads something the rebinding does not follow (here: a
     stand-in that scales its output when it sees slot-shaped weights) gives a different output;
-    the first call's check against the stock path catches it and serves the stock one."""
+    the sweep of every expert at the first call catches it before the call is served (and,
+    were the sweep done, the check of the call itself would), and the stock output is
+    served."""
     def off_by_one(call, on_slots):
         return call() * 1.5 if on_slots else call()
 
-    layer, armed, out, want = _one_call_with_a_slot_variant(caplog, 5, off_by_one)
+    layer, armed, out, want = _one_call_with_a_slot_variant(caplog, 5, off_by_one, swept)
     torch.testing.assert_close(out, want)
-    assert armed.checked["slots"] > 0.02
-    assert "the slots path's output differs from the stock path's" in caplog.text
+    if swept:
+        assert armed.checked["slots"] > 0.02
+        assert "the slots path's output differs from the stock path's on the same step" in (
+            caplog.text)
+    else:
+        assert armed.sweep_result.failed and armed.checked["slots"] is None
+        assert ("the slots path's output differs from the stock path's on experts [0, 1] of "
+                "a synthetic step (relative difference of a row 0.5 > 0.02); layer back on "
+                "the stock path") in caplog.text
     assert "forward_modular" not in layer.__dict__
 
 
@@ -1101,7 +1132,7 @@ def test_the_check_reruns_only_the_first_rows_of_a_wide_step(monkeypatch):
 
     monkeypatch.setattr(runtime, "CHECK_ROWS", 2)
     layer = Experts(seed=7)
-    armed = _arm(layer, slots=6, wide_inserts=6)
+    armed = _swept(_arm(layer, slots=6, wide_inserts=6))
     seen = []
     stock_forward = armed._stock
 
@@ -1126,7 +1157,7 @@ def test_a_failed_check_on_first_rows_serves_the_whole_stock_step(monkeypatch, c
 
     monkeypatch.setattr(runtime, "CHECK_ROWS", 2)
     layer = Experts(seed=8)
-    armed = _arm(layer, slots=6, wide_inserts=6)
+    armed = _swept(_arm(layer, slots=6, wide_inserts=6))
     stock_forward = armed._stock
 
     def wrong_on_scratch(**kw):
@@ -1307,26 +1338,34 @@ def test_periodic_reports_never_wait_for_the_device(monkeypatch, caplog):
     assert parse_stats_line(caplog.text.splitlines()[-2])["final"]
 
 
-def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace():
+@pytest.mark.parametrize("swept", [False, True])
+def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace(swept):
     """A kernel returning a view of a workspace the next call overwrites would make the
-    reference call overwrite the path's output (equal by aliasing): the check compares a
-    copy, and serves that copy."""
+    reference call overwrite the path's output (equal by aliasing): the sweep and the
+    check compare a copy, and serve that copy."""
     layer = Experts(seed=14)
     armed = _arm(layer)
-    workspace = torch.zeros(1, H)
+    if swept:
+        _swept(armed)
+    workspace = torch.zeros(8, H)
     stock_forward = Experts.forward_modular
 
     def in_workspace(self, x, topk_weights, topk_ids, **kw):
         out = stock_forward(self, x, topk_weights, topk_ids, **kw)
         if self.w13_weight.shape[0] != E:
             out = out * 1.5  # the slot path computes something else
-        workspace.copy_(out)
-        return workspace
+        view = workspace[:x.shape[0]]
+        view.copy_(out)
+        return view
 
     armed._stock = in_workspace.__get__(layer)
     ids, w = _routing(np.random.default_rng(14), 1)
     layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
-    assert armed.checked["slots"] > 0.02 and "forward_modular" not in layer.__dict__
+    assert "forward_modular" not in layer.__dict__
+    if swept:
+        assert armed.checked["slots"] > 0.02
+    else:
+        assert armed.sweep_result.failed and armed.sweep_result.paths[0].worst > 0.02
 
 
 def test_bookkeeping_that_fails_never_takes_serving_down(caplog):
