@@ -190,14 +190,14 @@ class Session:
         done = [a for a in self.armed if a.sweep_result is not None]
         results = [a.sweep_result for a in done]
         agreed = [r for r in results if r is not None and not r.failed]
-        paths = sorted({p.path for r in results if r is not None for p in r.paths},
-                       key=["slots", "scratch"].index) if results else ["slots"]
+        paths = [p for p in ("slots", "scratch")
+                 if any(q.path == p for r in results if r is not None for q in r.paths)]
         worst = max((p.worst for r in agreed for p in r.paths), default=0.0)
         partial = sum(1 for r in agreed if any(p.covered < p.num_experts for p in r.paths))
         steps = sum(p.steps for r in results if r is not None for p in r.paths)
         seconds = sum(r.seconds for r in results if r is not None)
         experts = "/".join(str(e) for e in sorted({a.decision.num_experts for a in self.armed}))
-        through = " and the ".join(p for p in paths if p != "sweep")
+        through = " and the ".join(paths or ["slots"])
         text = (f"expertcache: {self._sweep_when} check of every expert ({experts} a layer, "
                 f"each through the {through} and the stock path): {len(agreed)} of "
                 f"{len(self.armed)} layers agreed (largest row difference {worst:.3g})")
