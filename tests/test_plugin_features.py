@@ -486,3 +486,44 @@ def test_new_weights_are_swept_before_the_next_step_and_a_captured_layer_that_di
     assert "new weights check of every expert" in caplog.text
     assert "1 of 2 layers agreed" in caplog.text
     _serve(model, stock, 4, rng)
+
+
+def test_the_sweep_after_new_weights_opens_vllms_locked_workspace_and_locks_it_again(
+        armed_worker, monkeypatch):
+    """vLLM locks its workspace manager after capturing (0.26 and 0.33: a kernel asking
+    for a scratch key it did not ask for while warming up raises). The sweep after new
+    weights runs from the worker's call, not a forward: the manager is open while it runs
+    and locked again after; a sweep at a first call, unlocked, leaves it so."""
+    from expertcache_cli.plugin import compat
+
+    class Manager:
+        locked = False
+
+        def is_locked(self):
+            return self.locked
+
+        def unlock(self):
+            self.locked = False
+
+        def lock(self):
+            self.locked = True
+
+    manager = Manager()
+    ws = types.ModuleType(compat.WORKSPACE_MODULE)
+    ws.is_workspace_manager_initialized = lambda: True
+    ws.current_workspace_manager = lambda: manager
+    monkeypatch.setitem(sys.modules, compat.WORKSPACE_MODULE, ws)
+    arm = armed_worker("0.33.0")
+    model, stock = _Model(seed=40), _Model(seed=40)
+    worker = arm(model)
+    _serve(model, stock, 1, np.random.default_rng(40))
+    assert not manager.locked
+    manager.lock()  # vLLM, once its graphs are captured
+    seen = []
+    for a in worker._expertcache_session.armed:
+        a._stock = (lambda f: lambda **kw: seen.append(manager.locked) or f(**kw))(a._stock)
+    new = _new_weights(model, 41)
+    worker.reload_weights(weights_iterator=iter(new))
+    _copy_in_place(stock, new)
+    assert seen and not any(seen) and manager.locked
+    _serve(model, stock, 2, np.random.default_rng(41))

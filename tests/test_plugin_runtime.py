@@ -969,9 +969,10 @@ def test_wide_steps_staged_through_the_scratch_equal_the_stock_path(wide):
     assert int(armed.staged) == wide_steps == 17
     assert int(armed.staged_fetched) == fetched > 0
     # (and the sweep's one wide step routing all 16 experts through the scratch)
+    # (its first call had 5 rows: 2 scratch steps of 5 x top-2 ids)
     assert [(p.path, p.covered, p.steps) for p in armed.sweep_result.paths] == [
-        ("slots", E, 3), ("scratch", E, 1)]
-    assert cached.weights_seen.count(scratch_ptr) == wide_steps + 1
+        ("slots", E, 3), ("scratch", E, 2)]
+    assert cached.weights_seen.count(scratch_ptr) == wide_steps + 2
     assert set(TileLookup.seen) == {E}
     assert armed.scratch_quant_config.w13_bias.data_ptr() == (
         armed.scratch.buffers["w13_bias"].data_ptr())
@@ -1428,7 +1429,7 @@ def _corrupting(armed, expert):
         out = step(ids, sources, **kw)
         s = int(armed.cache.table[expert])
         if s >= 0:
-            armed.cache.slots["w2_weight"][s] += 1.0
+            armed.cache.slots["w2_weight"][s] *= -1.0
         return out
 
     armed.cache.step = corrupt
@@ -1465,7 +1466,8 @@ def test_the_sweep_catches_a_wrong_expert_the_warm_up_never_routes(caplog):
 def test_the_sweep_leaves_a_fresh_cache_and_its_counters_as_they_were():
     """After the sweep the cache is what a fresh one is: the first real step installs what
     a fresh reference cache installs, the counters count only served steps; each sweep
-    step computed at most S // top_k rows (its scratch: the rows' outputs)."""
+    step computed at most S // top_k rows and never more than the call (its scratch:
+    the rows' outputs)."""
     layer = Experts(seed=22)
     armed = _arm(layer, slots=6)
     rows = []
@@ -1484,8 +1486,10 @@ def test_the_sweep_leaves_a_fresh_cache_and_its_counters_as_they_were():
     assert np.array_equal(armed.cache.ref.slot_expert, ref.slot_expert)
     assert armed.cache.stats.tolist() == [len(set(ids.flatten().tolist()))] * 2
     assert int(armed.read_through) == int(armed.staged) == 0
-    # 3 sweep steps of 3 rows on slots and on the stock path, then the call and its check
-    assert rows == [3] * 6 + [2, 2]
+    # sweep steps as wide as the call (2 rows of the 3 the slots take): 4 on slots and on
+    # the stock path, then the call and its check
+    assert [p.steps for p in armed.sweep_result.paths] == [4]
+    assert rows == [2] * 8 + [2, 2]
 
 
 def test_a_layer_failing_after_capture_stops_the_server_with_one_line(monkeypatch, caplog):
@@ -1557,5 +1561,5 @@ def test_one_line_sums_up_the_sweeps_and_their_time(caplog):
     assert re.fullmatch(
         r"expertcache: startup check of every expert \(16 a layer, each through the slots and "
         r"the stock path\): 1 of 2 layers agreed \(largest row difference 0\), 1 differed and "
-        r"went back to the stock path; 6 synthetic steps in \d+\.\d\d s", text), text
+        r"went back to the stock path; 16 synthetic steps in \d+\.\d\d s", text), text
     assert sess.sweep_line() == text

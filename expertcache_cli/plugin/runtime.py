@@ -85,6 +85,9 @@ CHECK_ATTEMPTS = 16
 CHECK_ROWS = 256
 #: seed of the sweep's synthetic inputs (the same steps on every tensor-parallel rank)
 SWEEP_SEED = 0
+#: sweep every expert at a layer's first eager call (False only where a bench measures
+#: what serving costs without any check; a user never runs without it)
+SWEEP = True
 #: paths whose first agreeing check this process has announced at INFO (one line, not one
 #: a layer)
 _ANNOUNCED: dict[str, bool] = {}
@@ -276,6 +279,8 @@ class Probe:
     decides (hidden size after its padding and transforms, the ids' dtype per kernel)."""
 
     hidden: tuple[int, ...]
+    #: the call's token rows: no sweep step is wider (vLLM sized its scratch for them)
+    rows: int
     x_dtype: Any
     weights_dtype: Any
     ids_dtype: Any
@@ -525,11 +530,12 @@ class ArmedLayer:
         import torch
 
         capturing = _capturing()
-        if (self.sweep_result is None and not self._failed and not capturing
+        if (SWEEP and self.sweep_result is None and not self._failed and not capturing
                 and _real(x) and _real(topk_ids)):
             # the first eager call: every expert through each path before any is served
-            self.probe = Probe(tuple(x.shape[1:]), x.dtype, topk_weights.dtype,
-                               topk_ids.dtype, int(topk_ids.shape[1]), x.device)
+            self.probe = Probe(tuple(x.shape[1:]), max(1, int(x.shape[0])), x.dtype,
+                               topk_weights.dtype, topk_ids.dtype, int(topk_ids.shape[1]),
+                               x.device)
             self.sweep()
         wide = not self.cache.fits(topk_ids.numel())
         # where vLLM says which rows are padding (V2's marks, V1's count inside a graph),
@@ -581,7 +587,7 @@ class ArmedLayer:
         top_k))`` experts calls of ``t`` rows on slots and one of ``ceil(E / top_k)`` rows
         on the scratch, every expert's bytes read from the host twice (the gather, the
         stock call), and the rows' outputs as scratch."""
-        if self.probe is None or self._failed:
+        if self.probe is None or self._failed or not SWEEP:
             return None
         start = time.perf_counter()
         saved = [t.clone() for t in self._counters()]
@@ -626,14 +632,14 @@ class ArmedLayer:
         assert probe is not None
         e, k = self.decision.num_experts, probe.top_k
         result = PathSweep(path, e)
-        if path == "slots":
-            t = min(self.decision.num_slots // k, CHECK_ROWS)
-            if t == 0:  # no step fits: the slot path never serves, nothing to prove
-                result.covered = e
-                return result
-            steps = math.ceil(e / (t * k))
-        else:  # one wide step: every expert through the scratch
-            t, steps = math.ceil(e / k), 1
+        # steps as wide as a slot step may be (slots), or every expert at once (a wide
+        # step through the scratch); never wider than the call the probe saw
+        t = self.decision.num_slots // k if path == "slots" else math.ceil(e / k)
+        if t == 0:  # no step fits: the slot path never serves, nothing to prove
+            result.covered = e
+            return result
+        t = min(t, CHECK_ROWS, probe.rows)
+        steps = math.ceil(e / (t * k))
         dev = probe.device
         gen = torch.Generator(device=dev).manual_seed(SWEEP_SEED)
         weights = torch.full((t, k), 1.0 / k, dtype=probe.weights_dtype, device=dev)

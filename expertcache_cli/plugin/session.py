@@ -232,9 +232,12 @@ class Session:
                         "the new expert weights", why, emptied)
         # every expert proven again on the new weights before the next step (a layer whose
         # cache path is captured stops the server if it differs: `ArmedLayer._fail`)
-        for a in self.armed:
-            if not a._failed:
-                a.sweep()
+        from .compat import workspace_open
+
+        with workspace_open():
+            for a in self.armed:
+                if not a._failed:
+                    a.sweep()
 
     def after_step(self) -> None:
         """Once per engine step (host side): periodic stats and trace draining. Neither may
