@@ -33,18 +33,19 @@ path for good, with the reason logged, and the call is served from there.
 And each path proves itself, on every expert, before it serves (`ArmedLayer.sweep`): at
 a layer's first eager call, before the call itself is served, synthetic steps walk every
 expert of the layer through the slots (``ceil(E / (t x top_k))`` steps of ``t = S //
-top_k`` tokens, each routing ``t x top_k`` distinct experts, so every expert is gathered
-into a slot and computed from it once) and, with a scratch, one wide step routes every
-expert through the scratch; each step also runs on the stock path (the host copies, read
-in place: no device copy of them) on the same synthetic input, and every token row must
-agree (`row_differences` within `CHECK_TOLERANCE`). vLLM's own warm-up could not do this:
-its dummy runs route every row to the same top_k experts. Then the cache is emptied and
-its counters put back, so serving starts from the state a fresh cache has. A path that
-differs takes the layer back to the stock path before it served anything. The real call
-is then checked too, once a path (its first `CHECK_ROWS` tokens against the stock path,
-skipped while capturing or while outputs are all zeros, given up after `CHECK_ATTEMPTS`),
-for what a synthetic routing does not exercise: vLLM's padding rows, its shared experts.
-New weights (`reset`) sweep again, at once where the layer has seen a call.
+top_k`` tokens, no more than that call's, each routing ``t x top_k`` distinct experts, so
+every expert is gathered into a slot and computed from it once) and, with a scratch, wide
+steps route every expert through the scratch; each step also runs on the stock path (the
+host copies, read in place: no device copy of them) on the same synthetic input, and
+every token row must agree (`row_differences` within `CHECK_TOLERANCE`). vLLM's own
+warm-up could not do this: its dummy runs route every row to the same top_k experts. Then
+the cache is emptied and its counters put back, so serving starts from the state a fresh
+cache has. A path that differs takes the layer back to the stock path before it served
+anything. The real call is then checked too, once a path (its first `CHECK_ROWS` tokens
+against the stock path, skipped while capturing or while outputs are all zeros, given up
+after `CHECK_ATTEMPTS`), for what a synthetic routing does not exercise: vLLM's padding
+rows, its shared experts. New weights (`reset`) sweep again, at once where the layer has
+seen a call.
 
 A CUDA graph captured through the slot path replays its kernels whatever the plugin does
 later, so a layer that fails once its cache path is in a captured graph cannot be moved
@@ -584,9 +585,9 @@ class ArmedLayer:
         shapes are unknown: the sweep waits for the first eager call) or the layer failed.
 
         Syncs the device once a path (the comparison's verdict); costs ``2 x ceil(E / (t x
-        top_k))`` experts calls of ``t`` rows on slots and one of ``ceil(E / top_k)`` rows
-        on the scratch, every expert's bytes read from the host twice (the gather, the
-        stock call), and the rows' outputs as scratch."""
+        top_k))`` experts calls of ``t`` rows a path (`_sweep_path`), every expert's bytes
+        read from the host twice a path (the gather or staging, the stock call), and the
+        rows' outputs as scratch."""
         if self.probe is None or self._failed or not SWEEP:
             return None
         start = time.perf_counter()
