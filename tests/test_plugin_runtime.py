@@ -1216,6 +1216,40 @@ def test_output_difference():
     assert diff((a, None), (a, None)) == 0.0
 
 
+def test_row_differences():
+    """Per row: one wrong row stands out at its own size however many rows agree; a row
+    the reference left at zero proves nothing (not covered) unless the path's is not
+    zero; non-finite values the reference has not differ by inf; shared experts' tuples
+    compare row by row over their tensors."""
+    from expertcache_cli.plugin.runtime import output_difference, row_differences
+
+    a = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    wrong = a.clone()
+    wrong[5] *= 1.5
+    d, covered = row_differences(wrong, a, 32)
+    assert d[5] == pytest.approx(0.5) and float(d[torch.arange(32) != 5].max()) == 0.0
+    assert bool(covered.all())
+    # over the step, the same row is diluted by the other 31
+    assert output_difference(wrong, a) == pytest.approx(0.5 * float(a[5].norm() / a.norm()))
+    assert output_difference(wrong, a) < 0.2
+    zero = a.clone()
+    zero[3] = 0
+    d, covered = row_differences(zero, zero, 32)
+    assert not bool(covered[3]) and int(covered.sum()) == 31 and float(d.max()) == 0.0
+    off = zero.clone()
+    off[3, 0] = 1.0
+    d, _ = row_differences(off, zero, 32)
+    assert d[3] == float("inf")
+    nan = a.clone()
+    nan[7, 2] = float("nan")
+    d, _ = row_differences(nan, a, 32)
+    assert d[7] == float("inf") and float(d[:7].max()) == 0.0
+    d, covered = row_differences((a, wrong), (a, a), 32)
+    assert d[5] > 0 and float(d[:5].max()) == 0.0 and bool(covered.all())
+    assert row_differences("deferred", a, 32) is None
+    assert row_differences(a, a, 16) is None  # no tensor with the step's rows
+
+
 # -- kernel attributes that alias layer parameters (Marlin's g_idx) -----------------------
 
 class _GIdxExperts(Experts):
