@@ -202,8 +202,12 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
                          f"{PREDICTION_GOAL:.0%})")
         if arm == "cache":
             said = plan_verdict(tok, plan, rec) if slot_path_served(rec) else None
+            traced = any(e.startswith("EC_BENCH_TRACE_ROUTING=") for e in rec.get("env") or [])
             if said:
                 parts.append(said)
+            elif slot_path_served(rec) and traced:
+                parts.append("no plan prediction (no FMT-plan.json: the resident arm, the "
+                             "size or the probe record missing, or plan failed: FMT-plan.err)")
             parts.append("routing: " + routing_of(rec, plan))
         lines.append("; ".join(parts))
     if hot is not None:

@@ -195,6 +195,9 @@ def test_the_cache_arm_is_set_beside_plans_prediction_at_its_slots_with_its_rout
         "mxfp4", dict(recs, cache=slow), None, None, plan=PLAN)[1]
     # no plan: the trace file the hook read, named where it is not readable here
     assert report.routing_of(cache, None) == "trace /box/only/trace.npz (not readable here)"
+    unplanned = report.summarize("mxfp4", recs, 10**7, 50.0)[1]
+    assert "no plan prediction (no FMT-plan.json" in unplanned
+    assert unplanned.endswith("routing: trace /box/only/trace.npz (not readable here)")
     # slots from the command where the startup line has none; no row at other slots
     bare = {"argv": ["serve", "m", "--slots", "16"]}
     assert report.slots_of(bare) == 16 and report.plan_row(PLAN, 16)["predicted_tok_s"] == 300
