@@ -92,16 +92,23 @@ def plan_row(plan: dict | None, slots: int | None) -> dict | None:
     return rows[0] if len(rows) == 1 else None
 
 
+def traced(rec: dict | None) -> str | None:
+    """The trace file the arm's routing hook read (its ``--env``), None when it had none."""
+    return next((e.split("=", 1)[1] for e in (rec or {}).get("env") or []
+                 if e.startswith("EC_BENCH_TRACE_ROUTING=")), None)
+
+
 def routing_of(rec: dict | None, plan: dict | None) -> str:
-    """What routed the cache arm: the plan's trace ``source``, else the trace file the arm's
-    hook read (its source, where the file is here), else the checkpoint's own routers."""
+    """What routed the cache arm: its own record decides whether a trace did (an arm with no
+    trace in its environment ran on the checkpoint's routers, whatever plan file lies
+    beside it); then the plan's record of that trace's ``source``, else the trace file's
+    own, where the file is here."""
+    path = traced(rec)
+    if path is None:
+        return "the checkpoint's own random routers (no trace)"
     src = ((plan or {}).get("trace") or {}).get("source")
     if src:
         return src
-    path = next((e.split("=", 1)[1] for e in (rec or {}).get("env") or []
-                 if e.startswith("EC_BENCH_TRACE_ROUTING=")), None)
-    if path is None:
-        return "the checkpoint's own random routers (no trace)"
     try:
         from trace_fit import source_of
 
@@ -123,9 +130,10 @@ def slots_of(rec: dict | None) -> int | None:
 
 def plan_verdict(tok: float | None, plan: dict | None, rec: dict | None) -> str | None:
     """'predicted X tok/s by plan (hit rate h), measured r of it (met/NOT met)', or None
-    where plan has no row for the arm's slots or the arm measured nothing."""
+    where plan has no row for the arm's slots, the arm measured nothing, or no trace routed
+    it (plan's trace would not be the arm's workload)."""
     row = plan_row(plan, slots_of(rec))
-    if row is None or not tok:
+    if row is None or not tok or traced(rec) is None:
         return None
     want = float(row["predicted_tok_s"])
     ratio = tok / want
@@ -202,10 +210,9 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
                          f"{PREDICTION_GOAL:.0%})")
         if arm == "cache":
             said = plan_verdict(tok, plan, rec) if slot_path_served(rec) else None
-            traced = any(e.startswith("EC_BENCH_TRACE_ROUTING=") for e in rec.get("env") or [])
             if said:
                 parts.append(said)
-            elif slot_path_served(rec) and traced:
+            elif slot_path_served(rec) and traced(rec):
                 parts.append("no plan prediction (no FMT-plan.json: the resident arm, the "
                              "size or the probe record missing, or plan failed: FMT-plan.err)")
             parts.append("routing: " + routing_of(rec, plan))
@@ -315,7 +322,7 @@ def table_row(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
         want = predicted_tok_s(r_tok, per, bytes_per_expert, gbps, step_us, layers)
         miss = f"{c_tok / want:.3f} ({c_tok:.1f} / {want:.1f})"
     planned = "-"
-    row = plan_row(plan, slots_of(rec)) if arm == "cache" else None
+    row = plan_row(plan, slots_of(rec)) if arm == "cache" and traced(rec) else None
     if row is not None and c_tok:
         want = float(row["predicted_tok_s"])
         planned = f"{c_tok / want:.3f} ({c_tok:.1f} / {want:.1f})"

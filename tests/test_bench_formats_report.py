@@ -204,9 +204,21 @@ def test_the_cache_arm_is_set_beside_plans_prediction_at_its_slots_with_its_rout
     assert report.plan_row(PLAN, 64) is None and report.plan_row(None, 32) is None
 
 
+def test_an_arm_no_trace_routed_is_never_held_to_a_plan_beside_it():
+    cache = rec([380.0], installs=2000)
+    cache["log"]["slots"] = 32
+    cache["env"] = ["EXPERT_CACHE_STATS=400"]
+    recs = {"floor": rec([50.0], startup=None), "resident": rec([500.0], startup=None),
+            "cache": cache}
+    line = report.summarize("fp8-block", recs, 10**7, 50.0, plan=PLAN)[1]
+    assert "plan predicted" not in line and "no plan prediction" not in line
+    assert line.endswith("routing: the checkpoint's own random routers (no trace)")
+    assert report.table_row("fp8-block", recs, 10**7, 50.0, plan=PLAN).endswith("| - |")
+
+
 def test_a_declined_cache_arm_gets_no_plan_verdict_but_says_its_routing():
     declined = rec([50.0], startup="expertcache: vLLM 0.26.0: armed 0 of 24 MoE layers (x)")
-    declined["env"] = []
+    declined["env"] = ["EC_BENCH_TRACE_ROUTING=/t.npz"]
     lines = report.summarize("awq", {"floor": rec([50.0], startup=None), "cache": declined},
                              10**7, 50.0, plan=PLAN)
     assert "plan predicted" not in lines[1]
@@ -224,7 +236,9 @@ def test_median_prints_a_records_median_rate_for_the_runner(tmp_path, capsys):
 
 def test_the_table_says_what_routing_each_format_had(tmp_path, capsys):
     (tmp_path / "w8a8-floor.json").write_text(json.dumps(rec([50.0], startup=None)))
-    (tmp_path / "w8a8-cache.json").write_text(json.dumps(rec([400.0], installs=10)))
+    cache = rec([400.0], installs=10)
+    cache["env"] = ["EC_BENCH_TRACE_ROUTING=/box/t.npz"]
+    (tmp_path / "w8a8-cache.json").write_text(json.dumps(cache))
     (tmp_path / "w8a8-plan.json").write_text(json.dumps(PLAN))
     assert report.main(["--table", str(tmp_path), "w8a8"]) == 0
     out = capsys.readouterr().out.splitlines()

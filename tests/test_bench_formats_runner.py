@@ -67,6 +67,7 @@ elif args[0].endswith("small_card.py"):
     startup, check = json.loads(os.environ["STUB_ARMS"]).get(name, [None, None])
     status = "failed" if name == os.environ.get("STUB_FAIL") else "ok"
     rec = {"status": status, "arm": name, "tok_s": [100.0, 101.0, 99.0],
+           "env": [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--env"],
            "greedy": {"tokens": ["a"], "logprob": [0.0], "margin": [1.0]},
            "log": {"startup_line": startup, "check_line": check, "declined": []}}
     (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
