@@ -35,16 +35,18 @@
 #   card24    ballast leaves 24 GiB; `size --vram 24`; `plan TRACE --model M --vram 24
 #             --probe --resident-tok-s R --save plan24.json`; then the serve command plan
 #             recommends, as printed, twice: floor (EXPERT_CACHE_DISABLE=1: the same vLLM
-#             flags, the cache off) and cache (EXPERT_CACHE_STATS=400 for installs) (9)
-#   card32    the same on 32 GiB (8)
+#             flags, the cache off; ~21 tok/s, 4.7) and cache (EXPERT_CACHE_STATS=400 for
+#             its installs; 4) (9.5)
+#   card32    the same on 32 GiB (9)
 #   report    bench/flagship_report.py: the table and the goals, to $OUT/flagship.txt
-# Every step: about 22 device minutes in all; one detached job, polled every 9 minutes:
+# Every step: about 24 device minutes in all; one detached job, polled every 9 minutes:
 #   bash bench/detach.sh flagship env OUT=/tmp/ofs bash bench/run_flagship_on_device.sh
 #   RESULTS=/tmp/ofs bash bench/detach.sh --poll flagship 540     (3 polls)
-# Split over sessions: STEPS="setup model probe resident card24" first, then
-# STEPS="setup card32" (records and the model directory stay in FS while the box is kept).
-# PY, FS (records, model, plans: /tmp/fs), TRACE, CARDS, RUNS (3) are overridable: the flow
-# is tested on CPU with the GPU steps stubbed (tests/test_bench_flagship_runner.py).
+# Split over two sessions (the box keeps nothing between them, so each needs its resident
+# rate): STEPS="setup model probe resident card24 report", then the same with card32.
+# PY, FS (records, model, plans: /tmp/fs), TRACE and RUNS (5: the measured runs cover ~1000
+# of the trace's steps, which plan's whole-trace replay is set against) are overridable:
+# the flow is tested on CPU with the GPU steps stubbed (tests/test_bench_flagship_runner.py).
 set -uo pipefail
 OUT="${OUT:-out}"
 FS="${FS:-/tmp/fs}"
@@ -74,7 +76,7 @@ hooks() {
 }
 arm() {  # arm NAME [small_card options] -- server command
   local name=$1; shift
-  bench_arm "$FS" bench/small_card.py "$name" --runs "${RUNS:-3}" "${hook_env[@]}" "$@"
+  bench_arm "$FS" bench/small_card.py "$name" --runs "${RUNS:-5}" "${hook_env[@]}" "$@"
 }
 ballast() {  # ballast GiB | ballast stop
   if [ "$1" = stop ]; then $PY bench/ballast.py stop; return; fi

@@ -47,13 +47,14 @@
 # RUNS (default 5): measured runs a server.
 # Re-entrant (an arm whose JSON says ok is not run again); split by FORMATS across calls:
 #   FORMATS="w8a8 fp8-block" bash bench/run_formats_on_device.sh
-# Issue 29's table (the 4-bit formats on Marlin), two formats a call, detached (a server
-# start outlives a call's 10 minutes; bench/detach.sh polls it):
-#   bash bench/detach.sh formats env OUT=/tmp/of RUNS=3 FORMATS="gptq gptq-act" \
+# Issue 29's table (the 4-bit formats on Marlin), two formats a session, detached (a
+# server start outlives a call's 10 minutes; bench/detach.sh polls it); bench/PLAN-4bit.md
+# has the sessions in order with the minutes each step is expected to take:
+#   bash bench/detach.sh formats env OUT=/tmp/of RUNS=3 FORMATS="mxfp4 nvfp4" \
 #     bash bench/run_formats_on_device.sh
 #   RESULTS=/tmp/of bash bench/detach.sh --poll formats 540
-# then FORMATS="awq w4a16", "nvfp4 mxfp4", and "w8a8 fp8-block" (their rows again);
-#   python bench/formats_report.py --table /tmp/fm gptq gptq-act awq w4a16 nvfp4 mxfp4
+# then FORMATS="gptq-act awq", "w4a16 w8a8" and "fp8-block" (their rows again);
+#   python bench/formats_report.py --table DIR gptq-act awq w4a16 nvfp4 mxfp4 fp8-block w8a8
 set -uo pipefail
 OUT="${OUT:-out}"
 FM="${FM:-/tmp/fm}"  # checkpoints (removed when their arms are done) and records

@@ -102,7 +102,7 @@ def test_every_step_as_a_new_user_runs_it_on_both_cards(runner):
         call = _arm(calls, name)
         assert "--env EC_BENCH_SYNTH_WEIGHTS=1" in call and "--load-format dummy" in call
         assert f"EC_BENCH_TRACE_ROUTING={fs / 'tasks-gpt-oss-120b.npz'}" in call
-        assert "bench/trace_hook" in call and "--runs 3" in call
+        assert "bench/trace_hook" in call and "--runs 5" in call
     for gib in ("24", "32"):
         plan = next(c for c in calls if c.startswith("-m expertcache_cli plan")
                     and f"--vram {gib}" in c)
