@@ -29,12 +29,12 @@ sys.path.insert(0, str(HERE.parent))
 
 from small_card import compare_greedy, describe  # noqa: E402
 from synth_weights import DONE_LINE  # noqa: E402
+from trace_routing import IN_FORCE_LINE as ROUTING_LINE  # noqa: E402
 
 CARDS = (24, 32)
 PLAN_GOAL = 0.10
 FLOOR_GOAL = 2.0  # the cache against the offload floor on the 24 GiB card
 FLOOR_GOAL_CARD = 24
-ROUTING_LINE = "BENCH: MoE routing replayed"
 
 
 def median(rec: dict | None) -> float | None:

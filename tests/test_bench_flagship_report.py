@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 report = pytest.importorskip("flagship_report", reason="the bench needs httpx")
 
-HOOKS = "BENCH: weights synthesized: 400 tensors\nBENCH: MoE routing replayed from t.npz\n"
+HOOKS = "BENCH: weights synthesized: 400 tensors\nBENCH: trace routing in force: layer 0\n"
 GREEDY = {"tokens": ["w1", "w2", "w3"], "logprob": [-0.1, -0.2, -0.3], "margin": [1.0, 0.5, 0.01]}
 
 
@@ -58,7 +58,8 @@ def test_the_table_and_every_goal_from_a_run_directory(tmp_path, capsys):
     _write(tmp_path, "cache24", cache)
     _write(tmp_path, "floor32", arm(21.0))
     other = dict(GREEDY, tokens=["w1", "w2", "w9"])
-    _write(tmp_path, "cache32", arm(40.0, greedy=other), hooks="BENCH: MoE routing replayed\n")
+    _write(tmp_path, "cache32", arm(40.0, greedy=other),
+           hooks="BENCH: trace routing in force: layer 0\n")
     (tmp_path / "size24.json").write_text(json.dumps({"verdict_text": "cache at 34 of 128"}))
     (tmp_path / "plan24.json").write_text(json.dumps(plan(
         "expertcache serve /m --vram 24 --plan /p.json -- --max-num-seqs 8")))

@@ -63,7 +63,7 @@ elif args[0].endswith("small_card.py"):
                    if name.startswith("cache") else None, "declined": []}}
     (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
     hooks = [] if name == os.environ.get("STUB_NO_HOOKS") else [
-        "WARNING BENCH: weights synthesized: 400 tensors", "BENCH: MoE routing replayed from t"]
+        "WARNING BENCH: weights synthesized: 400 tensors", "BENCH: trace routing in force: layer 0"]
     (out / f"{name}.log").write_text("\n".join(["log", *hooks]) + "\n")
 '''
 
@@ -71,7 +71,8 @@ elif args[0].endswith("small_card.py"):
 @pytest.fixture()
 def runner(tmp_path):
     run = make_runner(tmp_path, "run_flagship_on_device.sh",
-                      ("flagship_report.py", "small_card.py", "synth_weights.py"), STUB,
+                      ("flagship_report.py", "small_card.py", "synth_weights.py",
+                       "trace_routing.py"), STUB,
                       keep_bench_helpers=True,
                       FS=str(tmp_path / "fs"))
     return (lambda **extra: run(**extra)[0]), tmp_path
