@@ -74,6 +74,7 @@ hooks() {
   hook_env=(--env EC_BENCH_SYNTH_WEIGHTS=1 --env "EC_BENCH_TRACE_ROUTING=$t"
             --env "PYTHONPATH=$PWD/bench/trace_hook:${PYTHONPATH:-}")
 }
+arm_done() { [ -f "$FS/$1.json" ] && grep -q '"status": "ok"' "$FS/$1.json"; }
 arm() {  # arm NAME [small_card options] -- server command
   local name=$1; shift
   bench_arm "$FS" bench/small_card.py "$name" --runs "${RUNS:-5}" "${hook_env[@]}" "$@"
@@ -111,6 +112,7 @@ for step in $STEPS; do
         "${SERVER_FLAGS[@]}" ;;
     card24|card32)
       GIB=${step#card}
+      if arm_done "floor$GIB" && arm_done "cache$GIB"; then echo "card$GIB: done before"; continue; fi
       hooks || exit 1
       R=$($PY bench/flagship_report.py --median "$FS/resident.json") || {
         echo "card$GIB: no resident rate yet (run the resident step): plan needs it"; continue; }
@@ -123,8 +125,8 @@ for step in $STEPS; do
       [ -f "$FS/plan$GIB.json" ] || COLUMNS=200 $PY -m expertcache_cli plan "$FIT" \
         --model "$MODEL" --vram "$GIB" --probe "$FS/probe.json" --resident-tok-s "$R" \
         --save "$FS/plan$GIB.json" -- "${USER_FLAGS[@]}" "${BENCH_FLAGS[@]}" \
-        > "$OUT/plan$GIB.txt" 2>&1
-      cat "$OUT/plan$GIB.txt"
+        > "$FS/plan$GIB.txt" 2>&1
+      cp "$FS/plan$GIB.txt" "$OUT/" 2>/dev/null; cat "$FS/plan$GIB.txt"
       if mapfile -t CMD < <($PY bench/flagship_report.py --serve-argv "$FS/plan$GIB.json") \
           && [ "${#CMD[@]}" -gt 0 ]; then
         SERVE=("$PY" -m expertcache_cli "${CMD[@]}" "${SERVER_FLAGS[@]}")

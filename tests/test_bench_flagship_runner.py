@@ -132,9 +132,11 @@ def test_every_step_as_a_new_user_runs_it_on_both_cards(runner):
     assert "bench hooks: weights synthesized and routing replayed in every server" in text
     assert "24 GiB: cache 2.57x the offload floor (met: at least 2x)" in text
     assert (tmp / "out" / "plan24.json").exists() and (tmp / "out" / "cache32.json").exists()
-    again = run()  # re-entrant: nothing served or planned twice
+    assert (tmp / "out" / "plan24.txt").read_text().strip() == "plan text 24"
+    again = run()  # re-entrant: nothing served, planned or ballasted twice
     assert _servers(again) == [] and not any(c.startswith("-m expertcache_cli plan")
                                              for c in again)
+    assert not any("ballast.py start" in c for c in again)
 
 
 def test_a_card_before_the_resident_rate_plans_and_serves_nothing(runner):
