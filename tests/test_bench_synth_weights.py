@@ -91,3 +91,18 @@ def test_the_shape_is_read_from_the_served_config_and_only_gpt_oss_mxfp4_is_draw
         synth_weights.shape_of({"model_type": "qwen3_moe", "quantization_config": None})
     with pytest.raises(RuntimeError, match="quant 'fp8'"):
         synth_weights.shape_of(dict(GPT_OSS_120B, quantization_config={"quant_method": "fp8"}))
+
+
+def test_every_server_draws_the_same_weights_the_checkpoint_writer_would_write():
+    """Greedy tokens compare across servers only if each draws the same weights: the pairs
+    are the writer's own, seeded, for the served config's shape (tiny here, on the CPU)."""
+    torch = pytest.importorskip("torch", reason="drawing weights needs torch")
+    tiny = write_gpt_oss.TINY
+    hf = write_gpt_oss.config(tiny, layers=2, vocab=64, context=256)
+    a = dict(synth_weights.gpt_oss_pairs(hf, "cpu"))
+    b = dict(write_gpt_oss.tensors(2, "cpu", 64, 0, tiny))
+    assert a.keys() == b.keys()
+    assert "model.layers.1.mlp.experts.gate_up_proj_blocks" in a
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    again = dict(synth_weights.gpt_oss_pairs(hf, "cpu"))
+    assert all(torch.equal(a[k], again[k]) for k in a)
