@@ -58,8 +58,9 @@ MODEL=$FS/gpt-oss-120b
 # the 4-bit experts run on Marlin, which the plugin arms (and size/plan/serve plan a cache
 # for) only when asked for, until the formats table proves it
 export EXPERT_CACHE_MARLIN="${EXPERT_CACHE_MARLIN:-1}"
-# the vLLM flags a user on a small card gives (the context; the attention backend every
-# bench server of gpt-oss ran on), and the bench's own: dummy weights filled by the hook
+# the vLLM flags a user on a small card gives (the context; the attention backend: the box's
+# vLLM bundle has no FlashAttention binaries, and gpt-oss's sinks run on Triton's), and the
+# bench's own: dummy weights, filled by the hook
 USER_FLAGS=(--max-model-len 8192 --attention-backend TRITON_ATTN)
 BENCH_FLAGS=(--load-format dummy)
 SERVER_FLAGS=(--seed 0 --host 127.0.0.1 --port "{port}" --shutdown-timeout 10)
