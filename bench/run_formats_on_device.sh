@@ -50,10 +50,10 @@
 # Issue 29's table (the 4-bit formats on Marlin), two formats a session, detached (a
 # server start outlives a call's 10 minutes; bench/detach.sh polls it); bench/PLAN-4bit.md
 # has the sessions in order with the minutes each step is expected to take:
-#   bash bench/detach.sh formats env OUT=/tmp/of RUNS=3 FORMATS="mxfp4 nvfp4" \
+#   bash bench/detach.sh formats env OUT=/tmp/of RUNS=3 FORMATS="mxfp4" \
 #     bash bench/run_formats_on_device.sh
 #   RESULTS=/tmp/of bash bench/detach.sh --poll formats 540
-# then FORMATS="gptq-act awq", "w4a16 w8a8" and "fp8-block" (their rows again);
+# then FORMATS="gptq-act awq", "w4a16 w8a8" and "nvfp4 fp8-block" (fp8-block's row again);
 #   python bench/formats_report.py --table DIR gptq-act awq w4a16 nvfp4 mxfp4 fp8-block w8a8
 set -uo pipefail
 OUT="${OUT:-out}"
