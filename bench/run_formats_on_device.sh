@@ -47,6 +47,10 @@
 # RUNS (default 5): measured runs a server.
 # Re-entrant (an arm whose JSON says ok is not run again); split by FORMATS across calls:
 #   FORMATS="w8a8 fp8-block" bash bench/run_formats_on_device.sh
+# Minutes a format on the H200 at 24 layers (the 2026-12-01 runs): each checkpoint 0.3
+# (mxfp4's 41 GB: 0.7), size and probe 1.5, a server 1.0-2.7 to start and 0.2-0.8 to serve
+# its runs, plan 0.1: ~10.5 with all four arms (mxfp4 ~12; a declined one ~6: no all-hit
+# pair).
 # Issue 29's table (the 4-bit formats on Marlin), two formats a session, detached (a
 # server start outlives a call's 10 minutes; bench/detach.sh polls it); bench/PLAN-4bit.md
 # has the sessions in order with the minutes each step is expected to take:
