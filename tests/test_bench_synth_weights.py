@@ -4,6 +4,7 @@ gpt-oss in MXFP4 is accepted; the hook says so in one line or says it did not ru
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import types
@@ -106,3 +107,23 @@ def test_every_server_draws_the_same_weights_the_checkpoint_writer_would_write()
     assert all(torch.equal(a[k], b[k]) for k in a)
     again = dict(synth_weights.gpt_oss_pairs(hf, "cpu"))
     assert all(torch.equal(a[k], again[k]) for k in a)
+
+
+def test_the_flagships_model_directory_sizes_as_gpt_oss_120b_with_no_weights(tmp_path):
+    """`write_checkpoint.py --config-only` (the flagship's model): config and tokenizer, no
+    safetensors, and `size` reads it as gpt-oss-120b, Marlin's padded experts and all."""
+    pytest.importorskip("tokenizers", reason="the bench tokenizer needs tokenizers")
+    import write_checkpoint
+
+    from expertcache_cli.model_size import load_model
+
+    out = tmp_path / "gpt-oss-120b"
+    info = write_checkpoint.write(out, 36, "mxfp4", 201088, context=131072, experts=128,
+                                  config_only=True)
+    assert info == {"bytes": 0, "shards": 0, "tensors": 0}
+    assert not list(out.glob("*.safetensors")) and (out / "tokenizer.json").exists()
+    m = load_model(out)
+    assert (m.num_layers, m.num_experts, m.top_k) == (36, 128, 4)
+    assert m.bytes_per_expert == 14431744  # as vLLM holds it after Marlin's padding
+    config = json.loads((out / "config.json").read_text())
+    assert synth_weights.shape_of(config) == write_gpt_oss.Shape(experts=128)
