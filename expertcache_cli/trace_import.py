@@ -21,6 +21,7 @@ import csv
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -50,54 +51,58 @@ def _header_fields(line: str) -> dict[str, str]:
 
 
 def read_route_csv(path: str | Path) -> RouteCsv:
-    """Parse a ``route_trace v1`` file; every failure is a TraceError naming the line."""
+    """Parse a ``route_trace v1`` file, streamed (a long recording is not held as text);
+    every failure is a TraceError naming the file and, where there is one, the line."""
     p = Path(path)
     if not p.is_file():
         raise TraceError(f"{p}: no such file")
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        with p.open(encoding="utf-8", newline="") as f:
+            return _parse(p, f)
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{p}: not a readable text file ({exc.__class__.__name__})") from None
-    if not lines or lines[0].strip() != MAGIC:
+
+
+def _parse(p: Path, f: TextIO) -> RouteCsv:
+    if f.readline().strip() != MAGIC:
         raise TraceError(f"{p}: not a route trace (its first line is not {MAGIC!r})")
     head: dict[str, str] = {}
     layer_bytes: dict[int, int] = {}
-    body = 1
-    while body < len(lines) and lines[body].startswith("#"):
-        f = _header_fields(lines[body])
-        if "layer" in f and "expert_bytes" in f:
+    n, line = 1, f.readline()
+    while line.startswith("#"):
+        n += 1
+        fields = _header_fields(line)
+        if "layer" in fields and "expert_bytes" in fields:
             try:
-                layer_bytes[int(f["layer"])] = int(f["expert_bytes"])
+                layer_bytes[int(fields["layer"])] = int(fields["expert_bytes"])
             except ValueError:
-                raise TraceError(f"{p}:{body + 1}: unreadable layer line") from None
+                raise TraceError(f"{p}:{n}: unreadable layer line") from None
         else:
-            head.update(f)
-        body += 1
+            head.update(fields)
+        line = f.readline()
     try:
         num_experts, top_k = int(head["n_expert"]), int(head["n_expert_used"])
     except (KeyError, ValueError):
         raise TraceError(f"{p}: the header gives no n_expert and n_expert_used") from None
     if num_experts <= 0 or not 0 < top_k <= num_experts:
         raise TraceError(f"{p}: n_expert={num_experts} n_expert_used={top_k} is not a router")
-    reader = csv.reader(lines[body:])
-    columns = next(reader, None)
+    columns = next(csv.reader([line]), None) if line.strip() else None
     if columns is None or any(c not in columns for c in COLUMNS):
-        raise TraceError(f"{p}:{body + 1}: the column line must name {', '.join(COLUMNS)}")
+        raise TraceError(f"{p}:{n + 1}: the column line must name {', '.join(COLUMNS)}")
     pick = [columns.index(c) for c in COLUMNS]
     rows = []
-    for n, row in enumerate(reader, start=body + 2):
+    for at, row in enumerate(csv.reader(f), start=n + 2):
         if not row:
             continue
         try:
             rows.append([int(row[i]) for i in pick])
         except (ValueError, IndexError):
-            raise TraceError(f"{p}:{n}: expected integers in {', '.join(COLUMNS)}") from None
+            raise TraceError(f"{p}:{at}: expected integers in {', '.join(COLUMNS)}") from None
     if not rows:
         raise TraceError(f"{p}: no routings after the header")
-    arr = np.asarray(rows, dtype=np.int64)
     return RouteCsv(model=head.get("model", ""), arch=head.get("arch", ""),
                     num_experts=num_experts, top_k=top_k, layer_bytes=layer_bytes,
-                    rows=arr)
+                    rows=np.asarray(rows, dtype=np.int64))
 
 
 def to_trace(rc: RouteCsv, *, prefill: bool = True, expert_bytes: int | None = None,
