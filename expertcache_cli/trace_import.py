@@ -108,7 +108,9 @@ def _parse(p: Path, f: TextIO) -> RouteCsv:
 def to_trace(rc: RouteCsv, *, prefill: bool = True, expert_bytes: int | None = None,
              model: str | None = None, source: str | None = None) -> Trace:
     """The routings as a `Trace`: steps in the order the engine ran them (per turn, its
-    prefill and then its decode tokens), MoE layers as the file names them.
+    prefill and then its decode tokens), MoE layers as the file names them, each token's
+    ids in its place within the step (a prefill's position rank x top_k + slot; a layer that
+    routed fewer positions, as llama.cpp's last layer routes only the last one, is padded).
 
     ``prefill=False`` keeps the decode steps only. ``expert_bytes`` defaults to the mean of
     the file's per-layer expert sizes (what one expert costs averaged over the layers, so
