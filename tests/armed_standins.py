@@ -21,7 +21,11 @@ from ref_slotcache import RefSlotCache
 
 from expertcache_cli.config import CacheConfig
 from expertcache_cli.plugin.arming import ARM, plan_layer
-from expertcache_cli.plugin.runtime import ArmedLayer, patch_tile_lookup
+from expertcache_cli.plugin.runtime import (
+    ArmedLayer,
+    Sweep,
+    patch_tile_lookup,
+)
 
 E, H, INTER, TOPK = 16, 8, 4, 2
 
@@ -136,6 +140,13 @@ def routing(rng, tokens):
     """Routing ids and weights of ``tokens`` tokens, distinct experts a token."""
     ids = np.stack([rng.choice(E, TOPK, replace=False) for _ in range(tokens)])
     return torch.from_numpy(ids.astype(np.int32)), torch.rand(tokens, TOPK)
+
+
+def swept(armed):
+    """Mark the layer's sweep of every expert done (an agreeing one of no steps): for the
+    tests of what follows it, the check of the real call."""
+    armed.sweep_result = Sweep([], 0.0)
+    return armed
 
 
 class ThreeLayers(torch.nn.Module):

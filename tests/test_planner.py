@@ -170,8 +170,9 @@ def test_plot_draws_predicted_tok_s_per_policy(tmp_path):
 
 
 def test_plan_for_a_batch_with_the_staged_path_says_what_it_rests_on():
-    r = _cli("--model", "qwen3-30b-a3b-w8a8", "--probe", str(PROBE), "--resident-tok-s", "1022",
-             "--batch", "16", "--slots", "64,96", "--wide", "staged-install", "--json")
+    r = _cli(str(TRACE), "--model", "qwen3-30b-a3b-w8a8", "--probe", str(PROBE),
+             "--resident-tok-s", "1022", "--batch", "16", "--slots", "64,96", "--wide",
+             "staged-install", "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert data["trace"]["batch"] == 16 and data["trace"]["wide"] == "staged-install"
@@ -179,7 +180,7 @@ def test_plan_for_a_batch_with_the_staged_path_says_what_it_rests_on():
     assert "aggregate at 16 streams" in notes and "(EXPERT_CACHE_WIDE)" in notes
     rows = {(x["policy"], x["slots"]): x for x in data["rows"]}
     assert rows[("lru", 96)]["predicted_tok_s"] > rows[("lru", 64)]["predicted_tok_s"]
-    inplace = json.loads(_cli("--model", "qwen3-30b-a3b-w8a8", "--probe", str(PROBE),
+    inplace = json.loads(_cli(str(TRACE), "--model", "qwen3-30b-a3b-w8a8", "--probe", str(PROBE),
                               "--resident-tok-s", "1022", "--batch", "16", "--slots", "64",
                               "--json").stdout)
     # in place at 64 slots every 16-stream step (128 ids) reads through: slower than staged
@@ -224,7 +225,7 @@ def test_the_serve_command_is_one_line_at_80_columns_and_in_a_pipe(tmp_path):
     the one the plan file records."""
     import os
 
-    args = ["--model", "qwen3-30b-a3b-w8a8", "--vram", "24", "--probe", str(PROBE),
+    args = [str(TRACE), "--model", "qwen3-30b-a3b-w8a8", "--vram", "24", "--probe", str(PROBE),
             "--resident-tok-s", "296.26", "--slots", "43,85", "--save",
             str(tmp_path / "plan.json"), "--", "--max-model-len", "8192", "--max-num-seqs", "8"]
     r = subprocess.run([sys.executable, "-m", "expertcache_cli", "plan", *args],
@@ -294,7 +295,8 @@ def test_cli_with_no_rates_says_what_to_pass_and_exits_2():
 
 # --------------------------------------------------------------------------- what serve takes
 
-W8A8 = ["--model", "qwen3-30b-a3b-w8a8", "--vram", "24", "--probe", str(PROBE),
+#: the top-8 model on the synthetic top-8 trace (the bundled real one ran at top-6)
+W8A8 = [str(TRACE), "--model", "qwen3-30b-a3b-w8a8", "--vram", "24", "--probe", str(PROBE),
         "--resident-tok-s", "296.26"]
 
 

@@ -54,14 +54,18 @@ def test_armed_layer_matches_the_stock_path_and_restores_everything():
         # after every call: the layer is back on its full tensors and config
         assert cached.w13_weight.data_ptr() == full_ptr
         assert cached.quant_method.moe_kernel.fused_experts.quant_config is qc_before
+    # the first call swept every expert through the 6 slots first: 3 steps of 3 tokens x
+    # top-2, each on the slots and on the stock path, all agreeing
+    (sweep,) = armed.sweep_result.paths
+    assert (sweep.path, sweep.covered, sweep.steps, sweep.worst) == ("slots", E, 3, 0.0)
     # the stock kernel sized its tiles for the 16 real experts, never for the 6 slots (the
-    # one extra call: the first slot step checked against the stock path)
-    assert set(TileLookup.seen) == {E} and len(TileLookup.seen) == 121
+    # extra calls: the sweep's 2 x 3, and the first slot step checked against the stock path)
+    assert set(TileLookup.seen) == {E} and len(TileLookup.seen) == 121 + 2 * 3
     assert armed.checked == {"slots": 0.0, "scratch": None}
     assert cached.w13_weight.shape[0] == E and armed.slot_params["w13_weight"].shape[0] == 6
     slot_ptr = armed.cache.slots["w13_weight"].data_ptr()
-    assert cached.weights_seen.count(slot_ptr) == served == armed.cache.steps
-    assert cached.weights_seen.count(full_ptr) == 60 - served + 1
+    assert cached.weights_seen.count(slot_ptr) == served + 3 == armed.cache.steps
+    assert cached.weights_seen.count(full_ptr) == 60 - served + 1 + 3
     assert int(armed.read_through) == 60 - served
     assert armed.slot_quant_config.w13_bias.data_ptr() == armed.cache.slots["w13_bias"].data_ptr()
 

@@ -19,17 +19,20 @@ from armed_standins import (  # noqa: E402
     H,
     arm,
     routing,
+    swept,
 )
 
 from expertcache_cli.config import CacheConfig  # noqa: E402
 
 
-def _one_call_with_a_slot_variant(caplog, seed, variant):
+def _one_call_with_a_slot_variant(caplog, seed, variant, swept=False):
     """Arm a layer whose experts call is ``variant(out, on_slots)`` of the stock one, serve
-    one decode step; returns the armed layer, what it served and what the stock path
-    gives."""
+    one decode step (``swept``: with the sweep of every expert marked done); returns the
+    armed layer, what it served and what the stock path gives."""
     layer = Experts(seed=seed)
     armed = arm(layer)
+    if swept:
+        swept(armed)
     assert "forward_modular" in layer.__dict__  # the instance hook is installed
     stock_forward = Experts.forward_modular
 
@@ -61,17 +64,27 @@ def test_an_experts_call_that_raises_on_slot_buffers_falls_back_and_disarms(capl
     assert "forward_modular" not in layer.__dict__
 
 
-def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(caplog):
+@pytest.mark.parametrize("swept", [False, True])
+def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(caplog, swept):
     """A quant method whose kernel reads something the rebinding does not follow (here: a
     stand-in that scales its output when it sees slot-shaped weights) gives a different output;
-    the first call's check against the stock path catches it and serves the stock one."""
+    the sweep of every expert at the first call catches it before the call is served (and,
+    were the sweep done, the check of the call itself would), and the stock output is
+    served."""
     def off_by_one(call, on_slots):
         return call() * 1.5 if on_slots else call()
 
-    layer, armed, out, want = _one_call_with_a_slot_variant(caplog, 5, off_by_one)
+    layer, armed, out, want = _one_call_with_a_slot_variant(caplog, 5, off_by_one, swept)
     torch.testing.assert_close(out, want)
-    assert armed.checked["slots"] > 0.02
-    assert "the slots path's output differs from the stock path's" in caplog.text
+    if swept:
+        assert armed.checked["slots"] > 0.02
+        assert "the slots path's output differs from the stock path's on the same step" in (
+            caplog.text)
+    else:
+        assert armed.sweep_result.failed and armed.checked["slots"] is None
+        assert ("the slots path's output differs from the stock path's on experts [0, 1] of "
+                "a synthetic step (relative difference of a row 0.5 > 0.02); layer back on "
+                "the stock path") in caplog.text
     assert "forward_modular" not in layer.__dict__
 
 
@@ -108,7 +121,7 @@ def test_the_check_reruns_only_the_first_rows_of_a_wide_step(monkeypatch):
 
     monkeypatch.setattr(runtime, "CHECK_ROWS", 2)
     layer = Experts(seed=7)
-    armed = arm(layer, slots=6, wide_inserts=6)
+    armed = swept(arm(layer, slots=6, wide_inserts=6))
     seen = []
     stock_forward = armed._stock
 
@@ -133,7 +146,7 @@ def test_a_failed_check_on_first_rows_serves_the_whole_stock_step(monkeypatch, c
 
     monkeypatch.setattr(runtime, "CHECK_ROWS", 2)
     layer = Experts(seed=8)
-    armed = arm(layer, slots=6, wide_inserts=6)
+    armed = swept(arm(layer, slots=6, wide_inserts=6))
     stock_forward = armed._stock
 
     def wrong_on_scratch(**kw):
@@ -174,29 +187,71 @@ def test_output_difference():
     assert diff((a, None), (a, None)) == 0.0
 
 
+def test_row_differences():
+    """Per row: one wrong row stands out at its own size however many rows agree; a row
+    the reference left at zero proves nothing (not covered) unless the path's is not
+    zero; non-finite values the reference has not differ by inf; shared experts' tuples
+    compare row by row over their tensors."""
+    from expertcache_cli.plugin.runtime import output_difference, row_differences
+
+    a = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    wrong = a.clone()
+    wrong[5] *= 1.5
+    d, covered = row_differences(wrong, a, 32)
+    assert d[5] == pytest.approx(0.5) and float(d[torch.arange(32) != 5].max()) == 0.0
+    assert bool(covered.all())
+    # over the step, the same row is diluted by the other 31
+    assert output_difference(wrong, a) == pytest.approx(0.5 * float(a[5].norm() / a.norm()))
+    assert output_difference(wrong, a) < 0.2
+    zero = a.clone()
+    zero[3] = 0
+    d, covered = row_differences(zero, zero, 32)
+    assert not bool(covered[3]) and int(covered.sum()) == 31 and float(d.max()) == 0.0
+    off = zero.clone()
+    off[3, 0] = 1.0
+    d, _ = row_differences(off, zero, 32)
+    assert d[3] == float("inf")
+    nan = a.clone()
+    nan[7, 2] = float("nan")
+    d, _ = row_differences(nan, a, 32)
+    assert d[7] == float("inf") and float(d[:7].max()) == 0.0
+    d, covered = row_differences((a, wrong), (a, a), 32)
+    assert d[5] > 0 and float(d[:5].max()) == 0.0 and bool(covered.all())
+    assert row_differences("deferred", a, 32) is None
+    assert row_differences(a, a, 16) is None  # no tensor with the step's rows
+
+
 # -- kernel attributes that alias layer parameters (Marlin's g_idx) -----------------------
 
 
-def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace():
+@pytest.mark.parametrize("swept", [False, True])
+def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace(swept):
     """A kernel returning a view of a workspace the next call overwrites would make the
-    reference call overwrite the path's output (equal by aliasing): the check compares a
-    copy, and serves that copy."""
+    reference call overwrite the path's output (equal by aliasing): the sweep and the
+    check compare a copy, and serve that copy."""
     layer = Experts(seed=14)
     armed = arm(layer)
-    workspace = torch.zeros(1, H)
+    if swept:
+        swept(armed)
+    workspace = torch.zeros(8, H)
     stock_forward = Experts.forward_modular
 
     def in_workspace(self, x, topk_weights, topk_ids, **kw):
         out = stock_forward(self, x, topk_weights, topk_ids, **kw)
         if self.w13_weight.shape[0] != E:
             out = out * 1.5  # the slot path computes something else
-        workspace.copy_(out)
-        return workspace
+        view = workspace[:x.shape[0]]
+        view.copy_(out)
+        return view
 
     armed._stock = in_workspace.__get__(layer)
     ids, w = routing(np.random.default_rng(14), 1)
     layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
-    assert armed.checked["slots"] > 0.02 and "forward_modular" not in layer.__dict__
+    assert "forward_modular" not in layer.__dict__
+    if swept:
+        assert armed.checked["slots"] > 0.02
+    else:
+        assert armed.sweep_result.failed and armed.sweep_result.paths[0].worst > 0.02
 
 
 def test_bookkeeping_that_fails_never_takes_serving_down(caplog):
@@ -246,3 +301,6 @@ def test_the_first_agreeing_check_is_announced_once_a_process(monkeypatch, caplo
     lines = [r for r in caplog.records if "agreed with the stock path" in r.getMessage()
              and r.levelname == "INFO"]
     assert len(lines) == 1 and "every armed layer is checked once" in lines[0].getMessage()
+
+
+# -- the sweep of every expert, and failures once captured --------------------------------

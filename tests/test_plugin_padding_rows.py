@@ -52,8 +52,8 @@ def test_rows_vllm_marks_as_padding_install_nothing_and_count_nothing(monkeypatc
     w, x = torch.rand(3, TOPK), torch.randn(3, H)
     got = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
     # the manager gets the ids as they are and vLLM's marks (it leaves the rows out itself)
-    assert seen[0].tolist() == ids.tolist()
-    assert cache.pad_rows_seen[0] == [False, False, True] and armed.checked["slots"] == 0.0
+    assert seen[-1].tolist() == ids.tolist()  # (after the sweep's steps, which mark none)
+    assert cache.pad_rows_seen[-1] == [False, False, True] and armed.checked["slots"] == 0.0
     assert np.flatnonzero(np.asarray(cache.ref.table) >= 0).tolist() == [1, 2, 3]  # no 14, 15
     assert cache.stats.tolist() == [3, 3]  # requests: the 3 real distinct ids only
     armed.uninstall()

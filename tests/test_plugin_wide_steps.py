@@ -57,7 +57,11 @@ def test_wide_steps_staged_through_the_scratch_equal_the_stock_path(wide):
     assert int(armed.read_through) == 0
     assert int(armed.staged) == wide_steps == 17
     assert int(armed.staged_fetched) == fetched > 0
-    assert cached.weights_seen.count(scratch_ptr) == wide_steps
+    # (and the sweep's one wide step routing all 16 experts through the scratch)
+    # (its first call had 5 rows: 2 scratch steps of 5 x top-2 ids)
+    assert [(p.path, p.covered, p.steps) for p in armed.sweep_result.paths] == [
+        ("slots", E, 3), ("scratch", E, 2)]
+    assert cached.weights_seen.count(scratch_ptr) == wide_steps + 2
     assert set(TileLookup.seen) == {E}
     assert armed.scratch_quant_config.w13_bias.data_ptr() == (
         armed.scratch.buffers["w13_bias"].data_ptr())

@@ -16,6 +16,8 @@ from expertcache_cli.commands import DEMO_TRACE, demo_trace_path
 from expertcache_cli.rules.trace import load
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
+#: a fixed, long, top-8 trace for counts that tests pin (synthetic: 3000 steps x 48 layers)
+TASKS = TRACES / "demo-qwen3-30b-a3b-tasks.npz"
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -282,8 +284,8 @@ def test_a_batch_is_padded_as_the_server_pads_it():
     unpadded (80 ids: served from the slots), 0.26-0.30 pad it to 16 (128 ids: every step
     reads through), and so does any release on a server of 256 (10 is not a graph there)."""
     def run(*extra):
-        obj = json.loads(cli("replay", "--batch", "10", "--slots", "96", "--policy", "lru",
-                             "--json", *extra).stdout)
+        obj = json.loads(cli("replay", str(TASKS), "--batch", "10", "--slots", "96",
+                             "--policy", "lru", "--json", *extra).stdout)
         return obj["server"], obj["results"][0]
 
     new, new_row = run("--vllm-version", "0.33")
@@ -297,7 +299,7 @@ def test_a_batch_is_padded_as_the_server_pads_it():
     assert opt["batch_tokens"] == 10  # the option wins over the flag after --
     eager, _ = run("--", "--max-num-seqs", "64", "--enforce-eager")
     assert eager["batch_tokens"] == 10 and eager["graphs"] == "--enforce-eager"
-    text = cli("replay", "--batch", "10", "--slots", "96", "--policy", "lru",
+    text = cli("replay", str(TASKS), "--batch", "10", "--slots", "96", "--policy", "lru",
                "--vllm-version", "0.26").stdout
     assert "gate at 16 tokens" in text
     assert "batch: a batch of 10 runs as 16 tokens a step (padded to a CUDA graph): " \

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
@@ -43,7 +44,8 @@ def test_values_stay_whole_and_lines_fit_at_every_width():
 
 def test_replay_at_80_columns_in_a_pipe_prints_every_number_whole():
     env = {**os.environ, "COLUMNS": "80"}
-    out = subprocess.run([sys.executable, "-m", "expertcache_cli", "replay"], env=env,
+    tasks = Path(__file__).resolve().parent.parent / "traces" / "demo-qwen3-30b-a3b-tasks.npz"
+    out = subprocess.run([sys.executable, "-m", "expertcache_cli", "replay", str(tasks)], env=env,
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert "…" not in out and "473,601" in out and "1,152,000" in out
     assert all(len(line) <= 80 for line in out.splitlines())

@@ -217,13 +217,12 @@ def test_a_rebatch_counts_as_the_streams_side_by_side_in_bounded_memory(n):
     assert (n > t - 1) == ("copies" in tr.source)
 
 
-def test_the_demo_trace_rebatched_to_100000_streams_stays_the_size_of_its_experts():
-    """`replay --batch 100000` was killed for memory: the streams side by side are
-    3000 x 48 x 800,000 ids. Re-batched, the trace holds at most E=128 ids a layer-step."""
-    from expertcache_cli.commands import demo_trace_path
+def test_a_long_trace_rebatched_to_100000_streams_stays_the_size_of_its_experts():
+    """`replay --batch 100000` on a 3000-step, 48-layer, top-8 trace: the streams side by side
+    would be 3000 x 48 x 800,000 ids. Re-batched, the trace holds at most E=128 ids a layer-step."""
     from expertcache_cli.planning.rebatch import rebatch
 
-    demo = load(demo_trace_path())
+    demo = load(Path(__file__).resolve().parent.parent / "traces" / "demo-qwen3-30b-a3b-tasks.npz")
     tr = rebatch(demo, 100_000)
     assert tr.topk_ids.shape[:2] == (3000, 48) and tr.topk_ids.shape[2] <= 128
     assert tr.topk_ids.nbytes <= 3000 * 48 * 128 * 4

@@ -23,7 +23,7 @@ VRAM_HELP = ("the card: GiB of VRAM (24), or its name (rtx-4090, l4, a10g, rtx-3
              "a6000, l40s, ...: the memory it reports)")
 
 #: the bundled trace `expertcache replay` uses when given none (see traces/README.md)
-DEMO_TRACE = "demo-qwen3-30b-a3b-tasks.npz"
+DEMO_TRACE = "real-qwen3-30b-a3b-k6.npz"
 
 
 def register_all(app: typer.Typer) -> None:

@@ -217,8 +217,12 @@ def register(app: typer.Typer) -> None:
         policies = parse_policies(policy)
         m = load_model(Path(model) if model and Path(model).exists() else model) if model else None
         if m is not None and (m.num_experts, m.top_k) != (trace.num_experts, trace.top_k):
+            # the bundled real recording ran at fewer experts a token than its model's config
+            hint = (f" (the bundled demo, recorded at {trace.top_k} experts a token): give a "
+                    f"TRACE routed top-{m.top_k}, recorded with EXPERT_CACHE_TRACE or made by "
+                    "`expertcache trace synth`" if trace_path is None else "")
             raise UserError(f"--model {model}: {m.num_experts} experts top-{m.top_k}, the trace "
-                            f"has {trace.num_experts} top-{trace.top_k}")
+                            f"has {trace.num_experts} top-{trace.top_k}{hint}")
         if m is not None:
             per_expert, bytes_src = m.bytes_per_expert, f"--model {model} ({m.source})"
         elif trace.expert_bytes:

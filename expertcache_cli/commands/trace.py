@@ -1,4 +1,5 @@
-"""`expertcache trace synth|info`: make synthetic routing traces and describe trace files."""
+"""`expertcache trace synth|import|info`: make synthetic routing traces, convert other engines'
+recordings, and describe trace files."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from ..tables import Table
 from . import json_text
 
 console = Console()
-trace_app = typer.Typer(help="Routing trace files: synthesise and inspect.", no_args_is_help=True)
+trace_app = typer.Typer(help="Routing trace files: synthesise, import and inspect.",
+                        no_args_is_help=True)
 
 KINDS = ("zipf", "tasks", "batched")
 
@@ -73,6 +75,40 @@ def synth_command(
     console.print(
         f"wrote {path}: {trace.steps} steps x {trace.num_layers} layers x {trace.width} ids "
         f"(top-{trace.top_k} of {trace.num_experts}), {trace.source}"
+    )
+
+
+@trace_app.command("import")
+def import_command(
+    src: Path = typer.Argument(..., help="A route_trace v1 CSV (llama.cpp-based --route-trace)."),
+    out: Path = typer.Argument(..., help="Output .npz path."),
+    decode_only: bool = typer.Option(
+        False, "--decode-only", help="Drop the prefill steps (default: each prefill is one step "
+        "of all its positions)."),
+    expert_bytes: int | None = typer.Option(
+        None, "--expert-bytes", min=1, help="Bytes of one expert (default: the file's per-layer "
+        "sizes, averaged)."),
+    model: str | None = typer.Option(None, "--model", help="Model label (default: the file's)."),
+    source: str | None = typer.Option(
+        None, "--source", help="Where the recording comes from, stored in the trace (default: "
+        "the file's name)."),
+) -> None:
+    """Convert another engine's routing recording into a trace `replay` and `plan` read."""
+    from ..files import check_output
+    from ..rules.trace import npz_path, save
+    from ..rules.trace_import import read_route_csv, to_trace
+
+    out = check_output(out if out.expanduser().is_dir() else npz_path(out), "OUT",
+                       make_parents=True)
+    rc = read_route_csv(src)
+    trace = to_trace(rc, prefill=not decode_only, expert_bytes=expert_bytes, model=model,
+                     source=source or f"recorded: {src.name} (route_trace v1, {rc.arch or '?'})")
+    path = save(trace, out)
+    decode = int((trace.step_tokens == 1).sum())
+    console.print(
+        f"wrote {path}: {trace.steps} steps ({decode} decode, {trace.steps - decode} prefill) x "
+        f"{trace.num_layers} layers, top-{trace.top_k} of {trace.num_experts}, "
+        f"{trace.tokens} tokens"
     )
 
 
