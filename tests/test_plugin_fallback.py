@@ -25,13 +25,13 @@ from armed_standins import (  # noqa: E402
 from expertcache_cli.config import CacheConfig  # noqa: E402
 
 
-def _one_call_with_a_slot_variant(caplog, seed, variant, swept=False):
+def _one_call_with_a_slot_variant(caplog, seed, variant, sweep_first=False):
     """Arm a layer whose experts call is ``variant(out, on_slots)`` of the stock one, serve
-    one decode step (``swept``: with the sweep of every expert marked done); returns the
+    one decode step (``sweep_first``: with the sweep of every expert marked done); returns the
     armed layer, what it served and what the stock path gives."""
     layer = Experts(seed=seed)
     armed = arm(layer)
-    if swept:
+    if sweep_first:
         swept(armed)
     assert "forward_modular" in layer.__dict__  # the instance hook is installed
     stock_forward = Experts.forward_modular
@@ -64,8 +64,8 @@ def test_an_experts_call_that_raises_on_slot_buffers_falls_back_and_disarms(capl
     assert "forward_modular" not in layer.__dict__
 
 
-@pytest.mark.parametrize("swept", [False, True])
-def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(caplog, swept):
+@pytest.mark.parametrize("sweep_first", [False, True])
+def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(caplog, sweep_first):
     """A quant method whose kernel reads something the rebinding does not follow (here: a
     stand-in that scales its output when it sees slot-shaped weights) gives a different output;
     the sweep of every expert at the first call catches it before the call is served (and,
@@ -74,9 +74,9 @@ def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(ca
     def off_by_one(call, on_slots):
         return call() * 1.5 if on_slots else call()
 
-    layer, armed, out, want = _one_call_with_a_slot_variant(caplog, 5, off_by_one, swept)
+    layer, armed, out, want = _one_call_with_a_slot_variant(caplog, 5, off_by_one, sweep_first)
     torch.testing.assert_close(out, want)
-    if swept:
+    if sweep_first:
         assert armed.checked["slots"] > 0.02
         assert "the slots path's output differs from the stock path's on the same step" in (
             caplog.text)
@@ -224,14 +224,14 @@ def test_row_differences():
 # -- kernel attributes that alias layer parameters (Marlin's g_idx) -----------------------
 
 
-@pytest.mark.parametrize("swept", [False, True])
-def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace(swept):
+@pytest.mark.parametrize("sweep_first", [False, True])
+def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace(sweep_first):
     """A kernel returning a view of a workspace the next call overwrites would make the
     reference call overwrite the path's output (equal by aliasing): the sweep and the
     check compare a copy, and serve that copy."""
     layer = Experts(seed=14)
     armed = arm(layer)
-    if swept:
+    if sweep_first:
         swept(armed)
     workspace = torch.zeros(8, H)
     stock_forward = Experts.forward_modular
@@ -248,7 +248,7 @@ def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace(swept):
     ids, w = routing(np.random.default_rng(14), 1)
     layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
     assert "forward_modular" not in layer.__dict__
-    if swept:
+    if sweep_first:
         assert armed.checked["slots"] > 0.02
     else:
         assert armed.sweep_result.failed and armed.sweep_result.paths[0].worst > 0.02
