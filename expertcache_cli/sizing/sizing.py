@@ -370,6 +370,72 @@ def _choose_batch(first: SizePlan, replan: Any, narrowest: int | None = None) ->
     return best
 
 
+def _decide(model: ModelSize, *, budget: int, slot_budget: int, kv_reserved: int,
+            overhead: int, planned: int, max_slots: int, forced: bool, fits_outright: bool,
+            util_fit: float | None, gpu_memory_utilization: float, moe_backend: str | None,
+            notes: list[str]) -> tuple[Verdict, int, str]:
+    """The verdict ladder, in one place: (verdict, slots planned, the verdict in words).
+
+    Why one function: every rung is a decision `size`, `serve`, `plan` and `baseline` act
+    on, and the order matters (a card that cannot hold the resident part fails before a
+    forced budget is weighed; the kernel's refusals before the room for top_k). The budget
+    terms are computed by the caller; nothing here sizes, it only decides. A note it adds
+    (the kernel's slot limit) goes to ``notes``.
+    """
+    E, k, per_slot = model.num_experts, model.top_k, model.bytes_per_slot
+    if forced and planned == E:
+        fits_outright = slot_budget >= model.expert_bytes
+    gib = lambda b: b / GiB  # noqa: E731
+
+    if slot_budget < 0:
+        verdict = Verdict.DOES_NOT_FIT
+        text = (
+            f"does not fit even with offload: non-expert weights {gib(model.non_expert_bytes):.2f}"
+            f" + KV {gib(kv_reserved):.2f} + runtime {gib(overhead):.2f} GiB exceed the "
+            f"{gib(budget):.2f} GiB budget"
+        )
+        planned = 0
+    elif fits_outright and (not forced or planned == E):
+        verdict, planned = Verdict.FITS_OUTRIGHT, E
+        text = (
+            f"fits outright: all {E} experts ({gib(model.expert_bytes):.2f} GiB) stay in VRAM "
+            f"with {gib(slot_budget - model.expert_bytes):.2f} GiB to spare; no offload, no cache"
+        )
+    elif forced and planned * per_slot > slot_budget:
+        verdict = Verdict.DOES_NOT_FIT
+        text = (
+            f"{planned} slots need {gib(planned * per_slot):.2f} GiB but only "
+            f"{gib(slot_budget):.2f} GiB is left after non-expert weights, KV and runtime "
+            f"(at most {max_slots} slots)"
+        )
+    elif ragged := formats.ragged_refusal(model.expert_tensors):
+        verdict = Verdict.OFFLOAD_NO_CACHE
+        text = f"runs only fully offloaded: {ragged}; no cache"
+        planned = 0
+    elif (declined := vllm_experts.declined_kernel(model.quant, moe_backend)) and not forced:
+        verdict = Verdict.OFFLOAD_NO_CACHE
+        text = f"runs only fully offloaded: {declined}; no cache"
+        planned = 0
+    elif planned < k:
+        verdict = Verdict.OFFLOAD_NO_CACHE
+        text = (
+            f"runs only fully offloaded: room for {planned} slot{'s' * (planned != 1)}, "
+            f"fewer than top_k={k}, so "
+            "not even one token's experts fit; no cache"
+        )
+        planned = 0
+    else:
+        verdict = Verdict.CACHE
+        if planned > rules.slot_limit(E):
+            planned = rules.slot_limit(E)
+            notes.append(f"the cache kernel holds at most {rules.MAX_SLOTS} slots a layer: "
+                         f"planned {planned}, though more fit")
+        text = f"cache at {planned} of {E} slots ({100 * planned / E:.0f}% of the experts)"
+        if util_fit is not None and util_fit > gpu_memory_utilization and not forced:
+            text += f"; fits outright with --gpu-memory-utilization {util_fit:g}"
+    return verdict, planned, text
+
+
 def _plan_for(
     model_spec: str | Path | ModelSize | None = None,
     vram_gb: float = 24.0,
@@ -523,58 +589,12 @@ def _plan_for(
     planned = int(slots) if forced else max_slots
     notes = list(model.notes) + notes_device
     E, k = model.num_experts, model.top_k
-    if forced and planned == E:
-        fits_outright = slot_budget >= model.expert_bytes
     gib = lambda b: b / GiB  # noqa: E731
-
-    if slot_budget < 0:
-        verdict = Verdict.DOES_NOT_FIT
-        text = (
-            f"does not fit even with offload: non-expert weights {gib(model.non_expert_bytes):.2f}"
-            f" + KV {gib(kv_reserved):.2f} + runtime {gib(overhead):.2f} GiB exceed the "
-            f"{gib(budget):.2f} GiB budget"
-        )
-        planned = 0
-        fits_outright = False
-    elif fits_outright and (not forced or planned == E):
-        verdict, planned = Verdict.FITS_OUTRIGHT, E
-        text = (
-            f"fits outright: all {E} experts ({gib(model.expert_bytes):.2f} GiB) stay in VRAM "
-            f"with {gib(slot_budget - model.expert_bytes):.2f} GiB to spare; no offload, no cache"
-        )
-    elif forced and planned * per_slot > slot_budget:
-        verdict = Verdict.DOES_NOT_FIT
-        text = (
-            f"{planned} slots need {gib(planned * per_slot):.2f} GiB but only "
-            f"{gib(slot_budget):.2f} GiB is left after non-expert weights, KV and runtime "
-            f"(at most {max_slots} slots)"
-        )
-        fits_outright = False
-    elif ragged := formats.ragged_refusal(model.expert_tensors):
-        verdict = Verdict.OFFLOAD_NO_CACHE
-        text = f"runs only fully offloaded: {ragged}; no cache"
-        planned = 0
-    elif (declined := vllm_experts.declined_kernel(model.quant, moe_backend)) and not forced:
-        verdict = Verdict.OFFLOAD_NO_CACHE
-        text = f"runs only fully offloaded: {declined}; no cache"
-        planned = 0
-    elif planned < k:
-        verdict = Verdict.OFFLOAD_NO_CACHE
-        text = (
-            f"runs only fully offloaded: room for {planned} slot{'s' * (planned != 1)}, "
-            f"fewer than top_k={k}, so "
-            "not even one token's experts fit; no cache"
-        )
-        planned = 0
-    else:
-        verdict = Verdict.CACHE
-        if planned > rules.slot_limit(E):
-            planned = rules.slot_limit(E)
-            notes.append(f"the cache kernel holds at most {rules.MAX_SLOTS} slots a layer: "
-                         f"planned {planned}, though more fit")
-        text = f"cache at {planned} of {E} slots ({100 * planned / E:.0f}% of the experts)"
-        if util_fit is not None and util_fit > gpu_memory_utilization and not forced:
-            text += f"; fits outright with --gpu-memory-utilization {util_fit:g}"
+    verdict, planned, text = _decide(
+        model, budget=budget, slot_budget=slot_budget, kv_reserved=kv_reserved,
+        overhead=overhead, planned=planned, max_slots=max_slots, forced=forced,
+        fits_outright=fits_outright, util_fit=util_fit,
+        gpu_memory_utilization=gpu_memory_utilization, moe_backend=moe_backend, notes=notes)
 
     # speculative decoding: every sequence of a verify step carries its k draft tokens
     q = 1 + max(int(speculative_tokens or 0), 0)
