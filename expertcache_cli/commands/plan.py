@@ -114,27 +114,6 @@ def _resident(resident_tok_s: float | None, baseline: Path | None) -> tuple[floa
     raise UserError(f"plan needs {RESIDENT_INPUT}")
 
 
-def _fits(model, vram: str, mode, srv, batch: int | None) -> int:
-    """The most slots `size` fits on the card for the server the plan's command runs.
-
-    A staged mode's scratch comes out of the slots' room, as `size --wide` says. The batch
-    is the server's: the user's ``--max-num-seqs``, a ``--batch N`` (a server of N), or, in
-    place with neither, the one `sizing.plan` chooses (the widest whose decode steps stay
-    on the slots: less runtime memory than vLLM's default 256 sequences), counted, where
-    the release is assumed, as the release that pads most pads it, as the
-    ``--max-num-seqs`` the serve command carries is (`planner.serveable`).
-    """
-    from ..sizing import sizing
-    from ..vllm_facts.vllm_flags import plan_kwargs_from_vllm_args
-
-    kw = plan_kwargs_from_vllm_args(srv.vllm_args) | {"graphs": srv.graphs}
-    if batch and not srv.seqs_given:
-        kw["max_num_seqs"] = srv.max_num_seqs
-    elif not srv.seqs_given:
-        kw["graphs"] = srv.safety_graphs[0]
-    return sizing.plan(model, vram, wide=mode, **kw).max_slots
-
-
 def register(app: typer.Typer) -> None:
     @app.command(
         "plan",
@@ -233,7 +212,7 @@ def register(app: typer.Typer) -> None:
         if vram is not None:
             if m is None:
                 raise UserError("--vram needs --model (what to put on the card)")
-            fits_upto = _fits(m, vram, mode, srv, batch)
+            fits_upto = planner.card_fits(m, vram, mode, srv, batch)
         link, link_src, step = _link(link_gbps, probe_file, model, card)
         res, res_src = _resident(resident_tok_s, baseline)
         inputs = planner.Inputs(per_expert, bytes_src, link, link_src, res, res_src)

@@ -406,6 +406,27 @@ def serve_command(model: str, vram_gb: float | str | None, best: dict[str, Any],
             f"{best['policy']}{tail}")
 
 
+def card_fits(model: Any, vram: str, mode: Wide, srv: Server, batch: int | None) -> int:
+    """The most slots `size` fits on the card for the server the plan's command runs.
+
+    A staged mode's scratch comes out of the slots' room, as `size --wide` says. The batch
+    is the server's: the user's ``--max-num-seqs``, a ``--batch N`` (a server of N), or, in
+    place with neither, the one `sizing.plan` chooses (the widest whose decode steps stay
+    on the slots: less runtime memory than vLLM's default 256 sequences), counted, where
+    the release is assumed, as the release that pads most pads it, as the
+    ``--max-num-seqs`` the serve command carries is (`planner.serveable`).
+    """
+    from ..sizing import sizing
+    from ..vllm_facts.vllm_flags import plan_kwargs_from_vllm_args
+
+    kw = plan_kwargs_from_vllm_args(srv.vllm_args) | {"graphs": srv.graphs}
+    if batch and not srv.seqs_given:
+        kw["max_num_seqs"] = srv.max_num_seqs
+    elif not srv.seqs_given:
+        kw["graphs"] = srv.safety_graphs[0]
+    return sizing.plan(model, vram, wide=mode, **kw).max_slots
+
+
 def read_plan(path: str | Path) -> dict[str, Any]:
     """A plan file written by `plan --save`, checked: its recommendation and per-layer list."""
     data = _read_json(path, "--plan", "`plan --save`")
