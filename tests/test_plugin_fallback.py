@@ -18,8 +18,8 @@ from armed_standins import (  # noqa: E402
     Experts,
     H,
     arm,
+    mark_swept,
     routing,
-    swept,
 )
 
 from expertcache_cli.config import CacheConfig  # noqa: E402
@@ -32,7 +32,7 @@ def _one_call_with_a_slot_variant(caplog, seed, variant, swept=False):
     layer = Experts(seed=seed)
     armed = arm(layer)
     if swept:
-        swept(armed)
+        mark_swept(armed)
     assert "forward_modular" in layer.__dict__  # the instance hook is installed
     stock_forward = Experts.forward_modular
 
@@ -121,7 +121,7 @@ def test_the_check_reruns_only_the_first_rows_of_a_wide_step(monkeypatch):
 
     monkeypatch.setattr(runtime, "CHECK_ROWS", 2)
     layer = Experts(seed=7)
-    armed = swept(arm(layer, slots=6, wide_inserts=6))
+    armed = mark_swept(arm(layer, slots=6, wide_inserts=6))
     seen = []
     stock_forward = armed._stock
 
@@ -146,7 +146,7 @@ def test_a_failed_check_on_first_rows_serves_the_whole_stock_step(monkeypatch, c
 
     monkeypatch.setattr(runtime, "CHECK_ROWS", 2)
     layer = Experts(seed=8)
-    armed = swept(arm(layer, slots=6, wide_inserts=6))
+    armed = mark_swept(arm(layer, slots=6, wide_inserts=6))
     stock_forward = armed._stock
 
     def wrong_on_scratch(**kw):
@@ -232,7 +232,7 @@ def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace(swept):
     layer = Experts(seed=14)
     armed = arm(layer)
     if swept:
-        swept(armed)
+        mark_swept(armed)
     workspace = torch.zeros(8, H)
     stock_forward = Experts.forward_modular
 
