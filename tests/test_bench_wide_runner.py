@@ -60,8 +60,7 @@ def runner(tmp_path):
     run = make_runner(tmp_path, "run_wide_on_device.sh", ("e2e_vllm.py", "wide_report.py"),
                       STUB, keep_bench_helpers=True, WSD=str(tmp_path / "ws"),
                       MODEL_DIR=str(tmp_path / "models"),
-                      PROBE_SRC=str(ROOT / "bench" / "results" / "formats-h200-2026-12-01-24l"
-                                    / "fp8-block-probe.json"))
+                      PROBE_SRC=str(ROOT / "tests" / "data" / "fp8-block-probe.json"))
     return run, tmp_path
 
 
