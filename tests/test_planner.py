@@ -192,8 +192,8 @@ def test_a_batch_of_a_one_request_recording_warns_that_it_prices_one_user():
     users ran 41; the plan says its streams share a request, and why that matters."""
     data = ROOT / "tests" / "data"
     r = _cli(str(data / "wide-one-request.npz"), "--model", "qwen3-30b-a3b", "--probe",
-             str(data / "wide-one-request-probe.json"), "--resident-tok-s", "2637.9", "--slots", "64",
-             "--batch", "16", "--json")
+             str(data / "wide-one-request-probe.json"), "--resident-tok-s", "2637.9",
+             "--slots", "64", "--batch", "16", "--json")
     assert r.returncode == 0, r.stderr
     notes = json.loads(r.stdout)["notes"]
     shared = [n for n in notes if n.startswith("the trace holds 5 request(s)")]
