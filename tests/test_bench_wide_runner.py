@@ -80,7 +80,7 @@ def test_every_arm_then_the_predictions_and_the_summary(runner):
     assert "--cpu-offload-gb" not in by["resident"]
     assert "EXPERT_CACHE_WIDE=staged-install" in by["staged"]
     assert f"EXPERT_CACHE_TRACE={tmp / 'ws' / 'one.npz'}" in by["trace1"]
-    # decode rounds of 64 tokens a stream (the table fits one session's device time); the
+    # decode rounds of 64 tokens a stream (the whole table fits one run); the
     # trace is 48 requests of that shape in turn, no decode rounds of its own
     assert all("--max-tokens 64" in c for c in by.values())
     assert "--streams --requests 48 --greedy-streams 0" in by["trace1"]
