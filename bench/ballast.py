@@ -1,7 +1,8 @@
 """A small card on a big GPU: hold all but N GiB of it in another process.
 
 Why: every serving claim must hold on the 12-32 GiB cards users have, and the benches'
-GPU is far bigger (an H200: 139.8 GiB). A ballast process allocates everything but N GiB and sleeps, so
+GPU is far bigger (an H200: 139.8 GiB). A ballast process allocates everything but N GiB
+and sleeps, so
 a vLLM started next finds N GiB free, as on an N GiB card; `expertcache serve --vram N`
 (or `baseline --vram N`) then gives vLLM the card's share of the GPU, utilization x
 139.8 = 0.9 x N GiB, and the card's batch default (what vLLM picks below 70 GiB). For a

@@ -212,8 +212,9 @@ TABLE_HEAD = ("| format | plugin | tokens vs the floor | floor tok/s | cache tok
 
 def table_row(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
               gbps: float | None, step_us: float = 0.0, layers: int = 0) -> str:
-    """The format's row of issue 11's table (bench/results/formats.md and the README take it as is): the
-    arm that served from slots (the cache, else the kernel trial), the goals' ratios."""
+    """The format's row of issue 11's table (bench/results/formats.md and the README take
+    it as is): the arm that served from slots (the cache, else the kernel trial), the
+    goals' ratios."""
     floor, res, hot = recs.get("floor"), recs.get("resident"), recs.get("hot")
     arm = next((a for a in ("cache", "trial") if slot_path_served(recs.get(a))), None)
     rec = recs.get(arm or "cache")
