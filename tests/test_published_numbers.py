@@ -222,14 +222,16 @@ def test_readme_probe_link_example_is_its_record():
 
 
 CITED = re.compile(r"bench/results/[\w./-]*[\w/]")
-CITERS = ["README.md", "docs/*.md", "tests/*.py", "tests/device/*", "bench/*.py", "bench/*.sh"]
+CITERS = ["README.md", "docs/*.md", "tests/*.py", "tests/device/*", "bench/*.py", "bench/*.sh",
+          "bench/*/*.py", "bench/results/*.md", "expertcache_cli/**/*.py", "traces/README.md"]
 
 
 def test_every_cited_record_exists():
     """A path under bench/results/ named anywhere a reader or a test would follow it (the
-    README, the docs, the tests, the bench scripts) exists, so deleting a record cannot
-    leave a citation behind. Paths with a shell variable or a placeholder in them are a
-    runner's output folder, not a citation, and are left alone."""
+    README, the docs, the records, the tests, the bench scripts, the code's comments)
+    exists, so deleting a record cannot leave a citation behind. Paths with a shell
+    variable or a placeholder in them are a runner's output folder, not a citation, and
+    are left alone."""
     missing = []
     for pattern in CITERS:
         for path in sorted(ROOT.glob(pattern)):
