@@ -24,7 +24,8 @@
 #   RESULTS=/tmp/opc bash bench/detach.sh --poll plan 540
 # PLAN_ARM=0 leaves the saved plan's arm out (one server fewer a trace: the per-layer plan
 # against uniform needs measuring once, not per trace). A resident baseline file already in
-# $PC (say, copied from bench/results/) is not run again.
+# $PC (say, copied from an earlier run, as tests/data/plan-check-resident-24.jsonl is) is not
+# run again.
 # POLICY=lfu plans and serves that policy (arms cache:S:lfu; files named -lfu): on a trace
 # whose LRU hit rates equal another's (tasks and zipf do, to 0.003), the other policy is
 # where their locality differs (zipf: LFU misses 35% at 16 slots, LRU 41%).
