@@ -274,3 +274,30 @@ def test_every_results_row_says_what_routing_produced_it():
     empty = [line for line, cells in table["rows"]
              if len(cells) <= col or cells[col].strip() in ("", "-")]
     assert not empty, f"docs/results.md: rows that do not say their routing, lines {empty}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading's text."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lstrip("#").strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_section_link_in_the_docs_lands_on_a_heading():
+    """A link to a section (``page.md#anchor``) in the README or the docs names a heading
+    that exists, so renaming a section of docs/results.md or the design cannot strand a
+    reference to it."""
+    broken = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for line_no, line in enumerate(unfenced(doc.read_text()), 1):
+            for target in LINK.findall(line):
+                page, _, anchor = target.partition("#")
+                if not anchor or "://" in page or not (page == "" or page.endswith(".md")):
+                    continue
+                path = doc if page == "" else (doc.parent / page).resolve()
+                if not path.is_file():
+                    broken.append(f"{doc.relative_to(ROOT)}:{line_no}: {target} (no such page)")
+                    continue
+                heads = {_slug(h) for h in unfenced(path.read_text()) if h.startswith("#")}
+                if anchor not in heads:
+                    broken.append(f"{doc.relative_to(ROOT)}:{line_no}: {target}")
+    assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)
