@@ -210,7 +210,13 @@ def marlin_layers(torch, args, token_count, x, w, ids):
     ``moe_align_block_size`` of a stand-in module (whose own work is none: preallocated
     outputs), the packed side row of the global scales; warmed to the all-hit steady state.
     Returns the layers' forward calls and their `ArmedLayer` objects."""
+    import os
     import types
+
+    from expertcache_cli.config import MARLIN
+
+    # this bench arms Marlin layers on purpose: the opt-in switch the plugin reads
+    os.environ[MARLIN] = "1"
 
     from expertcache_cli.config import CacheConfig
     from expertcache_cli.plugin import session

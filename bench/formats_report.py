@@ -9,9 +9,17 @@ live installs and the link (`1000 / (1000 / resident + installs a token x bytes 
 (bench/small_card.py records), `DIR/FMT-size.json` (`expertcache size --json`) and
 `DIR/FMT-probe.json` (`probe-link --only gather --model`), and says which goals held.
 
+Issue 29 adds `plan`'s own prediction: `DIR/FMT-plan.json` (`expertcache plan --json` on the
+trace that drove the cache arm's routing, fitted to the served layers by
+`bench/trace_fit.py`, with the format's probe and the resident arm's rate) gives the
+predicted tok/s at the cache arm's slots beside the measured one (goal 10%), and the trace's
+``source``, so that every row says what routing produced it (the demo traces are
+synthetic: their source says so).
+
     python bench/formats_report.py w8a8 /tmp/fm
     python bench/formats_report.py --armed /tmp/fm/w8a8-cache.json   # exit 0: armed
     python bench/formats_report.py --served /tmp/fm/w8a8-cache.json  # ... and served
+    python bench/formats_report.py --median /tmp/fm/w8a8-resident.json  # its median tok/s
 """
 
 from __future__ import annotations
@@ -75,6 +83,66 @@ def predicted_tok_s(resident: float, per_token: float, bytes_per_expert: int,
     return 1000 / predict_ms(per_token, inputs, layers)
 
 
+def plan_row(plan: dict | None, slots: int | None) -> dict | None:
+    """`plan --json`'s row at ``slots`` (LRU, the policy the cache arm serves), else its only
+    LRU row; None without a plan."""
+    rows = [r for r in (plan or {}).get("rows") or [] if r.get("policy", "lru") == "lru"]
+    if slots is not None:
+        rows = [r for r in rows if int(r.get("slots", -1)) == slots] or rows[:0]
+    return rows[0] if len(rows) == 1 else None
+
+
+def traced(rec: dict | None) -> str | None:
+    """The trace file the arm's routing hook read (its ``--env``), None when it had none."""
+    return next((e.split("=", 1)[1] for e in (rec or {}).get("env") or []
+                 if e.startswith("EC_BENCH_TRACE_ROUTING=")), None)
+
+
+def routing_of(rec: dict | None, plan: dict | None) -> str:
+    """What routed the cache arm: its own record decides whether a trace did (an arm with no
+    trace in its environment ran on the checkpoint's routers, whatever plan file lies
+    beside it); then the plan's record of that trace's ``source``, else the trace file's
+    own, where the file is here."""
+    path = traced(rec)
+    if path is None:
+        return "the checkpoint's own random routers (no trace)"
+    src = ((plan or {}).get("trace") or {}).get("source")
+    if src:
+        return src
+    try:
+        from trace_fit import source_of
+
+        from expertcache_cli import trace as tracefile
+
+        return source_of(tracefile.load(path))
+    except Exception:  # noqa: BLE001 (the file stayed on the box: say which it was)
+        return f"trace {path} (not readable here)"
+
+
+def slots_of(rec: dict | None) -> int | None:
+    """The cache arm's slots a layer: its startup line, else its ``--slots`` flag."""
+    got = ((rec or {}).get("log") or {}).get("slots")
+    if got:
+        return int(got)
+    argv = (rec or {}).get("argv") or []
+    return next((int(argv[i + 1]) for i, w in enumerate(argv[:-1]) if w == "--slots"), None)
+
+
+def plan_verdict(tok: float | None, plan: dict | None, rec: dict | None) -> str | None:
+    """'predicted X tok/s by plan (hit rate h), measured r of it (met/NOT met)', or None
+    where plan has no row for the arm's slots, the arm measured nothing, or no trace routed
+    it (plan's trace would not be the arm's workload)."""
+    row = plan_row(plan, slots_of(rec))
+    if row is None or not tok or traced(rec) is None:
+        return None
+    want = float(row["predicted_tok_s"])
+    ratio = tok / want
+    ok = abs(1 - ratio) <= PREDICTION_GOAL
+    return (f"plan predicted {want:.1f} tok/s at {row['slots']} slots (replayed hit rate "
+            f"{1 - float(row['miss_rate']):.3f}), measured {ratio:.3f} of it "
+            f"({'met' if ok else 'NOT met'}: {PREDICTION_GOAL:.0%})")
+
+
 def is_armed(rec: dict | None) -> bool:
     """Did the server's plugin arm at least one layer (its startup line says so)?"""
     m = ARMED_RE.search(((rec or {}).get("log") or {}).get("startup_line") or "")
@@ -106,8 +174,10 @@ def slot_path_served(rec: dict | None) -> bool:
 
 
 def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
-              gbps: float | None, step_us: float = 0.0, layers: int = 0) -> list[str]:
-    """The format's lines: each arm's tok/s, and every goal with its verdict."""
+              gbps: float | None, step_us: float = 0.0, layers: int = 0,
+              plan: dict | None = None) -> list[str]:
+    """The format's lines: each arm's tok/s, and every goal with its verdict (``plan``:
+    `plan --json` on the trace that routed the cache arm)."""
     floor, res, hot = recs.get("floor"), recs.get("resident"), recs.get("hot")
     f_tok, r_tok, h_tok = median_tok_s(floor), median_tok_s(res), median_tok_s(hot)
     head = (f"{fmt}: floor {_fmt(f_tok)} tok/s{_spread(floor)}{_weights(floor)}; resident "
@@ -138,6 +208,14 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
             parts.append(f"{per:.2f} installs a token; predicted {want:.1f} tok/s, measured "
                          f"{ratio:.3f} of it ({'met' if ok else 'NOT met'}: "
                          f"{PREDICTION_GOAL:.0%})")
+        if arm == "cache":
+            said = plan_verdict(tok, plan, rec) if slot_path_served(rec) else None
+            if said:
+                parts.append(said)
+            elif slot_path_served(rec) and traced(rec):
+                parts.append("no plan prediction (no FMT-plan.json: the resident arm, the "
+                             "size or the probe record missing, or plan failed: FMT-plan.err)")
+            parts.append("routing: " + routing_of(rec, plan))
         lines.append("; ".join(parts))
     if hot is not None:
         if not slot_path_served(hot):
@@ -206,15 +284,17 @@ def _arm_facts(rec: dict, res: dict | None) -> str:
 
 
 TABLE_HEAD = ("| format | plugin | tokens vs the floor | floor tok/s | cache tok/s (x floor) "
-              "| all-hit / resident | missing arm / predicted |\n| --- | --- | --- | --- | --- "
-              "| --- | --- |")
+              "| all-hit / resident | missing arm / predicted | cache / plan |\n| --- | --- "
+              "| --- | --- | --- | --- | --- | --- |")
 
 
 def table_row(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
-              gbps: float | None, step_us: float = 0.0, layers: int = 0) -> str:
-    """The format's row of issue 11's table (bench/results/formats.md and the README take
-    it as is): the arm that served from slots (the cache, else the kernel trial), the
-    goals' ratios."""
+              gbps: float | None, step_us: float = 0.0, layers: int = 0,
+              plan: dict | None = None) -> str:
+    """The format's row of issues 11 and 29's table (bench/results/formats.md and the
+    README take it as is): the arm that served from slots (the cache, else the kernel
+    trial), the goals' ratios, and the cache arm against `plan`'s prediction on its trace
+    (``plan``)."""
     floor, res, hot = recs.get("floor"), recs.get("resident"), recs.get("hot")
     arm = next((a for a in ("cache", "trial") if slot_path_served(recs.get(a))), None)
     rec = recs.get(arm or "cache")
@@ -242,13 +322,26 @@ def table_row(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
     if per is not None and c_tok and r_tok and bytes_per_expert and gbps:
         want = predicted_tok_s(r_tok, per, bytes_per_expert, gbps, step_us, layers)
         miss = f"{c_tok / want:.3f} ({c_tok:.1f} / {want:.1f})"
-    return (f"| {fmt} | {plugin} | {same} | {_fmt(f_tok)} | {speed} | {all_hit} | {miss} |")
+    planned = "-"
+    row = plan_row(plan, slots_of(rec)) if arm == "cache" and traced(rec) else None
+    if row is not None and c_tok:
+        want = float(row["predicted_tok_s"])
+        planned = f"{c_tok / want:.3f} ({c_tok:.1f} / {want:.1f})"
+    return (f"| {fmt} | {plugin} | {same} | {_fmt(f_tok)} | {speed} | {all_hit} | {miss} "
+            f"| {planned} |")
+
+
+def routing_lines(runs: dict[str, tuple]) -> list[str]:
+    """Under the table: what routed each format's floor and cache arms (a throughput number
+    says what routing produced it)."""
+    return [f"- {fmt}: {routing_of(run[0].get('cache'), run[5])}" for fmt, run in runs.items()]
 
 
 def load_run(fmt: str, d: Path) -> tuple[dict[str, dict], int | None, float | None, float,
-                                         int]:
-    """A format's server records, its bytes an expert and MoE layers (`size --json`), and
-    its probe's gather rate and cache step, from a run directory (missing: None or 0)."""
+                                         int, dict | None]:
+    """A format's server records, its bytes an expert and MoE layers (`size --json`), its
+    probe's gather rate and cache step, and `plan --json` on its routing trace, from a run
+    directory (missing: None or 0)."""
     recs = {}
     for arm in ("floor", "cache", "trial", "resident", "hot", "resident2"):
         p = d / f"{fmt}-{arm}.json"
@@ -272,7 +365,12 @@ def load_run(fmt: str, d: Path) -> tuple[dict[str, dict], int | None, float | No
         step_us = step[0] if step else 0.0
     except (OSError, UserError):
         pass
-    return recs, bytes_per_expert, gbps, step_us, layers
+    plan = None
+    try:
+        plan = json.loads((d / f"{fmt}-plan.json").read_text())
+    except (OSError, ValueError):
+        pass
+    return recs, bytes_per_expert, gbps, step_us, layers, plan
 
 
 def main(argv: list[str]) -> int:
@@ -282,13 +380,24 @@ def main(argv: list[str]) -> int:
             return 0 if test(json.loads(Path(argv[1]).read_text())) else 1
         except (OSError, ValueError):
             return 1
+    if len(argv) == 2 and argv[0] == "--median":  # the runner's resident rate for `plan`
+        try:
+            tok = median_tok_s(json.loads(Path(argv[1]).read_text()))
+        except (OSError, ValueError):
+            tok = None
+        if not tok:
+            return 1
+        print(f"{tok:.3f}")
+        return 0
     if argv[:1] == ["--table"] and len(argv) >= 3:  # --table DIR FMT...
         d = Path(argv[1])
-        print("\n".join([TABLE_HEAD, *(table_row(f, *load_run(f, d)) for f in argv[2:])]))
+        runs = {f: load_run(f, d) for f in argv[2:]}
+        print("\n".join([TABLE_HEAD, *(table_row(f, *run) for f, run in runs.items()), "",
+                         "Routing of the floor and cache arms:", *routing_lines(runs)]))
         return 0
     if len(argv) != 2:
         print("usage: formats_report.py FORMAT DIR | --table DIR FORMAT... | "
-              "--armed/--served RECORD", file=sys.stderr)
+              "--armed/--served/--median RECORD", file=sys.stderr)
         return 2
     fmt, d = argv[0], Path(argv[1])
     print("\n".join(summarize(fmt, *load_run(fmt, d))))

@@ -30,6 +30,12 @@
 # then, per format, one line: floor, cache, resident and all-hit tok/s, the missing arm
 # against the tok/s predicted from its live installs and the link (`probe-link --only
 # gather --model` at the format's slab size; goal 10%), and whether the greedy tokens equal the floor's.
+# And `plan`'s own prediction (issue 29), once the resident arm has its rate: the routing
+# trace fitted to the LAYERS the checkpoint has, at the format's bytes an expert
+# (bench/trace_fit.py: model layer i routes as trace layer i mod L, the hook's rule), then
+# `expertcache plan FITTED --probe FMT-probe.json --resident-tok-s R --slots S --policy lru
+# --json` > $FM/FMT-plan.json; the report sets the cache arm's tok/s beside it and prints the
+# trace's `source` (what routing produced the numbers: the demo traces say "synthetic").
 # PROFILE=1 adds, in the resident and all-hit servers, a torch-profiler record of one
 # request's decode steps and `bench/profile_report.py`'s comparison ($OUT/FMT-profile.txt):
 # where the all-hit cache's time a step goes, kernel by kernel.
@@ -41,13 +47,18 @@
 # RUNS (default 5): measured runs a server.
 # Re-entrant (an arm whose JSON says ok is not run again); split by FORMATS across calls:
 #   FORMATS="w8a8 fp8-block" bash bench/run_formats_on_device.sh
-# Issue 29's table (the 4-bit formats on Marlin), two formats a call, detached (the servers'
-# starts outlast a caller's time limit; bench/detach.sh polls it):
-#   bash bench/detach.sh formats env OUT=/tmp/of RUNS=3 FORMATS="gptq gptq-act" \
+# Minutes a format on an H200 at 24 layers: each checkpoint 0.3 (mxfp4's 41 GB: 0.7),
+# size and probe 1.5, a server 1.0-2.7 to start and 0.2-0.8 to serve
+# its runs, plan 0.1: ~10.5 with all four arms (mxfp4 ~12; a declined one ~6: no all-hit
+# pair).
+# Issue 29's table (the 4-bit formats on Marlin), two formats a run, detached (a server
+# start can outlast a caller's time limit; bench/detach.sh polls it); bench/PLAN-4bit.md
+# has the runs in order with the minutes each step is expected to take:
+#   bash bench/detach.sh formats env OUT=/tmp/of RUNS=3 FORMATS="mxfp4" \
 #     bash bench/run_formats_on_device.sh
 #   RESULTS=/tmp/of bash bench/detach.sh --poll formats 540
-# then FORMATS="awq w4a16", "nvfp4 mxfp4", and "w8a8 fp8-block" (their rows again);
-#   python bench/formats_report.py --table /tmp/fm gptq gptq-act awq w4a16 nvfp4 mxfp4
+# then FORMATS="gptq-act awq", "w4a16 w8a8" and "nvfp4 fp8-block" (fp8-block's row again);
+#   python bench/formats_report.py --table DIR gptq-act awq w4a16 nvfp4 mxfp4 fp8-block w8a8
 set -uo pipefail
 OUT="${OUT:-out}"
 FM="${FM:-/tmp/fm}"  # checkpoints (removed when their arms are done) and records
@@ -85,8 +96,8 @@ ckpt() {  # ckpt DIR HOT: written when missing (a LAYERS-layer checkpoint is 8-4
     --layers "${LAYERS:-24}" --format "$fmt" "${shape[@]}" --hot "$2" 2>&1 | tail -1
 }
 # the routing trace of a format's floor and cache servers (none: their own routers)
-routing() {  # routing TOPK EXPERTS -> sets `route` (small_card options)
-  route=()
+routing() {  # routing TOPK EXPERTS -> sets `route` (small_card options) and `trace_path`
+  route=() trace_path=""
   [ "${ROUTING:-trace}" = random ] && return 0
   local t
   if [ "$1" = 8 ]; then
@@ -98,8 +109,29 @@ routing() {  # routing TOPK EXPERTS -> sets `route` (small_card options)
       --model "synthetic, gpt-oss-shaped ($2 experts, top-$1)" > /dev/null
   fi
   case $t in /*) ;; *) t=$PWD/$t ;; esac
+  trace_path=$t
   route=(--env "EC_BENCH_TRACE_ROUTING=$t"
          --env "PYTHONPATH=$PWD/bench/trace_hook:${PYTHONPATH:-}")
+}
+# `plan`'s prediction for this format's cache arm (issue 29), once: the trace as the server
+# replayed it (its layers, this format's bytes an expert), the format's probe, the resident
+# arm's median rate; nothing where the routing was random or an input is missing (the
+# report then says no plan)
+plan_fmt() {
+  [ -n "$trace_path" ] && [ ! -s "$FM/$fmt-plan.json" ] || return 0
+  [ -f "$FM/$fmt-size.json" ] && [ -f "$FM/$fmt-probe.json" ] || return 0
+  local r
+  r=$($PY bench/formats_report.py --median "$FM/$fmt-resident.json") || return 0
+  $PY bench/trace_fit.py "$trace_path" "$FM/$fmt-route.npz" --layers "${LAYERS:-24}" \
+    --size "$FM/$fmt-size.json" > /dev/null || return 0
+  if $PY -m expertcache_cli plan "$FM/$fmt-route.npz" --probe "$FM/$fmt-probe.json" \
+      --resident-tok-s "$r" --slots "$S" --policy lru --json > "$FM/$fmt-plan.json.part" \
+      2> "$FM/$fmt-plan.err"; then
+    mv "$FM/$fmt-plan.json.part" "$FM/$fmt-plan.json"
+    cp "$FM/$fmt-plan.json" "$OUT/"
+  else
+    echo "$fmt: plan failed: $(tail -1 "$FM/$fmt-plan.err")"
+  fi
 }
 
 for fmt in ${FORMATS:-w8a8 fp8-block gptq gptq-act awq w4a16 nvfp4 mxfp4}; do
@@ -179,6 +211,7 @@ for fmt in ${FORMATS:-w8a8 fp8-block gptq gptq-act awq w4a16 nvfp4 mxfp4}; do
         --labels resident,all-hit 2>&1 | tee "$OUT/$fmt-profile.txt"
     fi
   fi
+  plan_fmt
   $PY bench/formats_report.py "$fmt" "$FM" | tee -a "$OUT/formats.txt"
   # the disk holds a format's checkpoints, not every format's
   if done_arm "$fmt-floor" && done_arm "$fmt-cache" && \

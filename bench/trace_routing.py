@@ -32,6 +32,10 @@ ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router.fused_moe_router"
 ROUTER_CLASS = "FusedMoERouter"
 
 log = logging.getLogger("vllm.expertcache.bench")
+#: logged once per process at the first step the trace routes (not when the class is
+#: patched: a router class that overrides select_experts would never reach the patch), so a
+#: report can require it in every server's log
+IN_FORCE_LINE = "BENCH: trace routing in force"
 
 
 class TraceRouting:
@@ -61,6 +65,10 @@ class TraceRouting:
         layer = self.layer_of(router)
         key = (topk_ids.device, layer)
         if key not in self.dev:
+            if not self.dev:
+                log.warning("%s: layer %d's decode steps of %d ids take the trace's ids "
+                            "(%d steps x %d layers)", IN_FORCE_LINE, layer, width,
+                            self.ids.shape[0], self.ids.shape[1])
             rows = torch.from_numpy(self.ids[:, layer, :].astype("int64")).to(topk_ids.device)
             self.dev[key] = (rows, torch.zeros(1, dtype=torch.int64, device=topk_ids.device))
         rows, counter = self.dev[key]

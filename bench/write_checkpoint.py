@@ -46,6 +46,11 @@ Formats (``--format``):
   attention with sinks), as OpenAI ships it: `bench/write_gpt_oss.py` says the layout;
   ``--experts 128`` gives gpt-oss-120b's expert count (the layers are ``--layers``).
 
+``--config-only`` writes config.json and the tokenizer without weights: the directory vLLM
+serves with ``--load-format dummy`` while `bench/synth_weights.py` fills the weights in
+process as this writer draws them (gpt-oss-120b's experts, 63 GiB, do not fit the GPU box's
+disk).
+
 ``--hot 32`` routes every layer to its first 32 experts only (the other router rows are
 zero), so a cache of 32 slots hits on (nearly) every read: the all-hit arm that is compared
 with resident.
@@ -281,13 +286,13 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
 
 def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
           shard_bytes: int = 4 << 30, context: int = 4096, head_dim: int | None = None,
-          hot: int = 0, experts: int | None = None) -> dict:
+          hot: int = 0, experts: int | None = None, config_only: bool = False) -> dict:
     """config + tokenizer (from the e2e bench) and safetensors shards with an index.
-    ``experts``: the gpt-oss shape's expert count (``mxfp4`` only; default gpt-oss-20b's)."""
+    ``experts``: the gpt-oss shape's expert count (``mxfp4`` only; default gpt-oss-20b's).
+    ``config_only``: config and tokenizer, no weights: a model directory that vLLM serves
+    with ``--load-format dummy`` (the flagship run fills its weights in process,
+    `bench/synth_weights.py`: gpt-oss-120b's 63 GiB of experts do not fit the box's disk)."""
     import json
-
-    import torch
-    from safetensors.torch import save_file
 
     if fmt not in FORMATS:
         raise SystemExit(f"--format {fmt!r}: choose from {', '.join(FORMATS)}")
@@ -302,15 +307,22 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
     experts = gpt_oss.experts if fmt == "mxfp4" else shape.E
     if not 0 <= hot <= experts:
         raise SystemExit(f"--hot {hot}: between 0 (route to all) and {experts}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     if fmt == "mxfp4":
         if head_dim is not None:
             raise SystemExit("--head-dim: gpt-oss's heads are 64 wide; not for --format mxfp4")
         write_gpt_oss.write_config(out, layers, vocab, context, gpt_oss)
-        pairs = write_gpt_oss.tensors(layers, device, vocab, hot, gpt_oss)
     else:
         shape.write_model(out, layers, vocab_size=vocab, context=context, head_dim=head_dim,
                           quantization_config=quantization_config(fmt, layers))
+    if config_only:
+        return {"bytes": 0, "shards": 0, "tensors": 0}
+    import torch
+    from safetensors.torch import save_file
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if fmt == "mxfp4":
+        pairs = write_gpt_oss.tensors(layers, device, vocab, hot, gpt_oss)
+    else:
         pairs = tensors(layers, device, fmt, vocab, head_dim, hot)
     weight_map: dict[str, str] = {}
     shard: dict = {}
@@ -352,10 +364,12 @@ def main() -> int:
     ap.add_argument("--hot", type=int, default=0,
                     help="route to the first N experts of every layer only (an all-hit cache "
                          "at N slots, for the resident comparison); 0: all experts")
+    ap.add_argument("--config-only", action="store_true",
+                    help="config.json and tokenizer only, for vLLM's --load-format dummy")
     a = ap.parse_args()
     t0 = time.time()
     info = write(a.out, a.layers, a.format, a.vocab, context=a.context, head_dim=a.head_dim,
-                 hot=a.hot, experts=a.experts)
+                 hot=a.hot, experts=a.experts, config_only=a.config_only)
     print(f"wrote {info['tensors']} tensors, {info['bytes'] / 2**30:.2f} GiB in "
           f"{info['shards']} shards to {a.out} ({a.format}) in {time.time() - t0:.0f} s")
     return 0

@@ -63,7 +63,8 @@ def test_goals_not_met_are_said_so_and_a_declined_format_has_no_goals():
         "failed (health: exited: ValueError: no kernel)")
     lines = report.summarize("gptq", declined, 10**7, 50.0)
     assert lines[1] == ("gptq cache: 50.2 tok/s; expertcache: model.layers.0.mlp.experts: "
-                        "declined: MarlinExperts ...")
+                        "declined: MarlinExperts ...; routing: the checkpoint's own random "
+                        "routers (no trace)")
     assert len(lines) == 2
 
 
@@ -131,7 +132,7 @@ def test_the_table_row_carries_each_goal_of_an_armed_and_a_declined_format():
             "hot": rec([480.0], hit_rate=0.9999)}
     row = report.table_row("w8a8", recs, 10**7, 50.0)
     assert row == ("| w8a8 | armed 8 of 8 | identical (2) | 50.0 | 420.0 (8.40x) | "
-                   "0.960 (480.0 / 500.0) | 1.008 (420.0 / 416.7) |")
+                   "0.960 (480.0 / 500.0) | 1.008 (420.0 / 416.7) | - |")
     declined = {"floor": rec([256.0], startup=None), "cache": rec(
         [256.0], startup="expertcache: vLLM 0.26.0: armed 0 of 8 MoE layers (experts kernel "
                          "MarlinExperts is not known (known: TritonExperts)); serving on the "
@@ -168,3 +169,79 @@ def test_each_bracketed_all_hit_server_says_its_tokens_compile_and_slot_audit():
                          "0.0000; compile cold; slot audit ok")
     assert lines[-1].endswith("greedy vs resident identical (2 tokens); compile warm; "
                               "slot audit FAILED")
+
+
+PLAN = {"rows": [{"policy": "lru", "slots": 16, "miss_rate": 0.5, "predicted_tok_s": 300.0},
+                 {"policy": "lru", "slots": 32, "miss_rate": 0.25, "predicted_tok_s": 400.0},
+                 {"policy": "lfu", "slots": 32, "miss_rate": 0.2, "predicted_tok_s": 420.0}],
+        "trace": {"source": "recorded: gpt-oss-120b, 4 chat tasks"}}
+
+
+def test_the_cache_arm_is_set_beside_plans_prediction_at_its_slots_with_its_routing():
+    """Issue 29: the cache arm's tok/s against `plan`'s LRU row at the arm's own slots (its
+    startup line), the verdict on the 10% goal, and the trace's source on the line and
+    under the table."""
+    cache = rec([380.0, 384.0, 390.0], installs=2000)
+    cache["log"]["slots"] = 32
+    cache["env"] = ["EC_BENCH_TRACE_ROUTING=/box/only/trace.npz"]
+    recs = {"floor": rec([50.0], startup=None), "resident": rec([500.0], startup=None),
+            "cache": cache}
+    lines = report.summarize("mxfp4", recs, 10**7, 50.0, plan=PLAN)
+    assert ("plan predicted 400.0 tok/s at 32 slots (replayed hit rate 0.750), measured 0.960 "
+            "of it (met: 10%); routing: recorded: gpt-oss-120b, 4 chat tasks") in lines[1]
+    row = report.table_row("mxfp4", recs, 10**7, 50.0, plan=PLAN)
+    assert row.endswith("| 0.960 (384.0 / 400.0) |")
+    slow = dict(cache, tok_s=[300.0])
+    assert "measured 0.750 of it (NOT met: 10%)" in report.summarize(
+        "mxfp4", dict(recs, cache=slow), None, None, plan=PLAN)[1]
+    # no plan: the trace file the hook read, named where it is not readable here
+    assert report.routing_of(cache, None) == "trace /box/only/trace.npz (not readable here)"
+    unplanned = report.summarize("mxfp4", recs, 10**7, 50.0)[1]
+    assert "no plan prediction (no FMT-plan.json" in unplanned
+    assert unplanned.endswith("routing: trace /box/only/trace.npz (not readable here)")
+    # slots from the command where the startup line has none; no row at other slots
+    bare = {"argv": ["serve", "m", "--slots", "16"]}
+    assert report.slots_of(bare) == 16 and report.plan_row(PLAN, 16)["predicted_tok_s"] == 300
+    assert report.plan_row(PLAN, 64) is None and report.plan_row(None, 32) is None
+
+
+def test_an_arm_no_trace_routed_is_never_held_to_a_plan_beside_it():
+    cache = rec([380.0], installs=2000)
+    cache["log"]["slots"] = 32
+    cache["env"] = ["EXPERT_CACHE_STATS=400"]
+    recs = {"floor": rec([50.0], startup=None), "resident": rec([500.0], startup=None),
+            "cache": cache}
+    line = report.summarize("fp8-block", recs, 10**7, 50.0, plan=PLAN)[1]
+    assert "plan predicted" not in line and "no plan prediction" not in line
+    assert line.endswith("routing: the checkpoint's own random routers (no trace)")
+    assert report.table_row("fp8-block", recs, 10**7, 50.0, plan=PLAN).endswith("| - |")
+
+
+def test_a_declined_cache_arm_gets_no_plan_verdict_but_says_its_routing():
+    declined = rec([50.0], startup="expertcache: vLLM 0.26.0: armed 0 of 24 MoE layers (x)")
+    declined["env"] = ["EC_BENCH_TRACE_ROUTING=/t.npz"]
+    lines = report.summarize("awq", {"floor": rec([50.0], startup=None), "cache": declined},
+                             10**7, 50.0, plan=PLAN)
+    assert "plan predicted" not in lines[1]
+    assert lines[1].endswith("routing: recorded: gpt-oss-120b, 4 chat tasks")
+
+
+def test_median_prints_a_records_median_rate_for_the_runner(tmp_path, capsys):
+    (tmp_path / "r.json").write_text(json.dumps(rec([10.0, 30.0, 20.0], startup=None)))
+    assert report.main(["--median", str(tmp_path / "r.json")]) == 0
+    assert capsys.readouterr().out.strip() == "20.000"
+    (tmp_path / "dead.json").write_text(json.dumps({"status": "failed"}))
+    assert report.main(["--median", str(tmp_path / "dead.json")]) == 1
+    assert report.main(["--median", str(tmp_path / "missing.json")]) == 1
+
+
+def test_the_table_says_what_routing_each_format_had(tmp_path, capsys):
+    (tmp_path / "w8a8-floor.json").write_text(json.dumps(rec([50.0], startup=None)))
+    cache = rec([400.0], installs=10)
+    cache["env"] = ["EC_BENCH_TRACE_ROUTING=/box/t.npz"]
+    (tmp_path / "w8a8-cache.json").write_text(json.dumps(cache))
+    (tmp_path / "w8a8-plan.json").write_text(json.dumps(PLAN))
+    assert report.main(["--table", str(tmp_path), "w8a8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == ["Routing of the floor and cache arms:",
+                        "- w8a8: recorded: gpt-oss-120b, 4 chat tasks"]

@@ -51,6 +51,13 @@ if args[0].endswith("write_checkpoint.py"):
         log.write("checkpoints on disk: " + " ".join(live) + "\n")
 elif args[:4] == ["-m", "expertcache_cli", "trace", "synth"]:
     Path(args[4]).write_text("npz")
+elif args[0].endswith("trace_fit.py"):
+    Path(args[2]).write_text("npz")
+elif args[:3] == ["-m", "expertcache_cli", "plan"]:
+    slots = int(args[args.index("--slots") + 1])
+    print(json.dumps({"rows": [{"policy": "lru", "slots": slots, "miss_rate": 0.25,
+                                "predicted_tok_s": 104.0}],
+                      "trace": {"source": "synthetic, stub trace", "path": args[3]}}))
 elif args[:3] == ["-m", "expertcache_cli", "size"]:
     print(json.dumps({"bytes_per_expert": 4719744}))
 elif args[:3] == ["-m", "expertcache_cli", "probe-link"]:
@@ -60,6 +67,7 @@ elif args[0].endswith("small_card.py"):
     startup, check = json.loads(os.environ["STUB_ARMS"]).get(name, [None, None])
     status = "failed" if name == os.environ.get("STUB_FAIL") else "ok"
     rec = {"status": status, "arm": name, "tok_s": [100.0, 101.0, 99.0],
+           "env": [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--env"],
            "greedy": {"tokens": ["a"], "logprob": [0.0], "margin": [1.0]},
            "log": {"startup_line": startup, "check_line": check, "declined": []}}
     (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
@@ -80,7 +88,8 @@ elif args[0].endswith("small_card.py"):
 def runner(tmp_path):
     """A function that runs the runner for FORMATS, and the folder it writes in."""
     run = make_runner(tmp_path, "run_formats_on_device.sh",
-                      ("formats_report.py", "small_card.py", "profile_report.py"), STUB,
+                      ("formats_report.py", "small_card.py", "profile_report.py",
+                       "trace_fit.py"), STUB,
                       STUB_ARMS=json.dumps(ARMS), FM=str(tmp_path / "fm"))
     return (lambda formats, **extra: run(FORMATS=formats, **extra)[0]), tmp_path
 
@@ -242,3 +251,43 @@ def test_a_failed_variant_keeps_the_checkpoint_for_the_next_call(runner, monkeyp
     assert (tmp / "fm" / "fp8-block-hot").exists()  # needed again: the variant failed
     again = run("fp8-block", ARMS="resident hot", HOT_VARIANTS="nostats:EXPERT_CACHE_STATS=0")
     assert _servers(again) == ["fp8-block-hot_nostats"]
+
+
+def test_plan_predicts_the_cache_arm_on_the_fitted_trace_once_resident_has_its_rate(runner):
+    """Issue 29: once the resident arm has run, the routing trace is fitted to the
+    checkpoint's layers at the format's bytes an expert, `plan` runs on it with the probe,
+    the resident arm's median and the cache arm's slots, and the table sets the cache arm
+    beside plan's prediction and says what routing produced it."""
+    run, tmp = runner
+    calls = run("nvfp4")
+    fit = [c for c in calls if c.startswith("bench/trace_fit.py")]
+    assert len(fit) == 1
+    assert fit[0].split()[1].endswith("traces/demo-qwen3-30b-a3b-tasks.npz")  # what the hook read
+    assert f"--layers 24 --size {tmp / 'fm' / 'nvfp4-size.json'}" in fit[0]
+    plans = [c for c in calls if c.startswith("-m expertcache_cli plan")]
+    assert len(plans) == 1
+    assert plans[0].split()[3] == str(tmp / "fm" / "nvfp4-route.npz")
+    assert "--resident-tok-s 100.000 --slots 32 --policy lru --json" in plans[0]
+    assert f"--probe {tmp / 'fm' / 'nvfp4-probe.json'}" in plans[0]
+    # after the resident arm, before the report
+    order = [c.split()[1] if c.startswith("bench/small") else c.split()[0] for c in calls]
+    assert order.index("nvfp4-resident") < calls.index(plans[0])
+    report = (tmp / "out" / "formats.txt").read_text()
+    assert ("plan predicted 104.0 tok/s at 32 slots (replayed hit rate 0.750), measured "
+            "0.962 of it (met: 10%); routing: synthetic, stub trace") in report
+    assert (tmp / "out" / "nvfp4-plan.json").exists()
+    table = (tmp / "out" / "table.md").read_text().splitlines()
+    assert table[2].endswith("| 0.962 (100.0 / 104.0) |")
+    assert "- nvfp4: synthetic, stub trace" in table
+    again = run("nvfp4")  # planned once
+    assert not any(c.startswith("-m expertcache_cli plan") for c in again)
+
+
+def test_random_routing_and_a_declined_format_get_no_plan(runner):
+    run, tmp = runner
+    calls = run("fp8-block", ROUTING="random")
+    assert not any("plan" in c.split()[:3] or "trace_fit" in c for c in calls)
+    assert "routing: the checkpoint's own random routers (no trace)" in (
+        tmp / "out" / "formats.txt").read_text()
+    calls = run("awq")  # declined: no resident arm, so no rate to plan with
+    assert not any(c.startswith("-m expertcache_cli plan") for c in calls)

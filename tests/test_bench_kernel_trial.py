@@ -31,7 +31,7 @@ def test_the_hook_adds_the_named_kernels_only_when_asked():
 
 def test_the_no_check_and_memory_hooks_act_only_when_asked():
     probe = ("from expertcache_cli.plugin import runtime as r; "
-             "print(r.CHECK_ATTEMPTS, r.ArmedLayer.forward_modular.__name__)")
+             "print(r.CHECK_ATTEMPTS, r.SWEEP, r.ArmedLayer.forward_modular.__name__)")
 
     def run(extra):
         env = {k: v for k, v in os.environ.items() if not k.startswith("EC_BENCH_")}
@@ -42,8 +42,9 @@ def test_the_no_check_and_memory_hooks_act_only_when_asked():
 
     from expertcache_cli.plugin import runtime
 
-    assert run({}) == f"{runtime.CHECK_ATTEMPTS} forward_modular" and runtime.CHECK_ATTEMPTS > 0
-    assert run({"EC_BENCH_NO_CHECK": "1", "EC_BENCH_MEM": "1"}) == "0 _forward"
+    assert run({}) == f"{runtime.CHECK_ATTEMPTS} True forward_modular"
+    assert runtime.CHECK_ATTEMPTS > 0 and runtime.SWEEP
+    assert run({"EC_BENCH_NO_CHECK": "1", "EC_BENCH_MEM": "1"}) == "0 False _forward"
 
 
 MEM_PROBE = r'''

@@ -43,6 +43,19 @@ def test_decode_steps_follow_the_trace_per_layer_and_prefill_keeps_the_router():
     assert prefill.dtype == torch.int32
 
 
+def test_the_first_routed_step_says_the_trace_is_in_force_once(caplog):
+    routing = trace_routing.TraceRouting(np.array([[[5, 6], [7, 8]]]), top_k=2)
+    cls = type("FusedMoERouter", (Router,), {"select_experts": Router.select_experts})
+    trace_routing.patch_router_class(cls, routing)
+    layers = [cls(), cls()]
+    with caplog.at_level("WARNING", logger="vllm.expertcache.bench"):
+        layers[0].select_experts(torch.zeros(5, 4), None)  # prefill: the router's, no line
+        assert trace_routing.IN_FORCE_LINE not in caplog.text
+        for r in layers * 2:
+            r.select_experts(torch.zeros(1, 4), None)
+    assert caplog.text.count(trace_routing.IN_FORCE_LINE) == 1
+
+
 def test_install_needs_the_variable(monkeypatch):
     monkeypatch.delenv(trace_routing.ENV, raising=False)
     assert trace_routing.install() is None

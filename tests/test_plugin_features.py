@@ -435,3 +435,95 @@ def test_the_memory_plan_line_says_what_each_vllm_does(armed_worker, monkeypatch
         # and a runner without the attribute is no reason to decline there
         assert memory.accounting_refusal(SimpleNamespace(), memory.MEASURED) is None
     assert "vLLM chose 3.00 GiB of KV cache" in caplog.text
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+@pytest.mark.parametrize("captured", [False, True])
+def test_new_weights_are_swept_before_the_next_step_and_a_captured_layer_that_differs_stops(
+        armed_worker, monkeypatch, caplog, version, captured):
+    """After a weight transfer (the path RL trainers call) every expert of every armed
+    layer is swept again inside ``finish_weight_update``, before any step runs on the new
+    weights. A layer whose slot path now differs goes back to the stock path where vLLM
+    runs eagerly; where its cache path is in a captured CUDA graph, the update's call
+    ends the engine (a SystemExit, which both releases' engine loops let through) with one
+    line, instead of replaying a path known to be wrong."""
+    from expertcache_cli.plugin import runtime
+
+    arm = armed_worker(version)
+    model, stock = _Model(seed=30), _Model(seed=30)
+    worker = arm(model)
+    rng = np.random.default_rng(30)
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    _serve(model, stock, 2, rng)  # the first calls: each layer swept
+    sess = worker._expertcache_session
+    assert [a.sweep_result.paths[0].covered for a in sess.armed] == [16, 16]
+    assert caplog.text.count("startup check of every expert") == 1
+    if captured:
+        monkeypatch.setattr(runtime, "_capturing", lambda: True)
+        _serve(model, stock, 1, rng)
+        monkeypatch.setattr(runtime, "_capturing", lambda: False)
+        assert all(a.captured for a in sess.armed)
+    a0 = sess.armed[0]
+    stock_forward = a0._stock
+
+    def wrong_on_slots(**kw):  # the new weights' kernel reads something the slots lack
+        out = stock_forward(**kw)
+        return out * 1.5 if model.layers[0].experts.w13_weight.shape[0] != 16 else out
+
+    new = _new_weights(model, 31)
+    worker.start_weight_update()
+    worker.update_weights({"weights": new})
+    _copy_in_place(stock, new)
+    a0._stock = wrong_on_slots
+    if captured:
+        with pytest.raises(SystemExit, match="the server stops rather than serve it"):
+            worker.finish_weight_update()
+        assert "model.layers.0.mlp.experts: the slots path's output differs" in caplog.text
+        return
+    worker.finish_weight_update()
+    assert a0._failed and not sess.armed[1]._failed
+    assert sess.armed[1].sweep_result is not None  # swept at once, not at a later call
+    assert "new weights check of every expert" in caplog.text
+    assert "1 of 2 layers agreed" in caplog.text
+    _serve(model, stock, 4, rng)
+
+
+def test_the_sweep_after_new_weights_opens_vllms_locked_workspace_and_locks_it_again(
+        armed_worker, monkeypatch):
+    """vLLM locks its workspace manager after capturing (0.26 and 0.33: a kernel asking
+    for a scratch key it did not ask for while warming up raises). The sweep after new
+    weights runs from the worker's call, not a forward: the manager is open while it runs
+    and locked again after; a sweep at a first call, unlocked, leaves it so."""
+    from expertcache_cli.plugin import compat
+
+    class Manager:
+        locked = False
+
+        def is_locked(self):
+            return self.locked
+
+        def unlock(self):
+            self.locked = False
+
+        def lock(self):
+            self.locked = True
+
+    manager = Manager()
+    ws = types.ModuleType(compat.WORKSPACE_MODULE)
+    ws.is_workspace_manager_initialized = lambda: True
+    ws.current_workspace_manager = lambda: manager
+    monkeypatch.setitem(sys.modules, compat.WORKSPACE_MODULE, ws)
+    arm = armed_worker("0.33.0")
+    model, stock = _Model(seed=40), _Model(seed=40)
+    worker = arm(model)
+    _serve(model, stock, 1, np.random.default_rng(40))
+    assert not manager.locked
+    manager.lock()  # vLLM, once its graphs are captured
+    seen = []
+    for a in worker._expertcache_session.armed:
+        a._stock = (lambda f: lambda **kw: seen.append(manager.locked) or f(**kw))(a._stock)
+    new = _new_weights(model, 41)
+    worker.reload_weights(weights_iterator=iter(new))
+    _copy_in_place(stock, new)
+    assert seen and not any(seen) and manager.locked
+    _serve(model, stock, 2, np.random.default_rng(41))

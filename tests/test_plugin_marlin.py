@@ -98,7 +98,11 @@ def test_the_slot_path_gives_the_stock_bits_and_every_slot_holds_its_expert(
     assert armed.checked["slots"] == 0.0 and "forward_modular" in cached.__dict__
     slot_ptrs = {t.data_ptr() for t in armed.cache.slots.values()}
     on_slots = [c for c in cached.calls if c["w13"] in slot_ptrs]
-    assert len(on_slots) == served
+    # the first call swept every expert through the slots first, each step on the stock
+    # path too, and found the stock bits
+    sweep = armed.sweep_result.paths
+    assert [(p.path, p.covered, p.worst) for p in sweep] == [("slots", ms.E, 0.0)]
+    assert len(on_slots) == served + sweep[0].steps
     # each slot-bound call: the expert ids as vLLM routed them, the layer reporting S experts
     assert all(c["global_num_experts"] == S and int(c["ids"].max()) < ms.E for c in on_slots)
     assert any(int(c["ids"].max()) >= S for c in on_slots)  # expert ids, not slot ids

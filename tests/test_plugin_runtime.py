@@ -25,7 +25,12 @@ from ref_slotcache import RefSlotCache  # noqa: E402
 
 from expertcache_cli.config import CacheConfig  # noqa: E402
 from expertcache_cli.plugin.arming import ARM, plan_layer  # noqa: E402
-from expertcache_cli.plugin.runtime import ArmedLayer, ArmError, patch_tile_lookup  # noqa: E402
+from expertcache_cli.plugin.runtime import (  # noqa: E402
+    ArmedLayer,
+    ArmError,
+    Sweep,
+    patch_tile_lookup,
+)
 from expertcache_cli.policy import LayerCache, Policy, Wide  # noqa: E402
 
 E, H, INTER, TOPK = 16, 8, 4, 2
@@ -140,6 +145,13 @@ def _routing(rng, tokens):
     return torch.from_numpy(ids.astype(np.int32)), torch.rand(tokens, TOPK)
 
 
+def _swept(armed):
+    """Mark the layer's sweep of every expert done (an agreeing one of no steps): for the
+    tests of what follows it, the check of the real call."""
+    armed.sweep_result = Sweep([], 0.0)
+    return armed
+
+
 def test_armed_layer_matches_the_stock_path_and_restores_everything():
     stock, cached = Experts(seed=1), Experts(seed=1)
     TileLookup.seen.clear()
@@ -161,14 +173,18 @@ def test_armed_layer_matches_the_stock_path_and_restores_everything():
         # after every call: the layer is back on its full tensors and config
         assert cached.w13_weight.data_ptr() == full_ptr
         assert cached.quant_method.moe_kernel.fused_experts.quant_config is qc_before
+    # the first call swept every expert through the 6 slots first: 3 steps of 3 tokens x
+    # top-2, each on the slots and on the stock path, all agreeing
+    (sweep,) = armed.sweep_result.paths
+    assert (sweep.path, sweep.covered, sweep.steps, sweep.worst) == ("slots", E, 3, 0.0)
     # the stock kernel sized its tiles for the 16 real experts, never for the 6 slots (the
-    # one extra call: the first slot step checked against the stock path)
-    assert set(TileLookup.seen) == {E} and len(TileLookup.seen) == 121
+    # extra calls: the sweep's 2 x 3, and the first slot step checked against the stock path)
+    assert set(TileLookup.seen) == {E} and len(TileLookup.seen) == 121 + 2 * 3
     assert armed.checked == {"slots": 0.0, "scratch": None}
     assert cached.w13_weight.shape[0] == E and armed.slot_params["w13_weight"].shape[0] == 6
     slot_ptr = armed.cache.slots["w13_weight"].data_ptr()
-    assert cached.weights_seen.count(slot_ptr) == served == armed.cache.steps
-    assert cached.weights_seen.count(full_ptr) == 60 - served + 1
+    assert cached.weights_seen.count(slot_ptr) == served + 3 == armed.cache.steps
+    assert cached.weights_seen.count(full_ptr) == 60 - served + 1 + 3
     assert int(armed.read_through) == 60 - served
     assert armed.slot_quant_config.w13_bias.data_ptr() == armed.cache.slots["w13_bias"].data_ptr()
 
@@ -596,8 +612,8 @@ def test_rows_vllm_marks_as_padding_install_nothing_and_count_nothing(monkeypatc
     w, x = torch.rand(3, TOPK), torch.randn(3, H)
     got = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
     # the manager gets the ids as they are and vLLM's marks (it leaves the rows out itself)
-    assert seen[0].tolist() == ids.tolist()
-    assert cache.pad_rows_seen[0] == [False, False, True] and armed.checked["slots"] == 0.0
+    assert seen[-1].tolist() == ids.tolist()  # (after the sweep's steps, which mark none)
+    assert cache.pad_rows_seen[-1] == [False, False, True] and armed.checked["slots"] == 0.0
     assert np.flatnonzero(np.asarray(cache.ref.table) >= 0).tolist() == [1, 2, 3]  # no 14, 15
     assert cache.stats.tolist() == [3, 3]  # requests: the 3 real distinct ids only
     armed.uninstall()
@@ -952,7 +968,11 @@ def test_wide_steps_staged_through_the_scratch_equal_the_stock_path(wide):
     assert int(armed.read_through) == 0
     assert int(armed.staged) == wide_steps == 17
     assert int(armed.staged_fetched) == fetched > 0
-    assert cached.weights_seen.count(scratch_ptr) == wide_steps
+    # (and the sweep's one wide step routing all 16 experts through the scratch)
+    # (its first call had 5 rows: 2 scratch steps of 5 x top-2 ids)
+    assert [(p.path, p.covered, p.steps) for p in armed.sweep_result.paths] == [
+        ("slots", E, 3), ("scratch", E, 2)]
+    assert cached.weights_seen.count(scratch_ptr) == wide_steps + 2
     assert set(TileLookup.seen) == {E}
     assert armed.scratch_quant_config.w13_bias.data_ptr() == (
         armed.scratch.buffers["w13_bias"].data_ptr())
@@ -1017,12 +1037,14 @@ def test_the_wide_step_scratch_is_shared_planned_and_announced(monkeypatch, capl
 
 # -- the slot path can never take a server down ------------------------------------------
 
-def _one_call_with_a_slot_variant(caplog, seed, variant):
+def _one_call_with_a_slot_variant(caplog, seed, variant, swept=False):
     """Arm a layer whose experts call is ``variant(out, on_slots)`` of the stock one, serve
-    one decode step; returns the armed layer, what it served and what the stock path
-    gives."""
+    one decode step (``swept``: with the sweep of every expert marked done); returns the
+    armed layer, what it served and what the stock path gives."""
     layer = Experts(seed=seed)
     armed = _arm(layer)
+    if swept:
+        _swept(armed)
     assert "forward_modular" in layer.__dict__  # the instance hook is installed
     stock_forward = Experts.forward_modular
 
@@ -1054,17 +1076,27 @@ def test_an_experts_call_that_raises_on_slot_buffers_falls_back_and_disarms(capl
     assert "forward_modular" not in layer.__dict__
 
 
-def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(caplog):
+@pytest.mark.parametrize("swept", [False, True])
+def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(caplog, swept):
     """A quant method whose kernel reads something the rebinding does not follow (here: a
     stand-in that scales its output when it sees slot-shaped weights) gives a different output;
-    the first call's check against the stock path catches it and serves the stock one."""
+    the sweep of every expert at the first call catches it before the call is served (and,
+    were the sweep done, the check of the call itself would), and the stock output is
+    served."""
     def off_by_one(call, on_slots):
         return call() * 1.5 if on_slots else call()
 
-    layer, armed, out, want = _one_call_with_a_slot_variant(caplog, 5, off_by_one)
+    layer, armed, out, want = _one_call_with_a_slot_variant(caplog, 5, off_by_one, swept)
     torch.testing.assert_close(out, want)
-    assert armed.checked["slots"] > 0.02
-    assert "the slots path's output differs from the stock path's" in caplog.text
+    if swept:
+        assert armed.checked["slots"] > 0.02
+        assert "the slots path's output differs from the stock path's on the same step" in (
+            caplog.text)
+    else:
+        assert armed.sweep_result.failed and armed.checked["slots"] is None
+        assert ("the slots path's output differs from the stock path's on experts [0, 1] of "
+                "a synthetic step (relative difference of a row 0.5 > 0.02); layer back on "
+                "the stock path") in caplog.text
     assert "forward_modular" not in layer.__dict__
 
 
@@ -1101,7 +1133,7 @@ def test_the_check_reruns_only_the_first_rows_of_a_wide_step(monkeypatch):
 
     monkeypatch.setattr(runtime, "CHECK_ROWS", 2)
     layer = Experts(seed=7)
-    armed = _arm(layer, slots=6, wide_inserts=6)
+    armed = _swept(_arm(layer, slots=6, wide_inserts=6))
     seen = []
     stock_forward = armed._stock
 
@@ -1126,7 +1158,7 @@ def test_a_failed_check_on_first_rows_serves_the_whole_stock_step(monkeypatch, c
 
     monkeypatch.setattr(runtime, "CHECK_ROWS", 2)
     layer = Experts(seed=8)
-    armed = _arm(layer, slots=6, wide_inserts=6)
+    armed = _swept(_arm(layer, slots=6, wide_inserts=6))
     stock_forward = armed._stock
 
     def wrong_on_scratch(**kw):
@@ -1182,6 +1214,40 @@ def test_output_difference():
     skewed[2] += 100
     assert diff(skewed, a, keep) == 0.0
     assert diff((a, None), (a, None)) == 0.0
+
+
+def test_row_differences():
+    """Per row: one wrong row stands out at its own size however many rows agree; a row
+    the reference left at zero proves nothing (not covered) unless the path's is not
+    zero; non-finite values the reference has not differ by inf; shared experts' tuples
+    compare row by row over their tensors."""
+    from expertcache_cli.plugin.runtime import output_difference, row_differences
+
+    a = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    wrong = a.clone()
+    wrong[5] *= 1.5
+    d, covered = row_differences(wrong, a, 32)
+    assert d[5] == pytest.approx(0.5) and float(d[torch.arange(32) != 5].max()) == 0.0
+    assert bool(covered.all())
+    # over the step, the same row is diluted by the other 31
+    assert output_difference(wrong, a) == pytest.approx(0.5 * float(a[5].norm() / a.norm()))
+    assert output_difference(wrong, a) < 0.2
+    zero = a.clone()
+    zero[3] = 0
+    d, covered = row_differences(zero, zero, 32)
+    assert not bool(covered[3]) and int(covered.sum()) == 31 and float(d.max()) == 0.0
+    off = zero.clone()
+    off[3, 0] = 1.0
+    d, _ = row_differences(off, zero, 32)
+    assert d[3] == float("inf")
+    nan = a.clone()
+    nan[7, 2] = float("nan")
+    d, _ = row_differences(nan, a, 32)
+    assert d[7] == float("inf") and float(d[:7].max()) == 0.0
+    d, covered = row_differences((a, wrong), (a, a), 32)
+    assert d[5] > 0 and float(d[:5].max()) == 0.0 and bool(covered.all())
+    assert row_differences("deferred", a, 32) is None
+    assert row_differences(a, a, 16) is None  # no tensor with the step's rows
 
 
 # -- kernel attributes that alias layer parameters (Marlin's g_idx) -----------------------
@@ -1307,26 +1373,34 @@ def test_periodic_reports_never_wait_for_the_device(monkeypatch, caplog):
     assert parse_stats_line(caplog.text.splitlines()[-2])["final"]
 
 
-def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace():
+@pytest.mark.parametrize("swept", [False, True])
+def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace(swept):
     """A kernel returning a view of a workspace the next call overwrites would make the
-    reference call overwrite the path's output (equal by aliasing): the check compares a
-    copy, and serves that copy."""
+    reference call overwrite the path's output (equal by aliasing): the sweep and the
+    check compare a copy, and serve that copy."""
     layer = Experts(seed=14)
     armed = _arm(layer)
-    workspace = torch.zeros(1, H)
+    if swept:
+        _swept(armed)
+    workspace = torch.zeros(8, H)
     stock_forward = Experts.forward_modular
 
     def in_workspace(self, x, topk_weights, topk_ids, **kw):
         out = stock_forward(self, x, topk_weights, topk_ids, **kw)
         if self.w13_weight.shape[0] != E:
             out = out * 1.5  # the slot path computes something else
-        workspace.copy_(out)
-        return workspace
+        view = workspace[:x.shape[0]]
+        view.copy_(out)
+        return view
 
     armed._stock = in_workspace.__get__(layer)
     ids, w = _routing(np.random.default_rng(14), 1)
     layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
-    assert armed.checked["slots"] > 0.02 and "forward_modular" not in layer.__dict__
+    assert "forward_modular" not in layer.__dict__
+    if swept:
+        assert armed.checked["slots"] > 0.02
+    else:
+        assert armed.sweep_result.failed and armed.sweep_result.paths[0].worst > 0.02
 
 
 def test_bookkeeping_that_fails_never_takes_serving_down(caplog):
@@ -1376,3 +1450,150 @@ def test_the_first_agreeing_check_is_announced_once_a_process(monkeypatch, caplo
     lines = [r for r in caplog.records if "agreed with the stock path" in r.getMessage()
              and r.levelname == "INFO"]
     assert len(lines) == 1 and "every armed layer is checked once" in lines[0].getMessage()
+
+
+# -- the sweep of every expert, and failures once captured --------------------------------
+
+def _corrupting(armed, expert):
+    """Wrap the layer's cache step: every install of ``expert`` leaves its slot's bytes
+    wrong (a slot the gather got wrong), every other expert's right."""
+    step = armed.cache.step
+
+    def corrupt(ids, sources, **kw):
+        out = step(ids, sources, **kw)
+        s = int(armed.cache.table[expert])
+        if s >= 0:
+            armed.cache.slots["w2_weight"][s] *= -1.0
+        return out
+
+    armed.cache.step = corrupt
+
+
+def test_the_sweep_catches_a_wrong_expert_the_warm_up_never_routes(caplog):
+    """vLLM's dummy warm-up routes every row to the same top_k experts: a check on it alone
+    compares those few. The sweep routes every expert through the slots, so a slot that
+    is wrong only for expert 13 is caught at the first call, named, and the layer serves
+    the stock path; the check of the call alone (the sweep done) sees nothing."""
+    ids = torch.tensor([[0, 1]] * 3, dtype=torch.int32)  # the warm-up's routing
+    w, x = torch.rand(3, TOPK), torch.randn(3, H)
+    want = Experts(seed=21).forward_modular(x=x, topk_weights=w, topk_ids=ids)
+
+    blind = Experts(seed=21)
+    armed = _swept(_arm(blind))
+    _corrupting(armed, 13)
+    blind.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    assert armed.checked["slots"] == 0.0 and not armed._failed  # blind to expert 13
+
+    layer = Experts(seed=21)
+    armed = _arm(layer)
+    _corrupting(armed, 13)
+    with caplog.at_level("ERROR", logger="vllm.expertcache"):
+        got = layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    torch.testing.assert_close(got, want)
+    (sweep,) = armed.sweep_result.paths
+    assert armed.sweep_result.failed and 13 in sweep.bad_experts and sweep.worst > 0.02
+    assert "differs from the stock path's on experts [12, 13] of a synthetic step" in (
+        caplog.text)
+    assert "forward_modular" not in layer.__dict__
+
+
+def test_the_sweep_leaves_a_fresh_cache_and_its_counters_as_they_were():
+    """After the sweep the cache is what a fresh one is: the first real step installs what
+    a fresh reference cache installs, the counters count only served steps; each sweep
+    step computed at most S // top_k rows and never more than the call (its scratch:
+    the rows' outputs)."""
+    layer = Experts(seed=22)
+    armed = _arm(layer, slots=6)
+    rows = []
+    stock_forward = armed._stock
+
+    def counting(**kw):
+        rows.append(kw["x"].shape[0])
+        return stock_forward(**kw)
+
+    armed._stock = counting
+    ids, w = _routing(np.random.default_rng(22), 2)
+    layer.forward_modular(x=torch.randn(2, H), topk_weights=w, topk_ids=ids)
+    ref = LayerCache(E, 6, Policy.LRU)
+    ref.step(ids.numpy())
+    assert np.array_equal(armed.cache.ref.table, ref.table)
+    assert np.array_equal(armed.cache.ref.slot_expert, ref.slot_expert)
+    assert armed.cache.stats.tolist() == [len(set(ids.flatten().tolist()))] * 2
+    assert int(armed.read_through) == int(armed.staged) == 0
+    # sweep steps as wide as the call (2 rows of the 3 the slots take): 4 on slots and on
+    # the stock path, then the call and its check
+    assert [p.steps for p in armed.sweep_result.paths] == [4]
+    assert rows == [2] * 8 + [2, 2]
+
+
+def test_a_layer_failing_after_capture_stops_the_server_with_one_line(monkeypatch, caplog):
+    """A captured graph replays the layer's cache path whatever the plugin does later: a
+    failure once the path is captured stops the server (a SystemExit, which vLLM lets end
+    the engine) with one critical line, rather than leave the graphs serving it. A
+    failure while capturing, before any capture held the path, puts the layer back on the
+    stock path as before (that graph captures the stock call)."""
+    from expertcache_cli.plugin import runtime
+
+    rng = np.random.default_rng(23)
+    layer = Experts(seed=23)
+    armed = _arm(layer)
+    ids, w = _routing(rng, 1)
+    layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)  # eager, swept
+    assert armed.sweep_result is not None and not armed.captured
+    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)  # captured
+    monkeypatch.setattr(runtime, "_capturing", lambda: False)
+    assert armed.captured
+
+    def broken(*a, **k):
+        raise RuntimeError("source moved")
+
+    armed.cache.step = broken
+    caplog.set_level("ERROR", logger="vllm.expertcache")
+    with pytest.raises(SystemExit) as stop:
+        layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
+    assert isinstance(stop.value, runtime.CacheFault)
+    lines = [r for r in caplog.records if r.levelname == "CRITICAL"]
+    assert len(lines) == 1 and lines[0].getMessage() == str(stop.value)
+    assert "\n" not in str(stop.value)
+    assert str(stop.value).startswith(
+        "expertcache: model.layers.5.mlp.experts: cache step failed (RuntimeError: source "
+        "moved); its cache path is in vLLM's captured CUDA graphs")
+    assert "the server stops rather than serve it" in str(stop.value)
+
+    fresh = Experts(seed=24)
+    armed = _arm(fresh)
+    fresh.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
+    armed.cache.step = broken
+    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    x = torch.randn(1, H)
+    out = fresh.forward_modular(x=x, topk_weights=w, topk_ids=ids)  # fails while capturing
+    torch.testing.assert_close(out, Experts(seed=24).forward_modular(x, w, ids))
+    assert armed._failed and not armed.captured
+
+
+def test_one_line_sums_up_the_sweeps_and_their_time(caplog):
+    """Once every armed layer has swept, one line says how many agreed, over how many
+    experts and paths, and what it cost (steps and seconds); a layer that differed is
+    counted as such and the line is a warning."""
+    from expertcache_cli.plugin.session import Session
+
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    layers = [Experts(seed=25), Experts(seed=26)]
+    armed = [_arm(layer) for layer in layers]
+    sess = Session(CacheConfig(slots=6), [a.decision for a in armed], armed, None)
+    _corrupting(armed[1], 15)
+    ids, w = _routing(np.random.default_rng(25), 1)
+    layers[0].forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
+    assert "check of every expert" not in caplog.text  # one layer of two swept
+    layers[1].forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
+    lines = [r for r in caplog.records if "check of every expert" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelname == "WARNING"
+    text = lines[0].getMessage()
+    import re
+
+    assert re.fullmatch(
+        r"expertcache: startup check of every expert \(16 a layer, each through the slots and "
+        r"the stock path\): 1 of 2 layers agreed \(largest row difference 0\), 1 differed and "
+        r"went back to the stock path; 16 synthetic steps in \d+\.\d\d s", text), text
+    assert sess.sweep_line() == text

@@ -17,12 +17,14 @@ if _names:
     compat.KNOWN_EXPERTS = compat.KNOWN_EXPERTS | _names
     arming.KNOWN_EXPERTS = compat.KNOWN_EXPERTS
 
-# EC_BENCH_NO_CHECK=1: no first-call check against the stock path (to measure what the
-# check itself allocates at startup; a user never runs without it).
+# EC_BENCH_NO_CHECK=1: no first-call check against the stock path, and no sweep of every
+# expert (to measure what the checks themselves allocate at startup; a user never runs
+# without them).
 if os.environ.get("EC_BENCH_NO_CHECK") == "1":
     from expertcache_cli.plugin import runtime as _runtime
 
     _runtime.CHECK_ATTEMPTS = 0
+    _runtime.SWEEP = False
 
 # EC_BENCH_MEM=1: log the CUDA memory around the first calls of every armed layer, to find
 # which part of a step raises the peak vLLM's profile run measures: layers 0 and 1 always

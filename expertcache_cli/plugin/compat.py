@@ -38,8 +38,10 @@ What was read (vLLM 0.26.0 and 0.33.0 sources):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
+from collections.abc import Iterator
 from typing import Any
 
 #: inclusive (major, minor) range of vLLM releases whose layout was read and is handled
@@ -140,3 +142,38 @@ def wrap_once(module: Any, name: str, wrap: Any) -> bool:
     if getattr(orig, "__wrapped__", None) is None:
         setattr(module, name, wrap(orig))
     return True
+
+
+#: vLLM's workspace manager (0.26.0 and 0.33.0: ``vllm/v1/worker/workspace.py``)
+WORKSPACE_MODULE = "vllm.v1.worker.workspace"
+
+
+@contextlib.contextmanager
+def workspace_open() -> Iterator[None]:
+    """vLLM's workspace manager opened for the duration, where it is locked.
+
+    Why: vLLM locks the manager once its graphs are captured (a kernel asking then for a
+    scratch key it did not ask for while warming up raises). The sweep after new weights
+    (`runtime.ArmedLayer.sweep`) runs between steps, from the worker's call that brought
+    the weights, not from a forward: a kernel keyed by the current stream may find no key
+    of its own. Opening it cannot move what the graphs captured: the sweep's steps are
+    never wider than a call the layer already served (`runtime.Probe.rows`), so the shared
+    scratch does not grow, and a new key only adds a buffer. Locked again after.
+    """
+    manager = None
+    try:
+        import importlib
+
+        ws = importlib.import_module(WORKSPACE_MODULE)
+        if ws.is_workspace_manager_initialized():
+            manager = ws.current_workspace_manager()
+            manager = manager if manager.is_locked() else None
+    except Exception:  # no vLLM, or one without the manager: nothing is locked
+        manager = None
+    if manager is not None:
+        manager.unlock()
+    try:
+        yield
+    finally:
+        if manager is not None:
+            manager.lock()

@@ -28,21 +28,40 @@ runs only when vLLM runs eagerly or captures; a replayed graph repeats the kerne
 
 The slot path can never take a server down: an exception anywhere in it (the cache step,
 the staging, or the stock experts call on slot buffers) puts that layer back on the stock
-path for good, with the reason logged, and the call is served from there. And each path
-proves itself once: at a layer's first eager call on slots (and on the scratch), the same
-step (its first `CHECK_ROWS` tokens) is also run on the stock path with the full weights, and
-the outputs must agree
-(`output_difference` within `CHECK_TOLERANCE`), or the layer goes back to the stock path
-and serves the stock result. That one check syncs the device; it is skipped while a CUDA
-graph is being captured and while outputs are all zeros (vLLM's dummy runs), and given up
-after `CHECK_ATTEMPTS` such calls.
+path for good, with the reason logged, and the call is served from there.
+
+And each path proves itself, on every expert, before it serves (`ArmedLayer.sweep`): at
+a layer's first eager call, before the call itself is served, synthetic steps walk every
+expert of the layer through the slots (``ceil(E / (t x top_k))`` steps of ``t = S //
+top_k`` tokens, no more than that call's, each routing ``t x top_k`` distinct experts, so
+every expert is gathered into a slot and computed from it once) and, with a scratch, wide
+steps route every expert through the scratch; each step also runs on the stock path (the
+host copies, read in place: no device copy of them) on the same synthetic input, and
+every token row must agree (`row_differences` within `CHECK_TOLERANCE`). vLLM's own
+warm-up could not do this: its dummy runs route every row to the same top_k experts. Then
+the cache is emptied and its counters put back, so serving starts from the state a fresh
+cache has. A path that differs takes the layer back to the stock path before it served
+anything. The real call is then checked too, once a path (its first `CHECK_ROWS` tokens
+against the stock path, skipped while capturing or while outputs are all zeros, given up
+after `CHECK_ATTEMPTS`), for what a synthetic routing does not exercise: vLLM's padding
+rows, its shared experts. New weights (`reset`) sweep again, at once where the layer has
+seen a call.
+
+A CUDA graph captured through the slot path replays its kernels whatever the plugin does
+later, so a layer that fails once its cache path is in a captured graph cannot be moved
+back to the stock path: the server stops with one line (`CacheFault`) rather than serve a
+path known to be wrong. The startup sweep runs before vLLM captures (its profile run is
+eager), so this arises only after capture: new weights that the sweep finds served wrong,
+or a cache call that raises in a later eager step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -65,17 +84,19 @@ CHECK_ATTEMPTS = 16
 #: or more) the full reference added its activations to the peak that sizes the KV cache
 #: (source in docs/design.md, measured constants).
 CHECK_ROWS = 256
+#: seed of the sweep's synthetic inputs (the same steps on every tensor-parallel rank)
+SWEEP_SEED = 0
+#: sweep every expert at a layer's first eager call (False only where a bench measures
+#: what serving costs without any check; a user never runs without it)
+SWEEP = True
 #: paths whose first agreeing check this process has announced at INFO (one line, not one
 #: a layer)
 _ANNOUNCED: dict[str, bool] = {}
 
 
-def output_difference(got: Any, want: Any, keep_rows: Any = None) -> float | None:
-    """The relative L2 difference ``|got - want| / |want|`` over every tensor of two
-    outputs of the experts call (a tensor, or a tuple/list of them: shared experts), over
-    the rows ``keep_rows`` marks (padded rows are garbage on both paths); ``inf`` when
-    ``got`` has non-finite values ``want`` has not; None when there is nothing to compare
-    (a type we do not know, like 0.33's deferred-reduction output, or all zeros)."""
+def _pairs(got: Any, want: Any) -> list[tuple[Any, Any]] | None:
+    """The tensors of two outputs of the experts call, paired (a tensor, or a tuple/list of
+    them: shared experts); None where they are not alike or hold none."""
     import torch
 
     pairs: list[tuple[Any, Any]] = []
@@ -90,7 +111,19 @@ def output_difference(got: Any, want: Any, keep_rows: Any = None) -> float | Non
             return all(collect(x, y) for x, y in zip(a, b))
         return a is None and b is None
 
-    if not collect(got, want) or not pairs:
+    return pairs if collect(got, want) and pairs else None
+
+
+def output_difference(got: Any, want: Any, keep_rows: Any = None) -> float | None:
+    """The relative L2 difference ``|got - want| / |want|`` over every tensor of two
+    outputs of the experts call (a tensor, or a tuple/list of them: shared experts), over
+    the rows ``keep_rows`` marks (padded rows are garbage on both paths); ``inf`` when
+    ``got`` has non-finite values ``want`` has not; None when there is nothing to compare
+    (a type we do not know, like 0.33's deferred-reduction output, or all zeros)."""
+    import torch
+
+    pairs = _pairs(got, want)
+    if pairs is None:
         return None
     num = den = 0.0
     for a, b in pairs:
@@ -104,6 +137,48 @@ def output_difference(got: Any, want: Any, keep_rows: Any = None) -> float | Non
     if den == 0.0:
         return None if num == 0.0 else float("inf")
     return (num / den) ** 0.5
+
+
+def row_differences(got: Any, want: Any, rows: int) -> tuple[Any, Any] | None:
+    """Per token row, the relative L2 difference of two outputs of the experts call (over
+    every tensor whose leading dimension is the ``rows`` tokens), and which rows the
+    reference computed anything for (a row of zeros proves nothing). Device tensors, no
+    sync: ``(diff[rows] float, covered[rows] bool)``; a row with non-finite values the
+    reference has not differs by ``inf``. None when there is nothing to compare.
+
+    Why per row and not over the step: one wrong expert among a step's ``t x top_k``
+    shifts its own row by about ``1/sqrt(top_k)`` but the step's norm by ``sqrt(t)`` less,
+    which a wide synthetic step would dilute under the tolerance."""
+    import torch
+
+    pairs = _pairs(got, want)
+    pairs = [(a, b) for a, b in pairs or () if a.dim() >= 1 and a.shape[0] == rows]
+    if not pairs:
+        return None
+    num = torch.zeros(rows, dtype=torch.float32, device=pairs[0][1].device)
+    den, bad = num.clone(), torch.zeros(rows, dtype=torch.bool, device=num.device)
+    for a, b in pairs:
+        a, b = a.float().reshape(rows, -1), b.float().reshape(rows, -1)
+        bad |= (~torch.isfinite(a) & torch.isfinite(b)).any(dim=1)
+        num += (a - b).nan_to_num().square().sum(dim=1)
+        den += b.nan_to_num().square().sum(dim=1)
+    diff = torch.where(den > 0, (num / den.clamp_min(1e-30)).sqrt(),
+                       torch.where(num > 0, float("inf"), 0.0))
+    return torch.where(bad, float("inf"), diff), den > 0
+
+
+def _real(t: Any) -> bool:
+    """A tensor holding values (not a meta or fake tensor of a trace): what a sweep and a
+    check can run on."""
+    import torch
+
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return False
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - every torch vLLM 0.26+ runs on has it
+        return True
+    return not is_fake(t)
 
 
 def _first_rows(out: Any, n: int, rows: int) -> Any:
@@ -190,6 +265,60 @@ class ArmError(RuntimeError):
     """Arming one layer failed; the layer stays on the stock path (message is logged)."""
 
 
+class CacheFault(SystemExit):
+    """A layer failed after its cache path went into a captured CUDA graph: the server
+    stops, with this one line (module docstring). A SystemExit, because vLLM turns an
+    Exception raised in a worker call (a weight update's RPC) into an error reply and
+    serves on; a SystemExit ends the engine (0.26 and 0.33: ``run_engine_core`` and the
+    worker processes let it through), and its message is the line printed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """What a real call of the layer looks like (learnt at its first eager call): the
+    sweep builds its synthetic steps in these shapes and dtypes, which vLLM's runner
+    decides (hidden size after its padding and transforms, the ids' dtype per kernel)."""
+
+    hidden: tuple[int, ...]
+    #: the call's token rows: no sweep step is wider (vLLM sized its scratch for them)
+    rows: int
+    x_dtype: Any
+    weights_dtype: Any
+    ids_dtype: Any
+    top_k: int
+    device: Any
+
+
+@dataclasses.dataclass
+class PathSweep:
+    """What one path's sweep found: how many experts were computed on it and compared
+    (rows whose reference is not all zeros), the largest row difference, the experts of
+    the first row over the tolerance (empty: none), its steps; ``why``: it could not
+    compare (and so certifies nothing)."""
+
+    path: str
+    num_experts: int
+    covered: int = 0
+    worst: float = 0.0
+    bad_experts: list[int] = dataclasses.field(default_factory=list)
+    steps: int = 0
+    why: str = ""
+
+    @property
+    def agreed(self) -> bool:
+        return not self.why and not self.bad_experts
+
+
+@dataclasses.dataclass
+class Sweep:
+    """One layer's sweep (`ArmedLayer.sweep`): each path's result and the wall time it
+    took, device work included (it ends on a sync)."""
+
+    paths: list[PathSweep]
+    seconds: float
+    failed: bool = False
+
+
 class ArmedLayer:
     """One `RoutedExperts` with a `SlotCache` in front of its offloaded experts."""
 
@@ -272,6 +401,15 @@ class ArmedLayer:
         #: the stock path, then the relative difference; attempts left while inconclusive
         self.checked: dict[str, float | None] = {"slots": None, "scratch": None}
         self._check_attempts = {"slots": CHECK_ATTEMPTS, "scratch": CHECK_ATTEMPTS}
+        #: the shapes of a real call, learnt at the first eager one (what a sweep builds)
+        self.probe: Probe | None = None
+        #: the last sweep of every expert (`sweep`); None: due (at the next eager call,
+        #: or at once after new weights where the probe is known)
+        self.sweep_result: Sweep | None = None
+        #: a cache path of this layer is in a captured CUDA graph: failing now stops
+        self.captured = False
+        #: told after each sweep (the session's one summary line)
+        self.on_swept: Callable[[ArmedLayer], None] | None = None
 
     # -- rebinding ---------------------------------------------------------------
     def _alias_owner(self, role: str) -> Any:
@@ -392,6 +530,14 @@ class ArmedLayer:
 
         import torch
 
+        capturing = _capturing()
+        if (SWEEP and self.sweep_result is None and not self._failed and not capturing
+                and _real(x) and _real(topk_ids)):
+            # the first eager call: every expert through each path before any is served
+            self.probe = Probe(tuple(x.shape[1:]), max(1, int(x.shape[0])), x.dtype,
+                               topk_weights.dtype, topk_ids.dtype, int(topk_ids.shape[1]),
+                               x.device)
+            self.sweep()
         wide = not self.cache.fits(topk_ids.numel())
         # where vLLM says which rows are padding (V2's marks, V1's count inside a graph),
         # the manager reads it itself: no mask, no torch.where, no scalar fills, five
@@ -400,23 +546,140 @@ class ArmedLayer:
         rows = (rows_of(topk_ids.shape[0]) if rows_of is not None and not wide
                 and not self._failed and self.recorder is None else None)
         if rows is not None:
-            return self._checked_call(
+            return self._captured_if(capturing, self._checked_call(
                 "slots", stock, x, topk_ids, rows.get("pad_rows"),
-                lambda: self._slots(topk_ids, topk_ids, None, stock, rows))
+                lambda: self._slots(topk_ids, topk_ids, None, stock, rows)))
         pad = self._padding(topk_ids.shape[0]) if self._padding is not None else None
         ids = topk_ids if pad is None else torch.where(pad.unsqueeze(1), -1, topk_ids)
         if self.recorder is not None:
             self.recorder.record(self.index, ids)
         if wide and self.scratch is not None and not self._failed:
-            return self._checked_call("scratch", stock, x, topk_ids, pad,
-                                      lambda: self._staged(ids, topk_ids, stock))
+            return self._captured_if(capturing, self._checked_call(
+                "scratch", stock, x, topk_ids, pad, lambda: self._staged(ids, topk_ids, stock)))
         if self._failed or wide:
             self.read_through.add_(1)
             if self.decode_tokens is not None and topk_ids.shape[0] <= self.decode_tokens:
                 self.read_through_decode.add_(1)
             return stock(topk_ids)
-        return self._checked_call("slots", stock, x, topk_ids, pad,
-                                  lambda: self._slots(ids, topk_ids, pad, stock))
+        return self._captured_if(capturing, self._checked_call(
+            "slots", stock, x, topk_ids, pad, lambda: self._slots(ids, topk_ids, pad, stock)))
+
+    def _captured_if(self, capturing: bool, out: Any) -> Any:
+        """``out``, noting that a cache path of this layer is now in a captured graph
+        (where it served the call: a failure during capture served the stock path)."""
+        if capturing and not self._failed:
+            self.captured = True
+        return out
+
+    # -- the sweep ---------------------------------------------------------------
+    def _counters(self) -> list[Any]:
+        """Every device counter a sweep's synthetic steps move (put back after it)."""
+        return [self.cache.stats, self.read_through, self.read_through_decode, self.staged,
+                self.staged_fetched]
+
+    def sweep(self) -> Sweep | None:
+        """Every expert of the layer through each of its paths, against the stock path
+        (module docstring); then the cache emptied and its counters put back. A path that
+        differs, raises or cannot be compared takes the layer back to the stock path
+        (`_fail`: a `CacheFault` once captured). None where no call was seen yet (the
+        shapes are unknown: the sweep waits for the first eager call) or the layer failed.
+
+        Syncs the device once a path (the comparison's verdict); costs ``2 x ceil(E / (t x
+        top_k))`` experts calls of ``t`` rows a path (`_sweep_path`), every expert's bytes
+        read from the host twice a path (the gather or staging, the stock call), and the
+        rows' outputs as scratch."""
+        if self.probe is None or self._failed or not SWEEP:
+            return None
+        start = time.perf_counter()
+        saved = [t.clone() for t in self._counters()]
+        paths: list[PathSweep] = []
+        try:
+            for path in ("slots", "scratch") if self.scratch is not None else ("slots",):
+                paths.append(self._sweep_path(path))
+                if self._failed or not paths[-1].agreed:
+                    break
+        except CacheFault:
+            raise
+        except Exception as exc:  # the sweep itself: nothing proven, nothing served
+            paths.append(PathSweep("sweep", self.decision.num_experts,
+                                   why=f"the check could not run ({exc.__class__.__name__}: "
+                                       f"{exc})"))
+        finally:
+            self.cache.reset()
+            for t, v in zip(self._counters(), saved):
+                t.copy_(v)
+        result = Sweep(paths, time.perf_counter() - start)
+        self.sweep_result = result
+        bad = next((p for p in paths if not p.agreed), None)
+        if bad is not None and not self._failed:
+            self._fail(bad.why or (
+                f"the {bad.path} path's output differs from the stock path's on experts "
+                f"{bad.bad_experts} of a synthetic step (relative difference of a row "
+                f"{bad.worst:.3g} > {CHECK_TOLERANCE:g})"))
+        result.failed = self._failed
+        log.debug("expertcache: %s: swept %s in %.3f s", self.decision.layer_name,
+                  "; ".join(f"{p.path}: {p.covered} of {p.num_experts} experts in {p.steps} "
+                            f"step(s), largest row difference {p.worst:.3g}" for p in paths),
+                  result.seconds)
+        if self.on_swept is not None:
+            self.on_swept(self)
+        return result
+
+    def _sweep_path(self, path: str) -> PathSweep:
+        """One path's synthetic steps and their verdict (`sweep`)."""
+        import torch
+
+        probe = self.probe
+        assert probe is not None
+        e, k = self.decision.num_experts, probe.top_k
+        result = PathSweep(path, e)
+        # steps as wide as a slot step may be (slots), or every expert at once (a wide
+        # step through the scratch); never wider than the call the probe saw
+        t = self.decision.num_slots // k if path == "slots" else math.ceil(e / k)
+        if t == 0:  # no step fits: the slot path never serves, nothing to prove
+            result.covered = e
+            return result
+        t = min(t, CHECK_ROWS, probe.rows)
+        steps = math.ceil(e / (t * k))
+        dev = probe.device
+        gen = torch.Generator(device=dev).manual_seed(SWEEP_SEED)
+        weights = torch.full((t, k), 1.0 / k, dtype=probe.weights_dtype, device=dev)
+        diffs, covered, routed = [], [], []
+        for step in range(steps):
+            ids = (torch.arange(step * t * k, (step + 1) * t * k, device=dev) % e)
+            ids = ids.view(t, k).to(probe.ids_dtype)
+            x = torch.randn((t, *probe.hidden), generator=gen, device=dev).to(probe.x_dtype)
+            x_ref = x.clone()  # the reference must see the input the path saw
+
+            def stock(call_ids: Any, x: Any = x) -> Any:
+                n = call_ids.shape[0]
+                return self._stock(x=x[:n], topk_weights=weights[:n], topk_ids=call_ids,
+                                   shared_experts=None, shared_experts_input=None)
+
+            out = (self._slots(ids, ids, None, stock) if path == "slots"
+                   else self._staged(ids, ids, stock))
+            if self._failed:  # it raised: said, and the layer is on the stock path
+                result.why = f"the {path} path raised during the check"
+                return result
+            out = _cloned(out)  # a kernel may hand out a workspace the next call reuses
+            rows = row_differences(out, stock(ids, x=x_ref), t)
+            if rows is None:
+                result.why = (f"the check cannot compare the {path} path's output "
+                              f"({type(out).__name__}) with the stock path's")
+                return result
+            diffs.append(rows[0])
+            covered.append(rows[1])
+            routed.append(ids)
+            result.steps += 1
+        d = torch.stack(diffs).cpu()  # the one sync of this path
+        c = torch.stack(covered).cpu()
+        r = torch.stack(routed).cpu().long()
+        result.covered = len({i for i in r[c].reshape(-1).tolist() if 0 <= i < e})
+        result.worst = float(d.max())
+        bad = (d > CHECK_TOLERANCE).nonzero()
+        if len(bad):
+            result.bad_experts = sorted(r[bad[0][0], bad[0][1]].tolist())
+        return result
 
     def audit(self) -> Any:
         """The slots against their experts' sources and the table against the slots
@@ -435,7 +698,9 @@ class ArmedLayer:
         sleep): empty the slots, rebuild the packed side row from the new tensors, rebuild
         the slot-bound (and scratch-bound) quant configs (a reload reruns the quant
         method's ``process_weights_after_loading``, which may build a new kernel and
-        config), and check each path again at its next eager call. Raises `ArmError`
+        config), and prove each path again: a new sweep (which the caller runs at once
+        where a call was seen, `Session.invalidate`) and the real-call check at the next
+        eager call. Raises `ArmError`
         where the quant method no longer builds a config on the slots: the caller puts the
         layer back on the stock path."""
         self.cache.reset()
@@ -450,12 +715,26 @@ class ArmedLayer:
                                                                  "the scratch")
         self.checked = {"slots": None, "scratch": None}
         self._check_attempts = {"slots": CHECK_ATTEMPTS, "scratch": CHECK_ATTEMPTS}
+        self.sweep_result = None  # the caller sweeps now where the probe is known
 
     def disarm(self, why: str) -> None:
         """Put the layer back on the stock path for good, saying why (not in a call)."""
+        self._fail(why)
+
+    def _fail(self, why: str) -> None:
+        """The layer goes back to the stock path for good, saying why; or, where its cache
+        path is in a captured CUDA graph (which would go on replaying it), the server
+        stops with one line (`CacheFault`)."""
+        name = self.decision.layer_name
+        if self.captured:
+            line = (f"expertcache: {name}: {why}; its cache path is in vLLM's captured CUDA "
+                    "graphs, which replay it whatever the plugin does now: the server stops "
+                    "rather than serve it (EXPERT_CACHE_DISABLE=1 serves without the cache; "
+                    "with --enforce-eager a failing layer goes back to the stock path)")
+            log.critical("%s", line)
+            raise CacheFault(line)
         self._failed = True
-        log.error("expertcache: %s: %s; layer back on the stock path",
-                  self.decision.layer_name, why)
+        log.error("expertcache: %s: %s; layer back on the stock path", name, why)
         self.uninstall()
 
     def _sources(self) -> dict[str, Any]:
@@ -525,11 +804,8 @@ class ArmedLayer:
             return out
         self.checked[path] = diff
         if diff > CHECK_TOLERANCE:
-            self._failed = True
-            log.error("expertcache: %s: the %s path's output differs from the stock path's on "
-                      "the same step (relative difference %.3g > %g); layer back on the stock "
-                      "path", self.decision.layer_name, path, diff, CHECK_TOLERANCE)
-            self.uninstall()
+            self._fail(f"the {path} path's output differs from the stock path's on the same "
+                       f"step (relative difference {diff:.3g} > {CHECK_TOLERANCE:g})")
             return want if rows == n else stock(topk_ids, x=x_saved)
         first = not _ANNOUNCED.get(path)
         _ANNOUNCED[path] = True
@@ -558,12 +834,9 @@ class ArmedLayer:
 
     def _disarm(self, what: str, exc: Exception, stock: Callable[[Any], Any],
                 topk_ids: Any) -> Any:
-        """A cache call failed: say so once, put the layer back on the stock path for good,
-        and serve this call from it."""
-        self._failed = True
-        log.error("expertcache: %s: %s failed (%s: %s); layer back on the stock path",
-                  self.decision.layer_name, what, exc.__class__.__name__, exc)
-        self.uninstall()
+        """A cache call failed: say so once, put the layer back on the stock path for good
+        (`_fail`), and serve this call from it."""
+        self._fail(f"{what} failed ({exc.__class__.__name__}: {exc})")
         return stock(topk_ids)
 
     def _bound_call(self, stock: Callable[[Any], Any], ids: Any, bound: dict[str, Any],

@@ -66,6 +66,11 @@ class Session:
         #: a periodic report on its way to the host: (pinned counters, event), or None
         self._pending: tuple[Any, Any] | None = None
         self._draining = True
+        #: the sweeps' summary line: when it is about, and whether it was logged
+        self._sweep_when = "startup"
+        self._sweep_logged = False
+        for a in armed:
+            a.on_swept = self._swept
 
     @property
     def slot_bytes(self) -> int:
@@ -170,12 +175,51 @@ class Session:
             parts.append(text)
         return "expertcache: first-call checks against the stock path: " + "; ".join(parts)
 
+    def _swept(self, layer: ArmedLayer) -> None:
+        """One layer swept (`ArmedLayer.sweep`): once every armed layer has, one line."""
+        if self._sweep_logged or not all(a.sweep_result is not None or a._failed
+                                         for a in self.armed):
+            return
+        self._sweep_logged = True
+        line = self.sweep_line()
+        (log.info if all(not a._failed for a in self.armed) else log.warning)("%s", line)
+
+    def sweep_line(self) -> str:
+        """What the sweeps of every expert found (`runtime.ArmedLayer.sweep`), and their
+        cost: the wall time of all of them, device work included."""
+        done = [a for a in self.armed if a.sweep_result is not None]
+        results = [a.sweep_result for a in done]
+        agreed = [r for r in results if r is not None and not r.failed]
+        paths = [p for p in ("slots", "scratch")
+                 if any(q.path == p for r in results if r is not None for q in r.paths)]
+        worst = max((p.worst for r in agreed for p in r.paths), default=0.0)
+        partial = sum(1 for r in agreed if any(p.covered < p.num_experts for p in r.paths))
+        steps = sum(p.steps for r in results if r is not None for p in r.paths)
+        seconds = sum(r.seconds for r in results if r is not None)
+        experts = "/".join(str(e) for e in sorted({a.decision.num_experts for a in self.armed}))
+        through = " and the ".join(paths or ["slots"])
+        text = (f"expertcache: {self._sweep_when} check of every expert ({experts} a layer, "
+                f"each through the {through} and the stock path): {len(agreed)} of "
+                f"{len(self.armed)} layers agreed (largest row difference {worst:.3g})")
+        if len(results) > len(agreed):
+            text += f", {len(results) - len(agreed)} differed and went back to the stock path"
+        others = len(self.armed) - len(results)
+        if others:
+            text += f", {others} went back to the stock path before it"
+        if partial:
+            text += (f", {partial} compared fewer than every expert (rows the stock path left "
+                     "at zero)")
+        return text + f"; {steps} synthetic steps in {seconds:.2f} s"
+
     def invalidate(self, why: str) -> None:
         """The experts behind the slots changed: empty every layer's slots (they refill
-        from the new weights on the next steps). A layer that cannot be reset (its quant
-        method no longer builds a config on the slots) goes back to the stock path: never
-        a slot kept from the old weights."""
+        from the new weights on the next steps), then sweep every expert of every layer
+        again, here, before any step runs on the new weights (where a layer saw no call yet,
+        at its first). A layer that cannot be reset (its quant method no longer builds a
+        config on the slots), or whose sweep differs, goes back to the stock path: never a
+        slot kept from the old weights."""
         emptied = 0
+        self._sweep_when, self._sweep_logged = "new weights", False
         for a in self.armed:
             try:
                 a.reset()
@@ -186,6 +230,14 @@ class Session:
         if self.armed:
             log.warning("expertcache: %s: the slots of %d layer(s) emptied; they refill from "
                         "the new expert weights", why, emptied)
+        # every expert proven again on the new weights before the next step (a layer whose
+        # cache path is captured stops the server if it differs: `ArmedLayer._fail`)
+        from .compat import workspace_open
+
+        with workspace_open():
+            for a in self.armed:
+                if not a._failed:
+                    a.sweep()
 
     def after_step(self) -> None:
         """Once per engine step (host side): periodic stats and trace draining. Neither may

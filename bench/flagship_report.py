@@ -1,0 +1,235 @@
+"""The flagship table: gpt-oss-120b's shape on emulated 24 and 32 GiB cards, from the
+records `bench/run_flagship_on_device.sh` leaves (bench/small_card.py's server records,
+`size --json`, `plan --save`).
+
+Why a module: issue 29's goals are each a comparison between files of one run (the cache
+at least 2x the offload floor on the 24 GiB card, the measured tok/s within 10% of `plan`'s
+prediction, greedy tokens identical to the floor's) and a run whose weights or routing
+were not what the bench says (the synthesized weights, the trace-driven routing: bench
+hooks, `bench/synth_weights.py` and `bench/trace_routing.py`) must not pass for a result.
+Both are checked here, on CPU (tests/test_bench_flagship_report.py), before device minutes
+are spent.
+
+    python bench/flagship_report.py /tmp/fs              # the table and the goals
+    python bench/flagship_report.py --serve-argv /tmp/fs/plan24.json   # for the runner
+    python bench/flagship_report.py --median /tmp/fs/resident.json     # for the runner
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from small_card import compare_greedy, describe  # noqa: E402
+from synth_weights import DONE_LINE  # noqa: E402
+from trace_routing import IN_FORCE_LINE as ROUTING_LINE  # noqa: E402
+
+CARDS = (24, 32)
+PLAN_GOAL = 0.10
+FLOOR_GOAL = 2.0  # the cache against the offload floor on the 24 GiB card
+FLOOR_GOAL_CARD = 24
+
+
+def median(rec: dict | None) -> float | None:
+    """The median measured run (one host hiccup moves a mean of three by 10%)."""
+    runs = (rec or {}).get("tok_s") or []
+    return statistics.median(runs) if runs else None
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def load(d: Path) -> dict:
+    """Every record of a run directory: ``arms`` by name, ``size``/``plan`` by card."""
+    arms = {n: r for n in ["resident", *(f"{a}{c}" for c in CARDS for a in ("floor", "cache"))]
+            if (r := _read(d / f"{n}.json")) is not None}
+    return {"dir": d, "arms": arms,
+            "size": {c: s for c in CARDS if (s := _read(d / f"size{c}.json")) is not None},
+            "plan": {c: p for c in CARDS if (p := _read(d / f"plan{c}.json")) is not None}}
+
+
+def serve_argv(plan: dict | None) -> list[str] | None:
+    """The `expertcache serve` arguments `plan` recommends (after the program name), as a
+    user would copy them; None where no budget fit the card."""
+    cmd = ((plan or {}).get("recommended") or {}).get("serve_command")
+    if not cmd:
+        return None
+    argv = shlex.split(cmd)
+    return argv[1:] if argv and argv[0] == "expertcache" else argv
+
+
+def prediction(plan: dict | None) -> tuple[float, str] | None:
+    """What `plan` predicts for the command it recommends: the per-layer split's rate when
+    the command serves the saved plan (``--plan``), else the uniform budget's."""
+    rec = (plan or {}).get("recommended")
+    if not rec:
+        return None
+    argv = serve_argv(plan) or []
+    if "--plan" in argv and rec.get("per_layer_predicted_tok_s"):
+        return float(rec["per_layer_predicted_tok_s"]), (
+            f"{rec['policy']}, per-layer split of {rec['slots']} slots a layer")
+    return float(rec["predicted_tok_s"]), f"{rec['policy']} at {rec['slots']} slots a layer"
+
+
+def plan_hit_rate(plan: dict | None) -> float | None:
+    """The replayed hit rate of the recommended (uniform) row."""
+    rec = (plan or {}).get("recommended") or {}
+    for row in (plan or {}).get("rows") or []:
+        if row.get("policy") == rec.get("policy") and row.get("slots") == rec.get("slots"):
+            return 1 - float(row["miss_rate"])
+    return None
+
+
+def live_hit_rate(rec: dict | None) -> float | None:
+    """The cache arm's hit rate over its measured runs (the stats lines around them)."""
+    b, a = (rec or {}).get("counters_before"), (rec or {}).get("counters_after")
+    if not (b and a):
+        return None
+    req = a.get("requests", 0) - b.get("requests", 0)
+    return 1 - (a["installs"] - b["installs"]) / req if req > 0 else None
+
+
+def hook_problems(d: Path, arms: dict[str, dict]) -> list[str]:
+    """Servers whose log does not show both bench hooks at work: weights synthesized (else
+    vLLM's dummy fill, garbage MXFP4 scales) and routing replayed from the trace."""
+    out = []
+    for name in arms:
+        try:
+            text = (d / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            out.append(f"{name}: no log here to check the bench hooks in")
+            continue
+        missing = [what for line, what in ((DONE_LINE, "weights NOT synthesized"),
+                                           (ROUTING_LINE, "routing NOT replayed"))
+                   if line not in text]
+        if missing:
+            out.append(f"{name}: " + ", ".join(missing))
+    return out
+
+
+def routing_source(run: dict) -> str:
+    """The trace's ``source`` (from plan's record of it): what routing every number has."""
+    for c in CARDS:
+        src = ((run["plan"].get(c) or {}).get("trace") or {}).get("source")
+        if src:
+            return src
+    return "unknown (no plan record)"
+
+
+def _tok(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _greedy(a: dict | None, b: dict | None) -> dict | None:
+    if not (a and b and a.get("greedy") and b.get("greedy")):
+        return None
+    return compare_greedy(a["greedy"], b["greedy"])
+
+
+def _status(rec: dict | None) -> str | None:
+    """'failed (...)' for a server that did not serve, else None."""
+    if rec is None or rec.get("status") == "ok":
+        return None
+    cause = (rec.get("log") or {}).get("cause")
+    return f"failed ({rec.get('error')}{': ' + cause if cause else ''})"
+
+
+TABLE_HEAD = ("| card | size says | plan: serve | floor tok/s | cache tok/s (x floor) | "
+              "resident tok/s (whole H200) | cache / plan | greedy: cache vs floor |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def card_row(c: int, run: dict) -> str:
+    arms, size, plan = run["arms"], run["size"].get(c), run["plan"].get(c)
+    floor, cache, res = arms.get(f"floor{c}"), arms.get(f"cache{c}"), arms.get("resident")
+    f_tok, c_tok, r_tok = median(floor), median(cache), median(res)
+    says = (size or {}).get("verdict_text") or "-"
+    pred = prediction(plan)
+    planned = "no budget fits" if plan and not pred else "-" if not pred else (
+        f"{pred[1]}: {pred[0]:.1f} tok/s")
+    speed = _status(cache) or (_tok(c_tok) + (f" ({c_tok / f_tok:.2f}x)" if c_tok and f_tok
+                                              else ""))
+    ratio = f"{c_tok / pred[0]:.3f}" if c_tok and pred else "-"
+    g = _greedy(floor, cache)
+    same = "-" if g is None else (f"identical ({g['compared']})" if g["identical"]
+                                  else f"part at {g['first_difference']} of {g['compared']}")
+    return (f"| {c} GiB | {says} | {planned} | {_status(floor) or _tok(f_tok)} | {speed} | "
+            f"{_status(res) or _tok(r_tok)} | {ratio} | {same} |")
+
+
+def goals(run: dict) -> list[str]:
+    """Each of issue 29's flagship goals, met or not, with the numbers behind it."""
+    arms = run["arms"]
+    lines = [f"routing of every server: {routing_source(run)}"]
+    bad = hook_problems(run["dir"], arms)
+    lines.append("bench hooks: weights synthesized and routing replayed in every server"
+                 if not bad else "bench hooks NOT in force, these numbers do not count: "
+                 + "; ".join(bad))
+    for c in CARDS:
+        floor, cache = arms.get(f"floor{c}"), arms.get(f"cache{c}")
+        f_tok, c_tok = median(floor), median(cache)
+        if cache is None:
+            continue
+        start = (cache.get("log") or {}).get("startup_line") or "no startup line"
+        lines.append(f"{c} GiB cache server: {start}")
+        pred = prediction(run["plan"].get(c))
+        if c_tok and pred:
+            r = c_tok / pred[0]
+            hit, live = plan_hit_rate(run["plan"].get(c)), live_hit_rate(cache)
+            rates = (f"; hit rate replayed {hit:.3f}" if hit is not None else "") + (
+                f", live {live:.3f}" if live is not None else "")
+            lines.append(f"{c} GiB: measured {c_tok:.1f} tok/s = {r:.3f} of plan's "
+                         f"{pred[0]:.1f} ({pred[1]}) "
+                         f"({'met' if abs(1 - r) <= PLAN_GOAL else 'NOT met'}: "
+                         f"{PLAN_GOAL:.0%}){rates}")
+        if c == FLOOR_GOAL_CARD and c_tok and f_tok:
+            x = c_tok / f_tok
+            lines.append(f"{c} GiB: cache {x:.2f}x the offload floor "
+                         f"({'met' if x >= FLOOR_GOAL else 'NOT met'}: at least "
+                         f"{FLOOR_GOAL:g}x)")
+        for other, name in ((floor, "floor"), (arms.get("resident"), "resident")):
+            g = _greedy(other, cache)
+            if g is not None:
+                lines.append(f"{c} GiB greedy, cache vs {name}: {describe(g)}")
+    return lines
+
+
+def report(d: Path) -> list[str]:
+    run = load(d)
+    return [TABLE_HEAD, *(card_row(c, run) for c in CARDS), "", *goals(run)]
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--serve-argv":
+        got = serve_argv(_read(Path(argv[1])))
+        if not got:
+            return 1
+        print("\n".join(got))
+        return 0
+    if len(argv) == 2 and argv[0] == "--median":
+        tok = median(_read(Path(argv[1])))
+        if not tok:
+            return 1
+        print(f"{tok:.3f}")
+        return 0
+    if len(argv) != 1:
+        print("usage: flagship_report.py DIR | --serve-argv PLAN.json | --median RECORD",
+              file=sys.stderr)
+        return 2
+    print("\n".join(report(Path(argv[0]))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# On the GPU box: the flagship of issue 29, gpt-oss-120b's shape on the cards people own.
+# 36 layers, 128 experts top-4, hidden 2880, MXFP4 as OpenAI ships it (attention with sinks,
+# alternating sliding windows, biased router and experts), on an emulated 24 GiB and 32 GiB
+# card (bench/ballast.py), `size`, `plan` and `serve` run as a new user runs them; floor vs
+# cache vs resident (the whole H200); greedy tokens; measured tok/s against `plan`.
+#
+# The weights: vLLM's `--load-format dummy` on the real config (written by
+# `bench/write_checkpoint.py --format mxfp4 --experts 128 --layers 36 --config-only`: config
+# and tokenizer, no weights), filled in process by bench/synth_weights.py
+# (EC_BENCH_SYNTH_WEIGHTS=1) with the weights bench/write_gpt_oss.py draws, through the
+# model's own load_weights. Why not a checkpoint on disk: the experts are 63 GiB as vLLM
+# holds them (66.5 GB) and the checkpoint ~65 GB with attention, embeddings and LM head,
+# more than the box's 64 GiB disk beside vLLM. Why not fewer layers: a card's slots a layer
+# are its room over the layers, so 18 layers would give a 24 GiB card twice gpt-oss-120b's
+# slots a layer and answer another question. Why not plain dummy: it fills only float
+# tensors, so MXFP4's uint8 codes and e8m0 scales stay as allocated (scales up to 2^128:
+# infinities, NaN tokens). So every server holds real-shaped, really offloaded expert bytes
+# (pinned host memory: 63 GiB of the box's 128) and the same seeded weights, so greedy
+# tokens compare across servers; the report refuses a server whose log lacks the hook's line.
+#
+# Routing: every server's decode steps replay TRACE (bench/trace_routing.py; default a
+# `trace synth --kind tasks` of gpt-oss-120b's shape, synthetic, which its `source` says;
+# give a recorded trace of real locality there). `plan` predicts on the same trace fitted to
+# the 36 layers (bench/trace_fit.py: the hook's layer rule). The report prints its source.
+#
+# Steps (STEPS, re-entrant: an arm whose JSON says ok is not run again), with the minutes
+# each is expected to take on the H200 (estimates from the 24-layer runs: a 24-layer server
+# started in 1-2.5 min; 36 layers and 63 GiB to draw, pin and repack add ~1 min):
+#   setup     the vLLM bundle, this package (0.5 min)
+#   model     the config-only model directory, the trace, the trace fitted (0.5 min)
+#   probe     probe-link --only gather,step at gpt-oss-120b's slab (1.5 min)
+#   resident  every expert in VRAM on the whole H200, Marlin (--moe-backend marlin: the
+#             kernel the cache serves from, so plan's resident rate is that kernel's) (3.5)
+#   card24    ballast leaves 24 GiB; `size --vram 24`; `plan TRACE --model M --vram 24
+#             --probe --resident-tok-s R --save plan24.json`; then the serve command plan
+#             recommends, as printed, twice: floor (EXPERT_CACHE_DISABLE=1: the same vLLM
+#             flags, the cache off; ~21 tok/s, 4.7) and cache (EXPERT_CACHE_STATS=400 for
+#             its installs; 4) (9.5)
+#   card32    the same on 32 GiB (9)
+#   report    bench/flagship_report.py: the table and the goals, to $OUT/flagship.txt
+# Every step: about 24 device minutes in all; one detached job, polled every 9 minutes:
+#   bash bench/detach.sh flagship env OUT=/tmp/ofs bash bench/run_flagship_on_device.sh
+#   RESULTS=/tmp/ofs bash bench/detach.sh --poll flagship 540     (3 polls)
+# Split over two sessions (the box keeps nothing between them, so each needs its resident
+# rate): STEPS="setup model probe resident card24 report", then the same with card32.
+# PY, FS (records, model, plans: /tmp/fs), TRACE and RUNS (5: the measured runs cover ~1000
+# of the trace's steps, which plan's whole-trace replay is set against) are overridable:
+# the flow is tested on CPU with the GPU steps stubbed (tests/test_bench_flagship_runner.py).
+set -uo pipefail
+OUT="${OUT:-out}"
+FS="${FS:-/tmp/fs}"
+mkdir -p "$OUT" "$FS"
+source bench/_device_vllm.sh
+STEPS="${STEPS:-setup model probe resident card24 card32 report}"
+PY="${PY:-python3}"
+MODEL=$FS/gpt-oss-120b
+# the 4-bit experts run on Marlin, which the plugin arms (and size/plan/serve plan a cache
+# for) only when asked for, until the formats table proves it
+export EXPERT_CACHE_MARLIN="${EXPERT_CACHE_MARLIN:-1}"
+# the vLLM flags a user on a small card gives (the context; the attention backend: the box's
+# vLLM bundle has no FlashAttention binaries, and gpt-oss's sinks run on Triton's), and the
+# bench's own: dummy weights, filled by the hook
+USER_FLAGS=(--max-model-len 8192 --attention-backend TRITON_ATTN)
+BENCH_FLAGS=(--load-format dummy)
+SERVER_FLAGS=(--seed 0 --host 127.0.0.1 --port "{port}" --shutdown-timeout 10)
+FIT=$FS/route-36.npz
+hook_env=()
+
+save() { bench_save "$FS"; }
+# every server: the weights synthesized, the routing replayed from the trace
+hooks() {
+  local t
+  t=$(cat "$FS/trace.path" 2>/dev/null) || { echo "no trace: run the model step" >&2; return 1; }
+  hook_env=(--env EC_BENCH_SYNTH_WEIGHTS=1 --env "EC_BENCH_TRACE_ROUTING=$t"
+            --env "PYTHONPATH=$PWD/bench/trace_hook:${PYTHONPATH:-}")
+}
+arm_done() { [ -f "$FS/$1.json" ] && grep -q '"status": "ok"' "$FS/$1.json"; }
+arm() {  # arm NAME [small_card options] -- server command
+  local name=$1; shift
+  bench_arm "$FS" bench/small_card.py "$name" --runs "${RUNS:-5}" "${hook_env[@]}" "$@"
+}
+ballast() {  # ballast GiB | ballast stop
+  if [ "$1" = stop ]; then $PY bench/ballast.py stop; return; fi
+  $PY bench/ballast.py stop >/dev/null
+  $PY bench/ballast.py start --leave "$1" | tee "$OUT/ballast$1.json"
+}
+
+for step in $STEPS; do
+  echo "== step $step ($SECONDS s)"
+  case $step in
+    setup)
+      device_vllm_setup || { echo "setup failed"; exit 1; } ;;
+    model)
+      [ -f "$MODEL/config.json" ] || $PY bench/write_checkpoint.py "$MODEL" --format mxfp4 \
+        --experts 128 --layers 36 --vocab 201088 --context 131072 --config-only | tail -1
+      T=${TRACE:-$FS/tasks-gpt-oss-120b.npz}
+      if [ -n "${TRACE:-}" ] && [ ! -f "$T" ]; then echo "TRACE=$T: no such file"; exit 1; fi
+      [ -f "$T" ] || $PY -m expertcache_cli trace synth "$T" --kind tasks --steps 3000 \
+        --layers 36 --experts 128 --top-k 4 --seed 29 \
+        --model "synthetic, gpt-oss-120b-shaped (36 layers, 128 experts, top-4)" > /dev/null
+      case $T in /*) ;; *) T=$PWD/$T ;; esac
+      echo "$T" > "$FS/trace.path"
+      $PY bench/trace_fit.py "$T" "$FIT" --layers 36 | tee "$OUT/trace.txt" ;;
+    probe)
+      [ -f "$FS/probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step \
+        --model "$MODEL" --save "$FS/probe.json" 2>&1 | tail -4 | tee "$OUT/probe.txt"
+      cp "$FS/probe.json" "$OUT/" 2>/dev/null ;;
+    resident)
+      hooks || exit 1
+      arm resident --env EXPERT_CACHE_DISABLE=1 -- "$PY" -m vllm.entrypoints.cli.main serve \
+        "$MODEL" --moe-backend marlin --max-num-seqs 4 "${USER_FLAGS[@]}" "${BENCH_FLAGS[@]}" \
+        "${SERVER_FLAGS[@]}" ;;
+    card24|card32)
+      GIB=${step#card}
+      if arm_done "floor$GIB" && arm_done "cache$GIB"; then echo "card$GIB: done before"; continue; fi
+      hooks || exit 1
+      R=$($PY bench/flagship_report.py --median "$FS/resident.json") || {
+        echo "card$GIB: no resident rate yet (run the resident step): plan needs it"; continue; }
+      ballast "$GIB"
+      # as a new user: what fits, then the plan on the workload's trace, then its command
+      $PY -m expertcache_cli size --model "$MODEL" --vram "$GIB" --json -- "${USER_FLAGS[@]}" \
+        "${BENCH_FLAGS[@]}" > "$FS/size$GIB.json" 2> "$FS/size$GIB.err"
+      COLUMNS=200 $PY -m expertcache_cli size --model "$MODEL" --vram "$GIB" -- \
+        "${USER_FLAGS[@]}" "${BENCH_FLAGS[@]}" > "$OUT/size$GIB.txt" 2>&1
+      [ -f "$FS/plan$GIB.json" ] || COLUMNS=200 $PY -m expertcache_cli plan "$FIT" \
+        --model "$MODEL" --vram "$GIB" --probe "$FS/probe.json" --resident-tok-s "$R" \
+        --save "$FS/plan$GIB.json" -- "${USER_FLAGS[@]}" "${BENCH_FLAGS[@]}" \
+        > "$FS/plan$GIB.txt" 2>&1
+      cp "$FS/plan$GIB.txt" "$OUT/" 2>/dev/null; cat "$FS/plan$GIB.txt"
+      if mapfile -t CMD < <($PY bench/flagship_report.py --serve-argv "$FS/plan$GIB.json") \
+          && [ "${#CMD[@]}" -gt 0 ]; then
+        SERVE=("$PY" -m expertcache_cli "${CMD[@]}" "${SERVER_FLAGS[@]}")
+      else  # no budget fits (or no plan): serve's own choice, which the report says
+        echo "card$GIB: plan recommended no command; serving as serve plans it"
+        SERVE=("$PY" -m expertcache_cli serve "$MODEL" --vram "$GIB" -- "${USER_FLAGS[@]}"
+               "${BENCH_FLAGS[@]}" "${SERVER_FLAGS[@]}")
+      fi
+      arm "floor$GIB" --env EXPERT_CACHE_DISABLE=1 -- "${SERVE[@]}"
+      arm "cache$GIB" --env EXPERT_CACHE_STATS=400 -- "${SERVE[@]}"
+      ballast stop ;;
+    report)
+      $PY bench/flagship_report.py "$FS" | tee "$OUT/flagship.txt" ;;
+    *)
+      echo "unknown step $step" ;;
+  esac
+done
+save
+cp "$FS"/plan*.json "$FS"/size*.json "$OUT/" 2>/dev/null
+echo "steps '$STEPS' done after $SECONDS s"

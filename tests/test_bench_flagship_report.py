@@ -1,0 +1,102 @@
+"""The flagship report (bench/flagship_report.py): which prediction `plan`'s command is held
+to, each goal met or not, and servers whose bench hooks did not run named, not counted."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+report = pytest.importorskip("flagship_report", reason="the bench needs httpx")
+
+HOOKS = "BENCH: weights synthesized: 400 tensors\nBENCH: trace routing in force: layer 0\n"
+GREEDY = {"tokens": ["w1", "w2", "w3"], "logprob": [-0.1, -0.2, -0.3], "margin": [1.0, 0.5, 0.01]}
+
+
+def plan(command: str | None, slots: int = 34) -> dict:
+    rec = None if command is None else {
+        "policy": "lru", "slots": slots, "predicted_tok_s": 50.0,
+        "per_layer_predicted_tok_s": 52.0, "serve_command": command}
+    return {"rows": [{"policy": "lru", "slots": slots, "miss_rate": 0.25,
+                      "predicted_tok_s": 50.0}], "recommended": rec,
+            "trace": {"source": "recorded: gpt-oss-120b chat"}}
+
+
+def arm(tok: float, greedy: dict = GREEDY, **extra) -> dict:
+    return {"status": "ok", "tok_s": [tok - 1, tok, tok + 5], "greedy": greedy,
+            "log": {"startup_line": "expertcache: vLLM 0.26.0: armed 36 of 36 MoE layers"},
+            **extra}
+
+
+def test_the_prediction_is_the_one_for_the_command_plan_printed():
+    split = plan("expertcache serve /m --vram 24 --plan /p.json -- --max-num-seqs 8")
+    assert report.serve_argv(split) == ["serve", "/m", "--vram", "24", "--plan", "/p.json",
+                                        "--", "--max-num-seqs", "8"]
+    assert report.prediction(split) == (52.0, "lru, per-layer split of 34 slots a layer")
+    uniform = plan("expertcache serve /m --vram 24 --slots 34 --policy lru -- --x 'a b'")
+    assert report.serve_argv(uniform)[-1] == "a b"
+    assert report.prediction(uniform) == (50.0, "lru at 34 slots a layer")
+    assert report.prediction(plan(None)) is None and report.serve_argv(plan(None)) is None
+    assert report.plan_hit_rate(uniform) == pytest.approx(0.75)
+
+
+def _write(d: Path, name: str, data: dict, hooks: str = HOOKS) -> None:
+    (d / f"{name}.json").write_text(json.dumps(data))
+    (d / f"{name}.log").write_text("start\n" + hooks)
+
+
+def test_the_table_and_every_goal_from_a_run_directory(tmp_path, capsys):
+    _write(tmp_path, "resident", arm(200.0))
+    _write(tmp_path, "floor24", arm(20.0))
+    cache = arm(51.0, counters_before={"requests": 1000, "installs": 100},
+                counters_after={"requests": 11000, "installs": 2600})
+    _write(tmp_path, "cache24", cache)
+    _write(tmp_path, "floor32", arm(21.0))
+    other = dict(GREEDY, tokens=["w1", "w2", "w9"])
+    _write(tmp_path, "cache32", arm(40.0, greedy=other),
+           hooks="BENCH: trace routing in force: layer 0\n")
+    (tmp_path / "size24.json").write_text(json.dumps({"verdict_text": "cache at 34 of 128"}))
+    (tmp_path / "plan24.json").write_text(json.dumps(plan(
+        "expertcache serve /m --vram 24 --plan /p.json -- --max-num-seqs 8")))
+    (tmp_path / "plan32.json").write_text(json.dumps(plan(
+        "expertcache serve /m --vram 32 --slots 50 --policy lru", slots=50)))
+    assert report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == report.TABLE_HEAD.splitlines()[0]
+    assert out[2] == ("| 24 GiB | cache at 34 of 128 | lru, per-layer split of 34 slots a "
+                      "layer: 52.0 tok/s | 20.0 | 51.0 (2.55x) | 200.0 | 0.981 | identical (3) |")
+    assert out[3].startswith("| 32 GiB | - | lru at 50 slots a layer: 50.0 tok/s | 21.0 | "
+                             "40.0 (1.90x) | 200.0 | 0.800 | part at 2 of 3 |")
+    text = "\n".join(out)
+    assert "routing of every server: recorded: gpt-oss-120b chat" in text
+    assert ("bench hooks NOT in force, these numbers do not count: cache32: weights NOT "
+            "synthesized") in text
+    assert ("24 GiB: measured 51.0 tok/s = 0.981 of plan's 52.0 (lru, per-layer split of 34 "
+            "slots a layer) (met: 10%); hit rate replayed 0.750, live 0.750") in text
+    assert "24 GiB: cache 2.55x the offload floor (met: at least 2x)" in text
+    assert "32 GiB: measured 40.0 tok/s = 0.800 of plan's 50.0" in text and "(NOT met: 10%)" in text
+    assert "32 GiB greedy, cache vs floor: part at token 2 of 3, margins there 0.0100" in text
+    assert "24 GiB greedy, cache vs resident: identical (3 tokens)" in text
+
+
+def test_a_failed_server_and_a_floor_goal_missed_are_said(tmp_path, capsys):
+    _write(tmp_path, "floor24", arm(30.0))
+    _write(tmp_path, "cache24", {"status": "failed", "error": "health: exited",
+                                 "log": {"cause": "OutOfMemoryError"}})
+    (tmp_path / "plan24.json").write_text(json.dumps(plan(None)))
+    lines = report.report(tmp_path)
+    assert lines[1] == ("| 24 GiB | - | no budget fits | 30.0 | failed (health: exited: "
+                        "OutOfMemoryError) | - | - | - |")
+    _write(tmp_path, "cache24", arm(45.0))
+    assert "24 GiB: cache 1.50x the offload floor (NOT met: at least 2x)" in report.report(
+        tmp_path)
+    assert report.main(["--median", str(tmp_path / "cache24.json")]) == 0
+    assert capsys.readouterr().out.strip() == "45.000"
+    assert report.main(["--median", str(tmp_path / "resident.json")]) == 1
+    assert report.main(["--serve-argv", str(tmp_path / "plan24.json")]) == 1
+    assert report.main([]) == 2

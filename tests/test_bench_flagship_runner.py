@@ -1,0 +1,173 @@
+"""The flagship runner's flow (bench/run_flagship_on_device.sh) with every GPU step stubbed:
+the config-only model and the trace, the resident rate before any card, on each card
+`size`, `plan` and the very command plan recommends (floor and cache alike, with the bench
+hooks), the ballast held around them, nothing run twice, and the report's verdicts. Device
+minutes are few; a runner bug must not be found on the device."""
+
+from __future__ import annotations
+
+import pytest
+from bench_runner_harness import make_runner
+
+pytest.importorskip("httpx", reason="the flagship report imports the bench's server client")
+
+STUB = r'''#!/usr/bin/env python3
+"""python3 for the runner: GPU steps recorded and faked, the report run for real."""
+import json, os, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+with open(os.environ["STUB_LOG"], "a") as log:
+    log.write(" ".join(args) + "\n")
+if args[0].endswith("flagship_report.py"):
+    os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
+if args[0].endswith("write_checkpoint.py"):
+    d = Path(args[1]); d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+elif args[0].endswith("trace_fit.py"):
+    Path(args[2]).write_text("npz")
+    print(f"{args[2]}: 36 layers; routing: synthetic, stub")
+elif args[0].endswith("ballast.py"):
+    print(json.dumps({"leave_gib": args[-1]}) if args[1] == "start" else "stopped")
+elif args[:4] == ["-m", "expertcache_cli", "trace", "synth"]:
+    Path(args[4]).write_text("npz")
+elif args[:3] == ["-m", "expertcache_cli", "probe-link"]:
+    Path(args[args.index("--save") + 1]).write_text("{}")
+elif args[:3] == ["-m", "expertcache_cli", "size"]:
+    vram = args[args.index("--vram") + 1]
+    slots = {"24": 34, "32": 50}[vram]
+    print(json.dumps({"verdict_text": f"cache at {slots} of 128 slots", "max_slots": slots})
+          if "--json" in args else f"size text {vram}")
+elif args[:3] == ["-m", "expertcache_cli", "plan"]:
+    vram = args[args.index("--vram") + 1]
+    model = args[args.index("--model") + 1]
+    save = args[args.index("--save") + 1]
+    flags = " ".join(args[args.index("--") + 1:])
+    slots = {"24": 34, "32": 50}[vram]
+    cmd = (f"expertcache serve {model} --vram {vram} --plan {save} -- {flags} --max-num-seqs 8"
+           if os.environ.get("STUB_NO_FIT") != vram else None)
+    rec = None if cmd is None else {
+        "policy": "lru", "slots": slots, "predicted_tok_s": 55.0,
+        "per_layer_predicted_tok_s": 56.0, "serve_command": cmd}
+    Path(save).write_text(json.dumps({
+        "rows": [{"policy": "lru", "slots": slots, "miss_rate": 0.26, "predicted_tok_s": 55.0}],
+        "recommended": rec, "trace": {"source": "synthetic, stub tasks"}}))
+    print(f"plan text {vram}")
+elif args[0].endswith("small_card.py"):
+    name, out = args[1], Path(args[args.index("--out") + 1])
+    tok = {"resident": 200.0, "floor24": 21.0, "cache24": 54.0, "floor32": 21.5,
+           "cache32": 80.0}[name]
+    rec = {"status": "ok", "arm": name, "tok_s": [tok, tok + 1, tok - 1],
+           "greedy": {"tokens": ["a", "b"], "logprob": [0.0, 0.0], "margin": [1.0, 1.0]},
+           "log": {"startup_line": "expertcache: vLLM 0.26.0: armed 36 of 36 MoE layers"
+                   if name.startswith("cache") else None, "declined": []}}
+    (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
+    hooks = [] if name == os.environ.get("STUB_NO_HOOKS") else [
+        "WARNING BENCH: weights synthesized: 400 tensors", "BENCH: trace routing in force: layer 0"]
+    (out / f"{name}.log").write_text("\n".join(["log", *hooks]) + "\n")
+'''
+
+
+@pytest.fixture()
+def runner(tmp_path):
+    run = make_runner(tmp_path, "run_flagship_on_device.sh",
+                      ("flagship_report.py", "small_card.py", "synth_weights.py",
+                       "trace_routing.py"), STUB,
+                      keep_bench_helpers=True,
+                      FS=str(tmp_path / "fs"))
+    return (lambda **extra: run(**extra)[0]), tmp_path
+
+
+def _arm(calls: list[str], name: str) -> str:
+    return next(c for c in calls if c.startswith(f"bench/small_card.py {name} "))
+
+
+def _servers(calls: list[str]) -> list[str]:
+    return [c.split()[1] for c in calls if c.startswith("bench/small_card.py")]
+
+
+def test_every_step_as_a_new_user_runs_it_on_both_cards(runner):
+    run, tmp = runner
+    fs = tmp / "fs"
+    calls = run()
+    write = next(c for c in calls if "write_checkpoint.py" in c)
+    assert "--format mxfp4 --experts 128 --layers 36 --vocab 201088" in write
+    assert write.endswith("--config-only")
+    synth = next(c for c in calls if c.startswith("-m expertcache_cli trace synth"))
+    assert "--layers 36 --experts 128 --top-k 4" in synth
+    assert _servers(calls) == ["resident", "floor24", "cache24", "floor32", "cache32"]
+    resident = _arm(calls, "resident")
+    assert "vllm.entrypoints.cli.main serve" in resident and "--moe-backend marlin" in resident
+    assert "--env EXPERT_CACHE_DISABLE=1" in resident
+    for name in ("resident", "floor24", "cache24", "floor32", "cache32"):
+        call = _arm(calls, name)
+        assert "--env EC_BENCH_SYNTH_WEIGHTS=1" in call and "--load-format dummy" in call
+        assert f"EC_BENCH_TRACE_ROUTING={fs / 'tasks-gpt-oss-120b.npz'}" in call
+        assert "bench/trace_hook" in call and "--runs 5" in call
+    for gib in ("24", "32"):
+        plan = next(c for c in calls if c.startswith("-m expertcache_cli plan")
+                    and f"--vram {gib}" in c)
+        assert plan.split()[3] == str(fs / "route-36.npz")
+        assert "--resident-tok-s 200.000" in plan and f"--model {fs / 'gpt-oss-120b'}" in plan
+        assert plan.endswith("-- --max-model-len 8192 --attention-backend TRITON_ATTN "
+                             "--load-format dummy")
+        floor, cache = _arm(calls, f"floor{gib}"), _arm(calls, f"cache{gib}")
+        # the command plan printed, as is, then the bench's server flags
+        want = (f"-m expertcache_cli serve {fs / 'gpt-oss-120b'} --vram {gib} --plan "
+                f"{fs / f'plan{gib}.json'} -- --max-model-len 8192")
+        assert want in floor and want in cache
+        assert floor.split(" -- ", 1)[1] == cache.split(" -- ", 1)[1]  # same vLLM flags
+        assert "EXPERT_CACHE_DISABLE=1" in floor and "EXPERT_CACHE_DISABLE" not in cache
+        assert "--port {port}" in cache
+        # the ballast holds the card around size, plan and both servers
+        start = calls.index(f"bench/ballast.py start --leave {gib}")
+        stop = next(i for i, c in enumerate(calls) if i > start and c == "bench/ballast.py stop")
+        assert start < calls.index(plan) < calls.index(floor) < calls.index(cache) < stop
+    assert calls.index(_arm(calls, "resident")) < calls.index(
+        "bench/ballast.py start --leave 24")
+    text = (tmp / "out" / "flagship.txt").read_text()
+    assert "| 24 GiB | cache at 34 of 128 slots | lru, per-layer split of 34 slots a layer: " \
+           "56.0 tok/s | 21.0 | 54.0 (2.57x) | 200.0 | 0.964 | identical (2) |" in text
+    assert "routing of every server: synthetic, stub tasks" in text
+    assert "bench hooks: weights synthesized and routing replayed in every server" in text
+    assert "24 GiB: cache 2.57x the offload floor (met: at least 2x)" in text
+    assert (tmp / "out" / "plan24.json").exists() and (tmp / "out" / "cache32.json").exists()
+    assert (tmp / "out" / "plan24.txt").read_text().strip() == "plan text 24"
+    again = run()  # re-entrant: nothing served, planned or ballasted twice
+    assert _servers(again) == [] and not any(c.startswith("-m expertcache_cli plan")
+                                             for c in again)
+    assert not any("ballast.py start" in c for c in again)
+
+
+def test_a_card_before_the_resident_rate_plans_and_serves_nothing(runner):
+    run, tmp = runner
+    calls = run(STEPS="model card24")
+    assert _servers(calls) == [] and not any("ballast.py start" in c for c in calls)
+    assert not any(c.startswith("-m expertcache_cli plan") for c in calls)
+
+
+def test_a_given_trace_routes_every_server_and_no_trace_is_synthesized(runner):
+    run, tmp = runner
+    given = tmp / "gpt-oss-recorded.npz"
+    given.write_text("npz")
+    calls = run(STEPS="model resident", TRACE=str(given))
+    assert not any("trace synth" in c for c in calls)
+    assert f"EC_BENCH_TRACE_ROUTING={given}" in _arm(calls, "resident")
+    fit = next(c for c in calls if c.startswith("bench/trace_fit.py"))
+    assert fit.startswith(f"bench/trace_fit.py {given} ")
+    assert "--layers 36" in fit
+
+
+def test_no_fitting_budget_serves_as_serve_plans_it_and_missing_hooks_void_the_numbers(
+        runner, monkeypatch):
+    run, tmp = runner
+    monkeypatch.setenv("STUB_NO_FIT", "32")
+    monkeypatch.setenv("STUB_NO_HOOKS", "cache24")
+    calls = run()
+    cache = _arm(calls, "cache32")
+    assert f"serve {tmp / 'fs' / 'gpt-oss-120b'} --vram 32 -- --max-model-len 8192" in cache
+    assert "--plan" not in cache
+    text = (tmp / "out" / "flagship.txt").read_text()
+    assert "| 32 GiB | cache at 50 of 128 slots | no budget fits |" in text
+    assert ("bench hooks NOT in force, these numbers do not count: cache24: weights NOT "
+            "synthesized, routing NOT replayed") in text
