@@ -1,15 +1,15 @@
 """A small card on a big GPU: hold all but N GiB of it in another process.
 
-Why: every serving claim must hold on the 12-32 GiB cards users have, and the lent GPU
-is an H200 (139.8 GiB). A ballast process allocates everything but N GiB and sleeps, so
-a vLLM started next finds N GiB free, as on an N GiB card; `expertcache serve --vram N`
-(or `baseline --vram N`) then gives vLLM the card's share of the GPU, utilization x
-139.8 = 0.9 x N GiB, and the card's batch default (what vLLM picks below 70 GiB). For a
-plain `vllm serve`, `flags` prints the same flags.
+Why: every serving claim must hold on the 12-32 GiB cards users have, and the benches'
+GPU is far bigger (an H200: 139.8 GiB). A ballast process allocates everything but N GiB
+and sleeps, so a vLLM started next finds N GiB free, as on an N GiB card; `expertcache
+serve --vram N` (or `baseline --vram N`) then gives vLLM the card's share of the GPU,
+utilization x 139.8 = 0.9 x N GiB, and the card's batch default (what vLLM picks below 70
+GiB). For a plain `vllm serve`, `flags` prints the same flags.
 
 What it does not emulate: the small card's compute (SMs, HBM bandwidth) and its host link
 (an H200 on PCIe Gen5 x16 reads host memory at ~50 GB/s; a 4090 on Gen4 at ~25): tok/s
-measured this way are the H200's at the card's memory budget, and a miss costs what it
+measured this way are the big GPU's at the card's memory budget, and a miss costs what it
 costs on this link. The CUDA context of every process on the GPU also comes out of the
 N GiB, as it does on a real card.
 

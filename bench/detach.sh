@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Run a bench runner past the device call that starts it (BENCH ONLY).
+# Run a bench runner past the remote call that starts it (BENCH ONLY).
 #
-# A server killed by a call's 10-minute limit costs its whole start again; a process in its
-# own session (setsid) outlives the call, until the machine goes back (30 s idle). So:
+# A server killed by a call's time limit costs its whole start again; a process in its own
+# session (setsid) outlives the call, for as long as the machine stays up. So:
 #   bash bench/detach.sh formats env OUT=/tmp/of FORMATS="fp8-block w4a16" \
 #     bash bench/run_formats_on_device.sh
 # (OUT on the box: the call's own $OUT is emptied before every call), then, in later calls,

@@ -7,7 +7,7 @@ at least 2x the offload floor on the 24 GiB card, the measured tok/s within 10% 
 prediction, greedy tokens identical to the floor's) and a run whose weights or routing
 were not what the bench says (the synthesized weights, the trace-driven routing: bench
 hooks, `bench/synth_weights.py` and `bench/trace_routing.py`) must not pass for a result.
-Both are checked here, on CPU (tests/test_bench_flagship_report.py), before device minutes
+Both are checked here, on CPU (tests/bench/test_bench_flagship_report.py), before device minutes
 are spent.
 
     python bench/flagship_report.py /tmp/fs              # the table and the goals

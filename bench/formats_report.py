@@ -291,9 +291,10 @@ TABLE_HEAD = ("| format | plugin | tokens vs the floor | floor tok/s | cache tok
 def table_row(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
               gbps: float | None, step_us: float = 0.0, layers: int = 0,
               plan: dict | None = None) -> str:
-    """The format's row of issues 11 and 29's table (RESULTS.md and the README take it as
-    is): the arm that served from slots (the cache, else the kernel trial), the goals'
-    ratios, and the cache arm against `plan`'s prediction on its trace (``plan``)."""
+    """The format's row of issues 11 and 29's table (bench/results/formats.md and the
+    README take it as is): the arm that served from slots (the cache, else the kernel
+    trial), the goals' ratios, and the cache arm against `plan`'s prediction on its trace
+    (``plan``)."""
     floor, res, hot = recs.get("floor"), recs.get("resident"), recs.get("hot")
     arm = next((a for a in ("cache", "trial") if slot_path_served(recs.get(a))), None)
     rec = recs.get(arm or "cache")

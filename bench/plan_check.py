@@ -1,7 +1,7 @@
 """`plan`'s predictions beside `baseline`'s measurements, one line per budget (issue 14).
 
 Why a module and not the runner's inline script: this comparison is what the device run
-exists for, and it is checked on CPU (tests/test_bench_plan_check.py) before device minutes
+exists for, and it is checked on CPU (tests/bench/test_bench_plan_check.py) before device minutes
 are spent on it. Rows: each uniform budget `plan --json` predicted (arm ``cache:S``) and,
 where `plan --save` split the best budget per layer, the saved plan (arm ``plan:FILE``);
 each beside the matching arm's mean tok/s, their ratio, the live hit rate and the replayed
@@ -33,9 +33,9 @@ def window_hit_rate(trace_path: str | Path, policy: str, slots: int, steps: int)
     """The hit rate of the trace's first ``steps`` steps replayed at ``slots`` under
     ``policy``: what a server fed the trace from its start saw in ``steps`` decode steps.
     `plan` replays the whole trace; a server sees its first few hundred steps, and LFU
-    without decay is still filling its counts there (stop 16: the whole trace's LFU rates
-    0.647/0.768/0.875 at 16/32/64 slots, its first 801 steps' 0.642/0.759/0.867, served
-    0.641/0.747/0.866)."""
+    without decay is still filling its counts there (bench/results/plan-check.md: the
+    whole trace's LFU rates at 16/32/64 slots above its first 801 steps' and the served
+    ones)."""
     import dataclasses
 
     from expertcache_cli.rules import trace as tracefile

@@ -2,14 +2,13 @@
 # `expertcache baseline` on the GPU box: resident vs offload vs the cache at two budgets,
 # 3 restarts, on an 8-layer Qwen3-30B-A3B-shaped random-weight checkpoint.
 #
-# One device command lasts at most 10 minutes and 12 server starts take longer, so this
-# script is re-entrant: run it again (same machine, still warm) and it goes on with
+# 12 server starts can outlast a caller's time limit, so this script is re-entrant: run it again (same machine, still warm) and it goes on with
 # `--resume` from the results file in /tmp/bl. Each call: write the checkpoint if absent,
 # install the vLLM bundle if absent (parts p0..p3 copied to /tmp/parts by earlier calls or
 # carried with this one, see bench/_device_vllm.sh), run baseline until BL_SECONDS, stop it
 # with SIGINT (it stops its server and keeps every finished run), copy results to $OUT.
 # BL_NAME (default h200) names the results file; BL_PLAN replaces the arms/rounds, e.g. the
-# shutdown check in bench/RESULTS.md:
+# shutdown check of bench/results/baseline.md:
 #   BL_NAME=stopcheck BL_PLAN="--arms cache:32 --restarts 3 --runs 1 --max-tokens 50"
 set -uo pipefail
 OUT="${OUT:-out}"

@@ -15,7 +15,7 @@
 # caches and expertcache kernel cache (XDG_CACHE_HOME), as on a machine that never served.
 # Re-entrant: a start whose JSON says ok is not run again; results go to $OUT after each.
 # PY, FS (records: /tmp/fs) and MODEL_DIR (checkpoints: /tmp) are overridable; the flow is
-# tested on CPU with the GPU steps stubbed (tests/test_bench_first_start_runner.py).
+# tested on CPU with the GPU steps stubbed (tests/bench/test_bench_first_start_runner.py).
 set -uo pipefail
 OUT="${OUT:-out}"
 export FS="${FS:-/tmp/fs}"

@@ -46,7 +46,7 @@
 # rate): STEPS="setup model probe resident card24 report", then the same with card32.
 # PY, FS (records, model, plans: /tmp/fs), TRACE and RUNS (5: the measured runs cover ~1000
 # of the trace's steps, which plan's whole-trace replay is set against) are overridable:
-# the flow is tested on CPU with the GPU steps stubbed (tests/test_bench_flagship_runner.py).
+# the flow is tested on CPU with the GPU steps stubbed (tests/bench/test_bench_flagship_runner.py).
 set -uo pipefail
 OUT="${OUT:-out}"
 FS="${FS:-/tmp/fs}"

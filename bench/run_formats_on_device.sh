@@ -3,7 +3,7 @@
 # 11 and 29). For each format a LAYERS-layer checkpoint (default 24) of the Qwen3-30B-A3B
 # expert shape (bench/write_checkpoint.py, per-layer seeded routers; mxfp4: gpt-oss's shape
 # with MXFP4_EXPERTS experts, default 128 as gpt-oss-120b) and one server per arm. 24, not
-# 8: an 8-layer model decodes at ~620 tok/s on the H200, where the host's per-token work,
+# 8: an 8-layer model decodes at ~620 tok/s on an H200, where the host's per-token work,
 # not the GPU, sets the pace (resident runs 588-655 tok/s in one server), installs hide in
 # the GPU's idle time and neither the all-hit ratio nor the prediction can be judged.
 # Formats: w8a8, fp8-block (Triton), and the 4-bit ones on vLLM's Marlin experts (issue
@@ -47,13 +47,13 @@
 # RUNS (default 5): measured runs a server.
 # Re-entrant (an arm whose JSON says ok is not run again); split by FORMATS across calls:
 #   FORMATS="w8a8 fp8-block" bash bench/run_formats_on_device.sh
-# Minutes a format on the H200 at 24 layers (the 2026-12-01 runs): each checkpoint 0.3
-# (mxfp4's 41 GB: 0.7), size and probe 1.5, a server 1.0-2.7 to start and 0.2-0.8 to serve
+# Minutes a format on an H200 at 24 layers: each checkpoint 0.3 (mxfp4's 41 GB: 0.7),
+# size and probe 1.5, a server 1.0-2.7 to start and 0.2-0.8 to serve
 # its runs, plan 0.1: ~10.5 with all four arms (mxfp4 ~12; a declined one ~6: no all-hit
 # pair).
-# Issue 29's table (the 4-bit formats on Marlin), two formats a session, detached (a
-# server start outlives a call's 10 minutes; bench/detach.sh polls it); bench/PLAN-4bit.md
-# has the sessions in order with the minutes each step is expected to take:
+# Issue 29's table (the 4-bit formats on Marlin), two formats a run, detached (a server
+# start can outlast a caller's time limit; bench/detach.sh polls it); bench/PLAN-4bit.md
+# has the runs in order with the minutes each step is expected to take:
 #   bash bench/detach.sh formats env OUT=/tmp/of RUNS=3 FORMATS="mxfp4" \
 #     bash bench/run_formats_on_device.sh
 #   RESULTS=/tmp/of bash bench/detach.sh --poll formats 540
@@ -168,7 +168,7 @@ for fmt in ${FORMATS:-w8a8 fp8-block gptq gptq-act awq w4a16 nvfp4 mxfp4}; do
   run_arm "$fmt-cache" "${stats[@]}" "${route[@]}" \
     -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots "$S" -- "${COMMON[@]}"
   # the all-hit server as users run it: no periodic report (its hit rate comes from the
-  # final line at shutdown); stop 16's 0.886 had EXPERT_CACHE_STATS=400, now a variant
+  # final line at shutdown); EXPERT_CACHE_STATS=400 is a HOT_VARIANTS variant
   # EXPERT_CACHE_AUDIT=1: at shutdown the slots are compared with their experts' bytes, so
   # an all-hit server whose tokens differ from resident's says whether its slots were sound
   hot_env=(--env EXPERT_CACHE_AUDIT=1)

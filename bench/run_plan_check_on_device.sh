@@ -10,26 +10,27 @@
 # baseline over three uniform budgets and the saved plan (`plan:FILE`: the per-layer split
 # at the uniform budget's bytes), one server per arm (device time), and the table of
 # predicted vs measured. Re-entrant: a baseline file that is complete is not run again
-# (--resume continues a partial one), so a second device call finishes the work.
+# (--resume continues a partial one), so a second call finishes the work.
 #   TRACES="tasks zipf" SLOTS=16,32,64 RUNS=3 bash bench/run_plan_check_on_device.sh
 # LAYERS (default 24): at 8 layers the resident model decodes at ~650 tok/s, paced by the
-# host's per-token work rather than the GPU (H200: resident runs 588-655 tok/s in one
+# host's per-token work rather than the GPU (resident runs of 588-655 tok/s in one
 # server), and installs hide in GPU idle time: the planner's additive model, which holds
-# where the GPU sets the pace (34.2 vs 34.98 tok/s at 24 layers), cannot be judged there.
+# where the GPU sets the pace, cannot be judged there.
 # On a 2-GPU box the traces run side by side after the resident arm:
 #   TRACES=none bash ...;  then  CUDA_VISIBLE_DEVICES=0 TRACES=tasks EC_KEEP_SERVERS=1 bash ... &
 #   CUDA_VISIBLE_DEVICES=1 TRACES=zipf EC_KEEP_SERVERS=1 OUT=out2 bash ...
-# Detached past a call's 10-minute limit (bench/detach.sh), with no per-baseline limit:
+# Detached past a caller's time limit (bench/detach.sh), with no per-baseline limit:
 #   bash bench/detach.sh plan env OUT=/tmp/opc BL_SECONDS=7200 bash bench/run_plan_check_on_device.sh
 #   RESULTS=/tmp/opc bash bench/detach.sh --poll plan 540
 # PLAN_ARM=0 leaves the saved plan's arm out (one server fewer a trace: the per-layer plan
 # against uniform needs measuring once, not per trace). A resident baseline file already in
-# $PC (say, copied from bench/results/) is not run again.
+# $PC (say, copied from an earlier run, as tests/data/plan-check-resident-24.jsonl is) is not
+# run again.
 # POLICY=lfu plans and serves that policy (arms cache:S:lfu; files named -lfu): on a trace
 # whose LRU hit rates equal another's (tasks and zipf do, to 0.003), the other policy is
 # where their locality differs (zipf: LFU misses 35% at 16 slots, LRU 41%).
 # PY, PC (traces, plans, baselines: /tmp/pc) and MODEL_DIR (/tmp) are overridable (the flow
-# is tested on CPU with stubbed GPU steps: tests/test_bench_plan_check_runner.py).
+# is tested on CPU with stubbed GPU steps: tests/bench/test_bench_plan_check_runner.py).
 set -uo pipefail
 OUT="${OUT:-out}"
 PC="${PC:-/tmp/pc}"  # traces, plans and baselines, kept on the box across calls

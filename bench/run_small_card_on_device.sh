@@ -3,7 +3,7 @@
 # H200 with bench/ballast.py, for the brief's own model (Qwen3-30B-A3B shape, 48 layers,
 # W8A8 INT8 as compressed-tensors, per-layer seeded routers, real vocabulary).
 #
-# Re-entrant and split in steps so that each device call stays under 10 minutes
+# Re-entrant and split in steps so that each call stays under a caller's time limit
 # (STEPS="setup ckpt probe acct" then "card24" then "resident card16"); an arm whose JSON
 # already says ok is not run again. Results are copied to $OUT after every arm.
 #
@@ -36,7 +36,7 @@
 #             periodic reports at all, for the prediction), and the cache on vLLM's V2 model
 #             runner refused by serve on a vLLM whose V2 runner cannot offload (0.26)
 # PY, SC (arm records: /tmp/sc) and MODEL_DIR (checkpoints: /tmp) are overridable: the
-# flow is tested on CPU with stubbed GPU steps (tests/test_bench_small_card_runner.py).
+# flow is tested on CPU with stubbed GPU steps (tests/bench/test_bench_small_card_runner.py).
 set -uo pipefail
 OUT="${OUT:-out}"
 export SC="${SC:-/tmp/sc}"
@@ -115,16 +115,16 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MD/m8'), 8)
       bench_arm "$SC" bench/wide_steps.py w24st "${WS[@]}" \
         -- "$PY" -m expertcache_cli serve "$MODEL" --vram 24 --wide staged-install "${VARGS[@]}"
       ballast stop ;;
-    mem24)  # where the staged W8A8 server's extra ~0.6 GiB comes from (stop 11: KV 0.44
-      # GiB staged vs 0.95 in place): vLLM's own breakdown and the bench memory hook's
+    mem24)  # where a W8A8 server's profile peak goes on the 24 GiB card
+      # (bench/results/memory.md): vLLM's own breakdown and the bench memory hook's
       # per-call peaks, in place / staged / staged without the first-call check; a
       # 4,096-token context so that the staged server starts
       ballast 24
       # inplace2: in place again, last: the first server compiles (torch.compile runs
-      # inside vLLM's profile step) and the later ones load vLLM's compile cache; stop 16's
-      # in-place server, the first, peaked 0.52 GiB above allocated before any MoE call
-      # MEM24 picks the servers (stop 16 measured the check's cost, 0.02 GiB: nocheck is
-      # left out unless asked for)
+      # inside vLLM's profile step) and the later ones load vLLM's compile cache; a cold
+      # first server peaks ~0.5 GiB above allocated before any MoE call
+      # MEM24 picks the servers (the check's cost is measured, 0.02 GiB: nocheck is left
+      # out unless asked for)
       declare -A m24=([inplace]=- [staged]=--wide=staged-install
                       [nocheck]=--wide=staged-install [inplace2]=-)
       for name in ${MEM24:-inplace staged inplace2}; do

@@ -14,16 +14,17 @@
 # stream's routing (a cache server with EXPERT_CACHE_TRACE) over TRACE_REQUESTS (default 48)
 # requests in turn, each of the decode rounds' shape (a fresh 32-word prompt, DECODE_TOKENS
 # tokens), so that the re-batched streams are in different requests as the N measured
-# streams are (one long request re-batched prices N users as one: stop 18);
+# streams are (one long request re-batched prices N users as one:
+# bench/results/wide-steps.md);
 # `predict` runs `plan` on it re-batched to 16 and 32 streams, in place and staged-install
 # (and staged without installs where the staged0 arm ran), with
-# the resident arm's N-stream rate and this session's probe, and prints each prediction
+# the resident arm's N-stream rate and this run's probe, and prints each prediction
 # beside the inplace/staged arms' measured rate (the issue's bar: within 15%).
 #
 # An arm whose JSON says ok is not run again; results go to $OUT after every arm. Detached
 # past a call's limit: bash bench/detach.sh wide env OUT=/tmp/ow bash bench/run_wide_on_device.sh
 # PY, WSD (arm records: /tmp/ws) and MODEL_DIR (/tmp) are overridable: the flow is tested
-# on CPU with stubbed GPU steps (tests/test_bench_wide_runner.py).
+# on CPU with stubbed GPU steps (tests/bench/test_bench_wide_runner.py).
 set -uo pipefail
 OUT="${OUT:-out}"
 export WSD="${WSD:-/tmp/ws}"
@@ -41,8 +42,8 @@ FLAGS=(--load-format dummy --max-model-len 10240 --max-num-seqs 32 --max-num-bat
 # every expert offloaded: 128 x 9.44 MB = 1.21 GB a layer, and some room
 OFFLOAD=(--cpu-offload-gb "${OFFLOAD_GB:-$(( LAYERS * 5 / 4 + 1 ))}" --cpu-offload-params experts)
 # DECODE_TOKENS (default 64) a stream in each decode round: at 24 layers the floor and the
-# in-place arm decode 32 streams at ~0.5 s a step, and 128 tokens a round put the whole
-# table past one session's 30 device minutes (~22 min at 128 by the 8-layer run's times)
+# in-place arm decode 32 streams at ~0.5 s a step, and 128 tokens a round would double
+# the decode rounds' share of the run
 WS=(--vocab 8192 --max-tokens "${DECODE_TOKENS:-64}" ${WS_ARGS:-})
 
 LOG_TAIL=300000
@@ -77,8 +78,8 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MODEL'), $L
     staged0)
       arm staged0 --env EXPERT_CACHE_SLOTS=64 --env EXPERT_CACHE_WIDE=staged \
         -- "${VLLM[@]}" serve $MODEL "${OFFLOAD[@]}" "${FLAGS[@]}" ;;
-    mem)  # where the staged servers' extra profile peak goes (stop 18: KV 0.50-0.86 GiB
-      # below slots + scratch at 8,192 batched tokens, none at 2,048): in place and staged,
+    mem)  # where the staged servers' extra profile peak goes (bench/results/wide-steps.md:
+      # KV up to 0.82 GiB below slots + scratch at 8,192 batched tokens, none at 2,048): in place and staged,
       # each stopped after vLLM's memory report, with the bench memory hook's history
       MF=("${FLAGS[@]/"{port}"/8712}")
       for name in ${MEM_ARMS:-inplace staged}; do

@@ -1,10 +1,10 @@
 """Issue 15's tables from one wide-steps run: TTFT against the link bound, decode by streams.
 
-Why a module: the run exists to fill these tables and judge their goals, and a device
-session is too short to find a bug in an inline script; this one is tested on CPU
-(tests/test_bench_wide_report.py). Reads the arm records `bench/wide_steps.py` wrote
+Why a module: the run exists to fill these tables and judge their goals, and a device run
+is no place to find a bug in an inline script; this one is tested on CPU
+(tests/bench/test_bench_wide_report.py). Reads the arm records `bench/wide_steps.py` wrote
 (``floor``, ``inplace``, ``staged``, ``resident``), `expertcache size --json` for the
-model (MoE layers, experts, bytes an expert, the step's token budget) and the session's
+model (MoE layers, experts, bytes an expert, the step's token budget) and the run's
 `probe-link --save` (the gather rate):
 
     python bench/wide_report.py DIR --size SIZE.json --probe PROBE.json --slots 64

@@ -228,9 +228,9 @@ def _bool(env: Mapping[str, str], name: str) -> bool:
 
 def pdl_from_env(env: Mapping[str, str] | None = None) -> bool:
     """Whether the kernels may use programmatic dependent launch (where the GPU and driver
-    have it, which `binding` decides). On unless ``EXPERT_CACHE_PDL=0``: on the H200 it
-    took the served step from 4.39 to 3.84 us a layer over stock (bench_armed_layer) with
-    the same tokens; the switch stays as the way back should a driver mishandle it."""
+    have it, which `binding` decides). On unless ``EXPERT_CACHE_PDL=0``: it takes the
+    served step from 4.21 to 3.83 us a layer over stock (bench/results/kernels.md) with the
+    same tokens; the switch stays as the way back should a driver mishandle it."""
     env = os.environ if env is None else env
     if env.get(PDL, "").strip() == "":
         return True

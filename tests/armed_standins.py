@@ -142,7 +142,7 @@ def routing(rng, tokens):
     return torch.from_numpy(ids.astype(np.int32)), torch.rand(tokens, TOPK)
 
 
-def swept(armed):
+def mark_swept(armed):
     """Mark the layer's sweep of every expert done (an agreeing one of no steps): for the
     tests of what follows it, the check of the real call."""
     armed.sweep_result = Sweep([], 0.0)

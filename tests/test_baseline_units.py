@@ -469,7 +469,7 @@ def test_cli_report_at_80_columns_and_in_a_pipe_keeps_every_value_whole():
     import os
 
     report = Path(__file__).resolve().parent.parent / "bench" / "results" / \
-        "baseline-h200-2026-11-30" / "h200.jsonl"
+        "baseline.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     for columns in (None, "80"):
         p = subprocess.run([sys.executable, "-m", "expertcache_cli", "baseline", "report",

@@ -1,6 +1,6 @@
 """Every bad input is one line on stderr, exit code 2, no traceback, no file left behind.
 
-The table of bench/RESULTS.md (section faults) is this list, run as a user would.
+Each input below is run as a user would, with what the user must see.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from expertcache_cli.rules.trace import load
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "traces" / "demo-qwen3-30b-a3b-tasks.npz"
 PROBE = ROOT / "bench" / "results" / "probe-link-h200.json"
-BASELINE = ROOT / "bench" / "results" / "baseline-h200-2026-11-30" / "h200.jsonl"
+BASELINE = ROOT / "bench" / "results" / "baseline.jsonl"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -190,13 +190,13 @@ def test_plan_for_a_batch_with_the_staged_path_says_what_it_rests_on():
 
 
 def test_a_batch_of_a_one_request_recording_warns_that_it_prices_one_user():
-    """The H200's 24-layer recording of one stream (5 requests, one of them 1,024 tokens):
-    re-batched to 16 it predicted 180 tok/s in place where 16 users ran 41; the plan says
-    its streams share a request, and why that matters."""
-    one = ROOT / "bench" / "results" / "wide-h200-2026-12-01-24l"
-    r = _cli(str(one / "one.npz"), "--model", "qwen3-30b-a3b", "--probe",
-             str(one / "probe.json"), "--resident-tok-s", "2637.9", "--slots", "64",
-             "--batch", "16", "--json")
+    """A served 24-layer recording of one stream (5 requests, one of them 1,024 tokens;
+    bench/results/wide-steps.md): re-batched to 16 it predicted 180 tok/s in place where 16
+    users ran 41; the plan says its streams share a request, and why that matters."""
+    data = ROOT / "tests" / "data"
+    r = _cli(str(data / "wide-one-request.npz"), "--model", "qwen3-30b-a3b", "--probe",
+             str(data / "wide-one-request-probe.json"), "--resident-tok-s", "2637.9",
+             "--slots", "64", "--batch", "16", "--json")
     assert r.returncode == 0, r.stderr
     notes = json.loads(r.stdout)["notes"]
     shared = [n for n in notes if n.startswith("the trace holds 5 request(s)")]

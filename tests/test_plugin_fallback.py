@@ -18,21 +18,21 @@ from armed_standins import (  # noqa: E402
     Experts,
     H,
     arm,
+    mark_swept,
     routing,
-    swept,
 )
 
 from expertcache_cli.config import CacheConfig  # noqa: E402
 
 
-def _one_call_with_a_slot_variant(caplog, seed, variant, sweep_first=False):
+def _one_call_with_a_slot_variant(caplog, seed, variant, swept=False):
     """Arm a layer whose experts call is ``variant(out, on_slots)`` of the stock one, serve
-    one decode step (``sweep_first``: with the sweep of every expert marked done); returns the
+    one decode step (``swept``: with the sweep of every expert marked done); returns the
     armed layer, what it served and what the stock path gives."""
     layer = Experts(seed=seed)
     armed = arm(layer)
-    if sweep_first:
-        swept(armed)
+    if swept:
+        mark_swept(armed)
     assert "forward_modular" in layer.__dict__  # the instance hook is installed
     stock_forward = Experts.forward_modular
 
@@ -64,8 +64,8 @@ def test_an_experts_call_that_raises_on_slot_buffers_falls_back_and_disarms(capl
     assert "forward_modular" not in layer.__dict__
 
 
-@pytest.mark.parametrize("sweep_first", [False, True])
-def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(caplog, sweep_first):
+@pytest.mark.parametrize("swept", [False, True])
+def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(caplog, swept):
     """A quant method whose kernel reads something the rebinding does not follow (here: a
     stand-in that scales its output when it sees slot-shaped weights) gives a different output;
     the sweep of every expert at the first call catches it before the call is served (and,
@@ -74,9 +74,9 @@ def test_a_slot_path_that_computes_something_else_is_caught_at_its_first_call(ca
     def off_by_one(call, on_slots):
         return call() * 1.5 if on_slots else call()
 
-    layer, armed, out, want = _one_call_with_a_slot_variant(caplog, 5, off_by_one, sweep_first)
+    layer, armed, out, want = _one_call_with_a_slot_variant(caplog, 5, off_by_one, swept)
     torch.testing.assert_close(out, want)
-    if sweep_first:
+    if swept:
         assert armed.checked["slots"] > 0.02
         assert "the slots path's output differs from the stock path's on the same step" in (
             caplog.text)
@@ -121,7 +121,7 @@ def test_the_check_reruns_only_the_first_rows_of_a_wide_step(monkeypatch):
 
     monkeypatch.setattr(runtime, "CHECK_ROWS", 2)
     layer = Experts(seed=7)
-    armed = swept(arm(layer, slots=6, wide_inserts=6))
+    armed = mark_swept(arm(layer, slots=6, wide_inserts=6))
     seen = []
     stock_forward = armed._stock
 
@@ -146,7 +146,7 @@ def test_a_failed_check_on_first_rows_serves_the_whole_stock_step(monkeypatch, c
 
     monkeypatch.setattr(runtime, "CHECK_ROWS", 2)
     layer = Experts(seed=8)
-    armed = swept(arm(layer, slots=6, wide_inserts=6))
+    armed = mark_swept(arm(layer, slots=6, wide_inserts=6))
     stock_forward = armed._stock
 
     def wrong_on_scratch(**kw):
@@ -224,15 +224,15 @@ def test_row_differences():
 # -- kernel attributes that alias layer parameters (Marlin's g_idx) -----------------------
 
 
-@pytest.mark.parametrize("sweep_first", [False, True])
-def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace(sweep_first):
+@pytest.mark.parametrize("swept", [False, True])
+def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace(swept):
     """A kernel returning a view of a workspace the next call overwrites would make the
     reference call overwrite the path's output (equal by aliasing): the sweep and the
     check compare a copy, and serve that copy."""
     layer = Experts(seed=14)
     armed = arm(layer)
-    if sweep_first:
-        swept(armed)
+    if swept:
+        mark_swept(armed)
     workspace = torch.zeros(8, H)
     stock_forward = Experts.forward_modular
 
@@ -248,7 +248,7 @@ def test_the_check_is_not_fooled_by_an_output_in_a_reused_workspace(sweep_first)
     ids, w = routing(np.random.default_rng(14), 1)
     layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
     assert "forward_modular" not in layer.__dict__
-    if sweep_first:
+    if swept:
         assert armed.checked["slots"] > 0.02
     else:
         assert armed.sweep_result.failed and armed.sweep_result.paths[0].worst > 0.02

@@ -167,7 +167,7 @@ def test_a_captured_v1_step_launches_no_torch_kernel_besides_the_cache_step(
     """What an armed layer adds to a captured decode graph, beside the cache's own step
     and the experts call: on V1 with the count, nothing (kernel ABI 2 reads it); with a
     torch mask, a compare and two torch.where with the scalars they fill (on the GPU each
-    a kernel, so five graph nodes a layer; stop 13: the all-hit layer cost ~12 us served
+    a kernel, so five graph nodes a layer; with them the all-hit layer cost ~12 us served
     against a 4.1 us step)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 

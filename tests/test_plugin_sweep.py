@@ -18,8 +18,8 @@ from armed_standins import (  # noqa: E402
     Experts,
     H,
     arm,
+    mark_swept,
     routing,
-    swept,
 )
 
 from expertcache_cli.config import CacheConfig  # noqa: E402
@@ -51,7 +51,7 @@ def test_the_sweep_catches_a_wrong_expert_the_warm_up_never_routes(caplog):
     want = Experts(seed=21).forward_modular(x=x, topk_weights=w, topk_ids=ids)
 
     blind = Experts(seed=21)
-    armed = swept(arm(blind))
+    armed = mark_swept(arm(blind))
     _corrupting(armed, 13)
     blind.forward_modular(x=x, topk_weights=w, topk_ids=ids)
     assert armed.checked["slots"] == 0.0 and not armed._failed  # blind to expert 13

@@ -3,21 +3,22 @@
 The README and docs/results.md publish measured numbers in tables. A table that has a
 ``record`` column is checked here, row by row:
 
-* the record cell links (markdown ``[text](target)``) to at least one record: a file or
-  folder under ``bench/results/``, or a section of ``bench/RESULTS.md`` (``#anchor``, the
-  heading's GitHub slug); each target must exist. A row whose number has no record in the
-  repository says so in that cell (``no record in the repository``) and then may not bold
-  a number;
+* the record cell links (markdown ``[text](target)``) to at least one record: a file under
+  ``bench/results/`` (one compact record a published table: its rows, the command that
+  reproduces them, the date, machine and vLLM version), which must exist. A row whose
+  number has no record in the repository says so in that cell (``no record in the
+  repository``) and then may not bold a number;
 * the row's headline numbers are its **bold** numbers (every row with a record bolds at
   least one), and each must be found in the records it cites: the same digits, or a more
   precise figure there that rounds to it (252.6 is found in 252.62 or 252.6195...);
   thousands separators are ignored;
 * a ``reproduce`` column, where the table has one, names a command in backticks.
 
-A folder record is read as its ``.md``, ``.txt``, ``.json``, ``.jsonl`` and ``.csv`` files
-(not the server logs); a ``bench/RESULTS.md`` section runs from its heading to the next
-heading of the same or a higher level. Tables this file requires to carry records are listed
-in ``REQUIRED``, so a record column cannot be dropped unnoticed.
+Beyond the tables, every ``bench/results/...`` path that the README, the docs, the tests
+or the bench scripts name must exist, so that no citation outlives its record; and every
+markdown record says when, where and on which vLLM it was measured, and how to reproduce
+it. Tables this file requires to carry records are listed in ``REQUIRED``, so a record
+column cannot be dropped unnoticed.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-JOURNAL = ROOT / "bench" / "RESULTS.md"
-RECORD_SUFFIXES = {".md", ".txt", ".json", ".jsonl", ".csv"}
 NO_RECORD = "no record in the repository"
 
 # (document, heading the table sits under): tables that must have a record column
@@ -89,45 +88,12 @@ def unfenced(text: str) -> list[str]:
     return lines
 
 
-def slug(heading: str) -> str:
-    """GitHub's anchor for a heading's text."""
-    text = heading.strip().lstrip("#").strip().lower()
-    text = re.sub(r"[^\w\- ]", "", text)
-    return text.replace(" ", "-")
-
-
-def journal_sections() -> dict[str, str]:
-    """``bench/RESULTS.md``: anchor -> the section's text (heading to the next heading of
-    the same or a higher level), duplicates numbered as GitHub numbers them."""
-    lines = JOURNAL.read_text().splitlines()
-    heads = [(i, len(m.group(1)), m.group(2)) for i, line in enumerate(unfenced("\n".join(lines)))
-             if (m := re.match(r"(#{1,6})\s+(.*)", line))]
-    sections, seen = {}, {}
-    for n, (i, level, title) in enumerate(heads):
-        end = next((j for j, lv, _ in heads[n + 1:] if lv <= level), len(lines))
-        base = slug(title)
-        k = seen.get(base, 0)
-        seen[base] = k + 1
-        sections[base if k == 0 else f"{base}-{k}"] = "\n".join(lines[i:end])
-    return sections
-
-
-def record_text(doc: Path, target: str, sections: dict[str, str]) -> str:
+def record_text(doc: Path, target: str) -> str:
     """The text of one cited record; AssertionError when it is not a record or is missing."""
-    path_part, _, anchor = target.partition("#")
-    path = (doc.parent / path_part).resolve()
-    if path == JOURNAL:
-        assert anchor, f"{target}: cite a section of bench/RESULTS.md (#anchor), not all of it"
-        assert anchor in sections, f"{target}: bench/RESULTS.md has no section #{anchor}"
-        return sections[anchor]
-    assert path.is_relative_to(RESULTS), (
-        f"{target}: a record is a path under bench/results/ or a section of bench/RESULTS.md")
-    assert path.exists(), f"{target}: no such record"
-    if path.is_file():
-        return path.read_text(errors="replace")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in RECORD_SUFFIXES)
-    assert files, f"{target}: the folder holds no readable record (.md/.txt/.json/...)"
-    return "\n".join(p.read_text(errors="replace") for p in files)
+    path = (doc.parent / target.partition("#")[0]).resolve()
+    assert path.is_relative_to(RESULTS), f"{target}: a record is a file under bench/results/"
+    assert path.is_file(), f"{target}: no such record"
+    return path.read_text(errors="replace")
 
 
 def numbers_in(text: str) -> set[str]:
@@ -155,7 +121,7 @@ def published(doc_name: str) -> list[dict]:
     return [t | {"doc": doc} for t in tables(doc.read_text()) if "record" in t["header"]]
 
 
-def check_table(table: dict, sections: dict[str, str]) -> list[str]:
+def check_table(table: dict) -> list[str]:
     """Every fault of one table, as ``doc:line: what``."""
     faults, header, doc = [], table["header"], table["doc"]
     rec_col = header.index("record")
@@ -182,7 +148,7 @@ def check_table(table: dict, sections: dict[str, str]) -> list[str]:
         texts = []
         for target in targets:
             try:
-                texts.append(record_text(doc, target, sections))
+                texts.append(record_text(doc, target))
             except AssertionError as exc:
                 faults.append(f"{where}: {exc}")
         if not claims:
@@ -194,11 +160,6 @@ def check_table(table: dict, sections: dict[str, str]) -> list[str]:
     return faults
 
 
-@pytest.fixture(scope="module")
-def sections() -> dict[str, str]:
-    return journal_sections()
-
-
 @pytest.mark.parametrize("doc_name,heading", REQUIRED)
 def test_required_tables_cite_records(doc_name, heading):
     found_here = [t for t in published(doc_name) if t["heading"] == heading]
@@ -206,31 +167,33 @@ def test_required_tables_cite_records(doc_name, heading):
 
 
 @pytest.mark.parametrize("doc_name", sorted({d for d, _ in REQUIRED}))
-def test_numbers_match_their_records(doc_name, sections):
-    faults = [f for t in published(doc_name) for f in check_table(t, sections)]
+def test_numbers_match_their_records(doc_name):
+    faults = [f for t in published(doc_name) for f in check_table(t)]
     assert not faults, "\n".join(faults)
 
 
-def test_the_checker_catches_faults(tmp_path, sections):
+def test_the_checker_catches_faults():
     """The mechanism itself: a wrong number, a missing record, a row without one."""
     fake = ROOT / "docs" / "_fake.md"  # never written: check_table only needs its location
-    rec = "[r](../bench/results/small-card-h200-2026-12-01c/predict.txt)"
-    sec = "[r](../bench/RESULTS.md#replay-sweep-speed-issue-2)"
+    rec = "[r](../bench/results/small-card.md)"
+    sec = "[r](../bench/results/replay-speed.md)"
     text = "\n".join([
         "| what | result | reproduce | record |",
         "| --- | --- | --- | --- |",
         f"| ok | **252.6** tok/s | `cmd` | {rec} |",
         f"| wrong | **253.1** tok/s | `cmd` | {rec} |",
-        "| gone | **1.0** | `cmd` | [r](../bench/results/no-such-run/) |",
+        "| gone | **1.0** | `cmd` | [r](../bench/results/no-such-run.md) |",
         "| none | **7.0** | `cmd` | - |",
         "| said | 7.0 | `cmd` | no record in the repository |",
         f"| section | **5.84** s | `cmd` | {sec} |",
         f"| no command | **5.84** s | python x | {sec} |",
+        "| folder | **5.84** s | `cmd` | [r](../bench/results/) |",
+        "| journal | **5.84** s | `cmd` | [r](../bench/RESULTS.md#replay) |",
     ])
     (table,) = [t | {"doc": fake} for t in tables(text)]
-    faults = check_table(table, sections)
+    faults = check_table(table)
     lines = sorted(int(f.split(":")[1]) for f in faults)
-    assert lines == [4, 5, 6, 9], faults
+    assert lines == [4, 5, 6, 9, 10, 11], faults
     assert found("252.6", {"252.62"}) and found("279.9", {"279.87"})
     assert not found("252.7", {"252.62"}) and not found("252.62", {"252.6"})
     assert found("43431", numbers_in("43,431 MiB"))
@@ -256,3 +219,85 @@ def test_readme_probe_link_example_is_its_record():
                    f"no cache {decode['offload_tok_s']:.1f} tok/s",
                    f"at {decode['gather_gbps']:.1f} GB/s"):
         assert figure in block, f"README's probe-link example lacks {figure!r} from its record"
+
+
+CITED = re.compile(r"bench/results/[\w./-]*[\w/]")
+CITERS = ["README.md", "docs/*.md", "tests/*.py", "tests/device/*", "bench/*.py", "bench/*.sh",
+          "bench/*/*.py", "bench/results/*.md", "expertcache_cli/**/*.py", "traces/README.md"]
+
+
+def test_every_cited_record_exists():
+    """A path under bench/results/ named anywhere a reader or a test would follow it (the
+    README, the docs, the records, the tests, the bench scripts, the code's comments)
+    exists, so deleting a record cannot leave a citation behind. Paths with a shell
+    variable or a placeholder in them are a runner's output folder, not a citation, and
+    are left alone."""
+    missing = []
+    for pattern in CITERS:
+        for path in sorted(ROOT.glob(pattern)):
+            if path.name == Path(__file__).name or not path.is_file():
+                continue
+            for line_no, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                for match in CITED.finditer(line):
+                    cited, after = match.group(), line[match.end():match.end() + 1]
+                    if cited.rstrip("/") == "bench/results" or after in ("$", "{", "<", "*"):
+                        continue
+                    if not (ROOT / cited).exists():
+                        missing.append(f"{path.relative_to(ROOT)}:{line_no}: {cited}")
+    assert not missing, "cited records that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_markdown_record_says_when_where_and_how():
+    """Each compact record names its date (in its name or opening lines), its machine's
+    vLLM (or says it ran without one) in its opening lines, and carries the command that
+    reproduces it."""
+    faults = []
+    for record in sorted(RESULTS.glob("*.md")):
+        text = record.read_text()
+        head = "\n".join(text.splitlines()[:6])
+        if not re.search(r"20\d\d-\d\d-\d\d", record.name + head):
+            faults.append(f"{record.name}: no date in its name or opening lines")
+        if not re.search(r"vLLM|CPU only", head):
+            faults.append(f"{record.name}: no vLLM version (or 'no vLLM') in its opening lines")
+        if not re.search(r"bash bench/|python3? bench/|python3? -m |expertcache ", text):
+            faults.append(f"{record.name}: no command that reproduces it")
+    assert not faults, "\n".join(faults)
+
+
+def test_every_results_row_says_what_routing_produced_it():
+    """docs/results.md's record table has a ``routing`` column, filled on every row (a
+    real model's trace, a synthetic trace, random-weight routers, or none): the cache's
+    speed is the routing's as much as its own, so no number may leave it unsaid."""
+    (table,) = [t for t in published("docs/results.md") if t["heading"] == "# Measured numbers"]
+    assert "routing" in table["header"], "docs/results.md's record table has no routing column"
+    col = table["header"].index("routing")
+    empty = [line for line, cells in table["rows"]
+             if len(cells) <= col or cells[col].strip() in ("", "-")]
+    assert not empty, f"docs/results.md: rows that do not say their routing, lines {empty}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading's text."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lstrip("#").strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_section_link_in_the_docs_lands_on_a_heading():
+    """A link to a section (``page.md#anchor``) in the README or the docs names a heading
+    that exists, so renaming a section of docs/results.md or the design cannot strand a
+    reference to it."""
+    broken = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for line_no, line in enumerate(unfenced(doc.read_text()), 1):
+            for target in LINK.findall(line):
+                page, _, anchor = target.partition("#")
+                if not anchor or "://" in page or not (page == "" or page.endswith(".md")):
+                    continue
+                path = doc if page == "" else (doc.parent / page).resolve()
+                if not path.is_file():
+                    broken.append(f"{doc.relative_to(ROOT)}:{line_no}: {target} (no such page)")
+                    continue
+                heads = {_slug(h) for h in unfenced(path.read_text()) if h.startswith("#")}
+                if anchor not in heads:
+                    broken.append(f"{doc.relative_to(ROOT)}:{line_no}: {target}")
+    assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)

@@ -60,8 +60,8 @@ if os.environ.get("EC_BENCH_MEM") == "1":
             _history_report()
         torch.cuda.synchronize()
         # after the arming history: each measured call records its own, reported below
-        # when the call raised the peak (stop 18: a staged 8,192-token profile step peaks
-        # 0.44-0.79 GiB above in place's, and not in layers 0-1)
+        # when the call raised the peak (a warm staged 8,192-token profile step peaked up
+        # to 0.82 GiB above in place's, and not in layers 0-1: bench/results/wide-steps.md)
         own = not _recording["on"] and _history(True)
         alloc, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
         # non-torch memory: what the device has in use beyond torch's reserved pool
@@ -127,8 +127,9 @@ if os.environ.get("EC_BENCH_MEM") == "1":
     _rt.ArmedLayer.forward_modular = _forward
     _rt.ArmedLayer._checked_call = _checked
 
-    # Who raised the peak before the first MoE call (stop 16: in place, the peak was 0.52
-    # GiB above allocated already at layer 0's first call of the profile step, staged not):
+    # Who raised the peak before the first MoE call (a cold in-place start was 0.52 GiB
+    # above allocated already at layer 0's first call of the profile step, staged not;
+    # bench/results/memory.md):
     # the allocator's history is recorded from the end of arming to layer 0's first call,
     # and its big allocations are logged with the Python frames that made them.
     from expertcache_cli.plugin import session as _session

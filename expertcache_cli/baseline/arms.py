@@ -86,8 +86,8 @@ class Arm:
 
 #: Seconds vLLM's API server gives its engine process to exit when the baseline stops a
 #: cache arm's server. vLLM's default (0, "abort") SIGKILLs the engine right after its
-#: SIGTERM, before the engine's shutdown logs the plugin's final counters (seen on the
-#: H200: 2 of 6 cache servers lost the line). The server is idle when stopped, so a drain
+#: SIGTERM, before the engine's shutdown logs the plugin's final counters (source in
+#: docs/design.md, measured constants). The server is idle when stopped, so a drain
 #: costs nothing measured; only cache arms get it (they alone log counters, and a vLLM too
 #: old for the flag is too old for the plugin), so resident and offload stay stock.
 #: (`server.Server.stop` does the other half: only the leader gets SIGINT.)

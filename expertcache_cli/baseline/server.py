@@ -247,9 +247,9 @@ class Server:
         process itself with one SIGTERM, which the engine handles (drains, runs its
         shutdown, where the plugin logs its final counters). Signalling the whole group
         gives the engine a second signal that can land after vLLM restored the default
-        handlers, killing it mid-shutdown (seen on the H200: 2 of 3 servers lost the final
-        line). Waits until no process of the group is left, so the next arm starts on a
-        quiet machine with its port and memory free.
+        handlers, killing it mid-shutdown (2 of 3 servers lost the final line that way;
+        bench/results/baseline.md). Waits until no process of the group is left, so the
+        next arm starts on a quiet machine with its port and memory free.
         """
         if self.proc is None:
             return

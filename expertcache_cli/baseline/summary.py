@@ -181,10 +181,10 @@ def _rushed(df, suspect):
 
     A held-back backlog arrives far faster than the arm ever decodes (the CPU example:
     604-19,739 "tok/s" against ~130). A slow first token followed by a decode at the arm's
-    usual rate measured the decode and counts (on the H200, vLLM compiling a Triton kernel
-    for the first prefix-cached prefill of a fresh machine: TTFT 0.72 s, then 585 tok/s
-    like its peers). "Usual" is the median of the arm's unsuspected runs, or of all its
-    runs when every one is suspect.
+    usual rate measured the decode and counts (vLLM compiling a Triton kernel for the first
+    prefix-cached prefill of a fresh machine: TTFT 0.72 s, then 585 tok/s like its peers).
+    "Usual" is the median of the arm's unsuspected runs, or of all its runs when every one
+    is suspect.
     """
     clean = df["tok_s"].where(~suspect)
     usual = clean.groupby(df["arm"]).transform("median")

@@ -120,7 +120,7 @@ def passthrough_args(extra: Sequence[str], argv: Sequence[str] | None = None) ->
 
 
 #: the help both `replay` and `plan` give their wide-step options
-WIDE_HELP = ("what a step wider than the slots does: in-place (the plugin today), staged "
+WIDE_HELP = ("what a step wider than the slots does: in-place (the plugin's default), staged "
              "(hits from slots, misses fetched once into a scratch) or staged-install")
 BATCH_HELP = ("re-batch the trace's decode steps into N interleaved streams (what N users "
               "would cost), each step padded as the server pads it (--max-num-seqs, the "

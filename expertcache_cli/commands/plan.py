@@ -48,9 +48,9 @@ def _link(link_gbps: float | None, probe_file: Path | None, model: str | None,
         return planner.read_probe(probe_file)
     if card is not None:
         return typical_link_gbps(card), (
-            f"typical for the {card.label} on {card.link} (the H200's measured share of its "
-            "link, scaled): an estimate; `probe-link --save FILE` on the machine and --probe "
-            "FILE measure yours"), None
+            f"typical for the {card.label} on {card.link} (the measured share of a Gen5 "
+            "x16 link the gather reaches, scaled): an estimate; `probe-link --save FILE` on "
+            "the machine and --probe FILE measure yours"), None
     from .. import probe
     from ..device.kernel_check import device_arch
 

@@ -6,7 +6,7 @@ or a small card is emulated on a big one), 0.9 of the GPU is not 0.9 of the card
 the plan must pass vLLM the card's share instead. ``nvidia-smi`` answers without
 importing torch or creating a CUDA context. The total it reports includes memory the
 driver reserves; vLLM sees ``total - reserved`` (what ``cudaMemGetInfo`` reports: 139.8
-GiB on the H200 whose nvidia-smi total is 140.4), so that is what is returned.
+GiB on an H200 whose nvidia-smi total is 140.4), so that is what is returned.
 """
 
 from __future__ import annotations

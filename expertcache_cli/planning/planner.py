@@ -11,9 +11,9 @@ link's measured rate on top of the resident decode time:
 ids of read-through steps), ``R`` the fully resident decode rate on the same GPU, and
 ``step_us`` what the cache's step costs per MoE layer even when every expert hits (the
 manager and a gather with nothing to copy: `probe-link`'s ``step`` measurement; 0 when it
-was not measured, and the source says so). On the H200 the arithmetic without the step
-predicted 34.2 and 49.5 tok/s where 34.98 and 50.22 were measured (24 layers), and 270.4
-where 252.6 was measured (48 layers: 0.26 ms a token of cache steps the formula left out).
+was not measured, and the source says so). Without the step term the arithmetic predicted
+270.4 tok/s where 252.6 was measured on a 48-layer model: 0.26 ms a token of cache steps
+(bench/results/small-card.md).
 Each input says where it came from (given, a saved probe, a baseline results file), so a
 prediction is never quieter about its basis than a measurement.
 
@@ -66,8 +66,8 @@ def predict_ms(misses_per_token: float, inputs: Inputs,
 
 
 #: single-stream resident rates above this are where vLLM's host work, not the GPU, may pace
-#: decoding (H200: an 8-layer model at 614 tok/s was host-paced, measured 1.22x the
-#: prediction; the 48-layer W8A8 model at 280 tok/s was GPU-paced, within 7% of it)
+#: decoding, so the additive sum can under-predict; measured, source in
+#: docs/design.md, measured constants
 HOST_PACED_TOK_S = 400.0
 
 
@@ -267,7 +267,7 @@ def plan_trace(
             f"resident {inputs.resident_tok_s:.0f} tok/s is {1000 / inputs.resident_tok_s:.2f} "
             "ms a token, where vLLM's per-token host work rather than the GPU may set the pace: "
             "installs then partly hide in GPU idle time and the measured rate can beat this "
-            "prediction (H200, an 8-layer model at 614 tok/s resident: 1.22x it)")
+            "prediction (measured: an 8-layer model at 614 tok/s resident ran 1.22x it)")
     if batch:
         notes.append(server.describe_batch(batch))
         notes.append(f"re-batched to {batch} streams from one stream's routing: the resident "

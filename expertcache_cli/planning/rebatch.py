@@ -105,8 +105,9 @@ def shared_requests(single: np.ndarray, starts, streams: int | None = None) -> d
 
     Why: the streams are copies of one recording, so two streams inside the same request
     route alike and share its experts, and a re-batch of a trace that is mostly one
-    request prices ``n`` users as one (H200, 24 layers: a one-request trace re-batched to 16
-    streams predicted 180 tok/s in place; 16 users with their own prompts ran 41). A
+    request prices ``n`` users as one (24 layers: a one-request trace re-batched to 16 streams
+    predicted 180 tok/s in place; 16 users with their own prompts ran 41;
+    bench/results/wide-steps.md). A
     request is a run of decode steps between two steps that are not (a prefill starts
     each). ``single``: ``[T]`` bool, the trace's decode steps; ``starts``: each stream's
     first decode step (streams starting together are in one request: counted once);

@@ -14,7 +14,7 @@ How vLLM sizes its KV cache differs by release (`plan_mechanism` reads which, fr
 
 The 0.26 story: The plugin allocates
 the slot buffers right after ``Worker.load_model`` returns, between those two
-measurements, so neither sees them: at ``--gpu-memory-utilization 0.3`` on the H200 the
+measurements, so neither sees them: at ``--gpu-memory-utilization 0.3`` the
 KV cache took the same 41 GiB with 8.4 GiB of slots as without, the server overshot its
 budget by the slot bytes, and on an emulated 24 GiB card it ran out of memory at start.
 
@@ -178,7 +178,7 @@ def compiled_here() -> int:
     start, 0 on a warm one or where nothing says.
 
     vLLM's own counter (``num_inductor_compiles``) is not enough: it also counts graphs that
-    vLLM's cache missed but Inductor's FX-graph cache served (the H200, vLLM 0.26: 46 of a
+    vLLM's cache missed but Inductor's FX-graph cache served (vLLM 0.26: 46 of a
     warm start's 49 graphs, loaded in 1.9 s, with +0.13 GiB above allocated at the first
     MoE call against a cold start's +0.52). Inductor's cache counters say which graphs it
     generated code for: misses are cold compiles; hits and no misses, a warm start. Only

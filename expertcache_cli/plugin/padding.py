@@ -2,9 +2,9 @@
 
 Why: vLLM pads a decode batch up to its next captured graph size. The padded rows carry
 router ids computed from garbage hidden states; fed to the manager they install experts
-nobody asked for and count as requests. Measured on the H200 with vLLM 0.26's V1 runner
-(bench/RESULTS.md, small-card, padding): 5 streams run as the 8-graph made 46% more expert
-requests, 2.9% more installs and 4.0% less throughput than an exact 5-graph.
+nobody asked for and count as requests. Measured with vLLM 0.26's V1 runner
+(bench/results/padding.md): 5 streams run as the 8-graph made 46% more expert requests,
+2.9% more installs and 4.0% less throughput than an exact 5-graph.
 
 Two places vLLM says which rows are real, both device tensors at fixed addresses written
 before each step, so a captured graph reads the current step's value at replay:

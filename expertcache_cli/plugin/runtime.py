@@ -81,8 +81,8 @@ CHECK_TOLERANCE = 0.02
 CHECK_ATTEMPTS = 16
 #: token rows the check's reference call computes: the path's whole output is kept, but
 #: the stock path runs again only on its first rows. At vLLM's profile step (2,048 tokens
-#: or more) the full reference added its activations to the peak that sizes the KV cache:
-#: on the staged W8A8 48-layer server the check cost 0.78 GiB of KV (H200).
+#: or more) the full reference added its activations to the peak that sizes the KV cache
+#: (source in docs/design.md, measured constants).
 CHECK_ROWS = 256
 #: seed of the sweep's synthetic inputs (the same steps on every tensor-parallel rank)
 SWEEP_SEED = 0

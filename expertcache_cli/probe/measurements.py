@@ -245,7 +245,8 @@ def measure_step(torch, device: int, n_tensors: int, num_experts: int, top_k: in
 
     ``cold``: before each layer's step a kernel writes `evict_bytes` of other memory, as a
     served decode step's attention and other layers do, so the step finds its state out of
-    L2 (served on the H200 the manager took 3.56 us a call against ~2.4 us warm); the same
+    L2 (served, the manager took 3.56 us a call against ~2.4 us warm:
+    bench/results/all-hit.md); the same
     graph without the steps is timed too and taken off."""
     from ..device.slotcache import SlotCache
 

@@ -103,6 +103,6 @@ def trap_text(max_num_seqs: int, padded: int, top_k: int, slots: int, safe: int,
         f"sizing trap: {batch} x top_k {top_k} = {padded * top_k} ids > {slots} slots: "
         f"batched decode steps bypass the cache silently; --max-num-seqs {safe} keeps every "
         "decode step on it; --wide staged-install (EXPERT_CACHE_WIDE=staged-install) "
-        "stages them through a VRAM scratch instead (H200, 16 streams: 1.71x the offload "
-        "floor, where in place ran at it)"
+        "stages them through a VRAM scratch instead (measured at 16 streams: 1.71x the "
+        "offload floor, where in place runs at it)"
     )

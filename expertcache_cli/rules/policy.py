@@ -22,7 +22,7 @@ Rules, per layer and per step (docs/design.md, The cache rules):
 6. Install: the victim's old expert loses its table entry; ``prio = step`` (LRU) or 1 (LFU).
 
 Wide steps (``tokens x top_k > S``; docs/design.md, Wide steps) follow one of three
-modes (`Wide`): ``in-place`` (the plugin today: the cache is untouched and every routed
+modes (`Wide`): ``in-place`` (the plugin's default: the cache is untouched and every routed
 expert is read over the link in place), ``staged`` (the step's hits are served from the
 slots and refreshed as in rule 3, with rule 4; its misses are fetched once into a scratch
 buffer; nothing is installed) or ``staged-install`` (a full manager step without the

@@ -80,7 +80,7 @@ def replay(
     wide: Wide | str = Wide.IN_PLACE,
 ) -> ReplayReport:
     """Replay ``trace`` under every (policy, slots); LRU and OPT are added for the ratios.
-    ``wide``: what a step wider than the slots does (the plugin today: in place)."""
+    ``wide``: what a step wider than the slots does (the plugin's default: in place)."""
     wanted = list(dict.fromkeys(policies))
     run = list(dict.fromkeys([*wanted, Policy.LRU, Policy.OPT]))
     counts = engine.sweep(

@@ -21,10 +21,10 @@ from ..errors import UserError
 MiB = 1024**2
 GiB = 1024**3
 
-#: What the cache's gather reaches of a PCIe link's per-direction rate: the H200 on PCIe
-#: Gen5 x16 read 51.3 GB/s through its SMs from pinned host memory, of the link's 63.0
-#: (docs/design.md, facts measured). `plan` scales the other generations by the same
-#: fraction when nothing was probed: an estimate, and it says so.
+#: What the cache's gather reaches of a PCIe link's per-direction rate: 51.3 GB/s of a
+#: Gen5 x16 link's 63.0, measured (source in docs/design.md, measured constants). `plan`
+#: scales the other generations by the same fraction when nothing was probed: an
+#: estimate, and it says so.
 GATHER_FRACTION_OF_LINK = 51.3 / 63.0
 
 #: GB/s one way for an x16 link of each PCIe generation (after line coding)
@@ -117,7 +117,7 @@ def vram_label(gib: float, card: Card | None) -> str:
 
 
 def typical_link_gbps(card: Card) -> float:
-    """The gather rate a card's usual slot gives, scaled from the H200's measured fraction
-    of its own link (`GATHER_FRACTION_OF_LINK`): an estimate for planning without a probe."""
+    """The gather rate a card's usual slot gives, scaled from the measured fraction of a
+    Gen5 x16 link (`GATHER_FRACTION_OF_LINK`): an estimate for planning without a probe."""
     per_lane = _PCIE_X16_GBPS[card.pcie_gen] / 16
     return round(per_lane * card.pcie_lanes * GATHER_FRACTION_OF_LINK, 1)

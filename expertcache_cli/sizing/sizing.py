@@ -39,16 +39,14 @@ _BIG_CARD_GIB = 70
 #: with what vLLM's startup log reports on the user's machine.
 FIXED_OVERHEAD_BYTES = GiB // 2
 
-#: CUDA-graph memory per captured batch size and decoder layer. Measured (H200, vLLM 0.26,
-#: the 48-layer W8A8 Qwen3-30B-A3B shape): "Graph capturing ... took 0.95 GiB" for 51
-#: sizes (1-512), 0.07-0.08 GiB for 4-5 (1-16): per graph, not per token captured.
+#: CUDA-graph memory per captured batch size and decoder layer: it grows with the number
+#: of graphs, not the tokens each captures. Measured; source in docs/design.md, measured constants.
 GRAPH_BYTES_PER_LAYER = int(0.95 * GiB / (51 * 48))
 
 #: Bytes per logit of the sampler's warm-up (vLLM samples ``max_num_seqs`` dummy requests
 #: with top-k and top-p on after the KV cache is allocated): fp32 logits, the sorted
 #: values and their int64 indices, softmax and cumulative probabilities, and masks live
-#: at once. At 256 sequences of a 151,936-token vocabulary it ran a 16 GiB card out of
-#: memory where 8 bytes a logit had been planned.
+#: at once. Source in docs/design.md, measured constants.
 SAMPLER_BYTES_PER_LOGIT = 32
 
 
@@ -274,10 +272,11 @@ class SizePlan:
         return d
 
 
-#: Measured, not modelled: at 8,192 batched tokens a staged server's profile step peaked
-#: this much above the runtime estimate on the H200 (warm restarts; at 2,048, `vllm
-#: serve`'s default under 70 GiB, nothing). Unexplained, so a staged plan wider than
-#: ``STAGED_PEAK_FREE_TOKENS`` counts it as runtime memory rather than promise it to KV.
+#: Measured, not modelled: how far a warm staged server's profile step peaked above the
+#: runtime estimate at 8,192 batched tokens (nothing at 2,048, `vllm serve`'s default
+#: under 70 GiB). Unexplained, so a staged plan wider than ``STAGED_PEAK_FREE_TOKENS``
+#: counts it as runtime memory rather than promise it to KV. Source in
+#: docs/design.md, measured constants.
 STAGED_WARM_PEAK_GIB = 0.82
 STAGED_PEAK_FREE_TOKENS = 2048
 
@@ -287,8 +286,9 @@ def scratch_break_even(slots: int, num_experts: int, top_k: int, cost_slots: flo
 
     Why: when every decode batch fits the slots, the scratch only serves prefills, and it
     is paid for in slots. A prefill chunk staged reads the ``slots`` experts the layer
-    holds from VRAM instead of host memory (in place reads every routed expert from host,
-    H200: 580 ms for a 512-token prompt in place, 318 staged, 24 layers), so it saves about
+    holds from VRAM instead of host memory (in place reads every routed expert from host:
+    a 512-token prompt took 580 ms in place and 318 staged at 24 layers, bench/results/
+    wide-steps.md), so it saves about
     ``slots`` host reads a layer; every decoded token misses about ``top_k x cost_slots / E``
     more experts a layer with ``cost_slots`` fewer slots, if routing were uniform (real
     routing's locality changes both sides; `plan --wide` on a trace prices it exactly).

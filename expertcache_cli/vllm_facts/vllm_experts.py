@@ -11,12 +11,12 @@ importing nothing.
 
 MXFP4 has a worse trap: on Hopper vLLM (0.26 to 0.33) prefers triton_kernels, whose
 weight processing swaps the expert Parameters for swizzled tensors held as plain
-attributes, which the offloader never re-offloads. Measured on the H200 (vLLM 0.26, an
-8-layer gpt-oss-20b-shaped checkpoint): "Total CPU offloaded parameters: 3.16" GB and
-still 5.8 GiB of weights in VRAM, the whole model. Offloading MXFP4 experts therefore
-needs ``--moe-backend marlin`` (its repacked weights replace the Parameters by name, so
-vLLM moves them back to host memory, and the plugin arms Marlin); `offload_backend_args`
-adds it, or refuses the backends that keep the experts in VRAM.
+attributes, which the offloader never re-offloads. Measured with vLLM 0.26 on an
+8-layer gpt-oss-20b-shaped checkpoint (bench/results/formats.md): "Total CPU offloaded
+parameters: 3.16" GB and still 5.8 GiB of weights in VRAM, the whole model. Offloading
+MXFP4 experts therefore needs ``--moe-backend marlin`` (its repacked weights replace the
+Parameters by name, so vLLM moves them back to host memory, and the plugin arms Marlin);
+`offload_backend_args` adds it, or refuses the backends that keep the experts in VRAM.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def offload_backend_args(quant: str, args: list[str], marlin: bool | None,
     which = f"vLLM {version}" if version else "vLLM"
     stays = ("triton_kernels' MXFP4 layout is held outside the layer's parameters, where "
              "vLLM's offloader cannot move it, so every expert stays in VRAM whatever "
-             "--cpu-offload-gb says (seen on the H200 with vLLM 0.26)")
+             "--cpu-offload-gb says (measured with vLLM 0.26)")
     chosen = vllm_flags.vllm_flag_value(args, "--moe-backend")
     chosen = chosen.strip().lower() if chosen is not None else None
     if chosen in (*MXFP4_VRAM_BACKENDS, "auto"):

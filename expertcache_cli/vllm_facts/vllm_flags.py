@@ -97,8 +97,8 @@ def online_quantization_refusal(args: Sequence[str], model_quant: str, model_nam
 
     Online quantisation creates the expert weights on the meta device and fills them while
     loading; vLLM's UVA offloader copies every selected parameter to the host before that,
-    and a meta tensor has no data: vLLM 0.26 died at load on the H200 ("Cannot copy out of
-    meta tensor"), and 0.27-0.33 create and offload them the same way (read in their
+    and a meta tensor has no data: vLLM 0.26 died at load ("Cannot copy out of meta
+    tensor"), and 0.27-0.33 create and offload them the same way (read in their
     sources: online/moe_base.py, offloader/uva.py).
     """
     q = vllm_flag_value(_aliases(args), "--quantization")

@@ -7,7 +7,7 @@ Qwen2-MoE, GraniteMoE, ...), in 0.33 for nearly everything. The expert offload
 (``--cpu-offload-gb``) only happens where the runner installs vLLM's offloader before it
 builds the model (``set_offloader(create_offloader(...))``). vLLM 0.26's V2 runner never
 does: the flag is silently ignored, every expert is allocated in VRAM, and a card too
-small for the experts dies at load (seen on the H200 with a 24 GiB card emulated:
+small for the experts dies at load (seen on an emulated 24 GiB card:
 ``OutOfMemoryError`` while creating the W8A8 expert weights). 0.32's and 0.33's V2 runners
 install it.
 

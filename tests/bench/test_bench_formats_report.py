@@ -152,8 +152,9 @@ def test_main_prints_the_table(tmp_path, capsys):
 
 
 def test_each_bracketed_all_hit_server_says_its_tokens_compile_and_slot_audit():
-    """The A/B/A lines carry what tells one all-hit server from another (stop 17: one of
-    three had other tokens than resident's; it was also the only cold compile)."""
+    """The A/B/A lines carry what tells one all-hit server from another (one of three
+    had other tokens than resident's; it was also the only cold compile:
+    bench/results/all-hit.md)."""
     other = {"tokens": ["w1", "w9"], "logprob": [-0.1, -0.3], "margin": [1.0, 0.5]}
     hot = rec([470.0], hit_rate=0.998, greedy=other)
     hot["log"].update(compile="cold", audit_line="expertcache: slot audit at shutdown: 768 ...")

@@ -94,7 +94,8 @@ def test_the_memory_hook_pins_a_peak_rise_on_the_checks_reference_call():
 
 def test_the_memory_history_names_the_big_allocations_and_whether_they_were_freed():
     """EC_BENCH_MEM's allocator history: only allocations past the size, freed or held, with
-    the innermost frames outside torch (the profile step's 0.52 GiB in place, stop 16)."""
+    the innermost frames outside torch (the profile step's 0.52 GiB in place,
+    bench/results/memory.md)."""
     import importlib.util
 
     # by path, under its own name: the interpreter may have a sitecustomize of its own

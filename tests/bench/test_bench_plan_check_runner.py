@@ -100,7 +100,7 @@ def test_traces_none_measures_only_the_resident_rate(runner):
 def test_plan_arm_can_be_left_out_and_a_copied_resident_baseline_is_reused(runner):
     run, tmp = runner
     (tmp / "pc").mkdir(parents=True, exist_ok=True)
-    src = ROOT / "bench/results/plan-check-h200-2026-12-01-24l/bl-resident-24.jsonl"
+    src = ROOT / "tests/data/plan-check-resident-24.jsonl"
     (tmp / "pc/bl-resident-24.jsonl").write_text(src.read_text())
     calls = run(TRACES="zipf", LAYERS="24", PLAN_ARM="0")
     baselines = _cmd(calls, "expertcache_cli baseline")

@@ -98,8 +98,9 @@ def test_mem24_starts_four_servers_with_the_memory_hook_and_keeps_their_lines(ru
 
 
 def test_mem24_by_default_serves_in_place_twice_around_staged(runner):
-    """The check's cost is measured (stop 16): by default no nocheck server; in place last
-    again, with vLLM's compile cache warm; an unknown name is said and skipped."""
+    """The check's cost is measured (bench/results/memory.md): by default no nocheck
+    server; in place last again, with vLLM's compile cache warm; an unknown name is said
+    and skipped."""
     run, tmp = runner
     calls, stdout = run(STEPS="setup mem24")
     serves = [c for c in calls if c.startswith("-m expertcache_cli serve")]

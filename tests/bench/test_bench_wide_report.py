@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import wide_report  # noqa: E402
 
-PROBE = ROOT / "bench" / "results" / "formats-h200-2026-12-01-24l" / "fp8-block-probe.json"
+PROBE = ROOT / "tests" / "data" / "fp8-block-probe.json"
 SIZE = {"num_layers": 24, "num_moe_layers": 24, "num_experts": 128,
         "bytes_per_expert": 9437184, "max_num_batched_tokens": 8192}
 

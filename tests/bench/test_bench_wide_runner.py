@@ -60,8 +60,7 @@ def runner(tmp_path):
     run = make_runner(tmp_path, "run_wide_on_device.sh", ("e2e_vllm.py", "wide_report.py"),
                       STUB, keep_bench_helpers=True, WSD=str(tmp_path / "ws"),
                       MODEL_DIR=str(tmp_path / "models"),
-                      PROBE_SRC=str(ROOT / "bench" / "results" / "formats-h200-2026-12-01-24l"
-                                    / "fp8-block-probe.json"))
+                      PROBE_SRC=str(ROOT / "tests" / "data" / "fp8-block-probe.json"))
     return run, tmp_path
 
 
@@ -81,7 +80,7 @@ def test_every_arm_then_the_predictions_and_the_summary(runner):
     assert "--cpu-offload-gb" not in by["resident"]
     assert "EXPERT_CACHE_WIDE=staged-install" in by["staged"]
     assert f"EXPERT_CACHE_TRACE={tmp / 'ws' / 'one.npz'}" in by["trace1"]
-    # decode rounds of 64 tokens a stream (the table fits one session's device time); the
+    # decode rounds of 64 tokens a stream (the whole table fits one run); the
     # trace is 48 requests of that shape in turn, no decode rounds of its own
     assert all("--max-tokens 64" in c for c in by.values())
     assert "--streams --requests 48 --greedy-streams 0" in by["trace1"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device session for the kernels: build (NVRTC + nvcc), every device test, every
+# One device run for the kernels: build (NVRTC + nvcc), every device test, every
 # kernel benchmark; logs go to $OUT (or ./out). Usage on the GPU box, from the repo root:
 #   bash tests/device/run_on_device.sh [tests|bench|all|sanitize]
 set -uo pipefail
