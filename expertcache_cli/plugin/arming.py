@@ -387,7 +387,9 @@ def summary_line(
     if first.marlin:
         parts.append(f"experts kernel {first.kernel} (vLLM {first.layout} layout, blocks "
                      "kept in expert order)")
-    staged = cfg.wide.value != "in-place"
+    from ..rules.policy import Wide
+
+    staged = cfg.wide is not Wide.IN_PLACE
     if staged:
         parts.append(f"wide steps {cfg.wide.value} through a {scratch_bytes / 2**30:.2f} GiB "
                      "scratch")

@@ -137,6 +137,8 @@ class Session:
     def report(self, final: bool = False, totals: dict[str, Any] | None = None) -> None:
         """Log the hit rate since the last report and overall (``totals``: counters already
         on the host; read now, with a sync, when not given)."""
+        from ..rules.policy import Wide
+
         t = self.totals() if totals is None else totals
         req, ins = t["requests"], t["installs"]
         # experts a staged wide step fetched into the scratch were misses too
@@ -146,7 +148,7 @@ class Session:
         hit = 100.0 * (1 - miss / req) if req else float("nan")
         win = 100.0 * (1 - d_miss / d_req) if d_req else float("nan")
         staged = (f" staged steps={t['staged_steps']} (fetched {t['staged_fetched']})"
-                  if self.cfg.wide.value != "in-place" else "")
+                  if self.cfg.wide is not Wide.IN_PLACE else "")
         log.info(
             "expertcache: %s hit rate %.2f%% since last report, %.2f%% overall "
             "(requests=%d installs=%d read-through steps=%d (decode-width %d)%s over %d "
