@@ -501,8 +501,6 @@ def _plan_for(
     restart served. With the size given, the profile still runs (and compiles) but no
     longer decides the KV cache.
     """
-    from ..device.scratch import scratch_bytes
-
     wide_mode = wide
     _check_inputs(vram_gb=vram_gb, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, kv_tokens=kv_tokens,
@@ -517,121 +515,50 @@ def _plan_for(
     vram_gb, device, gpu_memory_utilization, budget, notes_device = _card_budget(
         float(vram_gb), device_total_gib, gpu_memory_utilization)
     graphs = graphs if graphs is not None else capture.settings_from_vllm_args([])
-    if slots is not None and fraction is not None:
-        raise UserError("give --slots or --fraction, not both")
-    if fraction is not None:
-        try:
-            rules.check_fraction(fraction)
-        except ValueError as exc:
-            raise UserError(f"--fraction: {exc}") from None
-    if slots is not None and not 0 <= slots <= model.num_experts:
-        raise UserError(f"--slots must be between 0 and {model.num_experts} (the expert count)")
-    if slots is not None and slots < model.num_experts:  # (all of them: no cache, checked)
-        try:
-            rules.check_slots(slots, model.num_experts)
-        except ValueError as exc:
-            raise UserError(f"--slots {exc}") from None
+    forced_slots = _forced_slots(model, slots, fraction)
     d_seqs, d_batched = vllm_defaults(vram_gb)
     max_model_len = int(max_model_len if max_model_len is not None
                         else model.max_position_embeddings)
     max_num_seqs = int(max_num_seqs if max_num_seqs is not None else d_seqs)
     max_num_batched_tokens = int(max_num_batched_tokens if max_num_batched_tokens is not None
                                  else d_batched)
-    kv_scale = {"auto": 1.0, "bf16": 1.0, "fp16": 1.0, "fp8": 0.5, "fp8_e4m3": 0.5,
-                "fp8_e5m2": 0.5}.get(kv_cache_dtype.lower())
-    if kv_scale is None:
-        raise UserError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}: auto, fp8")
     kv_tokens = int(kv_tokens if kv_tokens is not None else max_model_len)
-    kv_per_tok = int(model.kv_bytes_per_token * kv_scale)
-    seqs_for_window = max(1, min(max_num_seqs, kv_tokens // max(1, max_model_len)))
-    kv_reserved = kv_tokens * kv_per_tok + int(
-        model.kv_window_bytes_per_seq * kv_scale * seqs_for_window
-    )
-    if kv_cache_memory_bytes is not None:
-        one_seq = max_model_len * kv_per_tok + int(model.kv_window_bytes_per_seq * kv_scale)
-        if kv_cache_memory_bytes < one_seq:
-            raise UserError(
-                f"--kv-cache-memory-bytes {kv_cache_memory_bytes:,} cannot hold one "
-                f"--max-model-len {max_model_len} sequence ({one_seq:,} B): vLLM would refuse "
-                "to start; give more, or a shorter --max-model-len")
-        kv_reserved = int(kv_cache_memory_bytes)
-    staged_peak = (int(STAGED_WARM_PEAK_GIB * GiB) if wide_mode is not Wide.IN_PLACE
-                   and max_num_batched_tokens > STAGED_PEAK_FREE_TOKENS else 0)
-    overhead = (
-        int(overhead_gb * GiB)
-        if overhead_gb is not None
-        else runtime_overhead_bytes(
-            model, max_num_seqs, max_num_batched_tokens,
-            len(capture.capture_sizes(max_num_seqs, max_num_batched_tokens, graphs)))
-        + staged_peak
-    )
+    kv_per_tok, kv_reserved = _kv_reserve(
+        model, kv_cache_dtype=kv_cache_dtype, kv_tokens=kv_tokens, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_memory_bytes)
+    overhead, staged_peak = _runtime_reserve(
+        model, wide_mode, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, graphs=graphs, overhead_gb=overhead_gb)
     resident_need = model.non_expert_bytes + kv_reserved + overhead
-    slot_budget = budget - resident_need
-    fits_outright = slot_budget >= model.expert_bytes
-    per_slot = model.bytes_per_slot
-    scratch = (0 if wide_mode is Wide.IN_PLACE
-               else scratch_bytes(model.num_experts, model.bytes_per_expert))
-    if fits_outright:
-        scratch = 0  # the scratch is the cache's, not needed without offload
-    slot_budget -= scratch
-    max_slots = max(0, min(model.num_experts, slot_budget // per_slot)) if slot_budget > 0 else 0
-    # fitting outright is a question about the card (at most 0.99 of it), answered in
-    # vLLM's terms: a fraction of the GPU it runs on
-    need_card = (resident_need + model.expert_bytes) / (vram_gb * GiB)
-    util_fit = None
-    if need_card <= 0.99:
-        util_fit = (math.ceil(need_card * vram_gb / device * 1e4) / 1e4 if device > vram_gb
-                    else round(math.ceil(need_card * 100) / 100, 2))
+    slot_budget, scratch, max_slots, fits_outright = _slot_room(
+        model, wide_mode, budget - resident_need)
+    util_fit = _utilization_to_fit(resident_need + model.expert_bytes, vram_gb, device)
 
-    forced = slots is not None or fraction is not None
-    if fraction is not None:
-        slots = rules.slots_from_fraction(fraction, model.num_experts)
-    planned = int(slots) if forced else max_slots
+    forced = forced_slots is not None
+    planned = forced_slots if forced_slots is not None else max_slots
     notes = list(model.notes) + notes_device
-    E, k = model.num_experts, model.top_k
-    gib = lambda b: b / GiB  # noqa: E731
     verdict, planned, text = _decide(
         model, budget=budget, slot_budget=slot_budget, kv_reserved=kv_reserved,
         overhead=overhead, planned=planned, max_slots=max_slots, forced=forced,
         fits_outright=fits_outright, util_fit=util_fit,
         gpu_memory_utilization=gpu_memory_utilization, moe_backend=moe_backend, notes=notes)
 
-    # speculative decoding: every sequence of a verify step carries its k draft tokens
-    q = 1 + max(int(speculative_tokens or 0), 0)
-    widest = capture.padded_batch(max_num_seqs, max_num_batched_tokens, graphs, q)
-    trap_ids = widest * k
-    # the budget a full decode step must fit: the slots, or a per-layer plan's narrowest
-    judged = min(planned, narrowest) if narrowest else planned
-    # a full batch wider than the slots: staged through the scratch, else the trap
-    wide_batch = verdict is Verdict.CACHE and trap_ids > judged
-    trap = wide_batch and not scratch
-    safe = (capture.safe_max_num_seqs(judged, k, max_num_batched_tokens, graphs, q)
-            if verdict is Verdict.CACHE else 0)
-    if trap:
-        notes.append(rules.trap_text(max_num_seqs, widest, k, judged, safe, graphs.source,
-                                     q - 1))
+    step = _decode_step(model, verdict, planned, narrowest=narrowest, scratch=scratch,
+                        max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens, graphs=graphs,
+                        speculative_tokens=speculative_tokens)
+    if step.trap:
+        notes.append(rules.trap_text(max_num_seqs, step.widest, model.top_k, step.judged,
+                                     step.safe, graphs.source, step.q - 1))
     break_even = None
     if scratch and verdict.offloads:
-        cost = scratch / per_slot
-        if verdict is Verdict.CACHE and not wide_batch:
-            break_even = scratch_break_even(planned, E, k, cost)
-        notes.append(
-            f"wide steps {wide_mode.value}: the scratch (one layer's {E} experts, "
-            f"{gib(scratch):.2f} GiB) costs {cost:.1f} slots a layer"
-            + (f"; a full batch ({trap_ids} ids > {planned} slots) is staged through it"
-               if wide_batch else "")
-            + ("; it leaves fewer than top_k slots: it costs more than it saves, serve in "
-               "place instead" if verdict is Verdict.OFFLOAD_NO_CACHE else "")
-            + (f"; with every decode batch narrow it saves only prefills: under uniform "
-               f"routing it pays while requests decode fewer than ~{break_even:,} tokens a "
-               "prompt, and costs more than it saves past that"
-               if break_even is not None else "")
-            + ("; `plan --wide` prices the trade on your trace"
-               if verdict is Verdict.CACHE else "")
-            + (f"; the runtime estimate includes the {STAGED_WARM_PEAK_GIB:.2f} GiB a staged "
-               f"server's profile step peaked above it at more than "
-               f"{STAGED_PEAK_FREE_TOKENS:,} batched tokens (measured, not modelled)"
-               if staged_peak and overhead_gb is None else ""))
+        cost = scratch / model.bytes_per_slot
+        if verdict is Verdict.CACHE and not step.wide_batch:
+            break_even = scratch_break_even(planned, model.num_experts, model.top_k, cost)
+        notes.append(_scratch_note(
+            model, wide_mode, verdict, scratch=scratch, planned=planned, step=step,
+            break_even=break_even,
+            staged_peak=bool(staged_peak and overhead_gb is None)))
     if (verdict.offloads and not forced and max_model_len > 8192
             and kv_tokens == max_model_len and kv_reserved > budget // 10):
         short = _plan_for(model, vram_gb, 8192, max_num_seqs, gpu_memory_utilization,
@@ -640,24 +567,20 @@ def _plan_for(
                      device_total_gib=device, wide=wide_mode)
         if short.max_slots > max_slots or short.verdict != verdict:
             notes.append(
-                f"KV for one {max_model_len}-token sequence takes {gib(kv_reserved):.2f} GiB; "
+                f"KV for one {max_model_len}-token sequence takes {kv_reserved / GiB:.2f} GiB; "
                 f"--max-model-len 8192 leaves room for {short.max_slots} slots: "
                 f"{short.verdict_text}"
             )
     offload = math.ceil(model.expert_bytes / GiB + 0.5) if verdict.offloads else 0
-    # the KV vLLM is handed: the reserve, plus what whole slots leave of their room (and
-    # the scratch, where no cache will allocate it)
-    kv_handed = 0
-    if kv_cache_memory_bytes is not None:
-        kv_handed = kv_reserved
-    elif verdict is Verdict.CACHE:
-        kv_handed = kv_reserved + slot_budget - planned * per_slot
-    elif verdict is Verdict.OFFLOAD_NO_CACHE:
-        kv_handed = kv_reserved + slot_budget + scratch
+    kv_handed = _kv_handed(verdict, kv_reserved=kv_reserved, slot_budget=slot_budget,
+                           planned=planned, per_slot=model.bytes_per_slot, scratch=scratch,
+                           given=kv_cache_memory_bytes is not None)
     # (a --moe-backend that cannot offload this format is refused here, in one line)
     offload_args = vllm_experts.offload_backend_args(
         model.quant, ["--moe-backend", moe_backend] if moe_backend else [], None)[0] if (
         offload) else []
+    q, widest, trap_ids, safe, trap = step.q, step.widest, step.trap_ids, step.safe, step.trap
+    E, k, per_slot = model.num_experts, model.top_k, model.bytes_per_slot
 
     return SizePlan(
         speculative_tokens=q - 1,
@@ -703,6 +626,165 @@ def _plan_for(
         kv_cache_bytes=int(kv_handed),
         kv_given=kv_cache_memory_bytes is not None,
     )
+
+
+def _forced_slots(model: ModelSize, slots: int | None, fraction: float | None) -> int | None:
+    """The slot count ``--slots`` or ``--fraction`` forces (None: the largest that fits),
+    checked against the expert count and the kernel's slot rule (`rules.check_slots`)."""
+    if slots is not None and fraction is not None:
+        raise UserError("give --slots or --fraction, not both")
+    if fraction is not None:
+        try:
+            rules.check_fraction(fraction)
+        except ValueError as exc:
+            raise UserError(f"--fraction: {exc}") from None
+    if slots is not None and not 0 <= slots <= model.num_experts:
+        raise UserError(f"--slots must be between 0 and {model.num_experts} (the expert count)")
+    if slots is not None and slots < model.num_experts:  # (all of them: no cache, checked)
+        try:
+            rules.check_slots(slots, model.num_experts)
+        except ValueError as exc:
+            raise UserError(f"--slots {exc}") from None
+    if fraction is not None:
+        return rules.slots_from_fraction(fraction, model.num_experts)
+    return None if slots is None else int(slots)
+
+
+#: KV bytes per element against the model's dtype, per ``--kv-cache-dtype``
+KV_DTYPE_SCALE: dict[str, float] = {"auto": 1.0, "bf16": 1.0, "fp16": 1.0, "fp8": 0.5,
+                                    "fp8_e4m3": 0.5, "fp8_e5m2": 0.5}
+
+
+def _kv_reserve(model: ModelSize, *, kv_cache_dtype: str, kv_tokens: int, max_model_len: int,
+                max_num_seqs: int, kv_cache_memory_bytes: int | None) -> tuple[int, int]:
+    """(KV bytes a token, the KV the plan reserves): ``kv_tokens`` of KV plus the sliding
+    windows of the sequences they make, or the user's ``--kv-cache-memory-bytes``, which
+    must hold one ``max_model_len`` sequence or vLLM refuses to start."""
+    kv_scale = KV_DTYPE_SCALE.get(kv_cache_dtype.lower())
+    if kv_scale is None:
+        raise UserError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}: auto, fp8")
+    kv_per_tok = int(model.kv_bytes_per_token * kv_scale)
+    seqs_for_window = max(1, min(max_num_seqs, kv_tokens // max(1, max_model_len)))
+    kv_reserved = kv_tokens * kv_per_tok + int(
+        model.kv_window_bytes_per_seq * kv_scale * seqs_for_window
+    )
+    if kv_cache_memory_bytes is not None:
+        one_seq = max_model_len * kv_per_tok + int(model.kv_window_bytes_per_seq * kv_scale)
+        if kv_cache_memory_bytes < one_seq:
+            raise UserError(
+                f"--kv-cache-memory-bytes {kv_cache_memory_bytes:,} cannot hold one "
+                f"--max-model-len {max_model_len} sequence ({one_seq:,} B): vLLM would refuse "
+                "to start; give more, or a shorter --max-model-len")
+        kv_reserved = int(kv_cache_memory_bytes)
+    return kv_per_tok, kv_reserved
+
+
+def _runtime_reserve(model: ModelSize, wide: Wide, *, max_num_seqs: int,
+                     max_num_batched_tokens: int, graphs: capture.GraphSettings,
+                     overhead_gb: float | None) -> tuple[int, int]:
+    """(the runtime's bytes, of which the staged warm-restart peak): ``overhead_gb`` where
+    given, else `runtime_overhead_bytes` at the captured sizes plus the staged peak past
+    `STAGED_PEAK_FREE_TOKENS` batched tokens."""
+    staged_peak = (int(STAGED_WARM_PEAK_GIB * GiB) if wide is not Wide.IN_PLACE
+                   and max_num_batched_tokens > STAGED_PEAK_FREE_TOKENS else 0)
+    if overhead_gb is not None:
+        return int(overhead_gb * GiB), staged_peak
+    sizes = len(capture.capture_sizes(max_num_seqs, max_num_batched_tokens, graphs))
+    return (runtime_overhead_bytes(model, max_num_seqs, max_num_batched_tokens, sizes)
+            + staged_peak, staged_peak)
+
+
+def _slot_room(model: ModelSize, wide: Wide, room: int) -> tuple[int, int, int, bool]:
+    """(the slots' budget, the scratch, the most slots it holds, whether every expert fits)
+    from ``room``, what the card leaves past weights, KV and runtime. The scratch of a
+    staged mode comes out of the slots' room, except where no expert is offloaded."""
+    from ..device.scratch import scratch_bytes
+
+    fits_outright = room >= model.expert_bytes
+    scratch = (0 if wide is Wide.IN_PLACE or fits_outright
+               else scratch_bytes(model.num_experts, model.bytes_per_expert))
+    slot_budget = room - scratch
+    max_slots = (max(0, min(model.num_experts, slot_budget // model.bytes_per_slot))
+                 if slot_budget > 0 else 0)
+    return slot_budget, scratch, max_slots, fits_outright
+
+
+def _utilization_to_fit(need: int, vram_gb: float, device: float) -> float | None:
+    """The ``--gpu-memory-utilization`` at which ``need`` bytes fit outright (None: more
+    than 0.99 of the card), in vLLM's terms: a fraction of the GPU it runs on."""
+    need_card = need / (vram_gb * GiB)
+    if need_card > 0.99:
+        return None
+    return (math.ceil(need_card * vram_gb / device * 1e4) / 1e4 if device > vram_gb
+            else round(math.ceil(need_card * 100) / 100, 2))
+
+
+@dataclass(frozen=True)
+class _DecodeStep:
+    """A full decode step against the slots: its padded width, ids and the verdict on it."""
+
+    q: int  # tokens a sequence in one step (1 + speculative tokens)
+    widest: int  # the full batch, padded to its CUDA graph
+    trap_ids: int
+    judged: int  # the slots it must fit (a per-layer plan's narrowest)
+    wide_batch: bool  # wider than the slots
+    trap: bool  # wider, and no scratch to stage it
+    safe: int  # the widest --max-num-seqs that stays on the slots
+
+
+def _decode_step(model: ModelSize, verdict: Verdict, planned: int, *, narrowest: int | None,
+                 scratch: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 graphs: capture.GraphSettings, speculative_tokens: int) -> _DecodeStep:
+    """The sizing trap's terms: a full batch wider than the slots is staged through the
+    scratch, else it reads through the host (the trap); speculative decoding's verify step
+    carries every sequence's draft tokens."""
+    q = 1 + max(int(speculative_tokens or 0), 0)
+    widest = capture.padded_batch(max_num_seqs, max_num_batched_tokens, graphs, q)
+    trap_ids = widest * model.top_k
+    judged = min(planned, narrowest) if narrowest else planned
+    wide_batch = verdict is Verdict.CACHE and trap_ids > judged
+    safe = (capture.safe_max_num_seqs(judged, model.top_k, max_num_batched_tokens, graphs, q)
+            if verdict is Verdict.CACHE else 0)
+    return _DecodeStep(q, widest, trap_ids, judged, wide_batch, wide_batch and not scratch,
+                       safe)
+
+
+def _scratch_note(model: ModelSize, wide: Wide, verdict: Verdict, *, scratch: int,
+                  planned: int, step: _DecodeStep, break_even: int | None,
+                  staged_peak: bool) -> str:
+    """What the staged scratch costs and buys, in one note."""
+    cost = scratch / model.bytes_per_slot
+    return (
+        f"wide steps {wide.value}: the scratch (one layer's {model.num_experts} experts, "
+        f"{scratch / GiB:.2f} GiB) costs {cost:.1f} slots a layer"
+        + (f"; a full batch ({step.trap_ids} ids > {planned} slots) is staged through it"
+           if step.wide_batch else "")
+        + ("; it leaves fewer than top_k slots: it costs more than it saves, serve in "
+           "place instead" if verdict is Verdict.OFFLOAD_NO_CACHE else "")
+        + (f"; with every decode batch narrow it saves only prefills: under uniform "
+           f"routing it pays while requests decode fewer than ~{break_even:,} tokens a "
+           "prompt, and costs more than it saves past that"
+           if break_even is not None else "")
+        + ("; `plan --wide` prices the trade on your trace"
+           if verdict is Verdict.CACHE else "")
+        + (f"; the runtime estimate includes the {STAGED_WARM_PEAK_GIB:.2f} GiB a staged "
+           f"server's profile step peaked above it at more than "
+           f"{STAGED_PEAK_FREE_TOKENS:,} batched tokens (measured, not modelled)"
+           if staged_peak else ""))
+
+
+def _kv_handed(verdict: Verdict, *, kv_reserved: int, slot_budget: int, planned: int,
+               per_slot: int, scratch: int, given: bool) -> int:
+    """The KV cache vLLM is handed (``--kv-cache-memory-bytes``): the reserve plus what
+    whole slots leave of their room (and the scratch, where no cache allocates it); the
+    user's own size as given; nothing where no expert is offloaded."""
+    if given:
+        return kv_reserved
+    if verdict is Verdict.CACHE:
+        return kv_reserved + slot_budget - planned * per_slot
+    if verdict is Verdict.OFFLOAD_NO_CACHE:
+        return kv_reserved + slot_budget + scratch
+    return 0
 
 
 #: Cards the no-``--vram`` table shows, by name (`cards.CARDS`): 16 to 141 GB as sold.
