@@ -24,6 +24,14 @@ from expertcache_cli.plugin.arming import plan_layer  # noqa: E402
 from expertcache_cli.plugin.runtime import ArmedLayer  # noqa: E402
 
 
+def _ids_stepped(cache) -> list[torch.Tensor]:
+    """The ids of every manager step ``cache`` takes from now on (the step runs as before)."""
+    seen: list[torch.Tensor] = []
+    step = cache.step
+    cache.step = lambda ids, src, **kw: seen.append(ids.clone()) or step(ids, src, **kw)
+    return seen
+
+
 def test_rows_vllm_marks_as_padding_install_nothing_and_count_nothing(monkeypatch):
     """vLLM's V2 runner marks CUDA-graph padding rows in
     forward_context.is_padding; their ids must not reach the manager (no installs, no
@@ -43,9 +51,7 @@ def test_rows_vllm_marks_as_padding_install_nothing_and_count_nothing(monkeypatc
     layer = Experts(seed=4)
     d = plan_layer(layer, CacheConfig(slots=6))
     cache = RefSlotCache(d.num_experts, d.num_slots, {s.name: (s.shape, s.dtype) for s in d.specs})
-    seen: list[torch.Tensor] = []
-    step = cache.step
-    cache.step = lambda ids, src, **kw: seen.append(ids.clone()) or step(ids, src, **kw)
+    seen = _ids_stepped(cache)
     armed = ArmedLayer(layer, d, cache, index=0)
     armed.install()
     ids = torch.tensor([[1, 2], [2, 3], [14, 15]], dtype=torch.int32)  # row 2 is padding
@@ -136,9 +142,7 @@ def test_v1_padding_rows_install_nothing_and_count_nothing(monkeypatch, route):
     layer = Experts(seed=4)
     d = plan_layer(layer, CacheConfig(slots=6))
     cache = RefSlotCache(d.num_experts, d.num_slots, {s.name: (s.shape, s.dtype) for s in d.specs})
-    seen: list[torch.Tensor] = []
-    step = cache.step
-    cache.step = lambda ids, src, **kw: seen.append(ids.clone()) or step(ids, src, **kw)
+    seen = _ids_stepped(cache)
     reader = padding.mask_reader(buf[-1:], max_tokens=8)
     armed = ArmedLayer(layer, d, cache, index=0,
                        padding=reader if route == "count" else (lambda n: reader(n)))

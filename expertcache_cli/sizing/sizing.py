@@ -556,7 +556,7 @@ def _plan_for(
         if verdict is Verdict.CACHE and not step.wide_batch:
             break_even = scratch_break_even(planned, model.num_experts, model.top_k, cost)
         notes.append(_scratch_note(
-            model, wide_mode, verdict, scratch=scratch, planned=planned, step=step,
+            model, wide_mode, verdict, scratch=scratch, cost=cost, planned=planned, step=step,
             break_even=break_even,
             staged_peak=bool(staged_peak and overhead_gb is None)))
     if (verdict.offloads and not forced and max_model_len > 8192
@@ -579,18 +579,15 @@ def _plan_for(
     offload_args = vllm_experts.offload_backend_args(
         model.quant, ["--moe-backend", moe_backend] if moe_backend else [], None)[0] if (
         offload) else []
-    q, widest, trap_ids, safe, trap = step.q, step.widest, step.trap_ids, step.safe, step.trap
-    E, k, per_slot = model.num_experts, model.top_k, model.bytes_per_slot
-
     return SizePlan(
-        speculative_tokens=q - 1,
+        speculative_tokens=step.q - 1,
         model=model.name,
         quant=model.quant,
-        num_experts=E,
-        top_k=k,
+        num_experts=model.num_experts,
+        top_k=model.top_k,
         num_moe_layers=model.num_moe_layers,
         bytes_per_expert=model.bytes_per_expert,
-        bytes_per_slot=per_slot,
+        bytes_per_slot=model.bytes_per_slot,
         expert_bytes=model.expert_bytes,
         non_expert_bytes=model.non_expert_bytes,
         kv_bytes_per_token=kv_per_tok,
@@ -610,10 +607,10 @@ def _plan_for(
         verdict_text=text,
         cpu_offload_gb=offload,
         offload_args=offload_args,
-        trap=trap,
-        trap_ids=trap_ids,
-        safe_max_num_seqs=safe,
-        padded_batch=widest,
+        trap=step.trap,
+        trap_ids=step.trap_ids,
+        safe_max_num_seqs=step.safe,
+        padded_batch=step.widest,
         graphs=graphs.source,
         device_total_gib=device,
         tensor_parallel_size=model.tensor_parallel,
@@ -750,10 +747,9 @@ def _decode_step(model: ModelSize, verdict: Verdict, planned: int, *, narrowest:
 
 
 def _scratch_note(model: ModelSize, wide: Wide, verdict: Verdict, *, scratch: int,
-                  planned: int, step: _DecodeStep, break_even: int | None,
+                  cost: float, planned: int, step: _DecodeStep, break_even: int | None,
                   staged_peak: bool) -> str:
-    """What the staged scratch costs and buys, in one note."""
-    cost = scratch / model.bytes_per_slot
+    """What the staged scratch (``cost`` slots a layer) costs and buys, in one note."""
     return (
         f"wide steps {wide.value}: the scratch (one layer's {model.num_experts} experts, "
         f"{scratch / GiB:.2f} GiB) costs {cost:.1f} slots a layer"
