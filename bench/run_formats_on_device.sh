@@ -18,10 +18,12 @@
 #             through the bench-only hook (bench/kernel_trial, TRIAL_KERNELS), first-call
 #             checked like every layer
 # Floor and cache route from a trace (ROUTING=trace, the default; bench/trace_routing.py):
-# TRACE8 for the top-8 formats (default traces/demo-qwen3-30b-a3b-tasks.npz), TRACE4 for
-# gpt-oss's top-4 (default a `trace synth --kind tasks` of MXFP4_EXPERTS experts, made once
-# in FM); give recorded traces there for real locality. ROUTING=random: the checkpoints'
-# own random routers (issue 11's runs).
+# TRACE8 for the top-8 formats (default traces/demo-qwen3-30b-a3b-tasks.npz, synthetic: no
+# bundled recording is routed at top-8), TRACE4 for gpt-oss's top-4 (default the recorded
+# traces/real-qwen3-30b-a3b-k6.npz, each token narrowed to its router's first 4 of 6). A
+# trace recorded wider than the model's top-k is narrowed (bench/trace_fit.py --top-k, in
+# FM) and the servers replay the narrowed copy. ROUTING=random: the checkpoints' own random
+# routers (issue 11's runs).
 # And, where the cache (or the trial) armed, on a second checkpoint whose routers reach
 # only the first SLOTS experts (`--hot`), routed by its routers:
 #   resident  every expert in VRAM, stock vLLM (plugin off); mxfp4 on Marlin too
@@ -103,12 +105,15 @@ routing() {  # routing TOPK EXPERTS -> sets `route` (small_card options) and `tr
   if [ "$1" = 8 ]; then
     t=${TRACE8:-traces/demo-qwen3-30b-a3b-tasks.npz}
   else
-    t=${TRACE4:-$FM/tasks-top$1-$2.npz}
-    [ -f "$t" ] || $PY -m expertcache_cli trace synth "$t" --kind tasks --steps 3000 \
-      --layers "${LAYERS:-24}" --experts "$2" --top-k "$1" --seed 29 \
-      --model "synthetic, gpt-oss-shaped ($2 experts, top-$1)" > /dev/null
+    t=${TRACE4:-traces/real-qwen3-30b-a3b-k6.npz}
   fi
   case $t in /*) ;; *) t=$PWD/$t ;; esac
+  # the servers replay the trace at the model's top-k and layers: a recording made wider is
+  # narrowed to each token's first $1 ids, by rank (trace_fit refuses a narrower one)
+  local n=$FM/route-top$1-$(basename "$t")
+  [ -f "$n" ] || $PY bench/trace_fit.py "$t" "$n" --layers "${LAYERS:-24}" --top-k "$1" \
+    > /dev/null || return 1
+  t=$n
   trace_path=$t
   route=(--env "EC_BENCH_TRACE_ROUTING=$t"
          --env "PYTHONPATH=$PWD/bench/trace_hook:${PYTHONPATH:-}")
@@ -122,8 +127,11 @@ plan_fmt() {
   [ -f "$FM/$fmt-size.json" ] && [ -f "$FM/$fmt-probe.json" ] || return 0
   local r
   r=$($PY bench/formats_report.py --median "$FM/$fmt-resident.json") || return 0
+  # the ids the servers replayed: one stream, a warm-up and RUNS requests of 200 tokens
+  # (a recording shorter than that is cycled, as the hook cycles it)
   $PY bench/trace_fit.py "$trace_path" "$FM/$fmt-route.npz" --layers "${LAYERS:-24}" \
-    --size "$FM/$fmt-size.json" > /dev/null || return 0
+    --size "$FM/$fmt-size.json" --streams 1 --steps $(( (${RUNS:-5} + 1) * 200 )) \
+    > /dev/null || return 0
   if $PY -m expertcache_cli plan "$FM/$fmt-route.npz" --probe "$FM/$fmt-probe.json" \
       --resident-tok-s "$r" --slots "$S" --policy lru --json > "$FM/$fmt-plan.json.part" \
       2> "$FM/$fmt-plan.err"; then
@@ -144,7 +152,10 @@ for fmt in ${FORMATS:-w8a8 fp8-block gptq gptq-act awq w4a16 nvfp4 mxfp4}; do
     [ "$E" -le 32 ] && S=16
     res_args=(--moe-backend marlin)  # resident on the kernel the cache serves from
   fi
-  routing "$K" "$E"
+  if ! routing "$K" "$E"; then
+    echo "$fmt: the routing trace does not fit top-$K of $E experts: format skipped"
+    continue
+  fi
   # the all-hit pair and what HOT_VARIANTS / RESIDENT_AGAIN add to it
   pair=("$fmt-resident" "$fmt-hot")
   for v in ${HOT_VARIANTS:-}; do pair+=("$fmt-hot_${v%%:*}"); done

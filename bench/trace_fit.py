@@ -11,6 +11,15 @@ of bf16's), and keeps the original ``source`` (what routing it is, recorded or s
 with the fitting said after it.
 
     python bench/trace_fit.py IN.npz OUT.npz --layers 24 [--expert-bytes N | --size S.json]
+        [--top-k K] [--streams S --steps N]
+
+``--top-k K`` serves a recording made at a wider top-k to a model of top-``K``: each
+token keeps its first ``K`` ids, which a recording keeps in its router's rank order (the
+real traces do), so the routing stays the router's own choice, narrowed; the ``source``
+says so. ``--streams S --steps N`` writes what the hook hands a decode of ``S`` streams
+over ``N`` steps: row ``t mod T``'s first ``S x top_k`` ids at step ``t`` (the hook cycles
+the trace and takes a step's width from the row's front), so that `plan` replays the very
+ids a short recording drives a long served run with.
     python bench/trace_fit.py --source T.npz     # the trace's source line (the reports)
 """
 
@@ -35,6 +44,43 @@ def source_of(trace: tracefile.Trace) -> str:
     it has none), never empty, so that a table can always say what routing it measured."""
     return trace.source or (f"no source recorded (model: {trace.model})" if trace.model
                             else "no source recorded")
+
+
+def narrow(trace: tracefile.Trace, top_k: int) -> tracefile.Trace:
+    """Each token's first ``top_k`` ids of the trace's wider top-k (rank order kept)."""
+    have = trace.top_k
+    if not 0 < top_k <= have:
+        raise ValueError(f"top-k {top_k} is not between 1 and the trace's {have}")
+    if top_k == have:
+        return trace
+    steps, layers, width = trace.topk_ids.shape
+    tokens = width // have
+    ids = trace.topk_ids[:, :, : tokens * have].reshape(steps, layers, tokens, have)
+    return dataclasses.replace(
+        trace, topk_ids=np.ascontiguousarray(ids[..., :top_k].reshape(steps, layers, -1)),
+        top_k=top_k,
+        source=source_of(trace) + f" [each token's first {top_k} of its top-{have}, by the "
+        "router's rank]")
+
+
+def as_served(trace: tracefile.Trace, streams: int, steps: int) -> tracefile.Trace:
+    """The ids the hook hands ``steps`` decode steps of ``streams`` streams: step ``t``
+    is row ``t mod T``'s first ``streams x top_k`` ids (padding where the row is short)."""
+    if streams <= 0 or steps <= 0:
+        raise ValueError(f"streams and steps must be positive, got {streams}, {steps}")
+    width = streams * trace.top_k
+    ids = trace.topk_ids[np.arange(steps) % trace.steps]
+    if ids.shape[2] >= width:
+        ids = ids[:, :, :width]
+    else:
+        pad = np.full(ids.shape[:2] + (width - ids.shape[2],), -1, dtype=ids.dtype)
+        ids = np.concatenate([ids, pad], axis=2)
+    valid = (ids >= 0).sum(axis=2).max(axis=1)  # ids of the widest layer a step
+    return dataclasses.replace(
+        trace, topk_ids=np.ascontiguousarray(ids),
+        step_tokens=np.maximum(1, valid // trace.top_k).astype(np.int64),
+        source=source_of(trace) + f" [as the hook serves {streams} stream(s) x {steps} "
+        f"decode steps: row t mod {trace.steps}, its first {width} ids]")
 
 
 def fit(trace: tracefile.Trace, layers: int, expert_bytes: int | None = None
@@ -66,7 +112,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--expert-bytes", type=int, default=None)
     ap.add_argument("--size", type=Path, default=None,
                     help="a `size --json` file: its bytes_per_expert")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="narrow a wider recording to the model's top-k (rank order)")
+    ap.add_argument("--streams", type=int, default=None,
+                    help="with --steps: the ids the hook serves this many streams")
+    ap.add_argument("--steps", type=int, default=None)
     a = ap.parse_args(argv)
+    if (a.streams is None) != (a.steps is None):
+        print("trace_fit: --streams and --steps go together", file=sys.stderr)
+        return 2
     per = a.expert_bytes
     if per is None and a.size is not None:
         try:
@@ -76,7 +130,17 @@ def main(argv: list[str]) -> int:
             # another format: no fitted trace rather than a wrong prediction
             print(f"trace_fit: {a.size}: no bytes_per_expert ({exc!r})", file=sys.stderr)
             return 2
-    out = tracefile.save(fit(tracefile.load(a.trace), a.layers, per), a.out)
+    trace = tracefile.load(a.trace)
+    try:
+        if a.top_k is not None:
+            trace = narrow(trace, a.top_k)
+        trace = fit(trace, a.layers, per)
+        if a.streams is not None:
+            trace = as_served(trace, a.streams, a.steps)
+    except ValueError as exc:
+        print(f"trace_fit: {exc}", file=sys.stderr)
+        return 2
+    out = tracefile.save(trace, a.out)
     print(f"{out}: {a.layers} layers; routing: {source_of(tracefile.load(out))}")
     return 0
 

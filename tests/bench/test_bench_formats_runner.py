@@ -145,7 +145,8 @@ def test_a_4_bit_format_on_marlin_runs_every_arm_routed_by_a_trace(runner):
     assert _servers(calls) == ["nvfp4-floor", "nvfp4-cache", "nvfp4-resident", "nvfp4-hot"]
     for arm in ("nvfp4-floor", "nvfp4-cache"):
         call = _call(calls, arm)
-        assert "EC_BENCH_TRACE_ROUTING=" in call and "traces/demo-qwen3-30b-a3b-tasks.npz" in call
+        assert "EC_BENCH_TRACE_ROUTING=" in call
+        assert "route-top8-demo-qwen3-30b-a3b-tasks.npz" in call
         assert "bench/trace_hook" in call and "--slots 32" in call
     for arm in ("nvfp4-resident", "nvfp4-hot"):
         assert "EC_BENCH_TRACE_ROUTING" not in _call(calls, arm)
@@ -160,9 +161,11 @@ def test_gpt_oss_mxfp4_has_128_experts_a_top_4_trace_and_a_marlin_resident(runne
     calls = run("mxfp4")
     writes = [c for c in calls if "write_checkpoint.py" in c]
     assert all("--format mxfp4" in c and "--experts 128" in c for c in writes)
-    synth = [c for c in calls if c.startswith("-m expertcache_cli trace synth")]
-    assert len(synth) == 1 and "--top-k 4 --seed 29" in synth[0] and "--experts 128" in synth[0]
-    assert str(tmp / "fm" / "tasks-top4-128.npz") in _call(calls, "mxfp4-cache")
+    # the recorded Qwen3 trace, narrowed once to each token's first 4 ids, routes both arms
+    narrow = [c for c in calls if "trace_fit.py" in c and "--top-k 4" in c]
+    assert len(narrow) == 1 and "traces/real-qwen3-30b-a3b-k6.npz" in narrow[0]
+    routed = str(tmp / "fm" / "route-top4-real-qwen3-30b-a3b-k6.npz")
+    assert routed in _call(calls, "mxfp4-cache") and routed in _call(calls, "mxfp4-floor")
     assert "--slots 32" in _call(calls, "mxfp4-cache")
     # the all-hit ratio compares one kernel: resident on Marlin too
     assert "--moe-backend marlin" in _call(calls, "mxfp4-resident")
@@ -184,7 +187,8 @@ def test_gptq_with_act_order_is_a_format_of_its_own(runner):
     assert _servers(calls) == ["gptq-act-floor", "gptq-act-cache", "gptq-act-resident",
                                "gptq-act-hot"]
     assert all("--format gptq-act" in c for c in calls if "write_checkpoint.py" in c)
-    assert "EC_BENCH_TRACE_ROUTING=/data/olmoe-recorded.npz" in _call(calls, "gptq-act-cache")
+    routed = tmp / "fm" / "route-top8-olmoe-recorded.npz"
+    assert f"EC_BENCH_TRACE_ROUTING={routed}" in _call(calls, "gptq-act-cache")
     report = (tmp / "out" / "formats.txt").read_text()
     assert report.startswith("gptq-act: floor 100.0 tok/s")
 
@@ -261,9 +265,12 @@ def test_plan_predicts_the_cache_arm_on_the_fitted_trace_once_resident_has_its_r
     run, tmp = runner
     calls = run("nvfp4")
     fit = [c for c in calls if c.startswith("bench/trace_fit.py")]
-    assert len(fit) == 1
-    assert fit[0].split()[1].endswith("traces/demo-qwen3-30b-a3b-tasks.npz")  # what the hook read
-    assert f"--layers 24 --size {tmp / 'fm' / 'nvfp4-size.json'}" in fit[0]
+    assert len(fit) == 2  # the servers' copy at top-8, then plan's at the format's bytes
+    assert fit[0].split()[1].endswith("traces/demo-qwen3-30b-a3b-tasks.npz")
+    routed = str(tmp / "fm" / "route-top8-demo-qwen3-30b-a3b-tasks.npz")
+    assert fit[1].split()[1] == routed  # what the hook read
+    assert (f"--layers 24 --size {tmp / 'fm' / 'nvfp4-size.json'} --streams 1 --steps 1200"
+            in fit[1])  # one stream: a warm-up and 5 requests of 200 tokens
     plans = [c for c in calls if c.startswith("-m expertcache_cli plan")]
     assert len(plans) == 1
     assert plans[0].split()[3] == str(tmp / "fm" / "nvfp4-route.npz")

@@ -57,3 +57,43 @@ def test_main_takes_the_bytes_from_size_and_refuses_a_size_file_without_them(tmp
     assert not (tmp_path / "x.npz").exists()
     assert trace_fit.main(["--source", str(src)]) == 0
     assert capsys.readouterr().out.strip() == "synthetic, tasks"
+
+
+def test_narrowing_keeps_each_tokens_first_ids_and_says_so():
+    ids = np.array([[[5, 6, 7, 8, 9, 10]], [[1, 2, 3, -1, -1, -1]]])  # 2 tokens x top-3
+    t = tracefile.Trace(ids, num_experts=16, top_k=3, source="recorded x")
+    n = trace_fit.narrow(t, 2)
+    assert n.top_k == 2 and n.topk_ids.tolist() == [[[5, 6, 8, 9]], [[1, 2, -1, -1]]]
+    assert "first 2 of its top-3" in n.source
+    assert trace_fit.narrow(t, 3) is t
+    for bad in (0, 4):
+        try:
+            trace_fit.narrow(t, bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"top-k {bad} accepted")
+
+
+def test_as_served_cycles_rows_and_takes_the_front_of_each():
+    ids = np.array([[[1, 2, 3, 4]], [[5, 6, -1, -1]], [[7, 8, -1, -1]]])  # top-2
+    t = tracefile.Trace(ids, num_experts=16, top_k=2, source="recorded y")
+    one = trace_fit.as_served(t, 1, 5)
+    assert one.topk_ids[:, 0].tolist() == [[1, 2], [5, 6], [7, 8], [1, 2], [5, 6]]
+    assert one.step_tokens.tolist() == [1] * 5 and "1 stream(s) x 5" in one.source
+    three = trace_fit.as_served(t, 3, 2)  # wider than the rows: padded, as the hook keeps
+    assert three.topk_ids[:, 0].tolist() == [[1, 2, 3, 4, -1, -1], [5, 6, -1, -1, -1, -1]]
+    assert three.step_tokens.tolist() == [2, 1]
+
+
+def test_the_cli_narrows_fits_and_serves(tmp_path):
+    src = tracefile.save(tracefile.Trace(
+        np.tile(np.arange(6), (4, 3, 1)), num_experts=16, top_k=3, source="recorded z"),
+        tmp_path / "in.npz")
+    out = tmp_path / "out.npz"
+    rc = trace_fit.main([str(src), str(out), "--layers", "2", "--top-k", "2",
+                         "--streams", "1", "--steps", "7"])
+    got = tracefile.load(out)
+    assert rc == 0 and got.topk_ids.shape == (7, 2, 2) and got.top_k == 2
+    assert got.topk_ids[0, 0].tolist() == [0, 1]
+    assert trace_fit.main([str(src), str(out), "--layers", "2", "--steps", "7"]) == 2
+    assert trace_fit.main([str(src), str(out), "--layers", "2", "--top-k", "9"]) == 2
