@@ -199,6 +199,11 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
         if floor and floor.get("greedy") and rec.get("greedy"):
             parts.append("greedy vs floor " + describe(compare_greedy(floor["greedy"],
                                                                       rec["greedy"])))
+            if floor.get("greedy_again"):
+                # a floor that does not repeat itself makes the comparison say nothing
+                # (routing that depends on what ran before, a kernel's atomics)
+                parts.append("the floor's second greedy request vs its first " + describe(
+                    compare_greedy(floor["greedy"], floor["greedy_again"])))
         if not slot_path_served(rec):
             per = None  # nothing served from slots: no installs to predict from
         if per is not None and r_tok and bytes_per_expert and gbps:

@@ -127,11 +127,12 @@ plan_fmt() {
   [ -f "$FM/$fmt-size.json" ] && [ -f "$FM/$fmt-probe.json" ] || return 0
   local r
   r=$($PY bench/formats_report.py --median "$FM/$fmt-resident.json") || return 0
-  # the ids the servers replayed: one stream, a warm-up and RUNS requests of 200 tokens
-  # (a recording shorter than that is cycled, as the hook cycles it)
+  # the ids the servers replayed: one stream, a warm-up and RUNS requests of 200 tokens,
+  # each from the trace's row 0 (the hook restarts a layer at a prefill; the bench prompt's
+  # 16 words), a recording shorter than a request cycled as the hook cycles it
   $PY bench/trace_fit.py "$trace_path" "$FM/$fmt-route.npz" --layers "${LAYERS:-24}" \
     --size "$FM/$fmt-size.json" --streams 1 --steps $(( (${RUNS:-5} + 1) * 200 )) \
-    > /dev/null || return 0
+    --request-steps 200 --prefill-tokens 16 > /dev/null || return 0
   if $PY -m expertcache_cli plan "$FM/$fmt-route.npz" --probe "$FM/$fmt-probe.json" \
       --resident-tok-s "$r" --slots "$S" --policy lru --json > "$FM/$fmt-plan.json.part" \
       2> "$FM/$fmt-plan.err"; then

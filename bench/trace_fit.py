@@ -11,7 +11,7 @@ of bf16's), and keeps the original ``source`` (what routing it is, recorded or s
 with the fitting said after it.
 
     python bench/trace_fit.py IN.npz OUT.npz --layers 24 [--expert-bytes N | --size S.json]
-        [--top-k K] [--streams S --steps N]
+        [--top-k K] [--streams S --steps N [--request-steps R [--prefill-tokens P]]]
 
 ``--top-k K`` serves a recording made at a wider top-k to a model of top-``K``: each
 token keeps its first ``K`` ids, which a recording keeps in its router's rank order (the
@@ -19,7 +19,8 @@ real traces do), so the routing stays the router's own choice, narrowed; the ``s
 says so. ``--streams S --steps N`` writes what the hook hands a decode of ``S`` streams
 over ``N`` steps: row ``t mod T``'s first ``S x top_k`` ids at step ``t`` (the hook cycles
 the trace and takes a step's width from the row's front), so that `plan` replays the very
-ids a short recording drives a long served run with.
+ids a short recording drives a long served run with; ``--request-steps R`` as the hook
+restarts each request of ``R`` steps at row 0, its prefill ``P`` tokens wide.
     python bench/trace_fit.py --source T.npz     # the trace's source line (the reports)
 """
 
@@ -63,24 +64,38 @@ def narrow(trace: tracefile.Trace, top_k: int) -> tracefile.Trace:
         "router's rank]")
 
 
-def as_served(trace: tracefile.Trace, streams: int, steps: int) -> tracefile.Trace:
-    """The ids the hook hands ``steps`` decode steps of ``streams`` streams: step ``t``
-    is row ``t mod T``'s first ``streams x top_k`` ids (padding where the row is short)."""
-    if streams <= 0 or steps <= 0:
-        raise ValueError(f"streams and steps must be positive, got {streams}, {steps}")
-    width = streams * trace.top_k
-    ids = trace.topk_ids[np.arange(steps) % trace.steps]
+def as_served(trace: tracefile.Trace, streams: int, steps: int,
+              request_steps: int | None = None, prefill_tokens: int | None = None
+              ) -> tracefile.Trace:
+    """The ids the hook hands ``steps`` steps of ``streams`` streams: step ``t`` is row
+    ``t mod T``'s first ``streams x top_k`` ids (padding where the row is short). With
+    ``request_steps`` R, each request of R steps starts the trace again (the hook's
+    restart at a prefill): step ``t`` is row ``(t mod R) mod T``, and a request's first
+    step, its prefill, takes ``prefill_tokens x top_k`` ids of row 0."""
+    if streams <= 0 or steps <= 0 or (request_steps is not None and request_steps <= 0):
+        raise ValueError(f"streams, steps and request steps must be positive, got "
+                         f"{streams}, {steps}, {request_steps}")
+    k = trace.top_k
+    pos = np.arange(steps) if request_steps is None else np.arange(steps) % request_steps
+    prefill = (pos == 0) & (request_steps is not None) & (prefill_tokens is not None)
+    width = max(streams, prefill_tokens if request_steps and prefill_tokens else 0) * k
+    ids = trace.topk_ids[pos % trace.steps]
     if ids.shape[2] >= width:
         ids = ids[:, :, :width]
     else:
         pad = np.full(ids.shape[:2] + (width - ids.shape[2],), -1, dtype=ids.dtype)
         ids = np.concatenate([ids, pad], axis=2)
+    ids = np.ascontiguousarray(ids)
+    ids[~prefill, :, streams * k:] = -1  # a decode step: its streams' ids only
     valid = (ids >= 0).sum(axis=2).max(axis=1)  # ids of the widest layer a step
+    what = (f"{streams} stream(s) x {steps} steps: row t mod {trace.steps}, its first "
+            f"{streams * k} ids" if request_steps is None else
+            f"{steps // request_steps} request(s) of {request_steps} steps, each from row 0 "
+            f"(its prefill{f' of {prefill_tokens} tokens' if prefill_tokens else ''}), "
+            f"{streams} stream(s)")
     return dataclasses.replace(
-        trace, topk_ids=np.ascontiguousarray(ids),
-        step_tokens=np.maximum(1, valid // trace.top_k).astype(np.int64),
-        source=source_of(trace) + f" [as the hook serves {streams} stream(s) x {steps} "
-        f"decode steps: row t mod {trace.steps}, its first {width} ids]")
+        trace, topk_ids=ids, step_tokens=np.maximum(1, valid // k).astype(np.int64),
+        source=source_of(trace) + f" [as the hook serves {what}]")
 
 
 def fit(trace: tracefile.Trace, layers: int, expert_bytes: int | None = None
@@ -117,6 +132,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--streams", type=int, default=None,
                     help="with --steps: the ids the hook serves this many streams")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--request-steps", type=int, default=None,
+                    help="with --streams: requests of this many steps, each from row 0")
+    ap.add_argument("--prefill-tokens", type=int, default=None,
+                    help="with --request-steps: a request's prefill, in tokens")
     a = ap.parse_args(argv)
     if (a.streams is None) != (a.steps is None):
         print("trace_fit: --streams and --steps go together", file=sys.stderr)
@@ -136,7 +155,7 @@ def main(argv: list[str]) -> int:
             trace = narrow(trace, a.top_k)
         trace = fit(trace, a.layers, per)
         if a.streams is not None:
-            trace = as_served(trace, a.streams, a.steps)
+            trace = as_served(trace, a.streams, a.steps, a.request_steps, a.prefill_tokens)
     except ValueError as exc:
         print(f"trace_fit: {exc}", file=sys.stderr)
         return 2

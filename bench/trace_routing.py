@@ -4,9 +4,11 @@ workload's real locality instead of random routers.
 Why: a random-weight checkpoint routes with no memory of its own, so measured tok/s says
 nothing about what `expertcache plan` predicts for a real workload's trace. With
 ``EC_BENCH_TRACE_ROUTING=trace.npz`` set, every MoE router's ``select_experts`` returns,
-for a decode step no wider than the trace's rows, the trace's ids for that layer at the
-layer's next step (cycling), with the router's own weights; wider steps (prefill) keep the
-router's ids. The substitution is device work on a device step counter per layer, so it is
+for a step no wider than the trace's rows, the trace's ids for that layer at the layer's
+next step (cycling), with the router's own weights; wider steps keep the router's ids. Each
+request starts the trace again: a step of more tokens than ``EC_BENCH_TRACE_STREAMS``
+(default 1) is its prefill and takes row 0, its decode steps rows 1, 2, ...
+The substitution is device work on a device step counter per layer, so it is
 captured in CUDA graphs like the rest of the step. Every process that imports vLLM's
 router gets it (``bench/trace_hook/sitecustomize.py`` imports this module at startup when
 the variable is set); it logs one line saying routing is replayed from a file, and it is
@@ -28,6 +30,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 ENV = "EC_BENCH_TRACE_ROUTING"
+#: the streams a bench server decodes at once (default 1): a wider step is a prefill
+STREAMS_ENV = "EC_BENCH_TRACE_STREAMS"
 ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router.fused_moe_router"
 ROUTER_CLASS = "FusedMoERouter"
 
@@ -41,9 +45,12 @@ IN_FORCE_LINE = "BENCH: trace routing in force"
 class TraceRouting:
     """The trace on the device and one step counter per router (= per MoE layer)."""
 
-    def __init__(self, topk_ids: Any, top_k: int) -> None:
+    def __init__(self, topk_ids: Any, top_k: int, streams: int = 1) -> None:
         self.ids = topk_ids  # numpy [T, L, W]
         self.top_k = int(top_k)
+        #: decode steps are at most this many tokens; a wider step is a prefill
+        self.streams = max(1, int(streams))
+        self.logged = False
         self.layers: dict[int, int] = {}  # id(router) -> layer ordinal, in first-call order
         self.dev: dict[Any, tuple[Any, Any]] = {}  # (device, layer) -> (rows, counter)
 
@@ -55,23 +62,36 @@ class TraceRouting:
 
     def substitute(self, router: Any, topk_ids: Any) -> Any:
         """The trace's ids for this layer's next step, shaped like ``topk_ids``; the
-        router's own ids when the step is wider than the trace's rows."""
+        router's own ids when the step is wider than the trace's rows.
+
+        A step of more tokens than ``streams`` is a request's prefill: the layer's counter
+        starts again at row 0 (a recording's prefill), so that every request replays the
+        trace from its start whatever ran before it (vLLM's warm-up, the other arm's extra
+        calls, an earlier request): two servers, or two requests, given one prompt see the
+        same routing, and their greedy tokens can be compared."""
         import torch
 
         tokens, k = topk_ids.shape
         width = tokens * k
-        if k != self.top_k or width > self.ids.shape[2]:
+        if k != self.top_k:
             return topk_ids
         layer = self.layer_of(router)
         key = (topk_ids.device, layer)
         if key not in self.dev:
-            if not self.dev:
-                log.warning("%s: layer %d's decode steps of %d ids take the trace's ids "
-                            "(%d steps x %d layers)", IN_FORCE_LINE, layer, width,
-                            self.ids.shape[0], self.ids.shape[1])
             rows = torch.from_numpy(self.ids[:, layer, :].astype("int64")).to(topk_ids.device)
             self.dev[key] = (rows, torch.zeros(1, dtype=torch.int64, device=topk_ids.device))
         rows, counter = self.dev[key]
+        if tokens > self.streams:
+            counter.zero_()
+        if width > self.ids.shape[2]:
+            counter.add_(1)  # the prefill used row 0's place, with the router's own ids
+            return topk_ids
+        if not self.logged:
+            self.logged = True
+            log.warning("%s: layer %d's steps of %d ids take the trace's ids (%d steps x %d "
+                        "layers; a step of more than %d token(s) restarts a layer at row 0)",
+                        IN_FORCE_LINE, layer, width, self.ids.shape[0], self.ids.shape[1],
+                        self.streams)
         at = torch.remainder(counter, rows.shape[0])
         row = rows.index_select(0, at)[:, :width].reshape(tokens, k).to(topk_ids.dtype)
         counter.add_(1)
@@ -102,7 +122,8 @@ def install(path: str | None = None) -> TraceRouting | None:
     from expertcache_cli.rules.trace import load
 
     trace = load(path)
-    routing = TraceRouting(trace.topk_ids, trace.top_k)
+    routing = TraceRouting(trace.topk_ids, trace.top_k,
+                           int(os.environ.get(STREAMS_ENV, "1") or 1))
 
     def patch(module: Any) -> None:
         cls = getattr(module, ROUTER_CLASS, None)

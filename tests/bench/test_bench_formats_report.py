@@ -245,3 +245,15 @@ def test_the_table_says_what_routing_each_format_had(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[-2:] == ["Routing of the floor and cache arms:",
                         "- w8a8: recorded: gpt-oss-120b, 4 chat tasks"]
+
+
+def test_a_floor_that_does_not_repeat_itself_is_said():
+    """The cache's greedy tokens mean something only beside a floor that repeats its own."""
+    floor = rec([50.0], startup=None)
+    floor["greedy_again"] = {"tokens": ["w1", "w9"], "logprob": [-0.1, -0.3],
+                             "margin": [1.0, 0.5]}
+    lines = report.summarize("mxfp4", {"floor": floor, "cache": rec([100.0])}, None, None)
+    assert "the floor's second greedy request vs its first part at token 1 of 2" in lines[1]
+    floor["greedy_again"] = GREEDY
+    lines = report.summarize("mxfp4", {"floor": floor, "cache": rec([100.0])}, None, None)
+    assert "the floor's second greedy request vs its first identical (2 tokens)" in lines[1]

@@ -97,3 +97,15 @@ def test_the_cli_narrows_fits_and_serves(tmp_path):
     assert got.topk_ids[0, 0].tolist() == [0, 1]
     assert trace_fit.main([str(src), str(out), "--layers", "2", "--steps", "7"]) == 2
     assert trace_fit.main([str(src), str(out), "--layers", "2", "--top-k", "9"]) == 2
+
+
+def test_as_served_restarts_each_request_at_its_prefill_row():
+    ids = np.array([[[1, 2, 3, 4]], [[5, 6, -1, -1]], [[7, 8, -1, -1]]])  # top-2, row 0 wide
+    t = tracefile.Trace(ids, num_experts=16, top_k=2, source="recorded y")
+    got = trace_fit.as_served(t, 1, 8, request_steps=4, prefill_tokens=2)
+    assert got.topk_ids[:, 0].tolist() == [[1, 2, 3, 4], [5, 6, -1, -1], [7, 8, -1, -1],
+                                           [1, 2, -1, -1]] * 2
+    assert got.step_tokens.tolist() == [2, 1, 1, 1] * 2
+    assert "2 request(s) of 4 steps, each from row 0 (its prefill of 2 tokens)" in got.source
+    plain = trace_fit.as_served(t, 1, 4, request_steps=4)  # no prefill width: one stream's
+    assert plain.topk_ids[:, 0].tolist() == [[1, 2], [5, 6], [7, 8], [1, 2]]

@@ -43,6 +43,39 @@ def test_decode_steps_follow_the_trace_per_layer_and_prefill_keeps_the_router():
     assert prefill.dtype == torch.int32
 
 
+def test_every_request_starts_the_trace_again_at_its_prefill():
+    """Greedy tokens of two servers (or two requests) compare only where both replay the
+    same rows: a prefill (more tokens than the streams) restarts each layer at row 0."""
+    ids = np.array([[[1, 2, 3, 4]], [[5, 6, -1, -1]], [[7, 8, -1, -1]]])  # T3 L1, top-2
+    routing = trace_routing.TraceRouting(ids, top_k=2)
+    cls = type("FusedMoERouter", (Router,), {"select_experts": Router.select_experts})
+    trace_routing.patch_router_class(cls, routing)
+    r = cls()
+
+    def request(decode_steps: int) -> list:
+        got = [r.select_experts(torch.zeros(2, 4), None)[1].tolist()]  # prefill of 2
+        got += [r.select_experts(torch.zeros(1, 4), None)[1].tolist()
+                for _ in range(decode_steps)]
+        return got
+
+    first = request(4)
+    assert first == [[[1, 2], [3, 4]], [[5, 6]], [[7, 8]], [[1, 2]], [[5, 6]]]
+    for _ in range(5):  # whatever ran before (warm-up calls of one token)
+        r.select_experts(torch.zeros(1, 4), None)
+    assert request(4) == first
+    # a prefill wider than the rows keeps the router's ids and still takes row 0's place
+    wide = [r.select_experts(torch.zeros(3, 4), None)[1].tolist()]
+    assert wide == [[[0, 1]] * 3]
+    assert r.select_experts(torch.zeros(1, 4), None)[1].tolist() == [[5, 6]]
+    # two streams decode steps of 2 tokens without restarting
+    two = trace_routing.TraceRouting(ids, top_k=2, streams=2)
+    cls2 = type("FusedMoERouter", (Router,), {"select_experts": Router.select_experts})
+    trace_routing.patch_router_class(cls2, two)
+    r2 = cls2()
+    steps = [r2.select_experts(torch.zeros(2, 4), None)[1].tolist() for _ in range(3)]
+    assert steps == [[[1, 2], [3, 4]], [[5, 6], [0, 1]], [[7, 8], [0, 1]]]
+
+
 def test_the_first_routed_step_says_the_trace_is_in_force_once(caplog):
     routing = trace_routing.TraceRouting(np.array([[[5, 6], [7, 8]]]), top_k=2)
     cls = type("FusedMoERouter", (Router,), {"select_experts": Router.select_experts})
