@@ -19,10 +19,11 @@
 # (pinned host memory: 63 GiB of the box's 128) and the same seeded weights, so greedy
 # tokens compare across servers; the report refuses a server whose log lacks the hook's line.
 #
-# Routing: every server's decode steps replay TRACE (bench/trace_routing.py; default a
-# `trace synth --kind tasks` of gpt-oss-120b's shape, synthetic, which its `source` says;
-# give a recorded trace of real locality there). `plan` predicts on the same trace fitted to
-# the 36 layers (bench/trace_fit.py: the hook's layer rule). The report prints its source.
+# Routing: every server replays TRACE (bench/trace_routing.py; default the recorded
+# traces/real-qwen3-30b-a3b-k6.npz, each token narrowed to its router's first 4 ids: no
+# bundled recording is routed at gpt-oss's top-4), each request from the trace's row 0.
+# `plan` predicts on the ids the servers were handed (bench/trace_fit.py: the hook's layer
+# rule, its restart a request). The report prints the trace's source.
 #
 # Steps (STEPS, re-entrant: an arm whose JSON says ok is not run again), with the minutes
 # each is expected to take on the H200 (estimates from the 24-layer runs: a 24-layer server
@@ -44,8 +45,8 @@
 #   RESULTS=/tmp/ofs bash bench/detach.sh --poll flagship 540     (3 polls)
 # Split over two sessions (the box keeps nothing between them, so each needs its resident
 # rate): STEPS="setup model probe resident card24 report", then the same with card32.
-# PY, FS (records, model, plans: /tmp/fs), TRACE and RUNS (5: the measured runs cover ~1000
-# of the trace's steps, which plan's whole-trace replay is set against) are overridable:
+# PY, FS (records, model, plans: /tmp/fs), TRACE and RUNS (5 measured runs of 200 tokens
+# after a warm-up, which plan's replay covers) are overridable:
 # the flow is tested on CPU with the GPU steps stubbed (tests/bench/test_bench_flagship_runner.py).
 set -uo pipefail
 OUT="${OUT:-out}"
@@ -94,14 +95,18 @@ for step in $STEPS; do
     model)
       [ -f "$MODEL/config.json" ] || $PY bench/write_checkpoint.py "$MODEL" --format mxfp4 \
         --experts 128 --layers 36 --vocab 201088 --context 131072 --config-only | tail -1
-      T=${TRACE:-$FS/tasks-gpt-oss-120b.npz}
-      if [ -n "${TRACE:-}" ] && [ ! -f "$T" ]; then echo "TRACE=$T: no such file"; exit 1; fi
-      [ -f "$T" ] || $PY -m expertcache_cli trace synth "$T" --kind tasks --steps 3000 \
-        --layers 36 --experts 128 --top-k 4 --seed 29 \
-        --model "synthetic, gpt-oss-120b-shaped (36 layers, 128 experts, top-4)" > /dev/null
+      T=${TRACE:-traces/real-qwen3-30b-a3b-k6.npz}
+      if [ ! -f "$T" ]; then echo "TRACE=$T: no such file"; exit 1; fi
       case $T in /*) ;; *) T=$PWD/$T ;; esac
-      echo "$T" > "$FS/trace.path"
-      $PY bench/trace_fit.py "$T" "$FIT" --layers 36 | tee "$OUT/trace.txt" ;;
+      # the servers replay it at gpt-oss's top-4 and 36 layers (a recording made wider is
+      # narrowed to each token's first 4 ids, by rank); plan replays what they were handed:
+      # one stream, a warm-up and RUNS requests of 200 tokens, each from row 0
+      $PY bench/trace_fit.py "$T" "$FS/route-top4.npz" --layers 36 --top-k 4 > /dev/null \
+        || { echo "TRACE=$T does not fit top-4 of 128 experts"; exit 1; }
+      echo "$FS/route-top4.npz" > "$FS/trace.path"
+      $PY bench/trace_fit.py "$FS/route-top4.npz" "$FIT" --layers 36 --streams 1 \
+        --steps $(( (${RUNS:-5} + 1) * 200 )) --request-steps 200 --prefill-tokens 16 \
+        | tee "$OUT/trace.txt" ;;
     probe)
       [ -f "$FS/probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step \
         --model "$MODEL" --save "$FS/probe.json" 2>&1 | tail -4 | tee "$OUT/probe.txt"

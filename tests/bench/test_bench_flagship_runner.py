@@ -75,6 +75,9 @@ def runner(tmp_path):
                        "trace_routing.py"), STUB,
                       keep_bench_helpers=True,
                       FS=str(tmp_path / "fs"))
+    traces = tmp_path / "tree" / "traces"  # the bundled recording the runner defaults to
+    traces.mkdir()
+    (traces / "real-qwen3-30b-a3b-k6.npz").write_text("npz")
     return (lambda **extra: run(**extra)[0]), tmp_path
 
 
@@ -93,8 +96,14 @@ def test_every_step_as_a_new_user_runs_it_on_both_cards(runner):
     write = next(c for c in calls if "write_checkpoint.py" in c)
     assert "--format mxfp4 --experts 128 --layers 36 --vocab 201088" in write
     assert write.endswith("--config-only")
-    synth = next(c for c in calls if c.startswith("-m expertcache_cli trace synth"))
-    assert "--layers 36 --experts 128 --top-k 4" in synth
+    # the bundled recording, narrowed to top-4 for the servers; plan's copy as they serve it
+    assert not any("trace synth" in c for c in calls)
+    fits = [c for c in calls if c.startswith("bench/trace_fit.py")]
+    assert fits[0] == (f"bench/trace_fit.py {tmp / 'tree' / 'traces' / 'real-qwen3-30b-a3b-k6.npz'}"
+                       f" {fs / 'route-top4.npz'} --layers 36 --top-k 4")
+    assert fits[1] == (f"bench/trace_fit.py {fs / 'route-top4.npz'} {fs / 'route-36.npz'} "
+                       "--layers 36 --streams 1 --steps 1200 --request-steps 200 "
+                       "--prefill-tokens 16")
     assert _servers(calls) == ["resident", "floor24", "cache24", "floor32", "cache32"]
     resident = _arm(calls, "resident")
     assert "vllm.entrypoints.cli.main serve" in resident and "--moe-backend marlin" in resident
@@ -102,7 +111,7 @@ def test_every_step_as_a_new_user_runs_it_on_both_cards(runner):
     for name in ("resident", "floor24", "cache24", "floor32", "cache32"):
         call = _arm(calls, name)
         assert "--env EC_BENCH_SYNTH_WEIGHTS=1" in call and "--load-format dummy" in call
-        assert f"EC_BENCH_TRACE_ROUTING={fs / 'tasks-gpt-oss-120b.npz'}" in call
+        assert f"EC_BENCH_TRACE_ROUTING={fs / 'route-top4.npz'}" in call
         assert "bench/trace_hook" in call and "--runs 5" in call
     for gib in ("24", "32"):
         plan = next(c for c in calls if c.startswith("-m expertcache_cli plan")
@@ -152,10 +161,16 @@ def test_a_given_trace_routes_every_server_and_no_trace_is_synthesized(runner):
     given.write_text("npz")
     calls = run(STEPS="model resident", TRACE=str(given))
     assert not any("trace synth" in c for c in calls)
-    assert f"EC_BENCH_TRACE_ROUTING={given}" in _arm(calls, "resident")
+    routed = tmp / "fs" / "route-top4.npz"
+    assert f"EC_BENCH_TRACE_ROUTING={routed}" in _arm(calls, "resident")
     fit = next(c for c in calls if c.startswith("bench/trace_fit.py"))
-    assert fit.startswith(f"bench/trace_fit.py {given} ")
-    assert "--layers 36" in fit
+    assert fit == f"bench/trace_fit.py {given} {routed} --layers 36 --top-k 4"
+
+
+def test_a_missing_trace_stops_the_model_step(runner):
+    run, tmp = runner
+    with pytest.raises(AssertionError, match="no such file"):
+        run(STEPS="model", TRACE=str(tmp / "absent.npz"))
 
 
 def test_no_fitting_budget_serves_as_serve_plans_it_and_missing_hooks_void_the_numbers(
