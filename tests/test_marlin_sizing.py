@@ -135,6 +135,23 @@ def test_gpt_oss_mxfp4_as_marlin_holds_it(config, layers, experts):
     assert m.expert_bytes == 14_431_744 * layers * experts
 
 
+#: what the plugin mirrored when it armed a 24-layer gpt-oss-shaped MXFP4 checkpoint on
+#: Marlin in vLLM 0.26.0 on the H200 (its startup line; `bench/run_formats_on_device.sh`)
+SERVED_MXFP4 = ("w13_weight[int32 192x11776], w13_weight_scale[float8_e8m0fnu 96x5888], "
+                "w2_weight[int32 184x6144], w2_weight_scale[float8_e8m0fnu 92x3072], "
+                "w13_bias[bfloat16 5888], w2_bias[bfloat16 3072]")
+
+
+def test_the_bytes_sized_for_mxfp4_are_the_bytes_a_served_layer_held():
+    import math
+    import re
+    width = {"int32": 4, "float8_e8m0fnu": 1, "bfloat16": 2}
+    held = sum(width[d] * math.prod(int(n) for n in dims.split("x"))
+               for d, dims in re.findall(r"\[(\w+) ([\dx]+)\]", SERVED_MXFP4))
+    m = model_size.load_model(CONFIGS / "gpt-oss-120b.json", quant="mxfp4")
+    assert held == m.bytes_per_expert == 14_431_744
+
+
 def test_gpt_oss_120b_on_a_24_gib_card_is_a_cache_as_typed():
     """The issue's case: `size --model gpt-oss-120b.json --quant mxfp4 --vram 24` used to
     answer "runs only fully offloaded ... no cache"; Marlin is armed now."""
