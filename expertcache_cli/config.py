@@ -76,9 +76,9 @@ ENV_VARS: dict[str, EnvVar] = {
                   "the table with the slots, and log what differs (syncs; copies the slots' "
                   "experts once)", "off", ("at shutdown", "occupied slot")),
     MARLIN: EnvVar("1 = arm vLLM's Marlin experts (4-bit: GPTQ, AWQ, W4A16, NVFP4, MXFP4), "
-                   "which are not yet proven on a GPU; unset, they are declined and served on "
-                   "the stock path", "off",
-                   ("arm vLLM's Marlin experts", "not yet proven on a GPU")),
+                   "whose served rows are not all measured yet; unset, they are declined and "
+                   "served on the stock path", "off",
+                   ("arm vLLM's Marlin experts", "are not all in")),
 }
 
 #: the variables that change what a server measures or writes: a launcher that states a
@@ -249,8 +249,9 @@ def kernel_source(env: Mapping[str, str] | None = None) -> tuple[str | None, boo
 def marlin_from_env(env: Mapping[str, str] | None = None) -> bool:
     """Whether Marlin experts may be armed. Off unless ``EXPERT_CACHE_MARLIN=1``: their
     arming (the stock block order remapped to slots, ragged per-expert tensors in a side
-    row) is tested against CPU stand-ins of vLLM 0.26's and 0.33's classes but has not
-    run on a GPU, and serving must not change for a user who did not ask. `size`, `plan`
+    row) is tested against CPU stand-ins of vLLM 0.26's and 0.33's classes and checked on
+    a GPU, but not every format has been served from slots against its floor yet, and
+    serving must not change for a user who did not ask. `size`, `plan`
     and `serve` read the same switch, so a plan never promises a cache the plugin would
     decline."""
     return _bool(os.environ if env is None else env, MARLIN)
