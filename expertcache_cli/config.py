@@ -76,7 +76,7 @@ ENV_VARS: dict[str, EnvVar] = {
                   "the table with the slots, and log what differs (syncs; copies the slots' "
                   "experts once)", "off", ("at shutdown", "occupied slot")),
     MARLIN: EnvVar("1 = arm vLLM's Marlin experts (4-bit: GPTQ, AWQ, W4A16, NVFP4, MXFP4), "
-                   "whose served rows are not all measured yet; unset, they are declined and "
+                   "whose served rows are not all in yet; unset, they are declined and "
                    "served on the stock path", "off",
                    ("arm vLLM's Marlin experts", "are not all in")),
 }
