@@ -99,8 +99,10 @@ def timed_prediction(plan: dict, row: dict, runs: int | None, max_tokens: int | 
     from expertcache_cli.rules.policy import Policy
     from expertcache_cli.rules.replay import replay
 
-    path = (plan.get("trace") or {}).get("path")
-    if not path or not Path(path).exists():
+    trace = plan.get("trace") or {}
+    path = trace.get("path")
+    if not path or not Path(path).exists() or timed_steps(
+            int(trace.get("steps") or 0), runs, max_tokens) is None:
         return None
     tr = tracefile.load(path)
     windows = timed_steps(tr.steps, runs, max_tokens)
