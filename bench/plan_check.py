@@ -247,6 +247,11 @@ def _load(plan_json: str, baseline: str) -> tuple[dict, dict, dict | None]:
     from expertcache_cli.baseline.runner import load_summary
 
     plan = json.loads(Path(plan_json).read_text())
+    trace = plan.get("trace") or {}
+    beside = Path(plan_json).parent / Path(trace.get("path") or "-").name
+    if trace.get("path") and not Path(trace["path"]).exists() and beside.exists():
+        # the run's files copied off the box: plan's trace travels beside its JSON
+        trace["path"] = str(beside)
     summary, _ = load_summary(baseline)
     meta, _ = store.load(baseline)
     return plan, {a.arm: a for a in summary.arms}, meta

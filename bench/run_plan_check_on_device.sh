@@ -188,7 +188,8 @@ for kind in $TRACES; do
       [ -f "$S" ] || $PY bench/trace_fit.py "$T" "$S" --layers "$LAYERS" --streams 1 \
         --steps "$steps" --request-steps "$TOKENS" --prefill-tokens "$PREFILL" \
         > "$PC/$name-$LAYERS-served$steps.txt" || { echo "$kind: trace_fit failed"; continue; }
-      cp "$PC/$name-$LAYERS-served$steps.txt" "$OUT/" 2>/dev/null
+      # beside plan's JSON in $OUT, so that plan_check.py runs on the files copied off the box
+      cp "$S" "$PC/$name-$LAYERS-served$steps.txt" "$OUT/" 2>/dev/null
       check "$name" "$T" "$S" "$M" "$probe" "$res" ;;
   esac
 done

@@ -229,6 +229,27 @@ def test_a_recording_is_served_at_its_own_width_and_plan_replays_what_was_served
     assert sum("| (as above) |" in x for x in rows) == 4
     assert all(x.split(" | ")[0] in ("| real-qwen3-30b-a3b-k6-24-served800",
                                      "| real-gpt-oss-120b-k2-24-served800") for x in rows)
+    # the files copied off the box make the same table (plan's trace travels beside it)
+    import shutil
+    import subprocess
+    import sys
+
+    off = tmp / "copied"
+    shutil.copytree(tmp / "out", off)
+    shutil.move(pc, tmp / "pc-away")
+    names = ("real-qwen3-30b-a3b-k6", "real-gpt-oss-120b-k2")
+    files = [str(off / f) for n in names for f in (f"plan-{n}.json", f"bl-{n}-24.jsonl",
+                                                    f"plan-{n}.saved.json")]
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--table",
+                        *files], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = [x for x in r.stdout.splitlines() if x.startswith("| real-")
+           and "not measured" not in x]
+    assert len(got) == 6 and all(x.split(" | ")[6] != "-" for x in got)
+    assert [x.split(" | ")[6] for x in got] == [x.split(" | ")[6] for x in table.splitlines()
+                                                 if x.startswith("| real-")
+                                                 and "not measured" not in x]
+    shutil.move(tmp / "pc-away", pc)
     # a second call: every file is there; the baselines resume with nothing left to run
     again = run(TRACES=RECORDED, LAYERS="24", PLAN_ARM="0")
     assert not _cmd(again, "write_checkpoint.py") and not _cmd(again, "probe-link")
