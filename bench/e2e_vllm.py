@@ -68,13 +68,16 @@ ARMS: dict[str, tuple[bool, dict[str, str]]] = {
 # ----------------------------------------------------------------------------- the model
 def write_model(d: Path, layers: int, vocab_size: int = VOCAB,
                 quantization_config: dict | None = None, context: int = 4096,
-                head_dim: int | None = None) -> Path:
+                head_dim: int | None = None, top_k: int | None = None) -> Path:
     """config.json of the Qwen3-30B-A3B shape with ``layers`` layers, and a tokenizer.
 
     ``vocab_size`` 151936 is the real model's (embeddings and LM head then weigh what they
     do in the checkpoints users download); ``quantization_config`` goes into config.json;
     ``context`` 40960 is the real model's max_position_embeddings; ``head_dim`` 128 its
-    attention heads (the bench shape's default is hidden / heads = 64).
+    attention heads (the bench shape's default is hidden / heads = 64); ``top_k`` the
+    experts a token (default the shape's 8): a routing trace recorded at another width
+    drives a model of that width (`bench/trace_routing.py` replaces ids only where the
+    widths agree).
     """
     d.mkdir(parents=True, exist_ok=True)
     cfg = {
@@ -88,7 +91,7 @@ def write_model(d: Path, layers: int, vocab_size: int = VOCAB,
         "num_key_value_heads": KV_HEADS,
         "head_dim": head_dim or HIDDEN // HEADS,
         "num_experts": E,
-        "num_experts_per_tok": TOP_K,
+        "num_experts_per_tok": top_k or TOP_K,
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],

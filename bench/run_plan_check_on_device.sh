@@ -29,59 +29,176 @@
 # POLICY=lfu plans and serves that policy (arms cache:S:lfu; files named -lfu): on a trace
 # whose LRU hit rates equal another's (tasks and zipf do, to 0.003), the other policy is
 # where their locality differs (zipf: LFU misses 35% at 16 slots, LRU 41%).
+# Recorded traces (issue 30: `plan` holds on real routing): TRACES also takes the name of a
+# recording in traces/ (or a path to one), beside the synthetic kinds:
+#   TRACES="real-qwen3-30b-a3b-k6 real-gemma-4-26b-a4b-k6 real-gpt-oss-120b-k2" PLAN_ARM=0 \
+#     bash bench/run_plan_check_on_device.sh
+# A recording is served on a checkpoint of its own width: LAYERS layers, 128 experts, top-k
+# the trace's (6 for Qwen3 and Gemma 4 as recorded, 2 for gpt-oss: the hook replaces a
+# router's ids only where the widths agree, so each token's experts are exactly the
+# recorded ones), a model directory per top-k (model24-k6; top-8 shares model24), and per
+# model its own probe (probe-k6.json) and resident rate (bl-resident-24-k6.jsonl: resident
+# tok/s depends on the experts a token). The servers route by the recording fitted to
+# LAYERS (bench/trace_fit.py --layers: model layer i routes as trace layer i mod L); `plan
+# --model` (the checkpoint's bytes an expert, its top-k checked against the trace's) is
+# given the ids the hook handed each server: a warm-up and RUNS requests of 200 tokens
+# (`expertcache baseline`'s protocol), each from the trace's row 0 with a 16-token prefill
+# (trace_fit --streams 1 --steps (RUNS+1)*200 --request-steps 200 --prefill-tokens 16).
+# Every request of a recorded trace's servers (resident too) sends the bench's 16-word
+# prompt (bench/small_card.py's PROMPT), not `baseline`'s 25-word default: vLLM's prefix
+# cache would serve a later request's first 16 tokens of that one from its first request's
+# blocks (16 tokens a block) and prefill only 9, while a prompt of one block is never
+# cached (vLLM computes a fully cached prompt's last token again), so every request
+# prefills the 16 tokens plan is given. plan_check.py then sets each arm beside plan's
+# prediction and beside plan's formula over the steps the runs timed (the warm-up and the
+# prefills are not in a run's decode rate); the table of every trace run, with the command,
+# goes to $OUT/plan-check-table.md. A name that is no trace is refused (one line, exit 2)
+# before anything starts, a recording of other than 128 experts after the setup, before any
+# checkpoint or server.
+# Only recorded traces in TRACES: the top-8 model, its probe and resident rate are skipped.
+# Device minutes (H200, 24 layers): a checkpoint 0.3, a probe 1.5, a server 1-2.7 to start
+# and <1 to serve 3 runs; so per top-k ~4.5 (checkpoint, probe, resident), per trace ~6-10
+# (three budgets; the saved plan's arm one server more: PLAN_ARM=0 leaves it out).
 # PY, PC (traces, plans, baselines: /tmp/pc) and MODEL_DIR (/tmp) are overridable (the flow
 # is tested on CPU with stubbed GPU steps: tests/bench/test_bench_plan_check_runner.py).
 set -uo pipefail
 OUT="${OUT:-out}"
 PC="${PC:-/tmp/pc}"  # traces, plans and baselines, kept on the box across calls
-mkdir -p "$OUT" "$PC"
-source bench/_device_vllm.sh
 PY="${PY:-python3}"
 LAYERS="${LAYERS:-24}"
-MODEL="${MODEL_DIR:-/tmp}/model$LAYERS"
+MD="${MODEL_DIR:-/tmp}"
 # every expert offloaded: 128 x 9.44 MB = 1.21 GB a layer, and some room
 OFFLOAD_GB=$(( LAYERS * 5 / 4 + 1 ))
 SLOTS="${SLOTS:-16,32,64}"
 POLICY="${POLICY:-lru}"
+RUNS="${RUNS:-3}"
+TOKENS=200  # a request's tokens (baseline --max-tokens): its prefill and 199 decode steps
+PREFILL=16  # the recorded traces' prompt, in tokens (one word a token)
+PROMPT16="w17 w923 w4410 w88 w5120 w3 w777 w2048 w60 w1999 w4096 w31 w8000 w12 w640 w5"
 SFX=""; [ "$POLICY" = lru ] || SFX="-$POLICY"  # LRU keeps the first run's file names
 VLLM_ARGS=(--attention-backend TRITON_ATTN --max-num-seqs 4 --max-model-len 1024 --seed 0)
+TRACES="${TRACES:-tasks zipf}"
 
-baseline() {  # baseline OUT.jsonl ARMS [env...]: one server per arm, resumable
-  local out=$1 arms=$2; shift 2
+# The recorded traces in TRACES: a name in traces/ (or a path), checked before anything
+# starts; their top-k and experts (what checkpoint serves them) once python's numpy is set up
+declare -A REC_SRC REC_K
+synthetic=0
+for kind in $TRACES; do
+  case $kind in
+    none|tasks|zipf) synthetic=1; continue ;;
+  esac
+  src=""
+  for c in "$kind" "traces/$kind" "traces/$kind.npz"; do [ -f "$c" ] && { src=$c; break; }; done
+  if [ -z "$src" ]; then
+    echo "TRACES: $kind: no such trace (tasks, zipf, none, or a recording in traces/: $(
+      cd traces 2>/dev/null && ls -- *.npz 2>/dev/null | sed 's/\.npz$//' | tr '\n' ' '))" >&2
+    exit 2
+  fi
+  case $src in /*) ;; *) src=$PWD/$src ;; esac
+  REC_SRC[$kind]=$src
+done
+
+mkdir -p "$OUT" "$PC"
+source bench/_device_vllm.sh
+device_vllm_setup || { echo "setup failed"; exit 1; }
+for kind in "${!REC_SRC[@]}"; do
+  shape=$($PY bench/trace_fit.py --shape "${REC_SRC[$kind]}") || exit 2
+  read -r k e _ <<< "$shape"
+  if [ "$e" != 128 ]; then
+    echo "TRACES: $kind: top-$k of $e experts; the bench checkpoint has 128 experts" >&2
+    exit 2
+  fi
+  REC_K[$kind]=$k
+done
+
+baseline() {  # baseline MODEL OUT.jsonl ARMS [env...]: one server per arm, resumable
+  local model=$1 out=$2 arms=$3; shift 3
   local resume=()
   [ -s "$out" ] && resume=(--resume)
   env "$@" timeout -s INT -k 60 "${BL_SECONDS:-540}" $PY -m expertcache_cli baseline \
-    "$MODEL" --arms "$arms" --restarts 1 --runs "${RUNS:-3}" --max-tokens 200 \
+    "$model" --arms "$arms" --restarts 1 --runs "$RUNS" --max-tokens "$TOKENS" "${prompt[@]}" \
     --cpu-offload-gb "$OFFLOAD_GB" --start-timeout 400 --stop-grace 20 --out "$out" "${resume[@]}" \
     -- "${VLLM_ARGS[@]}" 2>&1 | tail -12
   cp "$out" "$OUT/"
 }
-
-device_vllm_setup || { echo "setup failed"; exit 1; }
-[ -f "$MODEL/model.safetensors.index.json" ] || \
-  $PY bench/write_checkpoint.py "$MODEL" --layers "$LAYERS" 2>&1 | tail -1
-[ -f $PC/probe.json ] || $PY -m expertcache_cli probe-link --only gather,step --model "$MODEL" \
-  --save $PC/probe.json > "$OUT/probe.txt" 2>&1
-cp $PC/probe.json "$OUT/"
-baseline "$PC/bl-resident-$LAYERS.jsonl" resident
-
-for kind in ${TRACES:-tasks zipf}; do
-  [ "$kind" = none ] && continue
-  T=$PC/$kind-$LAYERS.npz
-  [ -f "$T" ] || $PY -m expertcache_cli trace synth "$T" --kind "$kind" --steps 4000 \
-    --layers "$LAYERS" --experts 128 --top-k 8 --seed 7 --expert-bytes 9437184 \
-    --model "qwen3-30b-a3b shape, $LAYERS layers" > /dev/null
-  P=$PC/plan-$kind$SFX-$LAYERS.json
-  J=$PC/plan-$kind$SFX-$LAYERS.out.json  # kept on the box: $OUT is emptied every call
-  B=$PC/bl-$kind$SFX-$LAYERS.jsonl
-  [ -f "$P" ] || $PY -m expertcache_cli plan "$T" --model "$MODEL" --probe $PC/probe.json \
-    --baseline "$PC/bl-resident-$LAYERS.jsonl" --slots "$SLOTS" --policy "$POLICY" --save "$P" --json \
-    > "$J" 2> "$OUT/plan-$kind$SFX.err"
-  cp "$J" "$OUT/plan-$kind$SFX.json"; cp "$P" "$OUT/plan-$kind$SFX.saved.json" 2>/dev/null
-  ARMS=$(echo "$SLOTS" | sed "s/\([0-9]\+\)/cache:\1${SFX/-/:}/g")
-  [ "${PLAN_ARM:-1}" = 0 ] || ARMS="$ARMS,plan:$P"
-  baseline "$B" "$ARMS" EC_BENCH_TRACE_ROUTING="$T" \
+model_of() {  # model_of K: the checkpoint of top-K (8: the shape's own), written when missing
+  local dir=$MD/model$LAYERS topk=()
+  [ "$1" = 8 ] || { dir=$MD/model$LAYERS-k$1; topk=(--top-k "$1"); }
+  [ -f "$dir/model.safetensors.index.json" ] || \
+    $PY bench/write_checkpoint.py "$dir" --layers "$LAYERS" "${topk[@]}" 2>&1 | tail -1 >&2
+  echo "$dir"
+}
+probe_of() {  # probe_of MODEL FILE: the link and the cache step at the model's experts, once
+  [ -f "$2" ] || $PY -m expertcache_cli probe-link --only gather,step --model "$1" \
+    --save "$2" > "$OUT/$(basename "$2" .json).txt" 2>&1
+  cp "$2" "$OUT/" 2>/dev/null
+}
+# plan, the budgets' (and the saved plan's) servers routed by trace T, the comparison:
+# check NAME T PLAN_TRACE MODEL PROBE RESIDENT
+check() {
+  local name=$1 t=$2 pt=$3 model=$4 probe=$5 res=$6
+  local p=$PC/plan-$name$SFX-$LAYERS.json
+  local j=$PC/plan-$name$SFX-$LAYERS.out.json  # kept on the box: $OUT is emptied every call
+  local b=$PC/bl-$name$SFX-$LAYERS.jsonl
+  [ -f "$p" ] || $PY -m expertcache_cli plan "$pt" --model "$model" --probe "$probe" \
+    --baseline "$res" --slots "$SLOTS" --policy "$POLICY" --save "$p" --json \
+    > "$j" 2> "$OUT/plan-$name$SFX.err"
+  cp "$j" "$OUT/plan-$name$SFX.json"; cp "$p" "$OUT/plan-$name$SFX.saved.json" 2>/dev/null
+  local arms
+  arms=$(echo "$SLOTS" | sed "s/\([0-9]\+\)/cache:\1${SFX/-/:}/g")
+  [ "${PLAN_ARM:-1}" = 0 ] || arms="$arms,plan:$p"
+  baseline "$model" "$b" "$arms" EC_BENCH_TRACE_ROUTING="$t" \
     PYTHONPATH="$PWD/bench/trace_hook:$PYTHONPATH"
-  $PY bench/plan_check.py "$J" "$B" "$P" | tee "$OUT/compare-$kind$SFX.txt"
+  $PY bench/plan_check.py "$j" "$b" "$p" | tee "$OUT/compare-$name$SFX.txt"
+  TABLE+=("$j" "$b" "$p")
+}
+
+TABLE=()
+prompt=()
+if [ "$synthetic" = 1 ]; then  # the top-8 model's resident rate (synthetic traces, none)
+  MODEL=$(model_of 8)
+  probe_of "$MODEL" "$PC/probe.json"
+  baseline "$MODEL" "$PC/bl-resident-$LAYERS.jsonl" resident
+fi
+
+for kind in $TRACES; do
+  case $kind in
+    none) continue ;;
+    tasks|zipf)
+      prompt=()
+      T=$PC/$kind-$LAYERS.npz
+      [ -f "$T" ] || $PY -m expertcache_cli trace synth "$T" --kind "$kind" --steps 4000 \
+        --layers "$LAYERS" --experts 128 --top-k 8 --seed 7 --expert-bytes 9437184 \
+        --model "qwen3-30b-a3b shape, $LAYERS layers" > /dev/null
+      check "$kind" "$T" "$T" "$MODEL" "$PC/probe.json" "$PC/bl-resident-$LAYERS.jsonl" ;;
+    *)
+      prompt=(--prompt "$PROMPT16")
+      k=${REC_K[$kind]} name=$(basename "$kind" .npz)
+      M=$(model_of "$k")
+      probe=$PC/probe.json; [ "$k" = 8 ] || probe=$PC/probe-k$k.json
+      probe_of "$M" "$probe"
+      res=$PC/bl-resident-$LAYERS-k$k.jsonl
+      baseline "$M" "$res" resident
+      # the servers' routing: the recording at LAYERS layers; plan's: the ids it handed them
+      T=$PC/$name-$LAYERS.npz
+      steps=$(( (RUNS + 1) * TOKENS ))
+      S=$PC/$name-$LAYERS-served$steps.npz
+      [ -f "$T" ] || $PY bench/trace_fit.py "${REC_SRC[$kind]}" "$T" --layers "$LAYERS" \
+        > /dev/null || { echo "$kind: trace_fit failed: trace skipped"; continue; }
+      [ -f "$S" ] || $PY bench/trace_fit.py "$T" "$S" --layers "$LAYERS" --streams 1 \
+        --steps "$steps" --request-steps "$TOKENS" --prefill-tokens "$PREFILL" \
+        > "$PC/$name-$LAYERS-served$steps.txt" || { echo "$kind: trace_fit failed"; continue; }
+      # beside plan's JSON in $OUT, so that plan_check.py runs on the files copied off the box
+      cp "$S" "$PC/$name-$LAYERS-served$steps.txt" "$OUT/" 2>/dev/null
+      check "$name" "$T" "$S" "$M" "$probe" "$res" ;;
+  esac
 done
+if [ "${#TABLE[@]}" -gt 0 ]; then  # one table over the traces run, with its command
+  CMD="TRACES=\"$TRACES\" LAYERS=$LAYERS SLOTS=$SLOTS RUNS=$RUNS POLICY=$POLICY"
+  CMD="$CMD PLAN_ARM=${PLAN_ARM:-1} bash bench/run_plan_check_on_device.sh"
+  $PY bench/plan_check.py --table --command "$CMD" "${TABLE[@]}" \
+    > "$PC/plan-check-table$SFX.md" 2>&1
+  cp "$PC/plan-check-table$SFX.md" "$OUT/plan-check-table$SFX.md"
+  cat "$OUT/plan-check-table$SFX.md"
+fi
 echo "done after $SECONDS s"

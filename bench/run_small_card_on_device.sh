@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU box: the cache on cards that really are too small, emulated on the
 # H200 with bench/ballast.py, for the brief's own model (Qwen3-30B-A3B shape, 48 layers,
-# W8A8 INT8 as compressed-tensors, per-layer seeded routers, real vocabulary).
+# W8A8 INT8 as compressed-tensors, per-layer seeded routers, real vocabulary). The headline
+# table (floor, cache, resident on both cards) with a real model's routing replayed into
+# every server is bench/run_headline_on_device.sh's.
 #
 # Re-entrant and split in steps so that each call stays under a caller's time limit
 # (STEPS="setup ckpt probe acct" then "card24" then "resident card16"); an arm whose JSON

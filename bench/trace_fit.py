@@ -22,6 +22,8 @@ the trace and takes a step's width from the row's front), so that `plan` replays
 ids a short recording drives a long served run with; ``--request-steps R`` as the hook
 restarts each request of ``R`` steps at row 0, its prefill ``P`` tokens wide.
     python bench/trace_fit.py --source T.npz     # the trace's source line (the reports)
+    python bench/trace_fit.py --shape T.npz      # "TOP_K EXPERTS LAYERS" (the runners: the
+                                                 # checkpoint a recording is served on)
 """
 
 from __future__ import annotations
@@ -119,6 +121,15 @@ def fit(trace: tracefile.Trace, layers: int, expert_bytes: int | None = None
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--source"] and len(argv) == 2:
         print(source_of(tracefile.load(argv[1])))
+        return 0
+    if argv[:1] == ["--shape"] and len(argv) == 2:
+        try:
+            t = tracefile.load(argv[1])
+        except Exception as exc:  # noqa: BLE001 - any unreadable file: one line, exit 2
+            why = (str(exc).splitlines() or [type(exc).__name__])[0]
+            print(f"trace_fit: {argv[1]}: not a routing trace ({why})", file=sys.stderr)
+            return 2
+        print(t.top_k, t.num_experts, t.num_layers)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", type=Path)

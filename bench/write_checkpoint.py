@@ -51,6 +51,12 @@ serves with ``--load-format dummy`` while `bench/synth_weights.py` fills the wei
 process as this writer draws them (gpt-oss-120b's experts, 63 GiB, do not fit the GPU box's
 disk).
 
+``--top-k 6`` sets the experts a token (the config's ``num_experts_per_tok``; default the
+shape's: 8, gpt-oss's 4): a checkpoint routed at a recording's width, so that the bench's
+trace hook (`bench/trace_routing.py`, which replaces a router's ids only where its top-k is
+the trace's) replays a recorded trace exactly as the model ran it (the bundled recordings
+ran Qwen3 and Gemma 4 at 6, gpt-oss-120b at 2). The weights do not depend on it.
+
 ``--hot 32`` routes every layer to its first 32 experts only (the other router rows are
 zero), so a cache of 32 slots hits on (nearly) every read: the all-hit arm that is compared
 with resident.
@@ -63,6 +69,7 @@ sizing it is sizing the real thing.
     python bench/write_checkpoint.py /tmp/model --layers 8
     python bench/write_checkpoint.py /tmp/w8a8 --layers 48 --format w8a8 --vocab 151936 \
         --context 40960 --head-dim 128
+    python bench/write_checkpoint.py /tmp/model24-k6 --layers 24 --top-k 6
 """
 
 from __future__ import annotations
@@ -286,12 +293,14 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
 
 def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
           shard_bytes: int = 4 << 30, context: int = 4096, head_dim: int | None = None,
-          hot: int = 0, experts: int | None = None, config_only: bool = False) -> dict:
+          hot: int = 0, experts: int | None = None, config_only: bool = False,
+          top_k: int | None = None) -> dict:
     """config + tokenizer (from the e2e bench) and safetensors shards with an index.
     ``experts``: the gpt-oss shape's expert count (``mxfp4`` only; default gpt-oss-20b's).
     ``config_only``: config and tokenizer, no weights: a model directory that vLLM serves
     with ``--load-format dummy`` (the flagship run fills its weights in process,
-    `bench/synth_weights.py`: gpt-oss-120b's 63 GiB of experts do not fit the box's disk)."""
+    `bench/synth_weights.py`: gpt-oss-120b's 63 GiB of experts do not fit the box's disk).
+    ``top_k``: the experts a token in the config (default the shape's)."""
     import json
 
     if fmt not in FORMATS:
@@ -305,6 +314,10 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
     gpt_oss = dataclasses.replace(write_gpt_oss.shape(), experts=experts or
                                   write_gpt_oss.shape().experts)
     experts = gpt_oss.experts if fmt == "mxfp4" else shape.E
+    if top_k is not None and not 1 <= top_k <= experts:
+        raise SystemExit(f"--top-k {top_k}: between 1 and the {experts} experts a layer")
+    if top_k is not None:
+        gpt_oss = dataclasses.replace(gpt_oss, top_k=top_k)
     if not 0 <= hot <= experts:
         raise SystemExit(f"--hot {hot}: between 0 (route to all) and {experts}")
     if fmt == "mxfp4":
@@ -313,7 +326,7 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
         write_gpt_oss.write_config(out, layers, vocab, context, gpt_oss)
     else:
         shape.write_model(out, layers, vocab_size=vocab, context=context, head_dim=head_dim,
-                          quantization_config=quantization_config(fmt, layers))
+                          quantization_config=quantization_config(fmt, layers), top_k=top_k)
     if config_only:
         return {"bytes": 0, "shards": 0, "tensors": 0}
     import torch
@@ -350,7 +363,14 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
     return {"bytes": total, "shards": len(set(weight_map.values())), "tensors": len(weight_map)}
 
 
-def main() -> int:
+def write_gpt_oss_experts() -> int:
+    """The gpt-oss shape's experts a layer (its default, without ``--experts``)."""
+    import write_gpt_oss
+
+    return write_gpt_oss.shape().experts
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=8)
@@ -366,12 +386,22 @@ def main() -> int:
                          "at N slots, for the resident comparison); 0: all experts")
     ap.add_argument("--config-only", action="store_true",
                     help="config.json and tokenizer only, for vLLM's --load-format dummy")
-    a = ap.parse_args()
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="experts a token, the config's num_experts_per_tok (default the "
+                         "shape's: 8; mxfp4 4): a recorded trace's width")
+    a = ap.parse_args(argv)
+    experts = (a.experts or write_gpt_oss_experts()) if a.format == "mxfp4" else shape.E
+    if a.top_k is not None and not 1 <= a.top_k <= experts:
+        # before anything is written: a checkpoint of a width no router can pick is no model
+        print(f"write_checkpoint: --top-k {a.top_k}: between 1 and the {experts} experts a "
+              "layer", file=sys.stderr)
+        return 2
     t0 = time.time()
     info = write(a.out, a.layers, a.format, a.vocab, context=a.context, head_dim=a.head_dim,
-                 hot=a.hot, experts=a.experts, config_only=a.config_only)
+                 hot=a.hot, experts=a.experts, config_only=a.config_only, top_k=a.top_k)
+    k = f", top-{a.top_k}" if a.top_k is not None else ""
     print(f"wrote {info['tensors']} tensors, {info['bytes'] / 2**30:.2f} GiB in "
-          f"{info['shards']} shards to {a.out} ({a.format}) in {time.time() - t0:.0f} s")
+          f"{info['shards']} shards to {a.out} ({a.format}{k}) in {time.time() - t0:.0f} s")
     return 0
 
 

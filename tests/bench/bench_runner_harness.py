@@ -21,10 +21,11 @@ def make_runner(tmp_path: Path, script: str, files: tuple[str, ...], stub_source
     """``run(**extra_env)`` -> (the stub's logged calls, the runner's stdout).
 
     ``stub_source``: the python the stub runs (it logs to ``$STUB_LOG``; ``$REAL_PY`` is
-    this interpreter, for what it forwards). ``keep_bench_helpers``: keep the real
-    `_device_vllm.sh` helpers (bench_arm, bench_save, bench_mem_server and the process-group
-    records they keep with bench/groups.py, in ``tmp_path/groups``) and stub only its
-    setup."""
+    this interpreter, for what it forwards, with ``$ROOT`` the checkout whose package it
+    should import: the runner's PYTHONPATH names the copy, which has none).
+    ``keep_bench_helpers``: keep the real `_device_vllm.sh` helpers (bench_arm, bench_save,
+    bench_mem_server and the process-group records they keep with bench/groups.py, in
+    ``tmp_path/groups``) and stub only its setup."""
     bench = tmp_path / "tree" / "bench"
     bench.mkdir(parents=True)
     helpers = ("groups.py",) if keep_bench_helpers else ()
@@ -37,14 +38,17 @@ def make_runner(tmp_path: Path, script: str, files: tuple[str, ...], stub_source
     stub.chmod(0o755)
     log = tmp_path / "calls.log"
 
-    def run(**extra: str) -> tuple[list[str], str]:
+    def run(expect_rc: int = 0, **extra: str) -> tuple[list[str], str]:
+        """The calls and the stdout (with the stderr after it where ``expect_rc`` is not
+        0: a refusal's one line)."""
         log.write_text("")
         full = {**os.environ, "PY": str(stub), "REAL_PY": sys.executable,
                 "STUB_LOG": str(log), "OUT": str(tmp_path / "out"), "PYTHONPATH": str(ROOT),
+                "ROOT": str(ROOT),
                 "EXPERTCACHE_SERVER_GROUPS": str(tmp_path / "groups"), **env, **extra}
         r = subprocess.run(["bash", f"bench/{script}"], cwd=bench.parent, env=full,
                            capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stdout + r.stderr
-        return log.read_text().splitlines(), r.stdout
+        assert r.returncode == expect_rc, r.stdout + r.stderr
+        return log.read_text().splitlines(), r.stdout if expect_rc == 0 else r.stdout + r.stderr
 
     return run

@@ -71,3 +71,110 @@ def test_served_steps_come_from_the_final_counters():
     assert plan_check.served_steps({"requests": 153792}, 24, 8) == 801
     assert plan_check.served_steps({}, 24, 8) is None
     assert plan_check.served_steps({"requests": 10}, 0, 8) is None
+
+
+def test_timed_steps_are_each_runs_decode_steps_after_the_warm_up():
+    # a warm-up and 3 runs of 200 tokens: steps 1-199 of requests 1, 2 and 3
+    assert plan_check.timed_steps(800, 3, 200) == [(201, 400), (401, 600), (601, 800)]
+    assert plan_check.timed_steps(4000, 3, 200) is None  # not a served trace: replayed whole
+    assert plan_check.timed_steps(800, None, 200) is None
+    assert plan_check.timed_steps(2, 1, 1) is None
+
+
+def _served(tmp_path: Path, runs: int, tokens: int, layers: int = 4) -> Path:
+    """The recorded Qwen3 trace as the hook serves a warm-up and ``runs`` requests."""
+    out = tmp_path / "served.npz"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "trace_fit.py"),
+                        str(ROOT / "traces" / "real-qwen3-30b-a3b-k6.npz"), str(out),
+                        "--layers", str(layers), "--streams", "1", "--steps",
+                        str((runs + 1) * tokens), "--request-steps", str(tokens),
+                        "--prefill-tokens", "16", "--expert-bytes", "9437184"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_a_served_trace_is_also_predicted_over_the_steps_the_runs_timed(tmp_path):
+    """plan's formula over the timed steps: the misses of those steps only (the replay's
+    prefixes), the cache state carried in from the warm-up and the prefills."""
+    import dataclasses
+
+    from expertcache_cli.planning import planner
+    from expertcache_cli.rules import trace as tracefile
+    from expertcache_cli.rules.policy import Policy
+    from expertcache_cli.rules.replay import replay
+
+    served = _served(tmp_path, 2, 60)
+    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "plan", str(served),
+                        "--link-gbps", "50", "--resident-tok-s", "400", "--slots", "16,64",
+                        "--policy", "lru", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    row = next(x for x in plan["rows"] if x["slots"] == 64)
+    pred, hit, steps = plan_check.timed_prediction(plan, row, 2, 60)
+    assert steps == 2 * 59
+    tr = tracefile.load(served)
+
+    def misses(n):
+        head = dataclasses.replace(tr, topk_ids=tr.topk_ids[:n], step_tokens=tr.step_tokens[:n])
+        return float(replay(head, [Policy.LRU], [64]).results.query("policy == 'lru'")
+                     ["misses"].iloc[0])
+
+    # a warm-up and 2 runs of 60 steps; the runs' decode steps are [61, 120) and [121, 180)
+    assert tr.steps == 180
+    missed = (misses(120) - misses(61)) + (misses(180) - misses(121))
+    inputs = planner.Inputs(9437184, "t", 50.0, "t", 400.0, "t")
+    want = 1000 / planner.predict_ms(missed / 118, inputs, 4.0)
+    assert abs(pred - want) < 1e-6
+    assert abs(hit - (1 - missed / (118 * 4 * 6))) < 1e-9
+    # the prefills' read-through and the cold warm-up are not in the timed steps
+    assert pred > row["predicted_tok_s"]
+
+
+def test_one_table_over_traces_says_each_traces_routing_and_the_command(tmp_path):
+    served = _served(tmp_path, 1, 40)
+    files = []
+    for name, trace in (("real", served), ("synth", TRACE)):
+        r = subprocess.run([sys.executable, "-m", "expertcache_cli", "plan", str(trace),
+                            "--link-gbps", "50", "--resident-tok-s", "400", "--slots",
+                            "16,64", "--policy", "lru", "--json"], capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        plan = json.loads(r.stdout)
+        (tmp_path / f"{name}.json").write_text(r.stdout)
+        arms = {f"cache:{x['slots']}": x["predicted_tok_s"] * 1.02 for x in plan["rows"]}
+        bl = tmp_path / f"{name}.jsonl"
+        _baseline(bl, arms)
+        meta, *rest = bl.read_text().splitlines()
+        meta = {**json.loads(meta), "runs": 1, "max_tokens": 40}
+        bl.write_text("\n".join([json.dumps(meta), *rest]) + "\n")
+        files += [str(tmp_path / f"{name}.json"), str(bl), str(tmp_path / "none.json")]
+    cmd = "TRACES=real-qwen3-30b-a3b-k6 bash bench/run_plan_check_on_device.sh"
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--table",
+                          "--command", cmd, *files], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"Reproduce: `{cmd}`"
+    rows = [x for x in lines if x.startswith("| served |") or x.startswith("| demo-")]
+    # the per-layer plans were not served here: said so, not left out
+    assert sum("| `plan:` per-layer split | " in x and "| not measured |" in x
+               for x in rows) == 2
+    rows = [x for x in rows if "not measured" not in x]
+    assert len(rows) == 4
+    real, synth = rows[:2], rows[2:]
+    assert "recorded (real model, greedy decode, one prompt)" in real[0]
+    assert "[as the hook serves 2 request(s) of 40 steps" in real[0]
+    assert "| (as above) |" in real[1] and "| (as above) |" in synth[1]
+    assert "synthetic" in synth[0]
+    for row in rows:
+        assert "| 1.020 |" in row  # measured / plan's own prediction
+    # the served trace's rows: plan's formula over the 39 timed steps, and its ratio
+    assert all(row.split(" | ")[6] != "-" for row in real)
+    assert all(row.split(" | ")[6] == "-" for row in synth)
+    assert lines[-1].endswith("(over the timed steps where plan was given the served trace, "
+                              "else plan's own prediction)")
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--table",
+                          files[0]], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

@@ -1,8 +1,11 @@
 """The plan check's device runner (bench/run_plan_check_on_device.sh) with every GPU step
 stubbed: the resident baseline once, per trace a synthetic trace, `plan` with the probe and
 the resident rate, one baseline over the budgets and the saved plan with the trace-routing
-hook, and the comparison, run for real on what the stubs wrote. A second call starts
-nothing that is done. Device minutes are few; a runner bug must not be found there."""
+hook, and the comparison, run for real on what the stubs wrote. A recorded trace in traces/
+is served on a checkpoint of its own top-k (its own probe and resident rate), the servers
+route by it fitted to the layers, and `plan` (run for real here, on the CPU's numbers) is
+given the ids as served. A second call starts nothing that is done. Device minutes are
+few; a runner bug must not be found there."""
 
 from __future__ import annotations
 
@@ -22,8 +25,9 @@ from pathlib import Path
 args = sys.argv[1:]
 with open(os.environ["STUB_LOG"], "a") as log:
     log.write(" ".join(args) + "  ENV=" + os.environ.get("EC_BENCH_TRACE_ROUTING", "") + "\n")
-if args[0].endswith("plan_check.py"):
-    os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
+real = {**os.environ, "PYTHONPATH": os.environ["ROOT"]}  # this checkout's package
+if args[0].endswith("plan_check.py") or args[0].endswith("trace_fit.py"):
+    os.execve(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args], real)
 if args[0].endswith("write_checkpoint.py"):
     d = Path(args[1]); d.mkdir(parents=True)
     (d / "model.safetensors.index.json").write_text("{}")
@@ -33,17 +37,27 @@ if mod == ["expertcache_cli", "probe-link"]:
     Path(args[args.index("--save") + 1]).write_text("{}")
 elif mod == ["expertcache_cli", "trace"]:
     Path(args[4]).write_bytes(b"npz")  # trace synth PATH ...
+elif mod == ["expertcache_cli", "plan"] and "served" in args[3]:
+    # a recorded trace as served: plan for real, on made-up rates in place of the probe,
+    # the resident baseline and the checkpoint (the stubs wrote none)
+    keep = [a for o in ("--slots", "--policy", "--save") for a in (o, args[args.index(o) + 1])]
+    os.execve(os.environ["REAL_PY"], [os.environ["REAL_PY"], "-m", "expertcache_cli", "plan",
+                                      args[3], "--link-gbps", "50", "--resident-tok-s", "400",
+                                      *keep, "--json"], real)
 elif mod == ["expertcache_cli", "plan"]:
     slots = [int(s) for s in args[args.index("--slots") + 1].split(",")]
     Path(args[args.index("--save") + 1]).write_text("{}")
     policy = args[args.index("--policy") + 1]
     rows = [{"policy": policy, "slots": s, "miss_rate": 0.5, "predicted_tok_s": 10.0 * s}
             for s in slots]
-    print(json.dumps({"rows": rows, "recommended": {"per_layer_predicted_tok_s": 700.0}}))
+    print(json.dumps({"rows": rows, "recommended": {"per_layer_predicted_tok_s": 700.0},
+                      "trace": {"path": args[3], "steps": 4000, "source": "synthetic, stub"}}))
 elif mod == ["expertcache_cli", "baseline"]:
     out = Path(args[args.index("--out") + 1])
     arms = args[args.index("--arms") + 1].split(",")
-    lines = [{"kind": "meta", "format": 1, "model": "m", "arms": arms, "runs": 1}]
+    lines = [{"kind": "meta", "format": 1, "model": "m", "arms": arms,
+              "runs": int(args[args.index("--runs") + 1]),
+              "max_tokens": int(args[args.index("--max-tokens") + 1])}]
     for arm in arms:  # measured: 5% above every prediction
         tok = 50.0 if arm == "resident" else (
             10.5 * int(arm.split(":")[1]) if arm.startswith("cache:") else 735.0)
@@ -56,9 +70,16 @@ elif mod == ["expertcache_cli", "baseline"]:
 
 
 @pytest.fixture()
-def runner(tmp_path):
-    run = make_runner(tmp_path, "run_plan_check_on_device.sh", ("plan_check.py",), STUB,
-                      PC=str(tmp_path / "pc"), MODEL_DIR=str(tmp_path / "models"))
+def full_runner(tmp_path):
+    """The runner: ``run(**env)`` -> (calls, stdout), and its folder."""
+    run = make_runner(tmp_path, "run_plan_check_on_device.sh", ("plan_check.py", "trace_fit.py"),
+                      STUB, PC=str(tmp_path / "pc"), MODEL_DIR=str(tmp_path / "models"))
+    return run, tmp_path
+
+
+@pytest.fixture()
+def runner(full_runner):
+    run, tmp_path = full_runner
     return (lambda **extra: run(**extra)[0]), tmp_path
 
 
@@ -125,3 +146,169 @@ def test_another_policy_plans_and_serves_it_beside_the_lru_files(runner):
         "cache:16", "cache:32", "cache:64"]
     assert all(":lfu: predicted" in line and "(1.050, met: 10%)" in line
                for line in lines[:3]), lines
+
+
+RECORDED = "real-qwen3-30b-a3b-k6 real-gpt-oss-120b-k2"
+
+
+@pytest.fixture()
+def recorded(full_runner):
+    """The runner with the bundled recordings in its tree's traces/: ``run(**env)`` -> the
+    calls, ``run(expect_rc=2, **env)`` -> (the calls, stdout and stderr)."""
+    run, tmp = full_runner
+    (tmp / "tree" / "traces").symlink_to(ROOT / "traces")
+
+    def go(expect_rc: int = 0, **extra: str):
+        calls, out = run(expect_rc=expect_rc, **extra)
+        return calls if expect_rc == 0 else (calls, out)
+
+    return go, tmp
+
+
+def test_a_recording_is_served_at_its_own_width_and_plan_replays_what_was_served(recorded):
+    from expertcache_cli.rules import trace as tracefile
+
+    run, tmp = recorded
+    pc, models = tmp / "pc", tmp / "models"
+    calls = run(TRACES=RECORDED, LAYERS="24", PLAN_ARM="0")
+    # one checkpoint per top-k, none of the top-8 shape (no synthetic trace asked for)
+    writes = [c.split("  ENV=")[0] for c in _cmd(calls, "write_checkpoint.py")]
+    assert writes == [f"bench/write_checkpoint.py {models}/model24-k6 --layers 24 --top-k 6",
+                      f"bench/write_checkpoint.py {models}/model24-k2 --layers 24 --top-k 2"]
+    probes = _cmd(calls, "probe-link")
+    assert [p.split("--model ")[1].split()[0] for p in probes] == [
+        f"{models}/model24-k6", f"{models}/model24-k2"]
+    assert [p.split("--save ")[1].split()[0] for p in probes] == [
+        f"{pc}/probe-k6.json", f"{pc}/probe-k2.json"]
+    baselines = _cmd(calls, "expertcache_cli baseline")
+    prompt = "--prompt " + RUNNER_PROMPT
+    assert all(prompt in c and "--runs 3 --max-tokens 200" in c for c in baselines)
+    assert len(baselines) == 4
+    for (k, name), (res, arms) in zip((("6", "real-qwen3-30b-a3b-k6"),
+                                       ("2", "real-gpt-oss-120b-k2")),
+                                      (baselines[:2], baselines[2:]), strict=True):
+        model = f"{models}/model24-k{k}"
+        # the resident rate of this top-k's model, routed by nothing
+        assert res.split()[3] == model and "--arms resident " in res and res.endswith("ENV=")
+        assert f"--out {pc}/bl-resident-24-k{k}.jsonl" in res
+        # the budgets, on the same model, routed by the recording at 24 layers
+        assert arms.split()[3] == model
+        assert "--arms cache:16,cache:32,cache:64 " in arms
+        assert arms.endswith(f"ENV={pc}/{name}-24.npz")
+        served = tracefile.load(pc / f"{name}-24.npz")
+        assert served.num_layers == 24 and served.top_k == int(k)
+        assert served.source.startswith("recorded (real model")
+        # plan: the ids as served (a warm-up and 3 requests of 200 steps, each from row 0
+        # with a 16-token prefill), priced and checked by this model
+        fits = [c.split("  ENV=")[0] for c in _cmd(calls, "trace_fit.py") if name in c
+                and "--shape" not in c]
+        assert fits == [
+            f"bench/trace_fit.py {tmp}/tree/traces/{name}.npz {pc}/{name}-24.npz --layers 24",
+            f"bench/trace_fit.py {pc}/{name}-24.npz {pc}/{name}-24-served800.npz --layers 24 "
+            "--streams 1 --steps 800 --request-steps 200 --prefill-tokens 16"]
+        plan = next(c for c in _cmd(calls, "expertcache_cli plan") if name in c)
+        assert plan.split()[3] == f"{pc}/{name}-24-served800.npz"
+        assert f"--model {model} --probe {pc}/probe-k{k}.json" in plan
+        assert f"--baseline {pc}/bl-resident-24-k{k}.jsonl" in plan
+        given = tracefile.load(pc / f"{name}-24-served800.npz")
+        assert given.steps == 800 and given.num_layers == 24 and given.top_k == int(k)
+        assert int(given.step_tokens[0]) == 16 and int(given.step_tokens[200]) == 16
+        compare = (tmp / "out" / f"compare-{name}.txt").read_text().splitlines()
+        assert [x.split(":")[1] for x in compare[:3]] == ["16", "32", "64"]
+        assert all("over the 597 decode steps the runs timed (after the warm-up)" in x
+                   for x in compare[:3])
+        assert compare[3].endswith(": not measured")  # the saved plan: PLAN_ARM=0
+    # the table over both traces, its command, each row's routing the recording's source
+    table = (tmp / "out" / "plan-check-table.md").read_text()
+    assert table.splitlines()[0] == (
+        f'Reproduce: `TRACES="{RECORDED}" LAYERS=24 SLOTS=16,32,64 RUNS=3 POLICY=lru '
+        'PLAN_ARM=0 bash bench/run_plan_check_on_device.sh`')
+    rows = [x for x in table.splitlines() if x.startswith("| real-")
+            and "not measured" not in x]
+    assert len(rows) == 6 and sum("recorded (real model" in x for x in rows) == 2
+    assert sum("| (as above) |" in x for x in rows) == 4
+    assert all(x.split(" | ")[0] in ("| real-qwen3-30b-a3b-k6-24-served800",
+                                     "| real-gpt-oss-120b-k2-24-served800") for x in rows)
+    # the files copied off the box make the same table (plan's trace travels beside it)
+    import shutil
+    import subprocess
+    import sys
+
+    off = tmp / "copied"
+    shutil.copytree(tmp / "out", off)
+    shutil.move(pc, tmp / "pc-away")
+    names = ("real-qwen3-30b-a3b-k6", "real-gpt-oss-120b-k2")
+    files = [str(off / f) for n in names for f in (f"plan-{n}.json", f"bl-{n}-24.jsonl",
+                                                    f"plan-{n}.saved.json")]
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--table",
+                        *files], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = [x for x in r.stdout.splitlines() if x.startswith("| real-")
+           and "not measured" not in x]
+    assert len(got) == 6 and all(x.split(" | ")[6] != "-" for x in got)
+    assert [x.split(" | ")[6] for x in got] == [x.split(" | ")[6] for x in table.splitlines()
+                                                 if x.startswith("| real-")
+                                                 and "not measured" not in x]
+    shutil.move(tmp / "pc-away", pc)
+    # a second call: every file is there; the baselines resume with nothing left to run
+    again = run(TRACES=RECORDED, LAYERS="24", PLAN_ARM="0")
+    assert not _cmd(again, "write_checkpoint.py") and not _cmd(again, "probe-link")
+    assert not _cmd(again, "expertcache_cli plan")
+    assert not [c for c in _cmd(again, "trace_fit.py") if "--shape" not in c]
+    assert all("--resume" in c for c in _cmd(again, "expertcache_cli baseline"))
+
+
+RUNNER_PROMPT = (
+    "w17 w923 w4410 w88 w5120 w3 w777 w2048 w60 w1999 w4096 w31 w8000 w12 w640 w5")
+
+
+def test_the_recorded_traces_prompt_is_the_benchs_16_words():
+    """One prompt across the bench's servers, of one KV block: never prefix-cached, so
+    every request prefills the 16 tokens plan is given."""
+    runner_text = (ROOT / "bench" / "run_plan_check_on_device.sh").read_text()
+    card = (ROOT / "bench" / "small_card.py").read_text()
+    assert f'PROMPT16="{RUNNER_PROMPT}"' in runner_text
+    assert f'PROMPT = "{RUNNER_PROMPT}"' in card
+    assert len(RUNNER_PROMPT.split()) == 16 and "PREFILL=16" in runner_text
+
+
+def test_synthetic_and_recorded_traces_side_by_side(recorded):
+    run, tmp = recorded
+    calls = run(TRACES="tasks real-qwen3-30b-a3b-k6", LAYERS="24", PLAN_ARM="0")
+    writes = [c.split()[1] for c in _cmd(calls, "write_checkpoint.py")]
+    assert writes == [f"{tmp}/models/model24", f"{tmp}/models/model24-k6"]
+    baselines = _cmd(calls, "expertcache_cli baseline")
+    assert [c.split("--out ")[1].split()[0].split("/")[-1] for c in baselines] == [
+        "bl-resident-24.jsonl", "bl-tasks-24.jsonl", "bl-resident-24-k6.jsonl",
+        "bl-real-qwen3-30b-a3b-k6-24.jsonl"]
+    # the synthetic servers keep baseline's own prompt; the recording's get the 16 words
+    assert [("--prompt" in c) for c in baselines] == [False, False, True, True]
+    rows = [x for x in (tmp / "out" / "plan-check-table.md").read_text().splitlines()
+            if (x.startswith("| tasks-24 |") or x.startswith("| real-"))
+            and "not measured" not in x]
+    assert len(rows) == 6 and "| synthetic, stub |" in rows[0]
+
+
+def test_a_trace_that_is_not_there_is_one_line_and_exit_2_before_anything(recorded):
+    run, tmp = recorded
+    calls, out = run(expect_rc=2, TRACES="tasks real-nope")
+    assert calls == []
+    line = out.strip()
+    assert line.startswith("TRACES: real-nope: no such trace (tasks, zipf, none, or a "
+                           "recording in traces/: ") and "real-qwen3-30b-a3b-k6" in line
+    assert "\n" not in line
+
+
+def test_a_recording_of_another_expert_count_is_refused_before_any_server(recorded):
+    import numpy as np
+
+    from expertcache_cli.rules import trace as tracefile
+
+    run, tmp = recorded
+    odd = tracefile.save(tracefile.Trace(np.zeros((3, 2, 4), dtype=np.int64), num_experts=64,
+                                         top_k=4, source="recorded, 64 experts"),
+                         tmp / "odd.npz")
+    calls, out = run(expect_rc=2, TRACES=str(odd))
+    assert out.strip().splitlines()[-1] == (
+        f"TRACES: {odd}: top-4 of 64 experts; the bench checkpoint has 128 experts")
+    assert not _cmd(calls, "write_checkpoint.py") and not _cmd(calls, "baseline")

@@ -171,3 +171,42 @@ def test_sizing_reads_the_gpt_oss_checkpoint_as_mxfp4(writer, tmp_path):
     # values), biases (bf16)
     values = 3 * s.hidden * s.inter
     assert m.bytes_per_expert == values // 2 + values // 32 + 2 * (2 * s.inter + s.hidden)
+
+
+def test_top_k_sets_the_experts_a_token_and_nothing_else(writer, tmp_path):
+    """--top-k K: a checkpoint routed at a recording's width (the trace hook replaces ids
+    only where the widths agree); the default stays the shape's, and the weights are the
+    same whatever the width."""
+    from expertcache_cli.sizing import model_size
+
+    k = writer.shape.TOP_K
+    writer.write(tmp_path / "d", 1, "bf16", vocab=64)
+    writer.write(tmp_path / "k", 1, "bf16", vocab=64, top_k=k + 1)
+    cfg = json.loads((tmp_path / "k" / "config.json").read_text())
+    assert cfg["num_experts_per_tok"] == k + 1
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["num_experts_per_tok"] == k
+    assert model_size.load_model(str(tmp_path / "k")).top_k == k + 1
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "d" / "model-00001.safetensors"))
+    b = load_file(str(tmp_path / "k" / "model-00001.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    # gpt-oss's shape too (its config says it twice)
+    writer.write(tmp_path / "g", 1, "mxfp4", vocab=64, top_k=1, config_only=True)
+    g = json.loads((tmp_path / "g" / "config.json").read_text())
+    assert g["num_experts_per_tok"] == g["experts_per_token"] == 1
+    with pytest.raises(SystemExit, match="--top-k 17: between 1 and the 16 experts"):
+        writer.write(tmp_path / "x", 1, "bf16", vocab=64, top_k=17)
+
+
+def test_a_top_k_no_router_can_pick_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+
+    env = {**__import__("os").environ, "EC_E2E_TINY": "1", "PYTHONPATH": str(ROOT)}
+    for bad in ("0", "17"):
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "write_checkpoint.py"),
+                            str(tmp_path / "m"), "--layers", "1", "--top-k", bad],
+                           capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 2 and r.stderr.strip() == (
+            f"write_checkpoint: --top-k {bad}: between 1 and the 16 experts a layer")
+        assert not (tmp_path / "m").exists()

@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# On the GPU box: the headline small-card table (issue 30) with a real model's routing.
+# Qwen3-30B-A3B's shape (48 layers, its own attention, 128 experts, W8A8 INT8 as a
+# compressed-tensors checkpoint, random weights, the real vocabulary) on an emulated 24 and
+# 16 GiB card (bench/ballast.py holds the rest of the H200): the offload floor, the cache at
+# the slots `serve` plans, and resident (every expert in VRAM on the whole H200).
+#
+# Routing: every server replays TRACE (bench/trace_routing.py; default the recorded
+# traces/real-qwen3-30b-a3b-k6.npz, Qwen3-30B-A3B's own routers on one prompt), fitted to
+# the 48 layers (bench/trace_fit.py --layers 48: layer i routes as trace layer i mod L; the
+# Qwen3 recording has 48), each request from the trace's row 0 (its prefill: the bench
+# prompt's 16 tokens take row 0's first 16 tokens' experts), then a row a decoded token (a
+# 200-token request replays the 128 recorded decode rows, then cycles from row 0 again).
+# The checkpoint is written at the trace's top-k (bench/write_checkpoint.py --top-k): 6 for
+# the Qwen3 recording, the width the model ran at when it was recorded (its config says 8;
+# the recording used --n-expert-used 6), so each token's experts are exactly the recorded
+# ones, not a narrowing of them (the hook replaces a router's ids only where the widths
+# agree). The resident server replays it too, so that every server's greedy tokens compare.
+# TRACE=none: no trace, the checkpoint's own per-layer seeded routers at top-8 (synthetic
+# routing: the earlier table's). The report prints the routing source and the width.
+#
+# The servers, as a user types them (bench/run_first_start_on_device.sh's way):
+#   floor     `expertcache serve MODEL --vram N -- --max-model-len 8192` with
+#             EXPERT_CACHE_DISABLE=1: the same command, the cache off (FLOOR_RUNS, default 3)
+#   cache     the same command (serve plans the slots and the batch), EXPERT_CACHE_STATS=480
+#             for the live hit rate over the runs (RUNS, default 5)
+#   resident  `vllm serve MODEL` on the whole H200, the plugin off (RUNS)
+# each with the bench's flags after them (the bundle's attention backend, a seed, the
+# port); one server per arm (bench/small_card.py: a warm-up, the runs of 200 tokens, the
+# greedy tokens twice), its JSON record and log kept in $HL and copied to $OUT.
+#
+# Steps (STEPS, default all; re-entrant: an arm whose JSON says ok is not run again, a card
+# whose two arms are done is skipped), with the minutes each is expected to take on the H200:
+#   setup     the vLLM bundle, this package (1-2)
+#   model     the trace's shape (its top-k), the 48-layer W8A8 checkpoint at that top-k
+#             (~0.7), the trace fitted to 48 layers
+#   resident  every expert in VRAM (a 48-layer W8A8 first start 3.5-4.5, runs <0.5)
+#   card24    ballast leaves 24 GiB; `size --json` and `serve --dry-run` (what serve plans),
+#             then floor and cache (a start 3-4.5 each; the floor's runs ~1) (8-10)
+#   card16    the same on 16 GiB (8-10)
+#   report    bench/headline_report.py: the table, the routing, the greedy tokens, to
+#             $OUT/headline.md
+# ~20-26 device minutes in all: one detached job, polled every 9 minutes:
+#   bash bench/detach.sh headline env OUT=/tmp/ohl bash bench/run_headline_on_device.sh
+#   RESULTS=/tmp/ohl bash bench/detach.sh --poll headline 540
+# Split over two sessions (the box keeps nothing between them): STEPS="setup model resident
+# card24 report", then STEPS="setup model resident card16 report".
+# An unknown step or a TRACE that is not a file: one line, exit 2, before anything starts; a
+# trace of other than 128 experts: one line, exit 2, at the model step. HL (records:
+# /tmp/hl) holds one routing's run: another TRACE given to it is refused (exit 2).
+# PY, HL, MODEL_DIR (checkpoints: /tmp), TRACE, RUNS and FLOOR_RUNS are overridable: the
+# flow is tested on CPU with the GPU steps stubbed (tests/bench/test_bench_headline_runner.py).
+set -uo pipefail
+OUT="${OUT:-out}"
+HL="${HL:-/tmp/hl}"
+STEPS="${STEPS:-setup model resident card24 card16 report}"
+PY="${PY:-python3}"
+MD="${MODEL_DIR:-/tmp}"
+TRACE="${TRACE-traces/real-qwen3-30b-a3b-k6.npz}"
+LAYERS=48
+for step in $STEPS; do
+  case $step in
+    setup|model|resident|card24|card16|report) ;;
+    *) echo "STEPS: unknown step $step (setup model resident card24 card16 report)" >&2
+       exit 2 ;;
+  esac
+done
+if [ "$TRACE" != none ]; then
+  if [ ! -f "$TRACE" ]; then
+    echo "TRACE=$TRACE: no such file (a routing trace .npz, or none: the checkpoint's own" \
+      "routers)" >&2
+    exit 2
+  fi
+  case $TRACE in /*) ;; *) TRACE=$PWD/$TRACE ;; esac
+fi
+if [ -f "$HL/trace.src" ] && [ "$(cat "$HL/trace.src")" != "$TRACE" ]; then
+  echo "HL=$HL holds a run routed by $(cat "$HL/trace.src"), not TRACE=$TRACE: give another HL" >&2
+  exit 2
+fi
+mkdir -p "$OUT" "$HL"
+source bench/_device_vllm.sh
+# what a user on a small card gives (a context that leaves room for slots), and the bench's
+# own (the bundle has no FlashAttention binaries; the seed; the port the runner picks)
+USER_FLAGS=(--max-model-len 8192)
+SERVER_FLAGS=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}"
+              --shutdown-timeout 10)
+FIT=$HL/route-$LAYERS.npz
+route=()
+
+save() { bench_save "$HL"; }
+arm_done() { [ -f "$HL/$1.json" ] && grep -q '"status": "ok"' "$HL/$1.json"; }
+arm() { bench_arm "$HL" bench/small_card.py "$@"; }  # arm NAME [options] -- server command
+ballast() {  # ballast GiB | ballast stop
+  if [ "$1" = stop ]; then $PY bench/ballast.py stop; return; fi
+  $PY bench/ballast.py stop >/dev/null
+  $PY bench/ballast.py start --leave "$1" | tee "$OUT/ballast$1.json"
+}
+# the model the model step wrote, and every server's routing: sets MODEL and `route`
+served() {
+  MODEL=$(cat "$HL/model.path" 2>/dev/null) || { echo "no model: run the model step"; return 1; }
+  route=()
+  [ "$TRACE" = none ] || route=(--env "EC_BENCH_TRACE_ROUTING=$FIT"
+                                --env "PYTHONPATH=$PWD/bench/trace_hook:${PYTHONPATH:-}")
+}
+
+for step in $STEPS; do
+  echo "== step $step ($SECONDS s)"
+  case $step in
+    setup)
+      device_vllm_setup || { echo "setup failed"; exit 1; } ;;
+    model)
+      K=8
+      if [ "$TRACE" != none ]; then
+        shape=$($PY bench/trace_fit.py --shape "$TRACE") || exit 2
+        read -r K E _ <<< "$shape"
+        if [ "$E" != 128 ]; then
+          echo "TRACE=$TRACE: top-$K of $E experts; the checkpoint has 128 experts" >&2
+          exit 2
+        fi
+      fi
+      M=$MD/w8a8; topk=()
+      [ "$K" = 8 ] || { M=$MD/w8a8-k$K; topk=(--top-k "$K"); }
+      [ -f "$M/model.safetensors.index.json" ] || \
+        $PY bench/write_checkpoint.py "$M" --layers "$LAYERS" --format w8a8 --vocab 151936 \
+          --context 40960 --head-dim 128 "${topk[@]}" 2>&1 | tail -2 | tee "$OUT/checkpoint.txt"
+      if [ "$TRACE" != none ]; then
+        [ -f "$FIT" ] || $PY bench/trace_fit.py "$TRACE" "$FIT" --layers "$LAYERS" \
+          | tee "$OUT/trace.txt" || exit 1
+        $PY bench/trace_fit.py --source "$FIT" > "$HL/routing.txt"
+      else
+        echo "no trace: the checkpoint's own per-layer seeded routers (synthetic routing)" \
+          > "$HL/routing.txt"
+      fi
+      echo "$M" > "$HL/model.path"
+      echo "$TRACE" > "$HL/trace.src"
+      df -h /tmp | tail -1 ;;
+    resident)
+      served || exit 1
+      arm resident --runs "${RUNS:-5}" --env EXPERT_CACHE_DISABLE=1 "${route[@]}" \
+        -- "$PY" -m vllm.entrypoints.cli.main serve "$MODEL" --max-model-len 8192 \
+        --max-num-seqs 8 --max-num-batched-tokens 2048 "${SERVER_FLAGS[@]}" ;;
+    card24|card16)
+      GIB=${step#card}
+      if arm_done "floor$GIB" && arm_done "cache$GIB"; then echo "card$GIB: done before"; continue; fi
+      served || exit 1
+      ballast "$GIB"
+      # what serve will plan on this card, as the user sees it
+      $PY -m expertcache_cli size --model "$MODEL" --vram "$GIB" --json -- "${USER_FLAGS[@]}" \
+        > "$HL/size$GIB.json" 2> "$HL/size$GIB.err"
+      COLUMNS=200 $PY -m expertcache_cli serve "$MODEL" --vram "$GIB" --dry-run \
+        -- "${USER_FLAGS[@]}" > "$HL/serve$GIB.txt" 2>&1
+      cp "$HL/serve$GIB.txt" "$OUT/"; cat "$HL/serve$GIB.txt"
+      SERVE=("$PY" -m expertcache_cli serve "$MODEL" --vram "$GIB" -- "${USER_FLAGS[@]}"
+             "${SERVER_FLAGS[@]}")
+      arm "floor$GIB" --runs "${FLOOR_RUNS:-3}" --env EXPERT_CACHE_DISABLE=1 "${route[@]}" \
+        -- "${SERVE[@]}"
+      arm "cache$GIB" --runs "${RUNS:-5}" --env EXPERT_CACHE_STATS=480 "${route[@]}" \
+        -- "${SERVE[@]}"
+      ballast stop ;;
+    report)
+      $PY bench/headline_report.py "$HL" | tee "$OUT/headline.md" ;;
+  esac
+done
+save
+cp "$HL"/size*.json "$HL"/serve*.txt "$HL"/routing.txt "$OUT/" 2>/dev/null
+echo "steps '$STEPS' done after $SECONDS s"

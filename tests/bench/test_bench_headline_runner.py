@@ -1,0 +1,217 @@
+"""The headline runner's flow (bench/run_headline_on_device.sh) with every GPU step stubbed:
+the checkpoint written at the recording's top-k, every server (floor, cache, resident)
+routed by the recording fitted to 48 layers, floor and cache the same `serve --vram N`
+command as a user types it (the floor with the cache off), the ballast held around each
+card, nothing run twice, bad input refused with one line, and the report's routing source,
+width and table. Device minutes are few; a runner bug must not be found on the device."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from bench_runner_harness import make_runner
+
+ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("httpx", reason="the report imports the bench's server client")
+
+QWEN = "real-qwen3-30b-a3b-k6"
+
+STUB = r'''#!/usr/bin/env python3
+"""python3 for the runner: GPU steps recorded and faked, trace_fit and the report real."""
+import json, os, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+with open(os.environ["STUB_LOG"], "a") as log:
+    log.write(" ".join(args) + "\n")
+real = {**os.environ, "PYTHONPATH": os.environ["ROOT"]}  # this checkout's package
+if args[0].endswith("headline_report.py") or args[0].endswith("trace_fit.py"):
+    os.execve(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args], real)
+if args[0].endswith("write_checkpoint.py"):
+    d = Path(args[1]); d.mkdir(parents=True)
+    k = int(args[args.index("--top-k") + 1]) if "--top-k" in args else 8
+    (d / "config.json").write_text(json.dumps({"num_experts_per_tok": k}))
+    (d / "model.safetensors.index.json").write_text("{}")
+elif args[0].endswith("ballast.py"):
+    print(json.dumps({"leave_gib": args[-1]}) if args[1] == "start" else "stopped")
+elif args[:3] == ["-m", "expertcache_cli", "size"]:
+    vram = args[args.index("--vram") + 1]
+    print(json.dumps({"slots": {"24": 85, "16": 51}[vram], "verdict_text": "cache"}))
+elif args[:3] == ["-m", "expertcache_cli", "serve"]:
+    print("expertcache serve: dry run " + args[args.index("--vram") + 1])
+elif args[0].endswith("small_card.py"):
+    name, out = args[1], Path(args[args.index("--out") + 1])
+    env = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--env"]
+    tok = {"resident": 300.0, "floor24": 30.0, "cache24": 150.0, "floor16": 29.0,
+           "cache16": 90.0}[name]
+    rec = {"status": "ok", "arm": name, "tok_s": [tok, tok + 1, tok - 1], "env": env,
+           "argv": args[args.index("--") + 1:],
+           "greedy": {"tokens": ["a", "b"], "logprob": [0.0, 0.0], "margin": [1.0, 1.0]},
+           "greedy_again": {"tokens": ["a", "b"], "logprob": [0.0, 0.0],
+                            "margin": [1.0, 1.0]},
+           "log": {"slots": 85 if name == "cache24" else 51, "armed_layers": 48,
+                   "moe_layers": 48}}
+    if name.startswith("cache"):
+        rec["counters_before"] = {"requests": 1000, "installs": 100}
+        rec["counters_after"] = {"requests": 11000, "installs": 1100}
+    (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
+    routed = any(e.startswith("EC_BENCH_TRACE_ROUTING=") for e in env)
+    hook = routed and name != os.environ.get("STUB_NO_HOOK")
+    (out / f"{name}.log").write_text(
+        "log\n" + ("WARNING BENCH: trace routing in force: layer 0\n" if hook else ""))
+'''
+
+
+@pytest.fixture()
+def runner(tmp_path):
+    run = make_runner(tmp_path, "run_headline_on_device.sh",
+                      ("headline_report.py", "flagship_report.py", "small_card.py",
+                       "synth_weights.py", "trace_routing.py", "trace_fit.py"), STUB,
+                      keep_bench_helpers=True, HL=str(tmp_path / "hl"),
+                      MODEL_DIR=str(tmp_path / "models"))
+    (tmp_path / "tree" / "traces").symlink_to(ROOT / "traces")
+    return run, tmp_path
+
+
+def _servers(calls: list[str]) -> list[str]:
+    return [c.split()[1] for c in calls if c.startswith("bench/small_card.py")]
+
+
+def _arm(calls: list[str], name: str) -> str:
+    return next(c for c in calls if c.startswith(f"bench/small_card.py {name} "))
+
+
+def test_every_server_replays_the_recording_on_a_checkpoint_of_its_width(runner):
+    from expertcache_cli.rules import trace as tracefile
+
+    run, tmp = runner
+    hl, model = tmp / "hl", tmp / "models" / "w8a8-k6"
+    trace = tmp / "tree" / "traces" / f"{QWEN}.npz"
+    calls, _ = run()
+    write = next(c for c in calls if "write_checkpoint.py" in c)
+    assert write == (f"bench/write_checkpoint.py {model} --layers 48 --format w8a8 --vocab "
+                     "151936 --context 40960 --head-dim 128 --top-k 6")
+    fits = [c for c in calls if c.startswith("bench/trace_fit.py")]
+    assert fits == [f"bench/trace_fit.py --shape {trace}",
+                    f"bench/trace_fit.py {trace} {hl}/route-48.npz --layers 48",
+                    f"bench/trace_fit.py --source {hl}/route-48.npz"]
+    fitted = tracefile.load(hl / "route-48.npz")
+    assert fitted.num_layers == 48 and fitted.top_k == 6
+    assert _servers(calls) == ["resident", "floor24", "cache24", "floor16", "cache16"]
+    for name in ("resident", "floor24", "cache24", "floor16", "cache16"):
+        call = _arm(calls, name)
+        assert f"--env EC_BENCH_TRACE_ROUTING={hl}/route-48.npz" in call
+        assert "--env PYTHONPATH=" in call and f"{tmp}/tree/bench/trace_hook:" in call
+    resident = _arm(calls, "resident")
+    assert f"vllm.entrypoints.cli.main serve {model} " in resident
+    assert "--env EXPERT_CACHE_DISABLE=1" in resident and "--runs 5" in resident
+    for gib in ("24", "16"):
+        floor, cache = _arm(calls, f"floor{gib}"), _arm(calls, f"cache{gib}")
+        # `expertcache serve MODEL --vram N` as typed, then the bench's server flags
+        want = (f"-m expertcache_cli serve {model} --vram {gib} -- --max-model-len 8192 "
+                "--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port {port} "
+                "--shutdown-timeout 10")
+        assert floor.endswith(want) and cache.endswith(want)
+        assert "--env EXPERT_CACHE_DISABLE=1" in floor and "--runs 3" in floor
+        assert "EXPERT_CACHE_DISABLE" not in cache and "--env EXPERT_CACHE_STATS=480" in cache
+        assert "--runs 5" in cache
+        size = next(c for c in calls if c.startswith("-m expertcache_cli size")
+                    and f"--vram {gib}" in c)
+        assert size == f"-m expertcache_cli size --model {model} --vram {gib} --json -- " \
+                       "--max-model-len 8192"
+        dry = next(c for c in calls if "--dry-run" in c and f"--vram {gib}" in c)
+        # the ballast holds the card around what serve plans and both servers
+        start = calls.index(f"bench/ballast.py start --leave {gib}")
+        stop = next(i for i, c in enumerate(calls) if i > start and c == "bench/ballast.py stop")
+        assert start < calls.index(size) < calls.index(dry) < calls.index(floor) \
+            < calls.index(cache) < stop
+    assert calls.index(resident) < calls.index("bench/ballast.py start --leave 24")
+    report = (tmp / "out" / "headline.md").read_text()
+    lines = report.splitlines()
+    assert lines[0].startswith("Routing of every server: recorded (real model, greedy decode, "
+                               "one prompt)") and "--n-expert-used 6" in lines[0]
+    assert lines[1] == ("Width: the checkpoint routes top-6 of 128 experts: the width the "
+                        "recording ran the model at (Qwen3-30B-A3B's config says 8), so each "
+                        "token's experts are exactly the recorded ones, not a narrowing of "
+                        "them.")
+    assert lines[2] == "Trace routing in force in every server."
+    assert f"Reproduce: `TRACE=traces/{QWEN}.npz bash bench/run_headline_on_device.sh`" \
+        in report
+    assert ("| 24 GiB | cache at the planned slots | 85 / 85 (48 of 48 layers armed) | "
+            "150.00 (149.00-151.00) | 5.00 | 0.500 | 90.00% |") in report
+    assert "| 24 GiB | floor: experts offloaded, no cache | - | 30.00 (29.00-31.00) | 1.00 | " \
+           "0.100 | - |" in report
+    assert "| 16 GiB | cache at the planned slots | 51 / 51 (48 of 48 layers armed) |" in report
+    assert "| whole H200 | resident: every expert in VRAM | - | 300.00 (299.00-301.00) |" \
+        in report
+    assert "- 24 GiB: cache 5.00x the offload floor; the gap to resident recovered: 44.4%" \
+        in report
+    assert "- 16 GiB greedy tokens, cache vs resident: identical (2 tokens)" in report
+    for name in ("resident", "floor24", "cache24", "floor16", "cache16"):
+        assert json.loads((tmp / "out" / f"{name}.json").read_text())["status"] == "ok"
+    assert (tmp / "out" / "size24.json").exists() and (tmp / "out" / "serve16.txt").exists()
+    # a second call: nothing written, fitted, served or ballasted again
+    again, _ = run()
+    assert _servers(again) == [] and not any("write_checkpoint.py" in c for c in again)
+    assert not any(c.startswith("bench/trace_fit.py") and "--layers" in c for c in again)
+    assert not any("ballast.py start" in c for c in again)
+
+
+def test_no_trace_serves_the_checkpoints_own_routers_at_top_8(runner):
+    run, tmp = runner
+    calls, _ = run(TRACE="none", STEPS="setup model resident card24 report")
+    write = next(c for c in calls if "write_checkpoint.py" in c)
+    assert write.split()[1] == f"{tmp}/models/w8a8" and "--top-k" not in write
+    assert not any(c.startswith("bench/trace_fit.py") for c in calls)
+    assert _servers(calls) == ["resident", "floor24", "cache24"]
+    assert not any("EC_BENCH_TRACE_ROUTING" in c for c in calls)
+    report = (tmp / "out" / "headline.md").read_text().splitlines()
+    assert report[0] == ("Routing of every server: no trace: the checkpoint's own per-layer "
+                         "seeded routers (synthetic routing)")
+    assert report[1] == "Width: top-8 of 128, the checkpoint's own routers."
+
+
+def test_a_server_without_the_hooks_line_does_not_count(runner, monkeypatch):
+    run, tmp = runner
+    monkeypatch.setenv("STUB_NO_HOOK", "cache16")
+    run()
+    report = (tmp / "out" / "headline.md").read_text()
+    assert "Trace routing NOT in force, these numbers do not count: cache16" in report
+
+
+def test_bad_input_is_one_line_and_exit_2_before_anything(runner):
+    run, tmp = runner
+    for env, want in (
+            ({"TRACE": str(tmp / "absent.npz")},
+             f"TRACE={tmp / 'absent.npz'}: no such file (a routing trace .npz, or none: the "
+             "checkpoint's own routers)"),
+            ({"STEPS": "setup card32"},
+             "STEPS: unknown step card32 (setup model resident card24 card16 report)")):
+        calls, out = run(expect_rc=2, **env)
+        assert calls == [] and out.strip() == want
+
+
+def test_records_of_one_routing_are_not_mixed_with_anothers(runner):
+    run, tmp = runner
+    run(STEPS="setup model")
+    calls, out = run(expect_rc=2, TRACE="none", STEPS="report")
+    assert calls == [] and out.strip() == (
+        f"HL={tmp / 'hl'} holds a run routed by {tmp}/tree/traces/{QWEN}.npz, not "
+        "TRACE=none: give another HL")
+
+
+def test_a_trace_of_another_expert_count_writes_no_checkpoint(runner):
+    import numpy as np
+
+    from expertcache_cli.rules import trace as tracefile
+
+    run, tmp = runner
+    odd = tracefile.save(tracefile.Trace(np.zeros((3, 2, 4), dtype=np.int64), num_experts=64,
+                                         top_k=4, source="recorded, 64 experts"),
+                         tmp / "odd.npz")
+    calls, out = run(expect_rc=2, TRACE=str(odd))
+    assert out.strip().splitlines()[-1] == (
+        f"TRACE={odd}: top-4 of 64 experts; the checkpoint has 128 experts")
+    assert not any("write_checkpoint.py" in c for c in calls) and _servers(calls) == []
