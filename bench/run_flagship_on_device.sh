@@ -105,7 +105,7 @@ for step in $STEPS; do
         || { echo "TRACE=$T does not fit top-4 of 128 experts"; exit 1; }
       echo "$FS/route-top4.npz" > "$FS/trace.path"
       $PY bench/trace_fit.py "$FS/route-top4.npz" "$FIT" --layers 36 --streams 1 \
-        --steps $(( (${RUNS:-5} + 1) * 200 )) --request-steps 200 --prefill-tokens 16 \
+        --steps $(( (${RUNS:-5} + 1) * 200 )) --request-steps 200 --decode-only \
         | tee "$OUT/trace.txt" ;;
     probe)
       [ -f "$FS/probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step \

@@ -132,7 +132,7 @@ plan_fmt() {
   # 16 words), a recording shorter than a request cycled as the hook cycles it
   $PY bench/trace_fit.py "$trace_path" "$FM/$fmt-route.npz" --layers "${LAYERS:-24}" \
     --size "$FM/$fmt-size.json" --streams 1 --steps $(( (${RUNS:-5} + 1) * 200 )) \
-    --request-steps 200 --prefill-tokens 16 > /dev/null || return 0
+    --request-steps 200 --decode-only > /dev/null || return 0
   if $PY -m expertcache_cli plan "$FM/$fmt-route.npz" --probe "$FM/$fmt-probe.json" \
       --resident-tok-s "$r" --slots "$S" --policy lru --json > "$FM/$fmt-plan.json.part" \
       2> "$FM/$fmt-plan.err"; then

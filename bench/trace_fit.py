@@ -11,7 +11,8 @@ of bf16's), and keeps the original ``source`` (what routing it is, recorded or s
 with the fitting said after it.
 
     python bench/trace_fit.py IN.npz OUT.npz --layers 24 [--expert-bytes N | --size S.json]
-        [--top-k K] [--streams S --steps N [--request-steps R [--prefill-tokens P]]]
+        [--top-k K] [--streams S --steps N [--request-steps R [--prefill-tokens P]
+        [--decode-only]]]
 
 ``--top-k K`` serves a recording made at a wider top-k to a model of top-``K``: each
 token keeps its first ``K`` ids, which a recording keeps in its router's rank order (the
@@ -67,13 +68,16 @@ def narrow(trace: tracefile.Trace, top_k: int) -> tracefile.Trace:
 
 
 def as_served(trace: tracefile.Trace, streams: int, steps: int,
-              request_steps: int | None = None, prefill_tokens: int | None = None
-              ) -> tracefile.Trace:
+              request_steps: int | None = None, prefill_tokens: int | None = None,
+              decode_only: bool = False) -> tracefile.Trace:
     """The ids the hook hands ``steps`` steps of ``streams`` streams: step ``t`` is row
     ``t mod T``'s first ``streams x top_k`` ids (padding where the row is short). With
     ``request_steps`` R, each request of R steps starts the trace again (the hook's
     restart at a prefill): step ``t`` is row ``(t mod R) mod T``, and a request's first
-    step, its prefill, takes ``prefill_tokens x top_k`` ids of row 0."""
+    step, its prefill, takes ``prefill_tokens x top_k`` ids of row 0. ``decode_only``
+    leaves each request's prefill out: `plan` prices every step of its trace as decode, a
+    served run's rate is timed over its decode steps, and in place a prefill wider than
+    the slots is read through without installing, so the cache it leaves is the same."""
     if streams <= 0 or steps <= 0 or (request_steps is not None and request_steps <= 0):
         raise ValueError(f"streams, steps and request steps must be positive, got "
                          f"{streams}, {steps}, {request_steps}")
@@ -89,12 +93,14 @@ def as_served(trace: tracefile.Trace, streams: int, steps: int,
         ids = np.concatenate([ids, pad], axis=2)
     ids = np.ascontiguousarray(ids)
     ids[~prefill, :, streams * k:] = -1  # a decode step: its streams' ids only
+    if decode_only and request_steps is not None:
+        ids = np.ascontiguousarray(ids[pos != 0])
     valid = (ids >= 0).sum(axis=2).max(axis=1)  # ids of the widest layer a step
     what = (f"{streams} stream(s) x {steps} steps: row t mod {trace.steps}, its first "
             f"{streams * k} ids" if request_steps is None else
             f"{steps // request_steps} request(s) of {request_steps} steps, each from row 0 "
             f"(its prefill{f' of {prefill_tokens} tokens' if prefill_tokens else ''}), "
-            f"{streams} stream(s)")
+            f"{streams} stream(s){', prefills left out' if decode_only else ''}")
     return dataclasses.replace(
         trace, topk_ids=ids, step_tokens=np.maximum(1, valid // k).astype(np.int64),
         source=source_of(trace) + f" [as the hook serves {what}]")
@@ -147,6 +153,8 @@ def main(argv: list[str]) -> int:
                     help="with --streams: requests of this many steps, each from row 0")
     ap.add_argument("--prefill-tokens", type=int, default=None,
                     help="with --request-steps: a request's prefill, in tokens")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="with --request-steps: leave each request's prefill step out")
     a = ap.parse_args(argv)
     if (a.streams is None) != (a.steps is None):
         print("trace_fit: --streams and --steps go together", file=sys.stderr)
@@ -166,7 +174,8 @@ def main(argv: list[str]) -> int:
             trace = narrow(trace, a.top_k)
         trace = fit(trace, a.layers, per)
         if a.streams is not None:
-            trace = as_served(trace, a.streams, a.steps, a.request_steps, a.prefill_tokens)
+            trace = as_served(trace, a.streams, a.steps, a.request_steps, a.prefill_tokens,
+                              a.decode_only)
     except ValueError as exc:
         print(f"trace_fit: {exc}", file=sys.stderr)
         return 2

@@ -103,7 +103,7 @@ def test_every_step_as_a_new_user_runs_it_on_both_cards(runner):
                        f" {fs / 'route-top4.npz'} --layers 36 --top-k 4")
     assert fits[1] == (f"bench/trace_fit.py {fs / 'route-top4.npz'} {fs / 'route-36.npz'} "
                        "--layers 36 --streams 1 --steps 1200 --request-steps 200 "
-                       "--prefill-tokens 16")
+                       "--decode-only")
     assert _servers(calls) == ["resident", "floor24", "cache24", "floor32", "cache32"]
     resident = _arm(calls, "resident")
     assert "vllm.entrypoints.cli.main serve" in resident and "--moe-backend marlin" in resident

@@ -270,7 +270,7 @@ def test_plan_predicts_the_cache_arm_on_the_fitted_trace_once_resident_has_its_r
     routed = str(tmp / "fm" / "route-top8-demo-qwen3-30b-a3b-tasks.npz")
     assert fit[1].split()[1] == routed  # what the hook read
     assert (f"--layers 24 --size {tmp / 'fm' / 'nvfp4-size.json'} --streams 1 --steps 1200 "
-            "--request-steps 200 --prefill-tokens 16" in fit[1])  # a warm-up and 5 requests
+            "--request-steps 200 --decode-only" in fit[1])  # a warm-up and 5 requests
     plans = [c for c in calls if c.startswith("-m expertcache_cli plan")]
     assert len(plans) == 1
     assert plans[0].split()[3] == str(tmp / "fm" / "nvfp4-route.npz")

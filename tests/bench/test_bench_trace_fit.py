@@ -122,3 +122,11 @@ def test_shape_says_top_k_experts_and_layers_and_refuses_a_non_trace(tmp_path, c
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"trace_fit: {tmp_path / 'x.npz'}: not a routing trace") and \
         "\n" not in err
+
+
+def test_decode_only_leaves_each_requests_prefill_out():
+    ids = np.array([[[1, 2, 3, 4]], [[5, 6, -1, -1]], [[7, 8, -1, -1]]])  # top-2
+    t = tracefile.Trace(ids, num_experts=16, top_k=2, source="recorded y")
+    got = trace_fit.as_served(t, 1, 8, request_steps=4, decode_only=True)
+    assert got.topk_ids[:, 0].tolist() == [[5, 6], [7, 8], [1, 2]] * 2
+    assert got.steps == 6 and "prefills left out" in got.source
