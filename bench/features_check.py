@@ -190,7 +190,10 @@ def device_memory() -> dict:
 
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            try:  # (vLLM's own sleep() does the same; a reading without it still counts)
+                torch.cuda.empty_cache()
+            except Exception:
+                pass
             free, total = torch.cuda.mem_get_info()
             out["cuda_used"] = int(total - free)
     except Exception:
@@ -278,17 +281,19 @@ def generate(llm, prompts: tuple[str, ...], tokens: int, logprobs: bool = True) 
 
 
 def spec_metrics(llm) -> dict:
-    """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens)."""
+    """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens), summed
+    over their label sets (one a engine)."""
     try:
         metrics = llm.get_metrics()
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    out = {}
+    out: dict = {}
     for m in metrics:
         name = getattr(m, "name", "")
         if name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                     "vllm:spec_decode_num_accepted_tokens"):
-            out[name.removeprefix("vllm:spec_decode_num_")] = getattr(m, "value", None)
+            key = name.removeprefix("vllm:spec_decode_num_")
+            out[key] = out.get(key, 0) + int(getattr(m, "value", 0) or 0)
     return out
 
 

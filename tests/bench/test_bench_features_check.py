@@ -185,6 +185,11 @@ class _Session:
 
 class LLM:
     def __init__(self, **kw):
+        if os.environ.get("FAKE_HANG") == _arm():  # an engine that never starts, with a child
+            import subprocess, time
+            child = subprocess.Popen(["sleep", "300"])
+            open(os.environ["FAKE_HANG_PID"], "w").write(str(child.pid))
+            time.sleep(300)
         self.kw = kw
         cfg = json.load(open(os.path.join(kw["model"], "config.json")))
         self.layers, self.top_k = cfg["num_hidden_layers"], cfg["num_experts_per_tok"]
@@ -420,6 +425,20 @@ def test_an_engine_that_dies_keeps_what_it_measured_and_runs_again(runner):
     assert _arms(calls) == ["sleep_cache"]  # the floor's ok record stands
     lines = (tmp / "out" / "features.txt").read_text().splitlines()
     assert ": met: " in lines[2] and ": met: " in lines[3]
+
+
+def test_an_arm_past_its_time_is_ended_with_everything_it_started(runner):
+    run, tmp = runner
+    pid_file = tmp / "hang.pid"
+    run(STEPS="model update", FAKE_HANG="update_cache", FAKE_HANG_PID=str(pid_file),
+        ARM_TIMEOUT="3")
+    rec = _rec(tmp, "update_cache")
+    assert rec["rc"] == "timeout" and rec["status"] == "failed" and rec["phases"] == {}
+    assert _rec(tmp, "update_floor")["status"] == "ok"  # the arm before it stands
+    grandchild = int(pid_file.read_text())
+    assert not Path(f"/proc/{grandchild}").exists() or "Z" in Path(
+        f"/proc/{grandchild}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    assert not list((tmp / "groups").glob("*.json"))
 
 
 def test_stale_slots_after_a_reload_are_not_met(runner):
