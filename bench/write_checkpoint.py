@@ -46,6 +46,10 @@ Formats (``--format``):
   attention with sinks), as OpenAI ships it: `bench/write_gpt_oss.py` says the layout;
   ``--experts 128`` gives gpt-oss-120b's expert count (the layers are ``--layers``).
 
+``--seed N`` draws every tensor from another seed (the default 0 is the checkpoint the benches
+have always written): the same shapes, other weights and other routing, the second
+checkpoint `bench/features_check.py` reloads into a running server (``reload_weights``).
+
 ``--config-only`` writes config.json and the tokenizer without weights: the directory vLLM
 serves with ``--load-format dummy`` while `bench/synth_weights.py` fills the weights in
 process as this writer draws them (gpt-oss-120b's experts, 63 GiB, do not fit the GPU box's
@@ -196,16 +200,23 @@ def pack_nibbles(codes, dim: int, order: tuple[int, ...] = tuple(range(8))):
     return packed.movedim(-1, dim).contiguous()
 
 
+#: seed N's routers are drawn from ``1000 + layer + N x ROUTER_SEED_STRIDE``: no two seeds
+#: share a router below this many layers
+ROUTER_SEED_STRIDE = 100_003
+
+
 def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCAB,
-            head_dim: int | None = None, hot: int = 0):
+            head_dim: int | None = None, hot: int = 0, seed: int = 0):
     """(name, tensor) pairs in HF Qwen3-MoE naming, generated on ``device``, on the CPU.
-    ``hot``: route to the first ``hot`` experts of every layer only (`--hot`)."""
+    ``hot``: route to the first ``hot`` experts of every layer only (`--hot`); ``seed``:
+    another draw of every tensor (`--seed`; 0 gives the checkpoint written before it
+    existed, so earlier records still describe what this writes)."""
     import torch
 
     h, e, inter = shape.HIDDEN, shape.E, shape.MOE_INTER
     hd = head_dim or h // shape.HEADS
     q, kv = shape.HEADS * hd, shape.KV_HEADS * hd
-    g = torch.Generator(device=device).manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     from write_gpt_oss import normal
 
@@ -274,7 +285,8 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
         yield from linear(f"{p}.self_attn.o_proj", h, q)
         yield f"{p}.self_attn.q_norm.weight", ones(hd)
         yield f"{p}.self_attn.k_norm.weight", ones(hd)
-        router = torch.Generator(device=device).manual_seed(1000 + i)
+        router = torch.Generator(device=device).manual_seed(
+            1000 + i + seed * ROUTER_SEED_STRIDE)
         gate = normal(router, e, h, std=1.0)
         if hot:
             # the other experts' rows are zero: their logit is 0 while the top-k of ``hot``
@@ -294,7 +306,7 @@ def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCA
 def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
           shard_bytes: int = 4 << 30, context: int = 4096, head_dim: int | None = None,
           hot: int = 0, experts: int | None = None, config_only: bool = False,
-          top_k: int | None = None) -> dict:
+          top_k: int | None = None, seed: int = 0) -> dict:
     """config + tokenizer (from the e2e bench) and safetensors shards with an index.
     ``experts``: the gpt-oss shape's expert count (``mxfp4`` only; default gpt-oss-20b's).
     ``config_only``: config and tokenizer, no weights: a model directory that vLLM serves
@@ -311,6 +323,10 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
 
     if experts is not None and fmt != "mxfp4":
         raise SystemExit("--experts: the gpt-oss shape's only (--format mxfp4)")
+    if seed and fmt == "mxfp4":
+        raise SystemExit("--seed: the Qwen3 shape's formats only (not --format mxfp4)")
+    if seed < 0:
+        raise SystemExit(f"--seed {seed}: 0 or more")
     gpt_oss = dataclasses.replace(write_gpt_oss.shape(), experts=experts or
                                   write_gpt_oss.shape().experts)
     experts = gpt_oss.experts if fmt == "mxfp4" else shape.E
@@ -336,7 +352,7 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
     if fmt == "mxfp4":
         pairs = write_gpt_oss.tensors(layers, device, vocab, hot, gpt_oss)
     else:
-        pairs = tensors(layers, device, fmt, vocab, head_dim, hot)
+        pairs = tensors(layers, device, fmt, vocab, head_dim, hot, seed)
     weight_map: dict[str, str] = {}
     shard: dict = {}
     size = total = 0
@@ -384,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hot", type=int, default=0,
                     help="route to the first N experts of every layer only (an all-hit cache "
                          "at N slots, for the resident comparison); 0: all experts")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="draw every tensor from this seed (0: the benches' usual weights)")
     ap.add_argument("--config-only", action="store_true",
                     help="config.json and tokenizer only, for vLLM's --load-format dummy")
     ap.add_argument("--top-k", type=int, default=None,
@@ -398,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.time()
     info = write(a.out, a.layers, a.format, a.vocab, context=a.context, head_dim=a.head_dim,
-                 hot=a.hot, experts=a.experts, config_only=a.config_only, top_k=a.top_k)
+                 hot=a.hot, experts=a.experts, config_only=a.config_only, top_k=a.top_k,
+                 seed=a.seed)
     k = f", top-{a.top_k}" if a.top_k is not None else ""
     print(f"wrote {info['tensors']} tensors, {info['bytes'] / 2**30:.2f} GiB in "
           f"{info['shards']} shards to {a.out} ({a.format}{k}) in {time.time() - t0:.0f} s")
