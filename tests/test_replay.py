@@ -79,7 +79,7 @@ def test_replay_json_on_every_demo_trace(name):
 def test_replay_without_slots_takes_its_budgets_from_the_traces_experts(tmp_path):
     """No --slots: E/8, E/4, E/2 (3E/4 in place of one at or below top_k), never E or
     more, on the bundled OLMoE trace (64 experts) and a default `trace synth` output."""
-    from expertcache_cli.commands import default_budgets
+    from expertcache_cli.rules.budget import default_budgets
 
     assert default_budgets(128, 8) == [16, 32, 64]  # the demo trace's table, as documented
     assert default_budgets(64, 8) == [16, 32, 48]
