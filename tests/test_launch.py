@@ -367,18 +367,19 @@ def test_baseline_refuses_online_quantization_for_offloaded_arms(tmp_path):
 def test_serve_and_baseline_refuse_to_run_the_cache_without_the_plugin(tmp_path, monkeypatch):
     """A cache arm or a cached server whose vLLM cannot find the plugin would run uncached
     and look like it worked: refused before anything starts (a dry run only warns)."""
-    from expertcache_cli.commands import baseline as bl_cmd
+    from expertcache_cli.baseline.arms import parse_arms as arms
+    from expertcache_cli.baseline.arms import plugin_refusals
     from expertcache_cli.planning import launch
 
     monkeypatch.setattr(launch, "plugin_installed", lambda: False)
-    arms = __import__("expertcache_cli.baseline.arms", fromlist=["parse_arms"]).parse_arms
-    assert bl_cmd._plugin_refusals(arms("offload,cache:8"), None)[0].startswith(
+    assert plugin_refusals(arms("offload,cache:8"), None)[0].startswith(
         "the expertcache vLLM plugin is not installed")
-    assert bl_cmd._plugin_refusals(arms("offload,resident"), None) == []
-    assert bl_cmd._plugin_refusals(arms("cache:8"), "{python} -c pass") == []
+    assert plugin_refusals(arms("offload,resident"), None) == []
+    assert plugin_refusals(arms("cache:8"), "{python} -c pass") == []
     monkeypatch.setenv("VLLM_PLUGINS", "other")
-    assert "does not name expertcache" in bl_cmd._plugin_refusals(arms("cache:8"),
-                                                                   "{python} -c pass")[0]
+    assert "does not name expertcache" in plugin_refusals(arms("cache:8"), "{python} -c pass")[0]
+    assert plugin_refusals(arms("cache:8"), "{python} -c pass", {"VLLM_PLUGINS": "a,expertcache"}
+                           ) == []
 
 
 def test_a_wide_batched_token_budget_plans_the_staged_peak_as_runtime_memory():
