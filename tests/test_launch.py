@@ -382,6 +382,26 @@ def test_serve_and_baseline_refuse_to_run_the_cache_without_the_plugin(tmp_path,
                            ) == []
 
 
+def test_serve_refuses_a_cache_no_plugin_would_arm_after_the_program_itself(monkeypatch):
+    """`serve` starts nothing that cannot start (the program first), nor a cache that no
+    plugin would arm (vLLM would serve uncached); a plan with the cache off needs none."""
+    from expertcache_cli.planning import launch
+
+    args = ["--max-num-seqs", "4", "--max-model-len", "8192"]
+    cached = _plan(vllm_args=args, launcher=[sys.executable])
+    off = _plan(vllm_args=args, launcher=[sys.executable], vram=141)
+    assert "EXPERT_CACHE_SLOTS" in cached.env and "EXPERT_CACHE_SLOTS" not in off.env
+    monkeypatch.setattr(launch, "plugin_installed", lambda: False)
+    assert launch.plugin_missing(cached) and not launch.plugin_missing(off)
+    assert launch.start_refusal(cached) == launch.PLUGIN_MISSING
+    assert launch.start_refusal(cached, missing=False) is None  # the caller asked already
+    assert launch.start_refusal(off) is None
+    nowhere = _plan(vllm_args=args, launcher=["/nonexistent/vllm"])
+    assert "not a program" in launch.start_refusal(nowhere)
+    monkeypatch.setattr(launch, "plugin_installed", lambda: True)
+    assert not launch.plugin_missing(cached) and launch.start_refusal(cached) is None
+
+
 def test_a_wide_batched_token_budget_plans_the_staged_peak_as_runtime_memory():
     """Measured on the H200: past 2,048 batched tokens a staged server's profile step
     peaked 0.82 GiB above the runtime estimate; at 2,048 nothing. The plan counts it as
