@@ -318,3 +318,13 @@ def test_a_batch_is_padded_as_the_server_pads_it():
 def test_the_servers_flags_bad_input_is_one_line(args, words):
     r = cli("replay", *args, check=False)
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_split_is_recommended_for_a_policy_a_server_runs():
+    """`replay --per-layer` splits for the first online policy asked, else LRU: Belady's
+    optimum needs the future and serves nothing."""
+    from expertcache_cli.rules.policy import Policy
+    from expertcache_cli.rules.split import split_policy
+
+    assert split_policy([Policy.OPT, Policy.LFU, Policy.LRU]) is Policy.LFU
+    assert split_policy([Policy.OPT]) is Policy.LRU
