@@ -634,6 +634,23 @@ def test_arm_warnings_say_when_size_plans_no_cache_at_all(monkeypatch):
     assert "offload floor" in got[0]
 
 
+def test_offload_checks_run_for_offloaded_arms_only(monkeypatch):
+    """--quantization on an unquantised model is refused when an arm offloads (vLLM cannot
+    offload experts it quantises while loading), never for a resident-only run; a model
+    sizing cannot read is left to vLLM."""
+    from expertcache_cli.baseline import sizing_bridge
+
+    online = ["--quantization", "fp8"]
+    assert sizing_bridge.offload_checks("qwen3-30b-a3b", online, parse_arms("resident")) == (
+        [], None)
+    with pytest.raises(UserError, match="while loading"):
+        sizing_bridge.offload_checks("qwen3-30b-a3b", online, parse_arms("resident,cache:8"))
+    assert sizing_bridge.offload_checks("Org/unknown-moe", online, parse_arms("offload")) == (
+        [], None)
+    flags, note = sizing_bridge.offload_checks("qwen3-30b-a3b-w8a8", [], parse_arms("offload"))
+    assert flags == [] and note is None  # w8a8 stays offloaded on its own kernel
+
+
 def test_plugin_state_reads_how_much_of_the_model_the_cache_served(tmp_path):
     from expertcache_cli.baseline.counters import plugin_state
 

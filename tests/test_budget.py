@@ -69,3 +69,11 @@ def test_one_slot_check_and_one_list_of_online_policies():
     assert budget.ONLINE_POLICIES == (Policy.LRU, Policy.LFU)
     assert tuple(binding.POLICY_CODES) == budget.ONLINE_POLICIES
     assert budget.online_names() == "lru or lfu"
+
+
+def test_a_budget_for_a_trace_must_be_below_its_experts():
+    """`replay --slots` and `plan --slots`: E slots hold every expert, nothing to cache."""
+    assert budget.budgets_below([16, 127], 128) == [16, 127]
+    with pytest.raises(ValueError, match="^128 is not below the trace's 128 experts"):
+        budget.budgets_below([16, 128, 200], 128, "the trace's ")
+    assert budget.default_budgets(128, 8) == [16, 32, 64]

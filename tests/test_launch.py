@@ -367,18 +367,39 @@ def test_baseline_refuses_online_quantization_for_offloaded_arms(tmp_path):
 def test_serve_and_baseline_refuse_to_run_the_cache_without_the_plugin(tmp_path, monkeypatch):
     """A cache arm or a cached server whose vLLM cannot find the plugin would run uncached
     and look like it worked: refused before anything starts (a dry run only warns)."""
-    from expertcache_cli.commands import baseline as bl_cmd
+    from expertcache_cli.baseline.arms import parse_arms as arms
+    from expertcache_cli.baseline.arms import plugin_refusals
     from expertcache_cli.planning import launch
 
     monkeypatch.setattr(launch, "plugin_installed", lambda: False)
-    arms = __import__("expertcache_cli.baseline.arms", fromlist=["parse_arms"]).parse_arms
-    assert bl_cmd._plugin_refusals(arms("offload,cache:8"), None)[0].startswith(
+    assert plugin_refusals(arms("offload,cache:8"), None)[0].startswith(
         "the expertcache vLLM plugin is not installed")
-    assert bl_cmd._plugin_refusals(arms("offload,resident"), None) == []
-    assert bl_cmd._plugin_refusals(arms("cache:8"), "{python} -c pass") == []
+    assert plugin_refusals(arms("offload,resident"), None) == []
+    assert plugin_refusals(arms("cache:8"), "{python} -c pass") == []
     monkeypatch.setenv("VLLM_PLUGINS", "other")
-    assert "does not name expertcache" in bl_cmd._plugin_refusals(arms("cache:8"),
-                                                                   "{python} -c pass")[0]
+    assert "does not name expertcache" in plugin_refusals(arms("cache:8"), "{python} -c pass")[0]
+    assert plugin_refusals(arms("cache:8"), "{python} -c pass", {"VLLM_PLUGINS": "a,expertcache"}
+                           ) == []
+
+
+def test_serve_refuses_a_cache_no_plugin_would_arm_after_the_program_itself(monkeypatch):
+    """`serve` starts nothing that cannot start (the program first), nor a cache that no
+    plugin would arm (vLLM would serve uncached); a plan with the cache off needs none."""
+    from expertcache_cli.planning import launch
+
+    args = ["--max-num-seqs", "4", "--max-model-len", "8192"]
+    cached = _plan(vllm_args=args, launcher=[sys.executable])
+    off = _plan(vllm_args=args, launcher=[sys.executable], vram=141)
+    assert "EXPERT_CACHE_SLOTS" in cached.env and "EXPERT_CACHE_SLOTS" not in off.env
+    monkeypatch.setattr(launch, "plugin_installed", lambda: False)
+    assert launch.plugin_missing(cached) and not launch.plugin_missing(off)
+    assert launch.start_refusal(cached) == launch.PLUGIN_MISSING
+    assert launch.start_refusal(cached, missing=False) is None  # the caller asked already
+    assert launch.start_refusal(off) is None
+    nowhere = _plan(vllm_args=args, launcher=["/nonexistent/vllm"])
+    assert "not a program" in launch.start_refusal(nowhere)
+    monkeypatch.setattr(launch, "plugin_installed", lambda: True)
+    assert not launch.plugin_missing(cached) and launch.start_refusal(cached) is None
 
 
 def test_a_wide_batched_token_budget_plans_the_staged_peak_as_runtime_memory():

@@ -256,36 +256,6 @@ def test_help_marks_the_inputs_a_machine_with_no_gpu_must_bring():
         assert words in line, line
 
 
-def test_missing_rates_are_named_in_one_line_before_any_work(monkeypatch):
-    from expertcache_cli.commands import plan
-    from expertcache_cli.device import kernel_check
-    from expertcache_cli.errors import DeviceUnavailable
-
-    def no_gpu(*a, **k):
-        raise DeviceUnavailable("no CUDA device visible")
-
-    monkeypatch.setattr(kernel_check, "device_arch", no_gpu)
-    with pytest.raises(UserError) as both:
-        plan._check_given(None, None, None, None)
-    msg = str(both.value)
-    assert msg.startswith("plan needs, on this machine with no GPU, the link rate (--probe FILE")
-    assert "--link-gbps G" in msg and "and the resident rate (--resident-tok-s R" in msg
-    with pytest.raises(UserError, match="no GPU, the link rate") as link:
-        plan._check_given(None, None, 300.0, None)
-    assert "resident" not in str(link.value)
-    with pytest.raises(UserError, match="^plan needs the resident rate"):
-        plan._check_given(50.0, None, None, None)
-    plan._check_given(None, PROBE, None, BASELINE)  # both given: nothing to say
-    from expertcache_cli.sizing.cards import parse_vram
-
-    # a card named by --vram gives its usual link (an estimate): only the resident is missing
-    with pytest.raises(UserError, match="^plan needs the resident rate"):
-        plan._check_given(None, None, None, None, parse_vram("rtx-4090")[1])
-    monkeypatch.setattr(kernel_check, "device_arch", lambda *a, **k: (90, "H200"))
-    with pytest.raises(UserError, match="^plan needs the resident rate"):
-        plan._check_given(None, None, None, None)  # a GPU measures the link
-
-
 def test_cli_with_no_rates_says_what_to_pass_and_exits_2():
     r = _cli("--slots", "16")
     assert r.returncode == 2 and "Traceback" not in r.stderr

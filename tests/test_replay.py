@@ -79,7 +79,7 @@ def test_replay_json_on_every_demo_trace(name):
 def test_replay_without_slots_takes_its_budgets_from_the_traces_experts(tmp_path):
     """No --slots: E/8, E/4, E/2 (3E/4 in place of one at or below top_k), never E or
     more, on the bundled OLMoE trace (64 experts) and a default `trace synth` output."""
-    from expertcache_cli.commands import default_budgets
+    from expertcache_cli.rules.budget import default_budgets
 
     assert default_budgets(128, 8) == [16, 32, 64]  # the demo trace's table, as documented
     assert default_budgets(64, 8) == [16, 32, 48]
@@ -318,3 +318,13 @@ def test_a_batch_is_padded_as_the_server_pads_it():
 def test_the_servers_flags_bad_input_is_one_line(args, words):
     r = cli("replay", *args, check=False)
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_split_is_recommended_for_a_policy_a_server_runs():
+    """`replay --per-layer` splits for the first online policy asked, else LRU: Belady's
+    optimum needs the future and serves nothing."""
+    from expertcache_cli.rules.policy import Policy
+    from expertcache_cli.rules.split import split_policy
+
+    assert split_policy([Policy.OPT, Policy.LFU, Policy.LRU]) is Policy.LFU
+    assert split_policy([Policy.OPT]) is Policy.LRU

@@ -577,6 +577,13 @@ def test_online_quantization_is_sized_as_vllm_will_hold_it():
     assert any("quantised at load" in n for n in fp8.notes)
     w8a8 = sizing.plan("qwen3-30b-a3b-w8a8", 24, max_model_len=8192, vllm_quantization="fp8")
     assert w8a8.quant == "w8a8"  # already quantised: its own format stands
+    # the one place that decides it, for `size` (which prints the model) and `plan` alike
+    m = model_size.load_model("Qwen/Qwen3-30B-A3B")
+    held = sizing.model_as_held(m, "Qwen/Qwen3-30B-A3B", None, "fp8")
+    assert held.quant == "fp8" and held.bytes_per_expert == fp8.bytes_per_expert
+    assert held.notes[-1] == sizing.online_note("fp8", "fp8")
+    assert sizing.model_as_held(m, "Qwen/Qwen3-30B-A3B", "bf16", "fp8") is m  # given: stands
+    assert sizing.model_as_held(m, "Qwen/Qwen3-30B-A3B", None, None) is m
 
 
 def test_nvfp4s_ragged_global_scales_travel_in_the_side_row_and_larger_ones_are_refused(

@@ -7,6 +7,7 @@ An arm is a whole server configuration, not a request option, because what we me
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .. import config
@@ -140,6 +141,33 @@ def parse_arms(text: str) -> list[Arm]:
             raise UserError(f"arm {arm.name!r} is named twice in --arms")
         seen.add(arm.name)
     return arms
+
+
+def plugin_refusals(arms: list[Arm], server_cmd: str | None,
+                    environ: Mapping[str, str] | None = None) -> list[str]:
+    """Reasons the cache arms would run without the plugin, checked before any server
+    starts: vLLM would serve them uncached, silently, and a cache arm that cannot arm
+    measures the offload floor under the cache's name. ``VLLM_PLUGINS`` that leaves
+    expertcache out; with the default server command (this python's vLLM), a plugin not
+    installed here. A ``server_cmd`` of the user's runs another environment, which this
+    one cannot see into. No cache arm: nothing to refuse."""
+    import os
+
+    from ..planning.launch import plugin_installed
+
+    if not any(a.kind == "cache" for a in arms):
+        return []
+    environ = os.environ if environ is None else environ
+    out = []
+    plugins = environ.get("VLLM_PLUGINS")
+    if plugins is not None and "expertcache" not in [p.strip() for p in plugins.split(",")]:
+        out.append(f"VLLM_PLUGINS={plugins!r} does not name expertcache: cache arms run uncached")
+    if server_cmd is None and not plugin_installed():
+        out.append(
+            "the expertcache vLLM plugin is not installed in this python (pip install -e .): "
+            "cache arms would run uncached"
+        )
+    return out
 
 
 def round_order(arms: list[str], restart: int) -> list[str]:

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..sizing import sizing
 from ..sizing.sizing import Verdict
 from ..vllm_facts import capture, vllm_flags
+
+if TYPE_CHECKING:
+    from .arms import Arm
 
 
 @dataclass
@@ -108,3 +112,36 @@ def _share_args(p: sizing.SizePlan, vllm_args: list[str]) -> list[str]:
         if vllm_flags.vllm_flag_value(vllm_args, flag) is None:
             out += [flag, planned[planned.index(flag) + 1]]
     return out
+
+
+def offload_checks(model: str, vllm_args: list[str],
+                   arms: list[Arm]) -> tuple[list[str], str | None]:
+    """What the offloaded arms need, checked before any server: the flags only they get,
+    and the note that says why (None: nothing to say).
+
+    ``--quantization`` on an unquantised model is refused (vLLM cannot offload experts it
+    quantises while loading), as a 4-bit format vLLM would run on a Triton kernel it does
+    not have; a format that needs a flag to stay offloaded gets it (MXFP4: ``--moe-backend
+    marlin``), for the offloaded arms only: the resident arm stays stock. No offloaded
+    arm, or a model sizing cannot read (an HF id it does not know): nothing to check here,
+    vLLM says what it refuses.
+    """
+    from ..sizing.model_size import load_model
+    from ..vllm_facts import installed_vllm, vllm_experts
+
+    if not any(a.offloaded for a in arms):
+        return [], None
+    try:
+        m = load_model(model)
+    except UserError:
+        return [], None
+    why = vllm_flags.online_quantization_refusal(vllm_args, m.quant, m.name,
+                                                 installed_vllm.version())
+    why = why or vllm_experts.triton_refusal(m.quant, vllm_args,
+                                             vllm_experts.wna16_triton_available(),
+                                             installed_vllm.release())
+    if why:
+        raise UserError(why)
+    flags, note = vllm_experts.offload_backend_args(
+        m.quant, vllm_args, vllm_experts.mxfp4_marlin_available(), installed_vllm.release())
+    return flags, note

@@ -50,36 +50,18 @@ def parse_int_list(text: str, option: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-#: `replay`'s budgets when --slots is not given: three of E/8, E/4, E/2, 3E/4 (as E x n/8)
-DEFAULT_EIGHTHS = (1, 2, 4, 6)
-
-
-def default_budgets(num_experts: int, top_k: int = 0) -> list[int]:
-    """The first three of E/8, E/4, E/2 and 3E/4 slots that are above ``top_k`` (at top_k
-    slots or fewer a one-token step leaves no choice: every policy counts alike), each a
-    budget the plugin serves (`budget.slot_limit`: below E, within the kernel). 16, 32, 64
-    of 128 experts top-8; 16, 32, 48 of 64 top-8. When none is above top_k: the largest."""
-    from ..rules.budget import slot_limit
-
-    top = slot_limit(num_experts)
-    cands = list(dict.fromkeys(min(top, max(1, num_experts * n // 8)) for n in DEFAULT_EIGHTHS))
-    above = [s for s in cands if s > top_k]
-    return above[:3] if above else [max(1, top)]
-
-
 def parse_budgets(text: str | None, num_experts: int, top_k: int = 0) -> list[int]:
-    """``--slots`` for a trace of ``num_experts``: positive and each below E (that many
-    slots hold every expert: nothing to cache); None: `default_budgets`."""
+    """``--slots`` for a trace of ``num_experts``: positive and each below E
+    (`budget.budgets_below`); None: `budget.default_budgets`."""
+    from ..rules.budget import budgets_below, default_budgets
+
     if text is None:
         return default_budgets(num_experts, top_k)
     budgets = parse_int_list(text, "--slots")
-    bad = [s for s in budgets if s >= num_experts]
-    if bad:
-        raise UserError(
-            f"--slots {bad[0]} is not below the trace's {num_experts} experts "
-            "(that many slots hold every expert: nothing to cache)"
-        )
-    return budgets
+    try:
+        return budgets_below(budgets, num_experts, "the trace's ")
+    except ValueError as exc:
+        raise UserError(f"--slots {exc}") from None
 
 
 def finite(obj: Any) -> Any:

@@ -60,54 +60,6 @@ def _vram_offload(model: str, vram: str, vllm_args: list[str], arms: list, concu
     return p.cpu_offload_gb, p.share_args
 
 
-def _offload_checks(model: str, vllm_args: list[str]) -> list[str]:
-    """What the offloaded arms need, checked before any server: --quantization on an
-    unquantised model is refused (vLLM cannot offload experts it quantises while loading),
-    and a format that needs a flag to stay offloaded gets it (MXFP4: --moe-backend marlin),
-    returned for the offloaded arms only. A model sizing cannot read (an HF id it does not
-    know) is left to vLLM."""
-    from ..sizing.model_size import load_model
-    from ..vllm_facts import installed_vllm, vllm_experts
-    from ..vllm_facts.vllm_flags import online_quantization_refusal
-
-    try:
-        m = load_model(model)
-    except UserError:
-        return []
-    why = online_quantization_refusal(vllm_args, m.quant, m.name, installed_vllm.version())
-    why = why or vllm_experts.triton_refusal(m.quant, vllm_args,
-                                             vllm_experts.wna16_triton_available(),
-                                             installed_vllm.release())
-    if why:
-        raise UserError(why)
-    flags, note = vllm_experts.offload_backend_args(
-        m.quant, vllm_args, vllm_experts.mxfp4_marlin_available(), installed_vllm.release())
-    if note:
-        err.print(f"note: {note} (offload and cache arms; resident stays stock)")
-    return flags
-
-
-def _plugin_refusals(arms: list, server_cmd: str | None) -> list[str]:
-    """Reasons the cache arms would run without the plugin (uncached, silently), checked
-    before any server starts: each is refused, a cache arm that cannot arm measures nothing."""
-    import os
-
-    from ..planning.launch import plugin_installed
-
-    if not any(a.kind == "cache" for a in arms):
-        return []
-    out = []
-    plugins = os.environ.get("VLLM_PLUGINS")
-    if plugins is not None and "expertcache" not in [p.strip() for p in plugins.split(",")]:
-        out.append(f"VLLM_PLUGINS={plugins!r} does not name expertcache: cache arms run uncached")
-    if server_cmd is None and not plugin_installed():
-        out.append(
-            "the expertcache vLLM plugin is not installed in this python (pip install -e .): "
-            "cache arms would run uncached"
-        )
-    return out
-
-
 def _print_summary(path: Path, plot: Path | None, as_json: bool) -> None:
     from ..baseline.runner import load_summary
     from ..baseline.summary import render
@@ -178,8 +130,9 @@ def run_cmd(
     plot: Path | None = typer.Option(None, help="Also draw tok/s per arm to this image."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
-    from ..baseline.arms import parse_arms
+    from ..baseline.arms import parse_arms, plugin_refusals
     from ..baseline.runner import DEFAULT_PROMPT, BaselineConfig, run_baseline
+    from ..baseline.sizing_bridge import offload_checks
 
     vllm_args = passthrough_args(ctx.args)
     if plot is not None:
@@ -192,8 +145,9 @@ def run_cmd(
     if vram is not None:
         cpu_offload_gb, share = _vram_offload(model, vram, vllm_args, arm_list, concurrency)
         vllm_args += share
-    offload_args = _offload_checks(model, vllm_args) if any(
-        a.offloaded for a in arm_list) else []
+    offload_args, note = offload_checks(model, vllm_args, arm_list)
+    if note:
+        err.print(f"note: {note} (offload and cache arms; resident stays stock)")
     cfg = BaselineConfig(
         model=model,
         arms=arm_list,
@@ -219,7 +173,7 @@ def run_cmd(
     )
     if retry_failed and not resume:
         raise UserError("--retry-failed only makes sense with --resume")
-    for why in _plugin_refusals(arm_list, server_cmd):
+    for why in plugin_refusals(arm_list, server_cmd):
         raise UserError(why)
     run_baseline(cfg, say=lambda s: err.print(s, markup=False))
     err.print(f"results in {out}")

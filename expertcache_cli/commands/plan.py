@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
 import typer
 from rich.console import Console
 
-from ..errors import UserError
-from ..sizing.cards import Card, parse_vram, typical_link_gbps
+from ..sizing.cards import parse_vram
 from ..tables import Table
 from . import (
     BATCH_HELP,
@@ -19,8 +17,7 @@ from . import (
     WIDE_HELP,
     demo_trace_path,
     json_text,
-    parse_budgets,
-    select_kernels,
+    parse_int_list,
     workload,
 )
 
@@ -30,88 +27,11 @@ console = Console()
 NEEDED_PANEL = "Needed: the two rates (one of each pair)"
 
 
-def _link(link_gbps: float | None, probe_file: Path | None, model: str | None,
-          card: Card | None = None) -> tuple[float, str, tuple[float, str] | None]:
-    """The link rate and its source, and the cache step (us, source) where measured.
+def _read_baseline(path: Path) -> tuple[float, str]:
+    """``--baseline``'s resident arm (the harness's reader, loaded only when it is read)."""
+    from ..baseline.runner import resident_from_baseline
 
-    A card named by ``--vram`` and no link given: the rate its usual PCIe slot gives
-    (`cards.typical_link_gbps`), said to be an estimate, rather than a probe of whatever
-    GPU this machine has (a plan for another card is usually made away from it).
-    """
-    from ..planning import planner
-
-    if link_gbps is not None:
-        if not math.isfinite(link_gbps) or link_gbps <= 0:
-            raise UserError(f"--link-gbps must be a positive number, got {link_gbps}")
-        return link_gbps, "given (--link-gbps)", None
-    if probe_file is not None:
-        return planner.read_probe(probe_file)
-    if card is not None:
-        return typical_link_gbps(card), (
-            f"typical for the {card.label} on {card.link} (the measured share of a Gen5 "
-            "x16 link the gather reaches, scaled): an estimate; `probe-link --save FILE` on "
-            "the machine and --probe FILE measure yours"), None
-    from .. import probe
-    from ..device.kernel_check import device_arch
-
-    device_arch(0, hint=f"plan needs {LINK_INPUT}")
-    select_kernels()
-    # the gather at this model's expert slab: the rate the cache's own copies run at; and
-    # the cache's step when every expert hits
-    rep = probe.probe_link(model=model, repeats=3, warmup=1, only=("gather", "step"))
-    row = probe.gather_row(rep.gather, rep.model["top_k"]) if rep.model else None
-    if row is None or probe.is_stand_in(rep.gather_impl):
-        why = "; ".join(rep.errors) or "no gather rate"
-        raise UserError(f"the link could not be measured here ({why}): give --link-gbps or "
-                        "--probe")
-    step = (rep.step_us, f"measured now on {rep.device_name} (the cache step, every expert "
-            "a hit)") if rep.step_us > 0 else None
-    return row.gbps, f"measured now on {rep.device_name} (the gather, {row.path})", step
-
-
-#: what each of the two rates is and how to give it (the help and the missing-input line)
-LINK_INPUT = ("the link rate (--probe FILE, a saved `probe-link --json`, --link-gbps G, or "
-              "--vram naming the card: its usual link, estimated)")
-RESIDENT_INPUT = ("the resident rate (--resident-tok-s R, decode tok/s with every expert in "
-                  "VRAM, or --baseline FILE, a `baseline` results file with a resident arm)")
-
-
-def _check_given(link_gbps: float | None, probe_file: Path | None,
-                 resident_tok_s: float | None, baseline: Path | None,
-                 card: Card | None = None) -> None:
-    """Both rates the prediction rests on are given (or the link can be estimated for a
-    card named by ``--vram``, or measured here), checked before any work: one line naming
-    every missing one and how to pass it."""
-    if link_gbps is not None and probe_file is not None:
-        raise UserError("give --link-gbps or --probe, not both")
-    if resident_tok_s is not None and baseline is not None:
-        raise UserError("give --resident-tok-s or --baseline, not both")
-    missing, where = [], ""
-    if link_gbps is None and probe_file is None and card is None:
-        from ..device.kernel_check import device_arch
-        from ..errors import DeviceUnavailable
-
-        try:
-            device_arch(0)
-        except DeviceUnavailable:  # nothing to measure the link on
-            missing.append(LINK_INPUT)
-            where = ", on this machine with no GPU,"
-    if resident_tok_s is None and baseline is None:
-        missing.append(RESIDENT_INPUT)
-    if missing:
-        raise UserError(f"plan needs{where} " + " and ".join(missing))
-
-
-def _resident(resident_tok_s: float | None, baseline: Path | None) -> tuple[float, str]:
-    if resident_tok_s is not None:
-        if not math.isfinite(resident_tok_s) or resident_tok_s <= 0:
-            raise UserError(f"--resident-tok-s must be positive, got {resident_tok_s}")
-        return resident_tok_s, "given (--resident-tok-s)"
-    if baseline is not None:
-        from ..baseline.runner import resident_from_baseline
-
-        return resident_from_baseline(baseline)
-    raise UserError(f"plan needs {RESIDENT_INPUT}")
+    return resident_from_baseline(path)
 
 
 def register(app: typer.Typer) -> None:
@@ -169,21 +89,19 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Predicted decode tok/s per policy and slot budget from a trace, and what to serve."""
         from ..files import atomic_write, check_output
-        from ..planning import planner, serving
+        from ..planning import inputs, planner, serving
         from ..rules.trace import load
-        from ..sizing.model_size import load_model
         from . import passthrough_args
         from .replay import parse_policies
 
         vram_gib, card = parse_vram(vram)
-        _check_given(link_gbps, probe_file, resident_tok_s, baseline, card)
+        inputs.check_given(link_gbps, probe_file, resident_tok_s, baseline, card)
         extra = list(ctx.args)
         if trace_path is not None and str(trace_path).startswith("-"):
             # no TRACE given: click took the first vLLM flag after -- for it
             extra, trace_path = [str(trace_path), *extra], None
         srv = serving.server(passthrough_args(extra), max_num_seqs=max_num_seqs, batch=batch,
                              vllm_version=vllm_version, vram_gib=vram_gib)
-        vllm_args = srv.vllm_args
         if save is not None:
             save = check_output(save, "--save")
         if plot is not None:
@@ -194,44 +112,19 @@ def register(app: typer.Typer) -> None:
         trace, mode = workload(load(path), wide, batch,
                                srv.batch_tokens(batch) if batch else None)
         policies = parse_policies(policy)
-        m = load_model(Path(model) if model and Path(model).exists() else model) if model else None
-        if m is not None and (m.num_experts, m.top_k) != (trace.num_experts, trace.top_k):
-            # the bundled real recording ran at fewer experts a token than its model's config
-            hint = (f" (the bundled demo, recorded at {trace.top_k} experts a token): give a "
-                    f"TRACE routed top-{m.top_k}, recorded with EXPERT_CACHE_TRACE or made by "
-                    "`expertcache trace synth`" if trace_path is None else "")
-            raise UserError(f"--model {model}: {m.num_experts} experts top-{m.top_k}, the trace "
-                            f"has {trace.num_experts} top-{trace.top_k}{hint}")
-        if m is not None:
-            per_expert, bytes_src = m.bytes_per_expert, f"--model {model} ({m.source})"
-        elif trace.expert_bytes:
-            per_expert, bytes_src = int(trace.expert_bytes), "the trace's expert_bytes"
-        else:
-            raise UserError("the trace does not say how big an expert is: give --model M")
-        fits_upto = None
-        if vram is not None:
-            if m is None:
-                raise UserError("--vram needs --model (what to put on the card)")
-            fits_upto = planner.card_fits(m, vram, mode, srv, batch)
-        link, link_src, step = _link(link_gbps, probe_file, model, card)
-        res, res_src = _resident(resident_tok_s, baseline)
-        inputs = planner.Inputs(per_expert, bytes_src, link, link_src, res, res_src)
-        if step is not None:
-            inputs.step_us, inputs.step_source = step
-        budgets = (parse_budgets(slots, trace.num_experts) if slots else planner.slot_grid(
-            trace.num_experts, trace.top_k,
-            trace.num_experts - 1 if fits_upto is None else fits_upto))
-        serve_model = (str(model) if model and Path(model).is_dir()
-                       else f"MODEL --size-from {model}" if model else "MODEL")
+        m = inputs.plan_model(model, trace, demo=trace_path is None)
+        per_expert = inputs.expert_bytes(m, model, trace)
+        fits_upto = inputs.card_slots(m, vram, mode, srv, batch)
+        link = inputs.link_rate(link_gbps, probe_file, model, card)
+        resident = inputs.resident_rate(resident_tok_s, baseline, _read_baseline)
+        budgets = inputs.budgets(parse_int_list(slots, "--slots") if slots else None, trace,
+                                 fits_upto)
         rep = planner.plan_trace(
-            trace, inputs, policies, budgets, fits_upto=fits_upto, serve_model=serve_model,
-            vram_gb=vram, plan_file=str(save) if save else None, vllm_args=vllm_args,
-            wide=mode, batch=batch, server=srv,
-            model={"name": m.name if m else trace.model, "bytes_per_expert": per_expert,
-                   "num_experts": trace.num_experts, "top_k": trace.top_k,
-                   "num_moe_layers": trace.num_layers, "vram_gib": vram_gib,
-                   "card": card.describe() if card else None,
-                   "max_slots": fits_upto})
+            trace, inputs.prediction_inputs(per_expert, link, resident), policies, budgets,
+            fits_upto=fits_upto, serve_model=inputs.serve_model(model), vram_gb=vram,
+            plan_file=str(save) if save else None, vllm_args=srv.vllm_args, wide=mode,
+            batch=batch, server=srv,
+            model=inputs.model_facts(m, trace, per_expert[0], vram_gib, card, fits_upto))
         rep.trace["path"] = str(path)
         data = rep.to_json()
         if save is not None:

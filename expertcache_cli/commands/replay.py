@@ -11,7 +11,6 @@ from rich.console import Console
 from ..errors import UserError
 from ..files import atomic_write, check_output
 from ..planning.rebatch import shared_note
-from ..rules.budget import ONLINE_POLICIES
 from ..rules.policy import Policy, Wide
 from ..rules.trace import Trace, load
 from ..tables import Table
@@ -145,7 +144,7 @@ def replay_command(
     """Replay a routing trace: experts fetched per policy and slot budget."""
     from ..planning.serving import server as serving_server
     from ..rules.replay import replay
-    from ..rules.split import recommend
+    from ..rules.split import recommend, split_policy
     from . import passthrough_args
 
     if csv is not None:
@@ -193,8 +192,8 @@ def replay_command(
             progress=update,
             wide=mode,
         )
-    split_policy = next((p for p in policies if p in ONLINE_POLICIES), Policy.LRU)
-    splits = recommend(trace, split_policy, budgets, decay, mode) if per_layer else []
+    policy_of_split = split_policy(policies)
+    splits = recommend(trace, policy_of_split, budgets, decay, mode) if per_layer else []
 
     device_check = None
     if device == "cuda":
@@ -220,7 +219,7 @@ def replay_command(
             obj["per_layer"] = _records(report.per_layer)
             obj["split"] = [
                 {
-                    "policy": split_policy.name.lower(),
+                    "policy": policy_of_split.name.lower(),
                     "uniform_slots": s.uniform_slots,
                     "budget": s.budget,
                     "slots": s.slots,
@@ -240,7 +239,7 @@ def replay_command(
                    srv.describe_batch(batch) if srv and batch else None)
     if per_layer:
         _print_per_layer(trace, report)
-        _print_splits(split_policy, splits)
+        _print_splits(policy_of_split, splits)
     if device_check is not None:
         _print_device(device_check)
     _fail_on_device_mismatch(device_check)

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from ..errors import UserError
-from ..planning.launch import launch_refusal, make_plan, plugin_installed
+from ..planning.launch import make_plan, plugin_missing, start_refusal
 from ..sizing.sizing import Verdict
 from . import VRAM_HELP, passthrough_args, wide_option
 
@@ -81,16 +81,14 @@ def register(app: typer.Typer) -> None:
                           "shrink it")
         for note in plan.notes:
             console.print(f"  note: {note}")
-        plugin_missing = "EXPERT_CACHE_SLOTS" in plan.env and not plugin_installed()
-        if plugin_missing and dry_run:
+        missing = plugin_missing(plan)
+        if missing and dry_run:
             console.print("  [yellow]warning: the expertcache vLLM plugin is not installed in "
                           "this environment (pip install expertcache), nothing would arm[/]")
         if dry_run:
             print(plan.shell())
             return
-        why = launch_refusal(plan.argv) or (
-            "the expertcache vLLM plugin is not installed in this python (pip install "
-            "expertcache): vLLM would serve uncached" if plugin_missing else None)
+        why = start_refusal(plan, missing)
         if why:
             raise UserError(why)
         console.print(f"  running: {plan.shell()}")

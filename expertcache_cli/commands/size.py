@@ -204,10 +204,8 @@ def register(app: typer.Typer) -> None:
             tensor_parallel_size=tensor_parallel_size,
         )
         common.update({k: v for k, v in given.items() if v is not None})
-        online = None if quant else sizing.online_format(m, common.get("vllm_quantization"))
-        if online:
-            m = model_size.load_model(Path(model) if Path(model).exists() else model, online)
-            m.notes.append(sizing.online_note(common["vllm_quantization"], online))
+        m = sizing.model_as_held(m, Path(model) if Path(model).exists() else model,
+                                 quant or None, common.get("vllm_quantization"))
         why = vllm_experts.triton_refusal(m.quant, args, vllm_experts.wna16_triton_available(),
                                           installed_vllm.release())
         if why:

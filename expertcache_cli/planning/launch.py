@@ -285,6 +285,31 @@ def launch_refusal(argv: Sequence[str]) -> str | None:
     return None
 
 
+#: why `serve` refuses a plan that arms the cache where vLLM would not find the plugin
+PLUGIN_MISSING = ("the expertcache vLLM plugin is not installed in this python (pip install "
+                  "expertcache): vLLM would serve uncached")
+
+
+def plugin_missing(plan: ServePlan) -> bool:
+    """The plan arms the cache (it sets ``EXPERT_CACHE_SLOTS``) and this python's vLLM
+    would not find the plugin (`plugin_installed`): the server would run uncached and look
+    as if it worked. A plan with the cache off needs no plugin."""
+    return config.SLOTS in plan.env and not plugin_installed()
+
+
+def start_refusal(plan: ServePlan, missing: bool | None = None) -> str | None:
+    """Why ``plan`` cannot start here, checked before `serve` hands over its process: its
+    program (`launch_refusal`), else a cache it arms that no plugin would arm
+    (`plugin_missing`; ``missing``: the caller's answer where it asked already, as a dry
+    run does to warn of it). None: it may start."""
+    why = launch_refusal(plan.argv)
+    if why:
+        return why
+    if missing is None:
+        missing = plugin_missing(plan)
+    return PLUGIN_MISSING if missing else None
+
+
 def plugin_installed() -> bool:
     """Whether vLLM will find the plugin (the package's entry point metadata is installed)."""
     from importlib.metadata import entry_points

@@ -8,7 +8,9 @@ all obey, so they cannot disagree.
   block's shared memory, and `binding` checks its launches against the same numbers);
 - the online policies are LRU and LFU; a decay applies to LFU only (Belady's optimum needs
   the future and exists only in replay);
-- the sizing trap is worded once (`trap_text`); how a batch is padded is `capture`.
+- the sizing trap is worded once (`trap_text`); how a batch is padded is `capture`;
+- a replay of a trace with no budgets given replays `default_budgets`, and a budget given
+  for a trace must be below its experts (`budgets_below`).
 
 Functions raise ``ValueError`` with the rule in words and without naming the input; each
 caller puts its own option or variable in front (``--policy`` on the command line,
@@ -21,8 +23,9 @@ import math
 
 from .policy import Policy
 
-__all__ = ["MAX_EXPERTS", "MAX_SLOTS", "ONLINE_POLICIES", "check_fraction", "check_slots",
-           "online_names", "online_policy", "slot_limit", "slots_from_fraction", "trap_text"]
+__all__ = ["DEFAULT_EIGHTHS", "MAX_EXPERTS", "MAX_SLOTS", "ONLINE_POLICIES", "budgets_below",
+           "check_fraction", "check_slots", "default_budgets", "online_names", "online_policy",
+           "slot_limit", "slots_from_fraction", "trap_text"]
 
 #: the cache kernel's limits, = EC_MAX_EXPERTS and EC_MAX_SLOTS in kernels/expert_cache.cu
 #: (tests/test_kernel_build.py reads them from the source)
@@ -59,6 +62,33 @@ def check_slots(slots: int, num_experts: int, whose: str = "") -> int:
                          "(nothing to cache: do not offload the experts instead)")
     raise ValueError(f"{slots} is above the cache kernel's limit: it holds at most {MAX_SLOTS} "
                      "slots a layer")
+
+
+#: `replay`'s budgets when none are given: three of E/8, E/4, E/2, 3E/4 (as E x n/8)
+DEFAULT_EIGHTHS = (1, 2, 4, 6)
+
+
+def default_budgets(num_experts: int, top_k: int = 0) -> list[int]:
+    """The first three of E/8, E/4, E/2 and 3E/4 slots that are above ``top_k`` (at top_k
+    slots or fewer a one-token step leaves no choice: every policy counts alike), each a
+    budget the plugin serves (`slot_limit`: below E, within the kernel). 16, 32, 64 of 128
+    experts top-8; 16, 32, 48 of 64 top-8. When none is above top_k: the largest."""
+    top = slot_limit(num_experts)
+    cands = list(dict.fromkeys(min(top, max(1, num_experts * n // 8)) for n in DEFAULT_EIGHTHS))
+    above = [s for s in cands if s > top_k]
+    return above[:3] if above else [max(1, top)]
+
+
+def budgets_below(budgets: list[int], num_experts: int, whose: str = "") -> list[int]:
+    """``budgets`` themselves when each is below ``num_experts``, else ValueError naming the
+    first that is not: that many slots hold every expert, so there is nothing to cache (a
+    replay or a prediction at E slots answers a question no server asks). ``whose``
+    qualifies the experts in the message ("the trace's ")."""
+    bad = [s for s in budgets if s >= num_experts]
+    if bad:
+        raise ValueError(f"{bad[0]} is not below {whose or 'the '}{num_experts} experts "
+                         "(that many slots hold every expert: nothing to cache)")
+    return budgets
 
 
 #: The policies a live cache runs (the plugin and the kernel); Belady's optimum (`Policy.OPT`)

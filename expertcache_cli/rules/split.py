@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import engine
+from .budget import ONLINE_POLICIES
 from .policy import Policy, Wide
 from .trace import Trace
 
@@ -93,6 +94,14 @@ def best_split(curves: np.ndarray, grid: list[int], budget: int, uniform: int) -
     misses = int(sum(curves[layer, grid.index(s)] for layer, s in enumerate(slots)))
     uniform_misses = int(curves[:, grid.index(uniform)].sum())
     return Split(uniform * n_layers, uniform, slots, misses, uniform_misses)
+
+
+def split_policy(policies: list[Policy]) -> Policy:
+    """The policy a per-layer split is recommended for: the first of ``policies`` a live
+    cache runs (`budget.ONLINE_POLICIES`), else LRU. A split is something to serve, and
+    Belady's optimum, which needs the future, serves nothing: a split priced with it
+    would promise misses no server gets."""
+    return next((p for p in policies if p in ONLINE_POLICIES), Policy.LRU)
 
 
 def recommend(

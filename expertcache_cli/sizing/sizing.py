@@ -89,6 +89,21 @@ def online_note(flag_value: str, fmt: str) -> str:
     return f"--quantization {flag_value}: sized as vLLM will hold it ({fmt}, quantised at load)"
 
 
+def model_as_held(model: ModelSize, spec: str | Path | None, quant: str | None,
+                  vllm_quantization: str | None) -> ModelSize:
+    """``model`` (read from ``spec``) as vLLM will hold it: where no ``quant`` was given (None) and
+    ``--quantization`` asks vLLM to quantise an unquantised model while loading
+    (`online_format`), the model read again in that format, with a note that says so;
+    else ``model`` itself. Why: a slot holds what vLLM holds, so sizing the checkpoint's
+    bf16 would plan more bytes than an expert takes."""
+    online = online_format(model, vllm_quantization) if quant is None else None
+    if not online:
+        return model
+    held = load_model(spec, online)
+    held.notes.append(online_note(vllm_quantization or "", online))
+    return held
+
+
 def _card_budget(
     vram_gb: float, device_total_gib: float | None, utilization: float | None
 ) -> tuple[float, float, float, int, list[str]]:
@@ -506,11 +521,8 @@ def _plan_for(
                   max_num_batched_tokens=max_num_batched_tokens, kv_tokens=kv_tokens,
                   overhead_gb=overhead_gb, gpu_memory_utilization=gpu_memory_utilization,
                   tensor_parallel_size=tensor_parallel_size)
-    model = model_spec if isinstance(model_spec, ModelSize) else load_model(model_spec, quant)
-    online = online_format(model, vllm_quantization) if quant is None else None
-    if online and not isinstance(model_spec, ModelSize):
-        model = load_model(model_spec, online)
-        model.notes.append(online_note(vllm_quantization or "", online))
+    model = model_spec if isinstance(model_spec, ModelSize) else model_as_held(
+        load_model(model_spec, quant), model_spec, quant, vllm_quantization)
     model = model.per_rank(int(tensor_parallel_size or 1))
     vram_gb, device, gpu_memory_utilization, budget, notes_device = _card_budget(
         float(vram_gb), device_total_gib, gpu_memory_utilization)
