@@ -26,7 +26,7 @@ from expertcache_cli.plugin.small import SMALL_ROW  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _marlin_armed(monkeypatch):
-    """Marlin arming is opt-in (EXPERT_CACHE_MARLIN=1) until it is proven on a GPU: these
+    """Marlin arming is opt-in (EXPERT_CACHE_MARLIN=1) until every format is served: these
     tests are about what it does when asked for."""
     monkeypatch.setenv("EXPERT_CACHE_MARLIN", "1")
 

@@ -18,7 +18,7 @@ V026 = 'mapping = {\n        "marlin": WNA16MoEBackend.MARLIN,\n        "humming
 
 @pytest.fixture(autouse=True)
 def _marlin_armed(monkeypatch):
-    """Marlin arming is opt-in (EXPERT_CACHE_MARLIN=1) until it is proven on a GPU; these
+    """Marlin arming is opt-in (EXPERT_CACHE_MARLIN=1) until every format is served; these
     tests are about plans where it is on (the default is tested on its own below)."""
     monkeypatch.setenv("EXPERT_CACHE_MARLIN", "1")
 
@@ -27,7 +27,7 @@ def _marlin_armed(monkeypatch):
 def test_marlin_experts_are_declined_unless_asked_for(quant, monkeypatch):
     monkeypatch.delenv("EXPERT_CACHE_MARLIN")
     why = vllm_experts.declined_kernel(quant, None)
-    assert why and "EXPERT_CACHE_MARLIN=1" in why and "proven on a GPU" in why
+    assert why and "EXPERT_CACHE_MARLIN=1" in why and "served from its slots" in why
     assert vllm_experts.declined_kernel(quant, None, marlin=True) is None
     oss = Path(__file__).parent / "configs" / "gpt-oss-120b.json"
     p = sizing.plan(model_size.load_model(oss, "mxfp4"), 24)
@@ -214,3 +214,14 @@ def test_triton_for_4_bit_experts_on_a_vllm_without_it_is_refused_before_launch(
         make_plan(str(tmp_path), 16, launcher=["vllm"], environ={},
                   vllm_args=["--max-model-len", "8192", *args],
                   v2_runner_offloads=lambda: True, wna16_triton=lambda: False)
+
+
+@pytest.mark.parametrize("quant", ["w4a16", "mxfp4"])
+def test_a_cache_forced_on_marlin_not_opted_in_is_told_why_not_a_traceback(quant, monkeypatch):
+    """`size --slots N` on a 4-bit model on vLLM's default kernel, Marlin not asked for:
+    the note says why every layer will be declined (no backend flag to name)."""
+    monkeypatch.delenv("EXPERT_CACHE_MARLIN", raising=False)
+    note = vllm_experts.kernel_note(quant, [], "0.26")
+    assert note.startswith("vLLM runs these 4-bit experts on Marlin, which the cache arms "
+                           "only with EXPERT_CACHE_MARLIN=1")
+    assert note.endswith("every layer will be declined (the offload floor)")

@@ -265,7 +265,7 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
 
         if not marlin_from_env():
             return decline(f"{experts_name}: Marlin experts are armed only with {MARLIN}=1 "
-                           "until their arming is proven on a GPU")
+                           "until every format has been served from its slots")
         found, why = marlin.layout(experts)
         if found is None:
             return decline(why)

@@ -109,7 +109,7 @@ def declined_kernel(quant: str, moe_backend: str | None,
 
     if not (marlin_from_env() if marlin is None else marlin):
         return (f"vLLM runs these 4-bit experts on Marlin, which the cache arms only with "
-                f"{MARLIN}=1 until its arming is proven on a GPU")
+                f"{MARLIN}=1 until every format has been served from its slots")
     return None
 
 
@@ -135,6 +135,8 @@ def kernel_note(quant: str, args: list[str], version: str | None = None) -> str 
     why = declined_kernel(quant, backend)
     if why is None:
         return None
+    if backend is None:  # vLLM's default kernel, which the cache arms only when asked
+        return f"{why}: every layer will be declined (the offload floor)"
     which = f"vLLM {version}" if version else "vLLM"
     return (f"4-bit experts on --moe-backend {backend.strip().lower()}: {which} runs them on a "
             "kernel the cache does not arm, so every layer will be declined (the offload "
