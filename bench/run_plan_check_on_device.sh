@@ -148,7 +148,7 @@ check() {
   arms=$(echo "$SLOTS" | sed "s/\([0-9]\+\)/cache:\1${SFX/-/:}/g")
   [ "${PLAN_ARM:-1}" = 0 ] || arms="$arms,plan:$p"
   baseline "$model" "$b" "$arms" EC_BENCH_TRACE_ROUTING="$t" \
-    PYTHONPATH="$PWD/bench/trace_hook:$PYTHONPATH"
+    EC_BENCH_TRACE_RESTART="$RESTART" PYTHONPATH="$PWD/bench/trace_hook:$PYTHONPATH"
   $PY bench/plan_check.py "$j" "$b" "$p" | tee "$OUT/compare-$name$SFX.txt"
   TABLE+=("$j" "$b" "$p")
 }
@@ -165,14 +165,16 @@ for kind in $TRACES; do
   case $kind in
     none) continue ;;
     tasks|zipf)
-      prompt=()
+      # one hook counter across requests: plan replays the long synthetic trace whole
+      prompt=() RESTART=0
       T=$PC/$kind-$LAYERS.npz
       [ -f "$T" ] || $PY -m expertcache_cli trace synth "$T" --kind "$kind" --steps 4000 \
         --layers "$LAYERS" --experts 128 --top-k 8 --seed 7 --expert-bytes 9437184 \
         --model "qwen3-30b-a3b shape, $LAYERS layers" > /dev/null
       check "$kind" "$T" "$T" "$MODEL" "$PC/probe.json" "$PC/bl-resident-$LAYERS.jsonl" ;;
     *)
-      prompt=(--prompt "$PROMPT16")
+      # each request from the recording's row 0, as plan is given it
+      prompt=(--prompt "$PROMPT16") RESTART=1
       k=${REC_K[$kind]} name=$(basename "$kind" .npz)
       M=$(model_of "$k")
       probe=$PC/probe.json; [ "$k" = 8 ] || probe=$PC/probe-k$k.json

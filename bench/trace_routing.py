@@ -32,6 +32,9 @@ sys.path.insert(0, str(HERE.parent))
 ENV = "EC_BENCH_TRACE_ROUTING"
 #: the streams a bench server decodes at once (default 1): a wider step is a prefill
 STREAMS_ENV = "EC_BENCH_TRACE_STREAMS"
+#: "0": one counter across requests, no restart at a prefill (a long synthetic trace that
+#: `plan` replays whole, as the plan check's synthetic rows were measured)
+RESTART_ENV = "EC_BENCH_TRACE_RESTART"
 ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router.fused_moe_router"
 ROUTER_CLASS = "FusedMoERouter"
 
@@ -45,11 +48,13 @@ IN_FORCE_LINE = "BENCH: trace routing in force"
 class TraceRouting:
     """The trace on the device and one step counter per router (= per MoE layer)."""
 
-    def __init__(self, topk_ids: Any, top_k: int, streams: int = 1) -> None:
+    def __init__(self, topk_ids: Any, top_k: int, streams: int = 1,
+                 restart: bool = True) -> None:
         self.ids = topk_ids  # numpy [T, L, W]
         self.top_k = int(top_k)
         #: decode steps are at most this many tokens; a wider step is a prefill
         self.streams = max(1, int(streams))
+        self.restart = restart
         self.logged = False
         self.layers: dict[int, int] = {}  # id(router) -> layer ordinal, in first-call order
         self.dev: dict[Any, tuple[Any, Any]] = {}  # (device, layer) -> (rows, counter)
@@ -81,10 +86,11 @@ class TraceRouting:
             rows = torch.from_numpy(self.ids[:, layer, :].astype("int64")).to(topk_ids.device)
             self.dev[key] = (rows, torch.zeros(1, dtype=torch.int64, device=topk_ids.device))
         rows, counter = self.dev[key]
-        if tokens > self.streams:
+        if tokens > self.streams and self.restart:
             counter.zero_()
         if width > self.ids.shape[2]:
-            counter.add_(1)  # the prefill used row 0's place, with the router's own ids
+            if self.restart:
+                counter.add_(1)  # the prefill used row 0's place, with the router's own ids
             return topk_ids
         if not self.logged:
             self.logged = True
@@ -123,7 +129,8 @@ def install(path: str | None = None) -> TraceRouting | None:
 
     trace = load(path)
     routing = TraceRouting(trace.topk_ids, trace.top_k,
-                           int(os.environ.get(STREAMS_ENV, "1") or 1))
+                           int(os.environ.get(STREAMS_ENV, "1") or 1),
+                           os.environ.get(RESTART_ENV, "1") != "0")
 
     def patch(module: Any) -> None:
         cls = getattr(module, ROUTER_CLASS, None)

@@ -24,7 +24,8 @@ from pathlib import Path
 
 args = sys.argv[1:]
 with open(os.environ["STUB_LOG"], "a") as log:
-    log.write(" ".join(args) + "  ENV=" + os.environ.get("EC_BENCH_TRACE_ROUTING", "") + "\n")
+    log.write(" ".join(args) + "  RESTART=" + os.environ.get("EC_BENCH_TRACE_RESTART", "")
+              + "  ENV=" + os.environ.get("EC_BENCH_TRACE_ROUTING", "") + "\n")
 real = {**os.environ, "PYTHONPATH": os.environ["ROOT"]}  # this checkout's package
 if args[0].endswith("plan_check.py") or args[0].endswith("trace_fit.py"):
     os.execve(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args], real)
@@ -84,7 +85,7 @@ def runner(full_runner):
 
 
 def _cmd(calls: list[str], what: str) -> list[str]:
-    return [c for c in calls if what in c.split("  ENV=")[0]]
+    return [c for c in calls if what in c.split("  RESTART=")[0]]
 
 
 def test_one_resident_baseline_then_plan_and_baseline_per_trace(runner):
@@ -172,7 +173,7 @@ def test_a_recording_is_served_at_its_own_width_and_plan_replays_what_was_served
     pc, models = tmp / "pc", tmp / "models"
     calls = run(TRACES=RECORDED, LAYERS="24", PLAN_ARM="0")
     # one checkpoint per top-k, none of the top-8 shape (no synthetic trace asked for)
-    writes = [c.split("  ENV=")[0] for c in _cmd(calls, "write_checkpoint.py")]
+    writes = [c.split("  RESTART=")[0] for c in _cmd(calls, "write_checkpoint.py")]
     assert writes == [f"bench/write_checkpoint.py {models}/model24-k6 --layers 24 --top-k 6",
                       f"bench/write_checkpoint.py {models}/model24-k2 --layers 24 --top-k 2"]
     probes = _cmd(calls, "probe-link")
@@ -200,7 +201,7 @@ def test_a_recording_is_served_at_its_own_width_and_plan_replays_what_was_served
         assert served.source.startswith("recorded (real model")
         # plan: the ids as served (a warm-up and 3 requests of 200 steps, each from row 0
         # with a 16-token prefill), priced and checked by this model
-        fits = [c.split("  ENV=")[0] for c in _cmd(calls, "trace_fit.py") if name in c
+        fits = [c.split("  RESTART=")[0] for c in _cmd(calls, "trace_fit.py") if name in c
                 and "--shape" not in c]
         assert fits == [
             f"bench/trace_fit.py {tmp}/tree/traces/{name}.npz {pc}/{name}-24.npz --layers 24",
@@ -283,6 +284,9 @@ def test_synthetic_and_recorded_traces_side_by_side(recorded):
         "bl-real-qwen3-30b-a3b-k6-24.jsonl"]
     # the synthetic servers keep baseline's own prompt; the recording's get the 16 words
     assert [("--prompt" in c) for c in baselines] == [False, False, True, True]
+    # the synthetic trace is replayed whole by plan: one hook counter across requests; the
+    # recording's requests each start at its row 0, as plan is given them
+    assert "  RESTART=0  ENV=" in baselines[1] and "  RESTART=1  ENV=" in baselines[3]
     rows = [x for x in (tmp / "out" / "plan-check-table.md").read_text().splitlines()
             if (x.startswith("| tasks-24 |") or x.startswith("| real-"))
             and "not measured" not in x]

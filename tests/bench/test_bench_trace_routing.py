@@ -110,3 +110,16 @@ def test_install_patches_vllms_router_class_when_its_module_is_imported(monkeypa
     r = mod.FusedMoERouter()
     assert r.select_experts(torch.zeros(1, 4), None)[1].tolist() == [[3, 4]]
     assert r.select_experts(torch.zeros(1, 4), None)[1].tolist() == [[5, 6]]
+
+
+def test_without_restart_one_counter_runs_across_requests():
+    """EC_BENCH_TRACE_RESTART=0: a long synthetic trace that plan replays whole."""
+    ids = np.array([[[5, 6]], [[7, 8]], [[9, 10]]])
+    routing = trace_routing.TraceRouting(ids, top_k=2, restart=False)
+    cls = type("FusedMoERouter", (Router,), {"select_experts": Router.select_experts})
+    trace_routing.patch_router_class(cls, routing)
+    r = cls()
+    one = torch.zeros(1, 4)
+    assert r.select_experts(one, None)[1].tolist() == [[5, 6]]
+    r.select_experts(torch.zeros(3, 4), None)  # a prefill: the router's, no restart
+    assert r.select_experts(one, None)[1].tolist() == [[7, 8]]
