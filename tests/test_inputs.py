@@ -129,17 +129,34 @@ def _measured(monkeypatch, impl: str = "kernel", step_us: float = 3.7):
 
 def test_with_nothing_given_the_link_is_measured_here_with_the_step(monkeypatch):
     calls = _measured(monkeypatch)
-    monkeypatch.setenv("EXPERT_CACHE_PDL", "0")
-    monkeypatch.delenv("EXPERT_CACHE_LIB", raising=False)
     rate, src, step = inputs.link_rate(None, None, "qwen3-30b-a3b")
     assert rate == 48.0 and src == "measured now on NVIDIA H200 (the gather, gather_8)"
     assert step[0] == 3.7 and "every expert a hit" in step[1]
     assert calls["probe"]["model"] == "qwen3-30b-a3b"
     assert calls["probe"]["only"] == ("gather", "step")
-    assert calls["select"] == (None, False)  # the kernels the environment selects
+    assert "select" not in calls  # the library reads no environment: its caller selects
     # no step measured: the prediction prices none, and says so (`prediction_inputs`)
     _measured(monkeypatch, step_us=0.0)
     assert inputs.link_rate(None, None, None)[2] is None
+
+
+def test_plan_measures_the_link_with_the_kernels_the_environment_selects(monkeypatch):
+    """At the command line the environment's kernels (``EXPERT_CACHE_LIB``,
+    ``EXPERT_CACHE_PDL``) are handed to the binding before the link is measured."""
+    from typer.testing import CliRunner
+
+    from expertcache_cli.cli import app
+    from expertcache_cli.device import binding
+
+    calls = _measured(monkeypatch)
+    # selected before the measurement loads any kernel
+    monkeypatch.setattr(binding, "select", lambda *a: calls.setdefault(
+        "select", (a, "probe" in calls)))
+    r = CliRunner().invoke(app, ["plan", "--resident-tok-s", "100", "--json"],
+                           env={"EXPERT_CACHE_PDL": "0", "EXPERT_CACHE_LIB": ""})
+    assert r.exit_code == 0, r.output
+    assert calls["select"] == ((None, False), False)  # the kernels the environment selects
+    assert calls["probe"]["only"] == ("gather", "step")
 
 
 def test_a_measurement_with_the_torch_stand_in_is_refused(monkeypatch):

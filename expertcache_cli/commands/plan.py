@@ -18,6 +18,7 @@ from . import (
     demo_trace_path,
     json_text,
     parse_int_list,
+    select_kernels,
     workload,
 )
 
@@ -115,6 +116,7 @@ def register(app: typer.Typer) -> None:
         m = inputs.plan_model(model, trace, demo=trace_path is None)
         per_expert = inputs.expert_bytes(m, model, trace)
         fits_upto = inputs.card_slots(m, vram, mode, srv, batch)
+        select_kernels()  # the environment's kernels, should the link be measured here
         link = inputs.link_rate(link_gbps, probe_file, model, card)
         resident = inputs.resident_rate(resident_tok_s, baseline, _read_baseline)
         budgets = inputs.budgets(parse_int_list(slots, "--slots") if slots else None, trace,

@@ -108,15 +108,12 @@ def link_rate(link_gbps: float | None, probe_file: Path | None, model: str | Non
 
 def _measured_link(model: str | None) -> LinkRate:
     """The gather rate and the all-hit step measured now on GPU 0 (`link_rate`'s last
-    source), with the kernels the environment selects (``EXPERT_CACHE_LIB``,
-    ``EXPERT_CACHE_PDL``: the binding reads no environment, so its caller hands it them)."""
+    source), with the kernels the caller selected (`device.binding.select`: a command
+    hands it the environment's choice, as every command that loads kernels does)."""
     from .. import probe
-    from ..config import kernel_source
-    from ..device import binding
     from ..device.kernel_check import device_arch
 
     device_arch(0, hint=f"plan needs {LINK_INPUT}")
-    binding.select(*kernel_source())
     rep = probe.probe_link(model=model, repeats=3, warmup=1, only=("gather", "step"))
     row = probe.gather_row(rep.gather, rep.model["top_k"]) if rep.model else None
     if row is None or probe.is_stand_in(rep.gather_impl):
