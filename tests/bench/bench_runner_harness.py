@@ -52,3 +52,14 @@ def make_runner(tmp_path: Path, script: str, files: tuple[str, ...], stub_source
         return log.read_text().splitlines(), r.stdout if expect_rc == 0 else r.stdout + r.stderr
 
     return run
+
+
+def trace_of_64_experts(path: Path) -> Path:
+    """A trace of 64 experts (top-4), which no bench checkpoint of 128 can replay: what a
+    runner must refuse before writing a checkpoint or starting a server."""
+    import numpy as np
+
+    from expertcache_cli.rules import trace as tracefile
+
+    return tracefile.save(tracefile.Trace(np.zeros((3, 2, 4), dtype=np.int64), num_experts=64,
+                                          top_k=4, source="recorded, 64 experts"), path)

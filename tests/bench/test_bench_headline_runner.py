@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from bench_runner_harness import make_runner
+from bench_runner_harness import make_runner, trace_of_64_experts
 
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("httpx", reason="the report imports the bench's server client")
@@ -203,14 +203,8 @@ def test_records_of_one_routing_are_not_mixed_with_anothers(runner):
 
 
 def test_a_trace_of_another_expert_count_writes_no_checkpoint(runner):
-    import numpy as np
-
-    from expertcache_cli.rules import trace as tracefile
-
     run, tmp = runner
-    odd = tracefile.save(tracefile.Trace(np.zeros((3, 2, 4), dtype=np.int64), num_experts=64,
-                                         top_k=4, source="recorded, 64 experts"),
-                         tmp / "odd.npz")
+    odd = trace_of_64_experts(tmp / "odd.npz")
     calls, out = run(expect_rc=2, TRACE=str(odd))
     assert out.strip().splitlines()[-1] == (
         f"TRACE={odd}: top-4 of 64 experts; the checkpoint has 128 experts")

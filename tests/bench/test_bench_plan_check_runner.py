@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from bench_runner_harness import make_runner
+from bench_runner_harness import make_runner, trace_of_64_experts
 
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("httpx", reason="the comparison reads baseline files with the bench's client")
@@ -304,14 +304,8 @@ def test_a_trace_that_is_not_there_is_one_line_and_exit_2_before_anything(record
 
 
 def test_a_recording_of_another_expert_count_is_refused_before_any_server(recorded):
-    import numpy as np
-
-    from expertcache_cli.rules import trace as tracefile
-
     run, tmp = recorded
-    odd = tracefile.save(tracefile.Trace(np.zeros((3, 2, 4), dtype=np.int64), num_experts=64,
-                                         top_k=4, source="recorded, 64 experts"),
-                         tmp / "odd.npz")
+    odd = trace_of_64_experts(tmp / "odd.npz")
     calls, out = run(expect_rc=2, TRACES=str(odd))
     assert out.strip().splitlines()[-1] == (
         f"TRACES: {odd}: top-4 of 64 experts; the bench checkpoint has 128 experts")
