@@ -86,10 +86,11 @@ class TraceRouting:
             rows = torch.from_numpy(self.ids[:, layer, :].astype("int64")).to(topk_ids.device)
             self.dev[key] = (rows, torch.zeros(1, dtype=torch.int64, device=topk_ids.device))
         rows, counter = self.dev[key]
-        if tokens > self.streams and self.restart:
+        prefill = self.restart and tokens > self.streams
+        if prefill:
             counter.zero_()
         if width > self.ids.shape[2]:
-            if self.restart:
+            if prefill:
                 counter.add_(1)  # the prefill used row 0's place, with the router's own ids
             return topk_ids
         if not self.logged:

@@ -123,3 +123,16 @@ def test_without_restart_one_counter_runs_across_requests():
     assert r.select_experts(one, None)[1].tolist() == [[5, 6]]
     r.select_experts(torch.zeros(3, 4), None)  # a prefill: the router's, no restart
     assert r.select_experts(one, None)[1].tolist() == [[7, 8]]
+
+
+def test_a_decode_step_wider_than_the_rows_keeps_the_router_and_the_counter():
+    """Only a prefill takes a row's place when it keeps the router's ids: a decode step of
+    more streams than the rows hold moves no layer along the trace."""
+    ids = np.array([[[1, 2, 3, 4]], [[5, 6, -1, -1]]])  # W4, top-2
+    routing = trace_routing.TraceRouting(ids, top_k=2, streams=3)
+    cls = type("FusedMoERouter", (Router,), {"select_experts": Router.select_experts})
+    trace_routing.patch_router_class(cls, routing)
+    r = cls()
+    assert r.select_experts(torch.zeros(1, 4), None)[1].tolist() == [[1, 2]]
+    assert r.select_experts(torch.zeros(3, 4), None)[1].tolist() == [[0, 1]] * 3
+    assert r.select_experts(torch.zeros(1, 4), None)[1].tolist() == [[5, 6]]
