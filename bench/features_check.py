@@ -9,9 +9,12 @@ serving the bench checkpoint with every expert offloaded (``cpu_offload_gb``,
 
 - ``update``: generate; ``collective_rpc("reload_weights", kwargs={"weights_path": B})``
   with a second checkpoint (same shapes, another seed); generate; reload the first again;
-  generate. Met when the cache's tokens equal the floor's at every stage, the update changed
-  them and the experts' bytes (a fingerprint of one expert read in the worker), and the
-  plugin logged one slot refresh and one all-agreeing check of every expert per reload.
+  generate; then B again through vLLM's weight-transfer API (``start_weight_update``,
+  ``update_weights``, ``finish_weight_update``: the path RL trainers use, which bypasses
+  ``reload_weights``); generate. Met when the cache's tokens equal the floor's at every
+  stage, the update changed them and the experts' bytes (a fingerprint of one expert read in
+  the worker), the transfer served B's tokens again, and the plugin logged one slot refresh
+  and one all-agreeing check of every expert per update.
 - ``sleep``: ``enable_sleep_mode=True``; device memory before ``sleep(level=1)``, asleep and
   after ``wake_up()``; then ``sleep(level=2)``, ``wake_up(tags=["weights"])``,
   ``reload_weights``, ``wake_up(tags=["kv_cache"])`` (the order RL trainers use). Met when
@@ -71,6 +74,12 @@ MAX_MODEL_LEN = 1024
 MAX_BATCHED_TOKENS = 2048
 GPU_MEMORY_UTILIZATION = 0.3
 MAX_NUM_SEQS = 4  # update and sleep: 2 prompts; 4 x top_k 8 = 32 ids, within 32 slots
+#: the update arms' weight-transfer backend (registered in the arm's process, where the
+#: in-process engine's worker runs): vLLM's own start/update/finish_weight_update, whose
+#: chunks here name a checkpoint directory that the worker reads. vLLM's IPC and NCCL
+#: transports need a trainer in a second process; what they deliver to the model between
+#: start and finish (``model.load_weights`` inside a layerwise reload) is the same.
+TRANSFER_BACKEND = "expertcache_bench_files"
 SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
 
 #: update and sleep: two prompts of the bench's word-level vocabulary
@@ -121,6 +130,8 @@ def engine_kwargs(model: str, check: str, layers: int, max_num_seqs: int,
                 "cpu_offload_gb": offload_gib(layers), "cpu_offload_params": {"experts"}}
     if cuda:  # the box's vLLM has no FlashAttention
         kw["attention_backend"] = "TRITON_ATTN"
+    if check == "update":
+        kw["weight_transfer_config"] = {"backend": TRANSFER_BACKEND}
     if check == "sleep":
         kw["enable_sleep_mode"] = True
     if check == "spec":
@@ -303,6 +314,70 @@ def _timed(fn: Callable[[], object]) -> tuple[object, float]:
     return out, round(time.perf_counter() - t, 2)
 
 
+def register_transfer_engine() -> None:
+    """vLLM's weight-transfer factory learns `TRANSFER_BACKEND`: a worker-side engine whose
+    update chunk is ``{"path": DIR}``, each safetensors file of DIR loaded onto the worker's
+    device and handed to ``model.load_weights`` inside vLLM's layerwise reload (what its IPC
+    and NCCL engines do with the tensors they receive)."""
+    from dataclasses import dataclass
+
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    @dataclass
+    class FilesInit(WeightTransferInitInfo):
+        pass
+
+    @dataclass
+    class FilesUpdate(WeightTransferUpdateInfo):
+        path: str
+
+    class FilesEngine(WeightTransferEngine):
+        init_info_cls = FilesInit
+        update_info_cls = FilesUpdate
+
+        def init_transfer_engine(self, init_info) -> None:
+            pass
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def receive_weights(self, update_info) -> None:
+            from safetensors.torch import load_file
+
+            for f in sorted(Path(update_info.path).glob("*.safetensors")):
+                self.model.load_weights(list(load_file(str(f), device=str(self.device))
+                                             .items()))
+
+        def shutdown(self) -> None:
+            pass
+
+        @staticmethod
+        def trainer_send_weights(iterator, trainer_args) -> None:
+            raise NotImplementedError("the bench's file transport has no trainer side")
+
+    if TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, FilesEngine)
+
+
+def transfer_weights(llm, path: str) -> None:
+    """One weight update through vLLM's weight-transfer API, as a trainer drives it."""
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"path": path}})
+    llm.finish_weight_update()
+
+
 def run_update(llm, a, rec: dict, save: Callable[[], None]) -> None:
     phases = rec["phases"]
 
@@ -319,6 +394,10 @@ def run_update(llm, a, rec: dict, save: Callable[[], None]) -> None:
         phases[f"reload_{name}"] = {"weights_path": str(path), "seconds": s}
         save()
         stage(name)
+    _, s = _timed(lambda: transfer_weights(llm, str(a.model_b)))
+    phases["transfer_update"] = {"path": str(a.model_b), "seconds": s}
+    save()
+    stage("transfer")
 
 
 def run_sleep(llm, a, rec: dict, save: Callable[[], None]) -> None:
@@ -398,6 +477,8 @@ def child_main(a) -> int:
         except ImportError:
             cuda = False
         kw = engine_kwargs(a.model, check, a.layers, a.max_num_seqs, cuda)
+        if check == "update":
+            register_transfer_engine()
         rec["engine"] = {k: sorted(v) if isinstance(v, set) else v for k, v in kw.items()}
         save()
         llm, rec["startup_s"] = _timed(lambda: LLM(**kw))
@@ -714,13 +795,14 @@ def _verdict(name: str, problems: list[str], facts: list[str],
 
 
 def verdict_update(floor: dict | None, cache: dict | None) -> tuple[bool, str]:
-    name = "weight update (reload_weights)"
+    name = "weight update (reload_weights; start/update/finish_weight_update)"
     if (why := _incomplete({"update_floor": floor, "update_cache": cache},
-                           ("before", "after", "back"))):
+                           ("before", "after", "back", "transfer"))):
         return False, f"{name}: NOT met: {why}"
     problems, facts = arming_problems(cache, floor), []
     labels = {"before": "before the update", "after": "after reloading the second checkpoint",
-              "back": "after reloading the first again"}
+              "back": "after reloading the first again",
+              "transfer": "after the second through the weight-transfer API"}
     for phase, label in labels.items():
         c = compare(_outputs(cache, phase), _outputs(floor, phase))
         (facts if c["identical"] else problems).append(
@@ -731,29 +813,37 @@ def verdict_update(floor: dict | None, cache: dict | None) -> tuple[bool, str]:
     else:
         facts.append(f"the update changed the tokens (first at prompt {moved.get('prompt')}, "
                      f"token {moved.get('token')})")
+    same = compare(_outputs(cache, "after"), _outputs(cache, "transfer"))
+    if not same["identical"]:
+        problems.append("the second checkpoint through the weight-transfer API did not serve "
+                        f"what its reload served: {describe(same)}")
     fp = [((cache.get("phases") or {}).get(p) or {}).get("fingerprint")
-          for p in ("before", "after")]
+          for p in ("before", "after", "back", "transfer")]
     if None in fp:
         facts.append("the experts' fingerprint was not read")
-    elif fp[0] == fp[1]:
-        problems.append(f"vLLM's reload left the experts' bytes as they were (fingerprint "
-                        f"{fp[0]:.6g}): nothing here tests the slots' refresh")
+    elif fp[0] == fp[1] or fp[2] == fp[3]:
+        problems.append(f"an update left the experts' bytes as they were (fingerprints "
+                        f"{', '.join(f'{v:.6g}' for v in fp)}): nothing here tests the "
+                        "slots' refresh")
     else:
-        facts.append(f"the experts changed (fingerprint {fp[0]:.6g} -> {fp[1]:.6g})")
+        facts.append(f"the experts changed (fingerprint {fp[0]:.6g} -> {fp[1]:.6g}; "
+                     f"{fp[2]:.6g} -> {fp[3]:.6g} by the transfer)")
     lg = cache.get("log") or {}
-    reloads = [e for e in lg.get("emptied") or [] if "reloaded" in e["why"]]
     armed = lg.get("armed_layers")
-    if len(reloads) < 2 or any(e["layers"] != armed for e in reloads):
-        problems.append(f"{len(reloads)} slot refreshes logged for 2 reloads "
-                        f"({', '.join(str(e['layers']) for e in reloads) or 'none'} layers)")
+    emptied = lg.get("emptied") or []
+    for what, key, want in (("reloads", "reloaded", 2), ("weight transfers", "weight update", 1)):
+        got = [e for e in emptied if key in e["why"]]
+        if len(got) < want or any(e["layers"] != armed for e in got):
+            problems.append(f"{len(got)} slot refreshes logged for {want} {what} "
+                            f"({', '.join(str(e['layers']) for e in got) or 'none'} layers)")
     new = [s for s in lg.get("sweeps") or [] if s["when"] == "new weights"]
-    if len(new) < 2 or any(s["agreed"] != s["layers"] for s in new):
-        problems.append(f"checks of every expert on the new weights: "
+    if len(new) < 3 or any(s["agreed"] != s["layers"] for s in new):
+        problems.append(f"checks of every expert on the new weights (3 updates): "
                         f"{[s['line'] for s in new] or 'none logged'}")
     else:
-        facts.append(f"each reload emptied the slots of {armed} layers and the new-weights "
-                     f"check agreed on {new[-1]['agreed']} of {new[-1]['layers']} layers "
-                     f"(largest row difference {_largest_diff(new)})")
+        facts.append(f"each of the {len(new)} updates emptied the slots of {armed} layers and "
+                     f"the new-weights check agreed on {new[-1]['agreed']} of "
+                     f"{new[-1]['layers']} layers (largest row difference {_largest_diff(new)})")
     return _verdict(name, problems, facts, floor, cache)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU box: the plugin under the vLLM features that change what the slots stand for
 # (issue 31; docs/plugin.md "vLLM features that change what the slots stand for"), on the
-# box's vLLM (0.26): weight updates (reload_weights), sleep mode (levels 1 and 2) and
+# box's vLLM (0.26): weight updates (reload_weights and the weight-transfer API), sleep mode (levels 1 and 2) and
 # n-gram speculative decoding, each a floor engine (EXPERT_CACHE_DISABLE=1) against a cache
 # engine (EXPERT_CACHE_SLOTS=32), every expert offloaded, greedy. bench/features_check.py
 # runs one engine a process and says met / NOT met per check.
@@ -22,7 +22,8 @@
 #   setup   the vLLM bundle, this package (0.5)
 #   model   the two 8-layer checkpoints, 9.9 GB each (0.5)
 #   update  floor and cache: generate, reload_weights the seed-1 checkpoint, generate,
-#           reload the seed-0 one, generate (3)
+#           reload the seed-0 one, generate, the seed-1 one through start/update/
+#           finish_weight_update, generate (3)
 #   sleep   floor and cache under enable_sleep_mode: level 1 and a plain wake_up; level 2,
 #           wake the weights, reload_weights, wake the KV cache; memory and tokens; the
 #           cache with EXPERT_CACHE_WIDE=staged-install, so that its wide-step scratch

@@ -47,6 +47,32 @@ else:
 '''
 
 #: the stand-in vLLM: what bench/features_check.py's arm calls, nothing more
+FAKE_BASE = r'''
+"""vllm.distributed.weight_transfer.base, as far as the bench's engine subclasses it."""
+class WeightTransferInitInfo:
+    pass
+
+
+class WeightTransferUpdateInfo:
+    pass
+
+
+class WeightTransferEngine:
+    pass
+'''
+
+FAKE_FACTORY = r'''
+"""vllm.distributed.weight_transfer.factory: the registry the worker creates engines from."""
+class WeightTransferEngineFactory:
+    _registry = {}
+
+    @classmethod
+    def register_engine(cls, name, engine_cls):
+        if name in cls._registry:
+            raise ValueError(f"Weight transfer engine '{name}' is already registered.")
+        cls._registry[name] = lambda: engine_cls
+'''
+
 FAKE_VLLM = r'''
 """A stand-in for vLLM 0.26's offline LLM (tests only): greedy tokens a function of the
 weights' seed, the plugin's log lines, a device whose memory a fake nvidia-smi reads."""
@@ -275,6 +301,30 @@ class LLM:
             out.append(_O(_C(ids, lps if sp.logprobs else None)))
         return out
 
+    def _transfer_engine(self):
+        # as vLLM's worker: the configured backend must be registered with the factory
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+        backend = (self.kw.get("weight_transfer_config") or {}).get("backend")
+        if backend is None:
+            raise RuntimeError("Weight transfer not configured.")
+        if backend not in WeightTransferEngineFactory._registry:
+            raise ValueError(f"Invalid weight transfer backend: {backend}.")
+        return WeightTransferEngineFactory._registry[backend]()
+
+    def start_weight_update(self):
+        self._transfer_engine()
+        self.updating = True
+
+    def update_weights(self, request):
+        assert self.updating
+        self._transfer_engine().update_info_cls(**request["update_info"])
+        self.seed, self.garbage = self._seed(request["update_info"]["path"]), False
+
+    def finish_weight_update(self):
+        assert self.updating
+        self.updating = False
+        self._refreshed("vLLM finished a weight update (weight transfer)")
+
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         if callable(method):
             return [method(_Worker(self), *args)]
@@ -332,6 +382,12 @@ def runner(tmp_path):
     (tree / "expertcache_cli").symlink_to(ROOT / "expertcache_cli")
     (tree / "vllm").mkdir()
     (tree / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    wt = tree / "vllm" / "distributed" / "weight_transfer"
+    wt.mkdir(parents=True)
+    for d in (tree / "vllm" / "distributed", wt):
+        (d / "__init__.py").write_text("")
+    (wt / "base.py").write_text(FAKE_BASE)
+    (wt / "factory.py").write_text(FAKE_FACTORY)
     return run, tmp_path
 
 
@@ -368,13 +424,17 @@ def test_every_check_runs_once_as_on_the_device_and_the_report_says_met(runner):
     floor, cache = _rec(tmp, "update_floor"), _rec(tmp, "update_cache")
     assert floor["env"] == {"EXPERT_CACHE_DISABLE": "1"}
     assert cache["env"] == {"EXPERT_CACHE_SLOTS": "32"}
-    assert cache["status"] == "ok" and set(cache["phases"]) >= {"before", "after", "back"}
+    assert cache["status"] == "ok" and set(cache["phases"]) >= {"before", "after", "back",
+                                                                "transfer"}
+    assert cache["engine"]["weight_transfer_config"] == {"backend": fc.TRANSFER_BACKEND}
     assert cache["engine"]["cpu_offload_params"] == ["experts"]
     assert cache["engine"]["cpu_offload_gb"] == pytest.approx(128 * 9437184 * 8 / GiB + 1,
                                                               abs=0.01)
     assert cache["engine"]["enable_prefix_caching"] is False
     assert cache["log"]["armed_layers"] == 8 and cache["log"]["memory_line"]
-    assert [e["why"] for e in cache["log"]["emptied"]] == ["vLLM reloaded the weights"] * 2
+    assert [e["why"] for e in cache["log"]["emptied"]] == [
+        "vLLM reloaded the weights", "vLLM reloaded the weights",
+        "vLLM finished a weight update (weight transfer)"]
     assert floor["log"]["disabled"] and floor["log"]["armed_layers"] is None
     sleep = _rec(tmp, "sleep_cache")
     assert sleep["engine"]["enable_sleep_mode"] is True
@@ -393,7 +453,8 @@ def test_every_check_runs_once_as_on_the_device_and_the_report_says_met(runner):
     text = (tmp / "out" / "features.txt").read_text().splitlines()
     assert text[0].startswith("vLLM 0.26.0; records in")
     assert len(text) == 5 and all(": met: " in line for line in text[1:]), text
-    assert "the experts changed (fingerprint 0.5 -> 1.5)" in text[1]
+    assert "the experts changed (fingerprint 0.5 -> 1.5; 0.5 -> 1.5 by the transfer)" in text[1]
+    assert "each of the 3 updates emptied the slots of 8 layers" in text[1]
     assert "slots and scratch 3.38 GiB: sleep freed 3.38 GiB beyond the floor's" in text[2]
     assert "vLLM's KV cache 3.38 GiB smaller than the floor's (the slots counted once)" in text[2]
     assert "waking the weights alone brought back 3.38 GiB beyond the floor's" in text[3]
@@ -420,7 +481,8 @@ def test_an_engine_that_dies_keeps_what_it_measured_and_runs_again(runner):
     assert "sleep_cache failed later: RuntimeError: fake death at sleep2" in lines[2]
     assert lines[3].startswith("sleep level 2 (wake weights, reload_weights, wake KV): NOT met: "
                                "sleep_cache stopped before its sleep2 stage")
-    assert lines[1].startswith("weight update (reload_weights): NOT met: update_floor not run")
+    assert lines[1].startswith("weight update (reload_weights; start/update/finish_weight_update): "
+                               "NOT met: update_floor not run")
     calls, _ = run(STEPS="sleep report")
     assert _arms(calls) == ["sleep_cache"]  # the floor's ok record stands
     lines = (tmp / "out" / "features.txt").read_text().splitlines()
@@ -445,9 +507,9 @@ def test_stale_slots_after_a_reload_are_not_met(runner):
     run, tmp = runner
     run(STEPS="model update report", FAKE_STALE_SLOTS="1")
     line = (tmp / "out" / "features.txt").read_text().splitlines()[1]
-    assert line.startswith("weight update (reload_weights): NOT met: after reloading the "
-                           "second checkpoint the cache against the floor: part at prompt 0, "
-                           "token 1 (margins 1.0000 / 1.0000)")
+    assert line.startswith("weight update (reload_weights; start/update/finish_weight_update): "
+                           "NOT met: after reloading the second checkpoint the cache against "
+                           "the floor: part at prompt 0, token 1 (margins 1.0000 / 1.0000)")
 
 
 def test_a_bad_step_is_refused_before_anything_runs(runner, tmp_path):
@@ -509,9 +571,12 @@ def _sleep_rec(cache: bool, stay: bool = False, kv_less: int = SLOT_BYTES) -> di
 def _update_rec(cache: bool) -> dict:
     phases = {"before": {"outputs": _outputs(0), "fingerprint": 0.5},
               "after": {"outputs": _outputs(1), "fingerprint": 1.5},
-              "back": {"outputs": _outputs(0), "fingerprint": 0.5}}
+              "back": {"outputs": _outputs(0), "fingerprint": 0.5},
+              "transfer": {"outputs": _outputs(1), "fingerprint": 1.5}}
+    emptied = ("vLLM reloaded the weights",) * 2 + (
+        "vLLM finished a weight update (weight transfer)",)
     return {"arm": f"update_{'cache' if cache else 'floor'}", "status": "ok", "phases": phases,
-            "log": _log(cache, emptied=("vLLM reloaded the weights",) * 2 if cache else ())}
+            "log": _log(cache, emptied=emptied if cache else ())}
 
 
 TRAP = ("TRAP: a full batch of 8 seqs x (1 + 3 draft tokens, speculative decoding) x top_k 8 "
@@ -557,11 +622,19 @@ def test_update_not_met_when_the_cache_parts_the_update_is_empty_or_no_refresh_i
     cache = _update_rec(True)
     cache["phases"]["after"]["fingerprint"] = 0.5
     ok, line = fc.verdict_update(floor, cache)
-    assert not ok and "vLLM's reload left the experts' bytes as they were" in line
+    assert not ok and "an update left the experts' bytes as they were" in line
     cache = _update_rec(True)
     cache["log"]["emptied"] = cache["log"]["emptied"][:1]
     ok, line = fc.verdict_update(floor, cache)
     assert not ok and "1 slot refreshes logged for 2 reloads" in line
+    assert "0 slot refreshes logged for 1 weight transfers" in line
+    # the transfer path alone stale: the reloads right, the transfer's tokens not
+    cache, floor2 = _update_rec(True), _update_rec(False)
+    cache["phases"]["transfer"]["outputs"] = _outputs(0)
+    ok, line = fc.verdict_update(floor2, cache)
+    assert not ok and ("after the second through the weight-transfer API the cache against "
+                       "the floor: part at prompt 0") in line
+    assert "did not serve what its reload served" in line
     cache = _update_rec(True)
     cache["log"]["armed_layers"] = 0
     ok, line = fc.verdict_update(floor, cache)
