@@ -70,6 +70,11 @@ NAME_RE = re.compile(r"^(?P<check>update|sleep|spec)_(?P<role>floor|cache)"
 #: the engine every arm starts (the spec arms' max_num_seqs is given): a short context and
 #: a small KV cache (the memory numbers of the sleep check stay readable), no prefix cache
 #: (a prompt served again after new weights must not reuse KV computed with the old ones)
+#: every arm's KV cache, given rather than profiled: two engines whose KV caches differ in
+#: size are not the same computation (vLLM's floor against itself, one engine with sleep
+#: mode and one without, part at a near-tie within 64 tokens), so the floor and the cache
+#: are compared at one KV size; `expertcache serve` passes one too
+KV_CACHE_BYTES = 4 * 1024**3
 MAX_MODEL_LEN = 1024
 MAX_BATCHED_TOKENS = 2048
 GPU_MEMORY_UTILIZATION = 0.3
@@ -127,7 +132,8 @@ def engine_kwargs(model: str, check: str, layers: int, max_num_seqs: int,
     kw: dict = {"model": model, "dtype": "bfloat16", "seed": 0, "max_model_len": MAX_MODEL_LEN,
                 "max_num_seqs": max_num_seqs, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
                 "enable_prefix_caching": False, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
-                "cpu_offload_gb": offload_gib(layers), "cpu_offload_params": {"experts"}}
+                "cpu_offload_gb": offload_gib(layers), "cpu_offload_params": {"experts"},
+                "kv_cache_memory_bytes": KV_CACHE_BYTES}
     if cuda:  # the box's vLLM has no FlashAttention
         kw["attention_backend"] = "TRITON_ATTN"
     if check == "update":
@@ -920,7 +926,14 @@ def verdict_sleep(floor: dict | None, cache: dict | None, level: int) -> tuple[b
         problems.append(f"{len(woke)} slot refreshes on waking logged by level {level}")
     if level == 2 and not any("reloaded" in e["why"] for e in emptied):
         problems.append("no slot refresh logged for the reload after level 2")
-    if level == 1 and want and kv_f is not None and kv_c is not None:
+    given = {(r.get("engine") or {}).get("kv_cache_memory_bytes") for r in (floor, cache)}
+    if level == 1 and given != {None}:
+        (facts if len(given) == 1 else problems).append(
+            "the KV cache given to each engine: "
+            + " / ".join(_gib(g) if g else "profiled" for g in
+                         ((r.get("engine") or {}).get("kv_cache_memory_bytes")
+                          for r in (cache, floor))) + " GiB (cache / floor)")
+    elif level == 1 and want and kv_f is not None and kv_c is not None:
         less = kv_f - kv_c
         if 0.5 * want <= less <= 1.5 * want:
             facts.append(f"vLLM's KV cache {_gib(less)} GiB smaller than the floor's (the "

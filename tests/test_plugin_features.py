@@ -114,12 +114,28 @@ class FakeCuMem:
         self.version = version
         self.tag = None
         self.allocs: list[list] = []  # [tag, tensor, backup or None, asleep]
+        #: as vLLM's: the tag's one pool record, replaced by each use_memory_pool
+        self.allocator_and_pools: dict[str, object] = {}
+        self.inside = 0
+        #: pools released inside another pool's context (PyTorch aborts the process there)
+        self.released_inside: list[str] = []
 
     def use_memory_pool(self, tag=None):
         import contextlib
 
+        allocator = self
+
+        class Pool:  # torch's MemPool: released when its last reference goes
+            def __del__(self):
+                if allocator.inside:
+                    allocator.released_inside.append(tag)
+
         @contextlib.contextmanager
         def ctx():
+            # as cumem.py: the new pool is filed inside its own context, dropping the last
+            # one filed under the tag there unless somebody else keeps it
+            self.inside += 1
+            self.allocator_and_pools[tag or "default"] = Pool()
             made = {n: getattr(torch, n) for n in ("zeros", "full", "empty")}
 
             def record(fn):
@@ -134,6 +150,7 @@ class FakeCuMem:
             try:
                 yield
             finally:
+                self.inside -= 1
                 for n, fn in made.items():
                     setattr(torch, n, fn)
 
@@ -333,8 +350,13 @@ def test_sleep_frees_the_slots_with_the_weights_and_a_wake_serves_the_stock_toke
     monkeypatch.setitem(sys.modules, "vllm.device_allocator", mod)
     arm = armed_worker(version, sleep_mode=True)
     model, stock = _Model(seed=30), _Model(seed=30)
+    with allocator.use_memory_pool(tag="weights"):  # vLLM's load files the weights' pool
+        pass
     worker = arm(model, enable_sleep_mode=True, sleep_mode_backend="cumem")
     sess = worker._expertcache_session
+    # no pool (the weights', or one the cache opened before) released inside another's
+    # context, where PyTorch aborts the process
+    assert allocator.released_inside == []
     slot_bytes = sum(b.numel() * b.element_size() for a in sess.armed
                      for b in a.cache.slots.values())
     assert allocator.bytes("weights") == slot_bytes == sess.slot_bytes > 0

@@ -40,7 +40,9 @@ before giving up slots.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 GiB = 1024**3
@@ -103,14 +105,25 @@ def sleep_pool(worker: Any) -> tuple[Any, str | None]:
     try:
         from vllm.device_allocator import get_mem_allocator_instance
 
-        use = get_mem_allocator_instance().use_memory_pool
+        allocator = get_mem_allocator_instance()
+        use = allocator.use_memory_pool
     except Exception as exc:
         return None, (f"sleep mode: vLLM's sleep-mode allocator is not reachable "
                       f"({exc.__class__.__name__}: {exc}), so sleep() would keep the slots "
                       "in VRAM; serve without --enable-sleep-mode")
+    kept: list[Any] = []
 
-    def pool() -> Any:
-        return use(tag=SLEEP_TAG)
+    @contextlib.contextmanager
+    def pool() -> Iterator[None]:
+        # Each ``use_memory_pool`` opens a new torch MemPool and files it as the tag's only
+        # record (``allocator_and_pools[tag]``), dropping the one filed before (the weights'
+        # pool from the load, or this plugin's previous one). Dropped inside the new pool's
+        # context, PyTorch releases it there and aborts the process (its caching allocator
+        # asserts that no pool is being allocated to). Every pool filed under the tag is
+        # kept alive here, as vLLM keeps its own.
+        kept.append(getattr(allocator, "allocator_and_pools", {}).get(SLEEP_TAG))
+        with use(tag=SLEEP_TAG):
+            yield
 
     return pool, None
 

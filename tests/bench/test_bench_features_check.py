@@ -226,7 +226,8 @@ class LLM:
         self.scratch = 128 * EXPERT if self.cache and os.environ.get("EXPERT_CACHE_WIDE") else 0
         self.seed = self._seed(kw["model"])
         self.slot_seed, self.garbage, self.decode_width, self.trap = self.seed, False, 0, False
-        self.kv = KV - self.slot_bytes - self.scratch  # vLLM's KV shrinks by both
+        # vLLM's KV shrinks by both, unless it is given
+        self.kv = kw.get("kv_cache_memory_bytes") or KV - self.slot_bytes - self.scratch
         self.awake = {"weights": True, "kv_cache": True}
         spec = kw.get("speculative_config") or {}
         k = int(spec.get("num_speculative_tokens", 0))
@@ -440,7 +441,8 @@ def test_every_check_runs_once_as_on_the_device_and_the_report_says_met(runner):
     assert sleep["engine"]["enable_sleep_mode"] is True
     assert sleep["env"] == {"EXPERT_CACHE_SLOTS": "32", "EXPERT_CACHE_WIDE": "staged-install"}
     slots, scratch = 32 * 8 * 9437184, 128 * 9437184
-    assert sleep["kv_bytes"] == 10 * GiB - slots - scratch  # one storage, two views
+    assert sleep["engine"]["kv_cache_memory_bytes"] == fc.KV_CACHE_BYTES
+    assert sleep["kv_bytes"] == fc.KV_CACHE_BYTES  # one storage, two views
     assert sleep["plugin"] == {"armed_layers": 8, "slot_bytes": slots, "scratch_bytes": scratch,
                                "slots": 32}
     assert set(sleep["phases"]["sleep2"]["memory"]) == {"before", "asleep", "weights", "awake"}
@@ -456,7 +458,7 @@ def test_every_check_runs_once_as_on_the_device_and_the_report_says_met(runner):
     assert "the experts changed (fingerprint 0.5 -> 1.5; 0.5 -> 1.5 by the transfer)" in text[1]
     assert "each of the 3 updates emptied the slots of 8 layers" in text[1]
     assert "slots and scratch 3.38 GiB: sleep freed 3.38 GiB beyond the floor's" in text[2]
-    assert "vLLM's KV cache 3.38 GiB smaller than the floor's (the slots counted once)" in text[2]
+    assert "the KV cache given to each engine: 4.00 / 4.00 GiB (cache / floor)" in text[2]
     assert "waking the weights alone brought back 3.38 GiB beyond the floor's" in text[3]
     assert ("the TRAP line (8 seqs: 256 ids > 32 slots, safe --max-num-seqs 1) against size "
             "(256 ids, 32 slots, safe 1): agree") in text[4]
