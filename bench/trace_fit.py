@@ -75,9 +75,11 @@ def as_served(trace: tracefile.Trace, streams: int, steps: int,
     ``request_steps`` R, each request of R steps starts the trace again (the hook's
     restart at a prefill): step ``t`` is row ``(t mod R) mod T``, and a request's first
     step, its prefill, takes ``prefill_tokens x top_k`` ids of row 0. ``decode_only``
-    leaves each request's prefill out: `plan` prices every step of its trace as decode, a
-    served run's rate is timed over its decode steps, and in place a prefill wider than
-    the slots is read through without installing, so the cache it leaves is the same."""
+    leaves each request's first step out: a served run's rate is timed over its decode
+    steps, and `plan` leaves out of its pricing only the prefills it can tell (steps wider
+    than decode: ``prefill_tokens``), so a first step written one token wide would be priced
+    as decode; in place a prefill wider than the slots is read through without installing,
+    so the cache it leaves is the same."""
     if streams <= 0 or steps <= 0 or (request_steps is not None and request_steps <= 0):
         raise ValueError(f"streams, steps and request steps must be positive, got "
                          f"{streams}, {steps}, {request_steps}")

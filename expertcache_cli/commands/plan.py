@@ -147,6 +147,13 @@ def register(app: typer.Typer) -> None:
             f"[bold]{rep.model['name'] or 'trace'}[/]: {rep.trace['steps']} steps x "
             f"{rep.trace['layers']} layers, {rep.trace['tokens']:,} tokens; one expert "
             f"{i.bytes_per_expert:,} B ({i.bytes_source})")
+        tr = rep.trace
+        if tr.get("prefill_steps"):
+            # one short line: the prefills warm the cache but are not decode's cost
+            console.print(
+                f"priced: {tr['decode_steps']:,} decode steps, {tr['decode_tokens']:,} tokens; "
+                f"{tr['prefill_steps']:,} prefill step{'s' if tr['prefill_steps'] > 1 else ''} "
+                f"({tr['prefill_tokens']:,} tokens) replayed, not priced")
         console.print(f"link {i.link_gbps:.1f} GB/s: {i.link_source}")
         console.print(f"resident {i.resident_tok_s:.1f} tok/s: {i.resident_source}")
         console.print(f"cache step {i.step_us:.2f} us a MoE layer: {i.step_source}")

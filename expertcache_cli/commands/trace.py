@@ -95,7 +95,7 @@ def import_command(
 ) -> None:
     """Convert another engine's routing recording into a trace `replay` and `plan` read."""
     from ..files import check_output
-    from ..rules.trace import npz_path, save
+    from ..rules.trace import DECODE, npz_path, save
     from ..rules.trace_import import read_route_csv, to_trace
 
     out = check_output(out if out.expanduser().is_dir() else npz_path(out), "OUT",
@@ -104,7 +104,7 @@ def import_command(
     trace = to_trace(rc, prefill=not decode_only, expert_bytes=expert_bytes, model=model,
                      source=source or f"recorded: {src.name} (route_trace v1, {rc.arch or '?'})")
     path = save(trace, out)
-    decode = int((trace.step_tokens == 1).sum())
+    decode = int((trace.step_kinds() == DECODE).sum())  # as `plan` will tell them apart
     console.print(
         f"wrote {path}: {trace.steps} steps ({decode} decode, {trace.steps - decode} prefill) x "
         f"{trace.num_layers} layers, top-{trace.top_k} of {trace.num_experts}, "

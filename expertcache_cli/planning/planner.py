@@ -8,7 +8,11 @@ link's measured rate on top of the resident decode time:
                + 1000 x misses_per_token x bytes_per_expert / (link_gbps x 1e9)
 
 ``misses`` are every expert fetched over the link (installs into slots plus the distinct
-ids of read-through steps), ``R`` the fully resident decode rate on the same GPU, and
+ids of read-through steps), counted on the decode steps only (`priced_steps`): a recorded
+request starts with its prompt's prefill, one step of many tokens, which is replayed (its
+installs are what decode then hits) but not priced, since decode tok/s is what is
+predicted and a prefill's fetches and tokens are not decode's. ``R`` is the fully
+resident decode rate on the same GPU, and
 ``step_us`` what the cache's step costs per MoE layer even when every expert hits (the
 manager and a gather with nothing to copy: `probe-link`'s ``step`` measurement; 0 when it
 was not measured, and the source says so). Without the step term the arithmetic predicted
@@ -31,10 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import UserError
 from ..rules.budget import ONLINE_POLICIES, online_names
 from ..rules.policy import Policy, Wide
-from ..rules.trace import Trace
+from ..rules.trace import DECODE, PREFILL, Trace
 from ..vllm_facts import capture
 from .rebatch import shared_note
 from .serving import Server
@@ -120,6 +126,28 @@ def _step_of(data: Any, path: str | Path) -> tuple[float, str] | None:
     return float(us), f"probe-link on {where} ({path}: the cache step, every expert a hit)"
 
 
+@dataclass(frozen=True)
+class Priced:
+    """The steps a prediction prices, and the prefills it replays but leaves out."""
+
+    steps: int  # decode steps
+    tokens: int  # their tokens (a re-batched trace: its streams', not the padding)
+    prefill_steps: int | None  # None: the trace cannot tell (every step priced as decode)
+    prefill_tokens: int = 0
+
+
+def priced_steps(trace: Trace) -> Priced:
+    """The decode steps of ``trace`` (`Trace.step_kinds`) and their tokens; every step
+    where the trace cannot tell prefill from decode, as before the kinds were known."""
+    kinds = trace.step_kinds()
+    if kinds is None or not np.any(kinds == PREFILL):
+        return Priced(trace.steps, max(1, trace.tokens), None if kinds is None else 0)
+    tokens = np.asarray(trace.step_tokens, dtype=np.int64)
+    decode = kinds == DECODE
+    return Priced(int(decode.sum()), max(1, int(tokens[decode].sum())),
+                  int((~decode).sum()), int(tokens[~decode].sum()))
+
+
 def slot_grid(num_experts: int, top_k: int, upto: int, points: int = 12) -> list[int]:
     """Budgets worth predicting: from top_k (one token's experts) up to ``upto``."""
     upto = min(upto, num_experts - 1)
@@ -200,12 +228,15 @@ def plan_trace(
     if not online:
         raise UserError("--policy: plan recommends a policy the plugin runs: "
                         f"{online_names()}")
+    # one replay of every step (prefills install what decode hits), counted by step kind
     report = replay(trace, online, budgets, wide=wide)
-    tokens = max(1, trace.tokens)
+    priced = priced_steps(trace)
+    decode = report.group(DECODE)
+    tokens = priced.tokens
     # every layer runs the cache's step once a step, and a step decodes tokens / steps
-    layer_steps = trace.num_layers * trace.steps / tokens
+    layer_steps = trace.num_layers * priced.steps / tokens
     rows = []
-    for r in report.results.itertuples():
+    for r in decode.itertuples():
         if Policy.parse(r.policy) not in online:
             continue
         mpt = r.misses / tokens
@@ -221,6 +252,9 @@ def plan_trace(
         })
     rows.sort(key=lambda r: (r["policy"], r["slots"]))
     notes = []
+    if priced.prefill_steps is None:
+        notes.append("the trace does not record its steps' tokens (step_tokens), so a prefill "
+                     "cannot be told from decode: every step is priced as decode")
     if fits_upto is None:
         notes.append("no --vram: every budget is assumed to fit; give --vram to plan for a card")
     fitting = [r for r in rows if r["fits"]]
@@ -230,7 +264,7 @@ def plan_trace(
         pol = Policy.parse(best["policy"])
         serve = serveable(server, best["slots"], trace.top_k, wide, batch)
         (split,) = recommend(trace, pol, [best["slots"]], wide=wide,
-                             floor=min(serve.floor, best["slots"]))
+                             floor=min(serve.floor, best["slots"]), decode_only=True)
         split_ms = predict_ms(split.misses / tokens, inputs, layer_steps)
         use_split = split.misses < split.uniform_misses
         served = min(split.slots) if use_split and plan_file else best["slots"]
@@ -255,7 +289,7 @@ def plan_trace(
         notes += serve.notes + ([older] if older else [])
         if not use_split:
             notes.append("the per-layer split finds nothing better than the uniform budget")
-    wide_rows = report.results["staged_steps"] + report.results["read_through_steps"]
+    wide_rows = decode["staged_steps"] + decode["read_through_steps"]
     if wide is not Wide.IN_PLACE:
         notes.append(f"wide steps are modelled {wide.value}, the path `serve --wide "
                      f"{wide.value}` runs (EXPERT_CACHE_WIDE)")
@@ -279,6 +313,8 @@ def plan_trace(
     return PlanReport(model=model, inputs=inputs, trace={
         "path": None, "steps": trace.steps, "layers": trace.num_layers,
         "tokens": trace.tokens, "num_experts": trace.num_experts, "top_k": trace.top_k,
+        "decode_steps": priced.steps, "decode_tokens": priced.tokens,
+        "prefill_steps": priced.prefill_steps, "prefill_tokens": priced.prefill_tokens,
         "source": trace.source, "wide": wide.value, "batch": batch,
         "batch_tokens": server.batch_tokens(batch) if batch else None}, rows=rows,
         recommended=recommended, notes=notes)

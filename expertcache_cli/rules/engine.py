@@ -38,12 +38,13 @@ _MAX_SLOTS = 1 << _SLOT_BITS
 
 @njit(cache=True, nogil=True)
 def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_inserts, out,
-                  per_step, wide, wide_cap):
-    """Replay one layer's ``seq[T, W]``; counters into ``out``, installs per step into
-    ``per_step`` (length T, or length 0 to skip). ``widths[t]`` is what the shape gate
-    compares at step t (`policy.gate_widths`); ``wide`` is `Wide.code` (what a step wider
-    than the slots does), ``wide_cap`` the installs such a step may make
-    (`Wide.insert_cap`, computed once outside the compiled loop)."""
+                  per_step, wide, wide_cap, groups):
+    """Replay one layer's ``seq[T, W]``; counters into ``out[G, N_COUNTERS]``, step t's into
+    its group's row ``out[groups[t]]``, installs per step into ``per_step`` (length T, or
+    length 0 to skip). ``widths[t]`` is what the shape gate compares at step t
+    (`policy.gate_widths`); ``wide`` is `Wide.code` (what a step wider than the slots
+    does), ``wide_cap`` the installs such a step may make (`Wide.insert_cap`, computed once
+    outside the compiled loop)."""
     t_steps, width = seq.shape
     table = np.full(num_experts, -1, np.int32)
     slot_expert = np.full(num_slots, -1, np.int32)
@@ -56,6 +57,7 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
     horizon = t_steps + 1
     step = 0
     for t in range(t_steps):
+        o = out[groups[t]]  # this step's counters (a view: its group's row)
         stamp = t + 1
         n = 0
         valid = 0
@@ -70,7 +72,7 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
                 n += 1
                 if policy == 2:
                     nextuse[e] = nxt[t, w]
-        out[REQUESTS] += n
+        o[REQUESTS] += n
         if policy == 2:
             # Belady's knowledge stays true on every step, read-through ones included.
             for i in range(n):
@@ -79,13 +81,13 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
                     prio[s] = nextuse[distinct[i]]
         is_wide = widths[t] > num_slots  # the shape gate: tokens x top_k > slots
         if is_wide and wide == WIDE_IN_PLACE:  # in place: read through, the cache untouched
-            out[RT_STEPS] += 1
-            out[RT_IDS] += n
+            o[RT_STEPS] += 1
+            o[RT_IDS] += n
             continue
         if is_wide:
-            out[STAGED_STEPS] += 1
+            o[STAGED_STEPS] += 1
         else:
-            out[SERVED_STEPS] += 1
+            o[SERVED_STEPS] += 1
         step += 1
         # a wide step is the manager step at the wide cap (`policy._staged`)
         cap = wide_cap if is_wide else max_inserts
@@ -110,7 +112,7 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
                 missing[m] = e
                 m += 1
         if m > cap:  # past the cap: dropped, or on a wide step fetched to scratch
-            out[STAGED_IDS if is_wide else DROPPED] += m - cap
+            o[STAGED_IDS if is_wide else DROPPED] += m - cap
             m = cap
         if policy == 1 and decay > 0 and step % decay == 0:
             for s in range(num_slots):
@@ -142,7 +144,7 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
                 j -= 1
             best_key[j] = key
         if k < m:
-            out[STAGED_IDS if is_wide else DROPPED] += m - k
+            o[STAGED_IDS if is_wide else DROPPED] += m - k
             m = k
         for i in range(m):
             s = np.int32(best_key[i] & (_MAX_SLOTS - 1))
@@ -158,7 +160,7 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
                 prio[s] = 1
             else:
                 prio[s] = nextuse[e]
-        out[INSTALLS] += m
+        o[INSTALLS] += m
         if per_step.shape[0] > 0:
             per_step[t] = m
 
@@ -206,7 +208,8 @@ def union_layer(seq, offsets, num_experts, used, out):
 
 @dataclass(frozen=True)
 class LayerCounts:
-    """Counters of one (policy, slots, layer) replay."""
+    """Counters of one (policy, slots, layer) replay: over every step, and in ``by_group``
+    the same counters (engine layout) of each step group `sweep` was given."""
 
     policy: Policy
     slots: int
@@ -219,6 +222,25 @@ class LayerCounts:
     served_steps: int
     staged_steps: int = 0
     staged_ids: int = 0
+    by_group: tuple[tuple[int, ...], ...] = ()
+
+    def group(self, g: int) -> LayerCounts:
+        """The counters of step group ``g`` alone (its steps replayed in the whole trace's
+        cache state, so a group's misses are what those steps fetched in the run)."""
+        return LayerCounts(self.policy, self.slots, self.layer, *self.by_group[g])
+
+
+def step_groups(groups: np.ndarray | None, t_steps: int) -> np.ndarray:
+    """``groups`` checked as `sweep` reads it: one label ``0..G-1`` a step (None: one group)."""
+    if groups is None:
+        return np.zeros(t_steps, np.int64)
+    out = np.ascontiguousarray(groups, dtype=np.int64)
+    if out.shape != (t_steps,):
+        raise ValueError(f"groups must label each of the {t_steps} steps, got shape "
+                         f"{out.shape}")
+    if t_steps and int(out.min()) < 0:
+        raise ValueError("groups must be labels >= 0")
+    return out
 
 
 def sweep(
@@ -231,17 +253,24 @@ def sweep(
     progress: Callable[[int, int], None] | None = None,
     widths: np.ndarray | None = None,
     wide: Wide | str = Wide.IN_PLACE,
+    groups: np.ndarray | None = None,
 ) -> list[LayerCounts]:
     """Replay every layer of ``ids[T, L, W]`` under every (policy, slots) pair.
 
     ``max_inserts`` None means uncapped (the slot count). ``widths[T, L]``: what the
     shape gate sees (`policy.gate_widths`; default: the valid ids). ``wide``: what a step
-    wider than the slots does (`policy.Wide`). Jobs run in parallel threads;
-    ``progress(done, total)`` is called as each (policy, slots, layer) job ends.
+    wider than the slots does (`policy.Wide`). ``groups[T]``: a label ``0..G-1`` for each
+    step; every counter is also kept per group (`LayerCounts.by_group`), in the same pass,
+    so a caller can count some steps (decode) in the state others (prefills) left without
+    replaying twice: the trace's step kinds (`Trace.step_kinds`), a window of steps, or
+    ``arange(T)`` for every step apart (``G x 8`` counters a job). Jobs run in parallel
+    threads; ``progress(done, total)`` is called as each (policy, slots, layer) job ends.
     """
     wide_mode = Wide.parse(wide)
     ids = np.ascontiguousarray(ids, dtype=np.int32)
     t_steps, n_layers, _ = ids.shape
+    labels = step_groups(groups, t_steps)
+    n_groups = int(labels.max()) + 1 if t_steps else 1
     if widths is None:
         widths = gate_widths(ids, num_experts)
     widths = np.ascontiguousarray(widths, dtype=np.int64)
@@ -252,7 +281,7 @@ def sweep(
     nxt_all: dict[int, np.ndarray] = {}
     empty_steps = np.empty(0, np.int64)
     no_next = np.empty((0, 0), np.int64)
-    out = np.zeros((len(jobs), N_COUNTERS), np.int64)
+    out = np.zeros((len(jobs), n_groups, N_COUNTERS), np.int64)
 
     def next_use(layer: int) -> None:
         nxt_all[layer] = _next_use_layer(np.ascontiguousarray(ids[:, layer, :]), num_experts)
@@ -264,7 +293,7 @@ def sweep(
         cap = s if max_inserts is None else max_inserts
         _replay_layer(seq, nxt, np.ascontiguousarray(widths[:, layer]), num_experts, s, int(p),
                       decay, cap, out[j], empty_steps, wide_mode.code,
-                      wide_mode.insert_cap(cap))
+                      wide_mode.insert_cap(cap), labels)
 
     # The compiled loops release the GIL, so plain threads use every core.
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
@@ -274,7 +303,10 @@ def sweep(
             if progress is not None:
                 progress(done, len(jobs))
     return [
-        LayerCounts(p, s, layer, *(int(v) for v in row)) for (p, s, layer), row in zip(jobs, out)
+        LayerCounts(p, s, layer, *(int(v) for v in parts.sum(axis=0)),
+                    by_group=tuple(tuple(int(v) for v in g) for g in parts) if groups is not None
+                    else ())
+        for (p, s, layer), parts in zip(jobs, out)
     ]
 
 
@@ -294,10 +326,10 @@ def installs_per_step(
         widths = gate_widths(seq[:, None, :], num_experts)[:, 0]
     widths = np.ascontiguousarray(widths, dtype=np.int64)
     nxt = _next_use_layer(seq, num_experts) if policy is Policy.OPT else np.empty((0, 0), np.int64)
-    out = np.zeros(N_COUNTERS, np.int64)
+    out = np.zeros((1, N_COUNTERS), np.int64)
     per_step = np.zeros(seq.shape[0], np.int64)
     cap = slots if max_inserts is None else max_inserts
     wide_mode = Wide.parse(wide)
     _replay_layer(seq, nxt, widths, num_experts, slots, int(policy), decay, cap, out, per_step,
-                  wide_mode.code, wide_mode.insert_cap(cap))
+                  wide_mode.code, wide_mode.insert_cap(cap), step_groups(None, seq.shape[0]))
     return per_step

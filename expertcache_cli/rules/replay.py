@@ -13,6 +13,11 @@ defined once:
   fetched into the scratch (their misses not installed); such steps are ``staged_steps``.
 - ``misses = installs + read_through_ids + staged_ids``: experts fetched over the link.
 
+Each count is also kept per step group, in the same pass (`ReplayReport.by_group`): by
+default the trace's step kinds (`Trace.step_kinds`: decode and prefill), so that `plan`
+prices the decode steps' fetches in the cache state the prefills left, without a second
+replay; a caller may label the steps otherwise (a window, or every step apart).
+
 The shape gate is the plugin's own (`policy.gate_widths`: a recorded trace's tokens x
 top_k as vLLM ran each step, padding rows included), so a trace recorded from a server
 replays to its live counters: the server's ``installs`` equal ``installs`` here, and its
@@ -31,7 +36,7 @@ from numba import njit
 
 from . import engine
 from .policy import Policy, Wide
-from .trace import Trace
+from .trace import DECODE, Trace
 
 COUNT_FIELDS = [
     "installs",
@@ -53,6 +58,22 @@ class ReplayReport:
     per_layer: pd.DataFrame  # one row per (policy, slots, layer)
     reuse: dict[str, float] = field(default_factory=dict)
     split: pd.DataFrame | None = None
+    #: one row per (policy, slots, group): the counts, misses and miss rate of each step
+    #: group (`replay`'s ``groups``; default the trace's step kinds, `trace.DECODE` and
+    #: `trace.PREFILL`; a trace that cannot tell them apart is all `DECODE`)
+    by_group: pd.DataFrame | None = None
+
+    def group(self, label: int) -> pd.DataFrame:
+        """``by_group``'s rows of one group, one per (policy, slots), in `results`' order
+        (zero counts where no step of that group exists)."""
+        if self.by_group is None:
+            raise ValueError("this report was built without step groups")
+        key = ["policy", "slots"]
+        rows = self.by_group[self.by_group["group"] == label].drop(columns="group")
+        out = self.results[key].merge(rows, on=key, how="left")
+        out[COUNT_FIELDS + ["misses"]] = out[COUNT_FIELDS + ["misses"]].fillna(0).astype(int)
+        out["miss_rate"] = out["misses"] / out["requests"].where(out["requests"] > 0, 1)
+        return out
 
 
 def _derive(df: pd.DataFrame, tokens: int, expert_bytes: int | None, link_gbps: float | None):
@@ -78,14 +99,20 @@ def replay(
     link_gbps: float | None = None,
     progress: Callable[[int, int], None] | None = None,
     wide: Wide | str = Wide.IN_PLACE,
+    groups: np.ndarray | None = None,
 ) -> ReplayReport:
     """Replay ``trace`` under every (policy, slots); LRU and OPT are added for the ratios.
-    ``wide``: what a step wider than the slots does (the plugin's default: in place)."""
+    ``wide``: what a step wider than the slots does (the plugin's default: in place).
+    ``groups[T]``: a label 0..G-1 a step, counted apart in ``by_group`` (default: the
+    trace's step kinds, `Trace.step_kinds`)."""
     wanted = list(dict.fromkeys(policies))
     run = list(dict.fromkeys([*wanted, Policy.LRU, Policy.OPT]))
+    if groups is None:
+        kinds = trace.step_kinds()
+        groups = kinds if kinds is not None else np.full(trace.steps, DECODE, np.int64)
     counts = engine.sweep(
         trace.topk_ids, trace.num_experts, run, slots, decay, max_inserts, progress=progress,
-        widths=trace.gate_widths(), wide=wide,
+        widths=trace.gate_widths(), wide=wide, groups=groups,
     )
     layer_names = trace.layer_names()
     rows = [
@@ -112,7 +139,23 @@ def replay(
     names = [p.name.lower() for p in wanted]
     totals = totals[totals["policy"].isin(names)].reset_index(drop=True)
     per_layer = per_layer[per_layer["policy"].isin(names)].reset_index(drop=True)
-    return ReplayReport(results=totals, per_layer=per_layer, reuse=reuse_percentiles(trace))
+    return ReplayReport(results=totals, per_layer=per_layer, reuse=reuse_percentiles(trace),
+                        by_group=_group_totals(counts, names))
+
+
+def _group_totals(counts: list[engine.LayerCounts], names: list[str]) -> pd.DataFrame:
+    """Per (policy, slots, group) sums over the layers of each step group's counters."""
+    rows = [
+        {"policy": c.policy.name.lower(), "slots": c.slots, "group": g,
+         **{f: getattr(c.group(g), f) for f in COUNT_FIELDS}}
+        for c in counts if c.policy.name.lower() in names
+        for g in range(len(c.by_group))
+    ]
+    df = pd.DataFrame(rows, columns=["policy", "slots", "group", *COUNT_FIELDS])
+    df = df.groupby(["policy", "slots", "group"], sort=False)[COUNT_FIELDS].sum().reset_index()
+    df["misses"] = df["installs"] + df["read_through_ids"] + df["staged_ids"]
+    df["miss_rate"] = df["misses"] / df["requests"].where(df["requests"] > 0, 1)
+    return df
 
 
 @njit(cache=True)

@@ -15,7 +15,7 @@ import numpy as np
 from . import engine
 from .budget import ONLINE_POLICIES
 from .policy import Policy, Wide
-from .trace import Trace
+from .trace import DECODE, Trace
 
 
 @dataclass
@@ -53,13 +53,18 @@ def slot_grid(num_experts: int, extra: list[int], floor: int = 0) -> list[int]:
 
 
 def miss_curves(trace: Trace, policy: Policy, grid: list[int], decay: int = 0,
-                wide: Wide | str = Wide.IN_PLACE) -> np.ndarray:
-    """``curves[layer, i]`` = host fetches of that layer at ``grid[i]`` slots."""
+                wide: Wide | str = Wide.IN_PLACE, decode_only: bool = False) -> np.ndarray:
+    """``curves[layer, i]`` = host fetches of that layer at ``grid[i]`` slots.
+    ``decode_only``: the decode steps' fetches (`Trace.step_kinds`), every step replayed
+    for the cache state, as `plan` prices them; every step where the trace cannot tell."""
+    kinds = trace.step_kinds() if decode_only else None
     counts = engine.sweep(trace.topk_ids, trace.num_experts, [policy], grid, decay,
-                          widths=trace.gate_widths(), wide=wide)
+                          widths=trace.gate_widths(), wide=wide, groups=kinds)
     curves = np.zeros((trace.num_layers, len(grid)), np.int64)
     col = {s: i for i, s in enumerate(grid)}
     for c in counts:
+        if kinds is not None:
+            c = c.group(DECODE)
         curves[c.layer, col[c.slots]] = c.installs + c.read_through_ids + c.staged_ids
     return curves
 
@@ -106,12 +111,13 @@ def split_policy(policies: list[Policy]) -> Policy:
 
 def recommend(
     trace: Trace, policy: Policy, uniform_slots: list[int], decay: int = 0,
-    wide: Wide | str = Wide.IN_PLACE, floor: int = 0,
+    wide: Wide | str = Wide.IN_PLACE, floor: int = 0, decode_only: bool = False,
 ) -> list[Split]:
     """For each uniform size, the best split of the same total (``size x layers``), with
-    no layer below ``floor`` slots (each uniform size must be at least that)."""
+    no layer below ``floor`` slots (each uniform size must be at least that).
+    ``decode_only``: minimise the decode steps' misses (`miss_curves`), as `plan` prices."""
     if floor and min(uniform_slots) < floor:
         raise ValueError(f"a uniform budget below the floor of {floor} slots")
     grid = slot_grid(trace.num_experts, uniform_slots, floor)
-    curves = miss_curves(trace, policy, grid, decay, wide)
+    curves = miss_curves(trace, policy, grid, decay, wide, decode_only)
     return [best_split(curves, grid, s * trace.num_layers, s) for s in uniform_slots]

@@ -22,6 +22,10 @@ class TraceError(UserError):
     """The file is not a usable routing trace."""
 
 
+#: the step kinds `Trace.step_kinds` labels each step with (`engine.sweep`'s groups)
+DECODE, PREFILL = 0, 1
+
+
 @dataclass
 class Trace:
     """Routing ids ``topk_ids[T, L, W]`` (-1 = padding) and what is known about them."""
@@ -64,6 +68,27 @@ class Trace:
             return int(np.sum(self.step_tokens))
         valid = int(np.count_nonzero(self.topk_ids[:, 0, :] >= 0))
         return max(1, valid // max(1, self.top_k))
+
+    def step_kinds(self) -> np.ndarray | None:
+        """``[T]``: `DECODE` or `PREFILL` for each step; None where the trace cannot tell.
+
+        The one place a step is called a prefill. Why it matters: a recording starts each
+        request with its prompt's prefill, one step of many tokens, whose fetches warm the
+        cache for decode but are not decode's cost, so `plan` prices decode steps only. A
+        decode step carries one token a stream; a step of more tokens than the trace's
+        decode batch is a prefill (a prompt, a chunk of one, or a server's warm-up
+        forward). The decode batch is the width most steps run at (the commonest
+        ``step_tokens``, the narrowest on a tie): a recording's steps are mostly decode,
+        and a synthetic or re-batched trace runs every step at its streams. Only
+        ``step_tokens`` says how many tokens a step ran (a recorded prefill's row holds its
+        distinct experts), so a trace without it cannot tell.
+        """
+        if self.step_tokens is None:
+            return None
+        tokens = np.asarray(self.step_tokens, dtype=np.int64)
+        widths, counts = np.unique(tokens, return_counts=True)
+        batch = int(widths[np.argmax(counts)])  # unique sorts: a tie goes to the narrowest
+        return np.where(tokens > batch, PREFILL, DECODE).astype(np.int64)
 
     def layer_names(self) -> list[int]:
         if self.layers is not None:

@@ -95,8 +95,9 @@ def _served(tmp_path: Path, runs: int, tokens: int, layers: int = 4) -> Path:
 
 
 def test_a_served_trace_is_also_predicted_over_the_steps_the_runs_timed(tmp_path):
-    """plan's formula over the timed steps: the misses of those steps only (the replay's
-    prefixes), the cache state carried in from the warm-up and the prefills."""
+    """plan's formula over the timed steps: the misses of those steps only (checked here
+    against the replay's prefixes), the cache state carried in from the warm-up and the
+    prefills."""
     import dataclasses
 
     from expertcache_cli.planning import planner
@@ -128,7 +129,8 @@ def test_a_served_trace_is_also_predicted_over_the_steps_the_runs_timed(tmp_path
     want = 1000 / planner.predict_ms(missed / 118, inputs, 4.0)
     assert abs(pred - want) < 1e-6
     assert abs(hit - (1 - missed / (118 * 4 * 6))) < 1e-9
-    # the prefills' read-through and the cold warm-up are not in the timed steps
+    # plan leaves the prefills out too, but prices the cold warm-up request's decode steps
+    assert plan["trace"]["prefill_steps"] == 3 and plan["trace"]["decode_steps"] == 177
     assert pred > row["predicted_tok_s"]
 
 
