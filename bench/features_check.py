@@ -27,6 +27,14 @@ serving the bench checkpoint with every expert offloaded (``cpu_offload_gb``,
   the TRAP line and ``expertcache size`` (same slots and flags) agree, the tokens equal the
   floor's at both, no decode-width step read through at the safe value, and n-gram drafted.
 
+Before each pair, a warm-up arm (``CHECK_floor_warm``, ``spec_floor_warmabove``,
+``spec_floor_warmsafe``: the engine of the pair's configuration started once, one short
+generation, no verdict) compiles the model, so that the floor and the cache both load the
+same compiled artifacts. vLLM's first start of a configuration compiles it and later starts
+load what it compiled, and the two are not the same computation: on the H200 a floor
+started cold parted from a floor started warm at a near-tie within 64 tokens, while the
+warm floor and the cache agreed on every token of every stage.
+
 Each arm runs in its own process group (a fresh engine; the plugin reads its environment
 once a process), in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the plugin's
 counters, slot bytes and vLLM's KV tensors are read directly. The arm writes ``OUT/NAME.json``
@@ -440,6 +448,16 @@ def run_sleep(llm, a, rec: dict, save: Callable[[], None]) -> None:
     save()
 
 
+def is_warmup(variant: str | None) -> bool:
+    """A warm-up arm: it only starts the engine (compiling the model) and generates once."""
+    return bool(variant) and variant.startswith("warm")
+
+
+def run_warmup(llm, a, rec: dict, save: Callable[[], None]) -> None:
+    rec["phases"]["warmup"] = {"outputs": generate(llm, PROMPTS[:1], 4, logprobs=False)}
+    save()
+
+
 def run_spec(llm, a, rec: dict, save: Callable[[], None]) -> None:
     before = counters()
     outs = generate(llm, SPEC_PROMPTS, a.tokens, logprobs=False)
@@ -491,7 +509,9 @@ def child_main(a) -> int:
         rec["plugin"] = plugin_facts()
         rec["kv_bytes"], rec["kv_bytes_error"] = _rpc(llm, _kv_bytes)
         save()
-        {"update": run_update, "sleep": run_sleep, "spec": run_spec}[check](llm, a, rec, save)
+        run = run_warmup if is_warmup(variant) else {
+            "update": run_update, "sleep": run_sleep, "spec": run_spec}[check]
+        run(llm, a, rec, save)
         rec["complete"] = True
         code = 0
     except Exception as exc:
@@ -585,11 +605,12 @@ def run_arm(a) -> int:
     """The driver's side of one arm: its process group, its time limit, its log read."""
     from expertcache_cli.baseline import groups
 
-    check, role, _ = parse_name(a.name)
+    check, role, variant = parse_name(a.name)
     if not Path(a.model, "config.json").is_file():
         raise Refused(f"--model {a.model}: no config.json there (bench/write_checkpoint.py "
                       "writes the checkpoint)")
-    if check == "update" and not (a.model_b and Path(a.model_b, "config.json").is_file()):
+    if (check == "update" and not is_warmup(variant)
+            and not (a.model_b and Path(a.model_b, "config.json").is_file())):
         raise Refused("--model-b: the update check needs a second checkpoint directory")
     if check == "spec" and a.max_num_seqs is None:
         raise Refused("--max-num-seqs: the spec arms need it (8, or `features_check.py safe "

@@ -31,7 +31,11 @@
 #   spec    `expertcache size` for 32 slots and the spec flags, then cache and floor at
 #           --max-num-seqs 8, then at the safe value the cache's TRAP line names (5)
 #   report  bench/features_check.py report: one line a check, to $OUT/features.txt
-# About 12 device minutes in all (20 at the slow end of the starts); one detached job:
+# Each pair runs after a warm-up start of its configuration (CHECK_floor_warm*): vLLM's
+# first start of a configuration compiles the model and later ones load it, and a cold
+# start and a warm one part at near-ties, so both arms compared must be warm (~1 min each).
+# About 17 device minutes in all (twelve starts of ~35-80 s, each arm's stages ~30-50 s),
+# plus the bundle's install; one detached job:
 #   bash bench/detach.sh features env OUT=/tmp/ofe bash bench/run_features_on_device.sh
 #   RESULTS=/tmp/ofe bash bench/detach.sh --poll features 540      (2-3 polls)
 # PY, FE (arm records: /tmp/fe), MODEL_DIR (checkpoints: /tmp), LAYERS (8), SLOTS (32),
@@ -80,9 +84,12 @@ for step in $STEPS; do
       done
       df -h "$MD" | tail -1 ;;
     update)
+      # a warm-up start first: the pair compared must load one compiled model
+      arm update_floor_warm "${ARM[@]}"
       arm update_floor "${ARM[@]}" --model-b "$MB"
       arm update_cache "${ARM[@]}" --model-b "$MB" ;;
     sleep)
+      arm sleep_floor_warm "${ARM[@]}"
       arm sleep_floor "${ARM[@]}"
       # staged wide steps: the scratch sleeps and wakes with the slots, so it is checked too
       arm sleep_cache "${ARM[@]}" --env EXPERT_CACHE_WIDE=staged-install ;;
@@ -91,9 +98,11 @@ for step in $STEPS; do
         --model "$MA" --slots "$SLOTS" --max-num-seqs "$ABOVE"
       cp "$FE"/size_spec.* "$OUT/" 2>/dev/null
       # the cache first: its startup TRAP line names the safe value the next pair runs at
+      arm spec_floor_warmabove "${ARM[@]}" --max-num-seqs "$ABOVE"
       arm spec_cache_above "${ARM[@]}" --max-num-seqs "$ABOVE"
       arm spec_floor_above "${ARM[@]}" --max-num-seqs "$ABOVE"
       if SAFE=$($PY bench/features_check.py safe "$FE"); then
+        arm spec_floor_warmsafe "${ARM[@]}" --max-num-seqs "$SAFE"
         arm spec_cache_safe "${ARM[@]}" --max-num-seqs "$SAFE"
         arm spec_floor_safe "${ARM[@]}" --max-num-seqs "$SAFE"
       else

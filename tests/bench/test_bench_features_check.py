@@ -408,9 +408,14 @@ def test_every_check_runs_once_as_on_the_device_and_the_report_says_met(runner):
     writes = [c for c in calls if c.startswith("bench/write_checkpoint.py")]
     assert writes == [f"bench/write_checkpoint.py {models / 'fe8a'} --layers 8 --seed 0",
                       f"bench/write_checkpoint.py {models / 'fe8b'} --layers 8 --seed 1"]
-    assert _arms(calls) == ["update_floor", "update_cache", "sleep_floor", "sleep_cache",
-                            "spec_cache_above", "spec_floor_above", "spec_cache_safe",
-                            "spec_floor_safe"]
+    # each pair after a warm-up start of its configuration (one compiled model for both)
+    assert _arms(calls) == ["update_floor_warm", "update_floor", "update_cache",
+                            "sleep_floor_warm", "sleep_floor", "sleep_cache",
+                            "spec_floor_warmabove", "spec_cache_above", "spec_floor_above",
+                            "spec_floor_warmsafe", "spec_cache_safe", "spec_floor_safe"]
+    warm = _rec(tmp, "spec_floor_warmsafe")
+    assert warm["status"] == "ok" and list(warm["phases"]) == ["warmup"]
+    assert warm["engine"]["max_num_seqs"] == 1
     update = next(c for c in calls if c.startswith("bench/features_check.py update_cache"))
     assert f"--model {models / 'fe8a'}" in update and f"--model-b {models / 'fe8b'}" in update
     # the safe pair runs at the value the cache's TRAP line named (1 at 32 slots, k=3)
