@@ -23,6 +23,19 @@ serve` for the resident ceiling). Per arm, in one server:
 
 Everything lands in ``OUT/NAME.json`` (and the server log in ``OUT/NAME.log``) as soon as
 the arm ends, failed or not.
+
+``--warm-only``: a warm-up arm. The server starts, answers one short greedy request (a
+few tokens, so that the first step's kernels have run) and stops; its record says
+``"warm_only": true`` and has no greedy tokens, so the greedy comparisons and the reports
+pass over it. The runners that compare greedy tokens across servers (the floor,
+``EXPERT_CACHE_DISABLE=1``, against the cache) run one with the floor's command and
+environment before the pair: vLLM's first start of a configuration compiles the model
+(torch.compile with Inductor, which picks some kernel configurations by timing them) and
+later starts load what it compiled, and a start that compiled is not the same computation
+as one that loaded: on the H200 a cold-compiled server parted from warm ones at near-ties
+within 64 tokens, and two cold compiles part from each other, while two warm servers, the
+floor and the cache, agreed on every token. So neither server compared may be the
+configuration's first start.
 """
 
 from __future__ import annotations
@@ -237,12 +250,12 @@ def parse_arm_argv(ap: argparse.ArgumentParser,
 
 
 def serve_arm(a: argparse.Namespace, measure: Measure,
-              failures: tuple[type[BaseException], ...]) -> dict:
+              failures: tuple[type[BaseException], ...], fields: dict | None = None) -> dict:
     """One arm's server, start to stop, for every bench of this shape: start ``a.argv``
     (``{port}`` filled in) with ``a.env``, and once healthy call ``measure(server, log,
-    rec, save)`` to fill ``rec`` (``save`` writes it so far). A failure of the kinds in
-    ``failures`` is recorded, not raised; the server is always stopped, its log read,
-    and ``OUT/NAME.json`` written."""
+    rec, save)`` to fill ``rec`` (``save`` writes it so far; ``fields`` are in it from the
+    start, a failed arm's too). A failure of the kinds in ``failures`` is recorded, not
+    raised; the server is always stopped, its log read, and ``OUT/NAME.json`` written."""
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -250,7 +263,8 @@ def serve_arm(a: argparse.Namespace, measure: Measure,
     env = server_env({k: v for k, v in (e.split("=", 1) for e in a.env)})
     log = out_dir / f"{a.name}.log"
     log.unlink(missing_ok=True)
-    rec: dict = {"arm": a.name, "argv": argv, "env": a.env, "status": "started"}
+    rec: dict = {"arm": a.name, "argv": argv, "env": a.env, "status": "started",
+                 **(fields or {})}
     server = Server(argv=argv, env=env, log_path=log, host="127.0.0.1", port=port)
     t0 = time.time()
 
@@ -276,7 +290,24 @@ def serve_arm(a: argparse.Namespace, measure: Measure,
     return rec
 
 
+#: a warm-up arm's one request: enough tokens that a decode step has run after the prefill
+WARM_TOKENS = 4
+
+
+def warm_arm(a: argparse.Namespace) -> dict:
+    """``--warm-only``: start, one short greedy request, stop (the module's docstring says
+    why). The record is marked ``warm_only`` and holds no greedy tokens."""
+    def measure(server: Server, log: Path, rec: dict, save: Callable[[], None]) -> None:
+        run = measure_run(server.base_url, server.model_id or "model", PROMPT, WARM_TOKENS)
+        rec["warm_tokens"] = run.tokens
+
+    return serve_arm(a, measure, (ServerFailed, RequestFailed, OSError), {"warm_only": True})
+
+
 def run_arm(a: argparse.Namespace) -> dict:
+    if getattr(a, "warm_only", False):
+        return warm_arm(a)
+
     def measure(server: Server, log: Path, rec: dict, save: Callable[[], None]) -> None:
         mid = server.model_id or "model"
         measure_run(server.base_url, mid, PROMPT, a.max_tokens)  # warm-up, discarded
@@ -357,6 +388,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--greedy-tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=0)
+    ap.add_argument("--warm-only", action="store_true",
+                    help="a warm-up arm: start, one short greedy request, stop (no "
+                         "measurements, no greedy tokens)")
     ap.add_argument("--profile", default=None,
                     help="trace directory: profile one request's decode steps (the server "
                          "must carry `profiler_args(DIR)`; `--print-profiler-config DIR`)")
@@ -365,6 +399,8 @@ def main() -> int:
         return 0
     rec = run_arm(parse_arm_argv(ap))
     brief = {k: rec.get(k) for k in ("arm", "status", "start_s", "tok_s", "error")}
+    if rec.get("warm_only"):
+        brief["warm_only"] = True
     lg = rec.get("log") or {}
     brief.update({k: lg.get(k) for k in ("kv_gib", "slots", "armed_layers", "memory_line",
                                          "final", "trap")})

@@ -105,3 +105,71 @@ def test_read_log_keeps_the_slot_audit_and_whether_vllm_compiled(tmp_path):
                    "for compile range (1, 4096) from the cache, took 2.545 s\n")
     got = small_card.read_log(log)
     assert got["compile"] == "warm" and "audit_line" not in got
+
+
+class _Server:
+    """A server that starts at once and writes a log line; what `serve_arm` drives."""
+
+    def __init__(self, argv, env, log_path, host, port):
+        self.argv, self.log_path = argv, log_path
+        self.base_url, self.model_id = f"http://{host}:{port}", "m"
+        self.stopped = False
+
+    def start(self):
+        self.log_path.write_text("(EngineCore) INFO Directly load the compiled graph(s) for "
+                                 "compile range (1, 2048) from the cache, took 2.5 s\n")
+
+    def wait_healthy(self, timeout_s):
+        return 1.5
+
+    def stop(self, grace_s):
+        self.stopped = True
+
+
+def test_warm_only_starts_sends_one_short_greedy_request_and_records_no_tokens(
+        tmp_path, monkeypatch, capsys):
+    """`--warm-only`: one short request (its first steps' kernels run), no measured runs
+    and no greedy tokens; the record says it was a warm-up, and the greedy report passes
+    over it."""
+    sent = []
+
+    def measure_run(base_url, model_id, prompt, max_tokens, *rest):
+        sent.append(max_tokens)
+        return type("Run", (), {"tokens": max_tokens, "tok_s": 1.0})()
+
+    def no_greedy(*args):
+        raise AssertionError("a warm-up asks for no greedy tokens")
+
+    monkeypatch.setattr(small_card, "Server", _Server)
+    monkeypatch.setattr(small_card, "free_port", lambda: 8123)
+    monkeypatch.setattr(small_card, "smi_memory", lambda: None)
+    monkeypatch.setattr(small_card, "measure_run", measure_run)
+    monkeypatch.setattr(small_card, "greedy_ids", no_greedy)
+    monkeypatch.setattr(small_card, "counters_now", no_greedy)
+    monkeypatch.setattr(sys, "argv", [
+        "small_card.py", "w-warm", "--out", str(tmp_path), "--runs", "5", "--warm-only",
+        "--env", "EXPERT_CACHE_DISABLE=1", "--", "vllm", "serve", "/m", "--port", "{port}"])
+    assert small_card.main() == 0
+    assert sent == [small_card.WARM_TOKENS] and small_card.WARM_TOKENS <= 8
+    rec = json.loads((tmp_path / "w-warm.json").read_text())
+    assert rec["status"] == "ok" and rec["warm_only"] is True
+    assert rec["argv"] == ["vllm", "serve", "/m", "--port", "8123"]
+    assert rec["env"] == ["EXPERT_CACHE_DISABLE=1"]
+    assert not {"greedy", "greedy_again", "tok_s"} & set(rec)
+    assert rec["log"]["compile"] == "warm"
+    assert json.loads(capsys.readouterr().out)["warm_only"] is True
+    assert small_card.greedy_report([tmp_path / "w-warm.json"]) == []
+
+
+def test_a_failed_warm_up_is_still_marked_a_warm_up(tmp_path, monkeypatch):
+    class Dies(_Server):
+        def wait_healthy(self, timeout_s):
+            raise small_card.ServerFailed("start", "exited with 1")
+
+    monkeypatch.setattr(small_card, "Server", Dies)
+    monkeypatch.setattr(small_card, "free_port", lambda: 8123)
+    monkeypatch.setattr(sys, "argv", ["small_card.py", "w-warm", "--out", str(tmp_path),
+                                      "--warm-only", "--", "vllm", "serve", "/m"])
+    assert small_card.main() == 1
+    rec = json.loads((tmp_path / "w-warm.json").read_text())
+    assert rec["status"] == "failed" and rec["warm_only"] is True
