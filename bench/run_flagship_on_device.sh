@@ -35,14 +35,18 @@
 #             kernel the cache serves from, so plan's resident rate is that kernel's) (3.5)
 #   card24    ballast leaves 24 GiB; `size --vram 24`; `plan TRACE --model M --vram 24
 #             --probe --resident-tok-s R --save plan24.json`; then the serve command plan
-#             recommends, as printed, twice: floor (EXPERT_CACHE_DISABLE=1: the same vLLM
-#             flags, the cache off; ~21 tok/s, 4.7) and cache (EXPERT_CACHE_STATS=400 for
-#             its installs; 4) (9.5)
-#   card32    the same on 32 GiB (9)
+#             recommends, as printed, three times: a warm-up (bench/small_card.py
+#             --warm-only with the floor's environment: vLLM's first start of a
+#             configuration compiles the model and parts from later starts at near-ties, so
+#             the two servers compared both load what it compiled; one start more, ~2.5),
+#             floor (EXPERT_CACHE_DISABLE=1: the same vLLM flags, the cache off; ~21 tok/s,
+#             4.7) and cache (EXPERT_CACHE_STATS=400 for its installs; 4) (12)
+#   card32    the same on 32 GiB (11.5)
 #   report    bench/flagship_report.py: the table and the goals, to $OUT/flagship.txt
-# Every step: about 24 device minutes in all; one detached job, polled every 9 minutes:
+# Every step: about 29 device minutes in all, more than a session leaves after the bundle:
+# split it (below). One detached job, polled every 9 minutes:
 #   bash bench/detach.sh flagship env OUT=/tmp/ofs bash bench/run_flagship_on_device.sh
-#   RESULTS=/tmp/ofs bash bench/detach.sh --poll flagship 540     (3 polls)
+#   RESULTS=/tmp/ofs bash bench/detach.sh --poll flagship 540     (3-4 polls)
 # Split over two sessions (the box keeps nothing between them, so each needs its resident
 # rate): STEPS="setup model probe resident card24 report", then the same with card32.
 # PY, FS (records, model, plans: /tmp/fs), TRACE and RUNS (5 measured runs of 200 tokens
@@ -141,6 +145,9 @@ for step in $STEPS; do
         SERVE=("$PY" -m expertcache_cli serve "$MODEL" --vram "$GIB" -- "${USER_FLAGS[@]}"
                "${BENCH_FLAGS[@]}" "${SERVER_FLAGS[@]}")
       fi
+      # the floor's start once first: a configuration's first start compiles the model and
+      # parts from warm ones at near-ties, so neither compared server may be it
+      arm "warm$GIB" --warm-only --env EXPERT_CACHE_DISABLE=1 -- "${SERVE[@]}"
       arm "floor$GIB" --env EXPERT_CACHE_DISABLE=1 -- "${SERVE[@]}"
       arm "cache$GIB" --env EXPERT_CACHE_STATS=400 -- "${SERVE[@]}"
       ballast stop ;;

@@ -9,6 +9,10 @@
 # Formats: w8a8, fp8-block (Triton), and the 4-bit ones on vLLM's Marlin experts (issue
 # 29): gptq, gptq-act (act order: vLLM 0.26 only), awq, w4a16 (compressed-tensors), nvfp4,
 # mxfp4 (gpt-oss, offloaded with --moe-backend marlin).
+#   warm      the floor's command and environment, started once (bench/small_card.py
+#             --warm-only: one 4-token request): vLLM's first start of a configuration
+#             compiles the model and parts from later starts at near-ties, so the floor and
+#             the cache both load what it compiled; run while floor, cache or trial are owed
 #   floor     experts offloaded, EXPERT_CACHE_DISABLE=1: the floor and the reference tokens
 #   cache     SLOTS slots (default 32 of 128; 16 where a layer has 32 experts) (the missing
 #             arm): the startup line
@@ -50,9 +54,9 @@
 # Re-entrant (an arm whose JSON says ok is not run again); split by FORMATS across calls:
 #   FORMATS="w8a8 fp8-block" bash bench/run_formats_on_device.sh
 # Minutes a format on an H200 at 24 layers: each checkpoint 0.3 (mxfp4's 41 GB: 0.7),
-# size and probe 1.5, a server 1.0-2.7 to start and 0.2-0.8 to serve
-# its runs, plan 0.1: ~10.5 with all four arms (mxfp4 ~12; a declined one ~6: no all-hit
-# pair).
+# size and probe 1.5, a server 1.0-2.7 to start (the first start of a configuration, which
+# compiles, the longest; a warm one 1-1.5) and 0.2-0.8 to serve its runs, plan 0.1: ~12 with
+# the warm-up and all four arms (mxfp4 ~13.5; a declined one ~7.5: no all-hit pair).
 # Issue 29's table (the 4-bit formats on Marlin), two formats a run, detached (a server
 # start can outlast a caller's time limit; bench/detach.sh polls it); bench/PLAN-4bit.md
 # has the runs in order with the minutes each step is expected to take:
@@ -77,9 +81,10 @@ device_vllm_setup || { echo "setup failed"; exit 1; }
 
 # ARMS="resident hot" runs only those arms of each format (the others count as done): the
 # all-hit pair again, say, without the floor and cache servers and their checkpoint
-# (the variants and the second resident are asked for by their own variables)
+# (the variants and the second resident are asked for by their own variables, the warm-up
+# by the floor, cache or trial arm it runs for)
 want_arm() {
-  case ${1##*-} in hot_*|resident2) return 0 ;; esac
+  case ${1##*-} in hot_*|resident2|warm) return 0 ;; esac
   [ -z "${ARMS:-}" ] || [[ " $ARMS " == *" ${1##*-} "* ]]
 }
 done_arm() { ! want_arm "$1" || { [ -f "$FM/$1.json" ] && grep -q '"status": "ok"' "$FM/$1.json"; }; }
@@ -163,8 +168,11 @@ for fmt in ${FORMATS:-w8a8 fp8-block gptq gptq-act awq w4a16 nvfp4 mxfp4}; do
   [ "${RESIDENT_AGAIN:-0}" = 1 ] && pair+=("$fmt-resident2")
   trial_fmt=0
   [[ " ${TRIAL_FORMATS:-} " == *" $fmt "* ]] && trial_fmt=1
+  # an arm on this format's checkpoint still to run: floor, cache or the trial
+  owed=0
   if ! done_arm "$fmt-floor" || ! done_arm "$fmt-cache" || \
-     { [ $trial_fmt = 1 ] && ! done_arm "$fmt-trial"; }; then
+     { [ $trial_fmt = 1 ] && ! done_arm "$fmt-trial"; }; then owed=1; fi
+  if [ $owed = 1 ]; then
     ckpt "$M" 0
     $PY -m expertcache_cli size --model "$M" --vram 141 --json > "$FM/$fmt-size.json" 2>&1
     # the gather rate at this format's expert slabs (4-bit experts are a quarter of int8's)
@@ -175,6 +183,12 @@ for fmt in ${FORMATS:-w8a8 fp8-block gptq gptq-act awq w4a16 nvfp4 mxfp4}; do
   stats=(--env EXPERT_CACHE_STATS=400)
   trial=(--env "EC_BENCH_TRY_KERNELS=${TRIAL_KERNELS:-BatchedMarlinExperts}"
          --env "PYTHONPATH=$PWD/bench/kernel_trial:${PYTHONPATH:-}")
+  # the floor's start once before the compared arms: the first start of a configuration
+  # compiles the model and parts from warm ones at near-ties, so none of them may be it
+  if [ $owed = 1 ]; then
+    run_arm "$fmt-warm" --warm-only --env EXPERT_CACHE_DISABLE=1 "${route[@]}" \
+      -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots "$S" -- "${COMMON[@]}"
+  fi
   run_arm "$fmt-floor" --env EXPERT_CACHE_DISABLE=1 "${route[@]}" \
     -- "$PY" -m expertcache_cli serve "$M" --vram 141 --slots "$S" -- "${COMMON[@]}"
   run_arm "$fmt-cache" "${stats[@]}" "${route[@]}" \

@@ -20,6 +20,10 @@
 # routing: the earlier table's). The report prints the routing source and the width.
 #
 # The servers, as a user types them (bench/run_first_start_on_device.sh's way):
+#   warm      the floor's command and environment, started once before floor and cache
+#             (bench/small_card.py --warm-only: one 4-token request): vLLM's first start of
+#             a configuration compiles the model and parts from later starts at near-ties,
+#             so the two servers compared both load what it compiled
 #   floor     `expertcache serve MODEL --vram N -- --max-model-len 8192` with
 #             EXPERT_CACHE_DISABLE=1: the same command, the cache off (FLOOR_RUNS, default 3)
 #   cache     the same command (serve plans the slots and the batch), EXPERT_CACHE_STATS=480
@@ -36,11 +40,13 @@
 #             (~0.7), the trace fitted to 48 layers
 #   resident  every expert in VRAM (a 48-layer W8A8 first start 3.5-4.5, runs <0.5)
 #   card24    ballast leaves 24 GiB; `size --json` and `serve --dry-run` (what serve plans),
-#             then floor and cache (a start 3-4.5 each; the floor's runs ~1) (8-10)
-#   card16    the same on 16 GiB (8-10)
+#             then the warm-up, floor and cache (the warm-up's start compiles, 3-4.5; the
+#             floor's and the cache's load the compiled model, ~2 each; the floor's runs ~1)
+#             (10-12)
+#   card16    the same on 16 GiB (10-12)
 #   report    bench/headline_report.py: the table, the routing, the greedy tokens, to
 #             $OUT/headline.md
-# ~20-26 device minutes in all: one detached job, polled every 9 minutes:
+# ~24-30 device minutes in all: one detached job, polled every 9 minutes (or split, below):
 #   bash bench/detach.sh headline env OUT=/tmp/ohl bash bench/run_headline_on_device.sh
 #   RESULTS=/tmp/ohl bash bench/detach.sh --poll headline 540
 # Split over two sessions (the box keeps nothing between them): STEPS="setup model resident
@@ -152,6 +158,9 @@ for step in $STEPS; do
       cp "$HL/serve$GIB.txt" "$OUT/"; cat "$HL/serve$GIB.txt"
       SERVE=("$PY" -m expertcache_cli serve "$MODEL" --vram "$GIB" -- "${USER_FLAGS[@]}"
              "${SERVER_FLAGS[@]}")
+      # the floor's start once first: a configuration's first start compiles the model and
+      # parts from warm ones at near-ties, so neither compared server may be it
+      arm "warm$GIB" --warm-only --env EXPERT_CACHE_DISABLE=1 "${route[@]}" -- "${SERVE[@]}"
       arm "floor$GIB" --runs "${FLOOR_RUNS:-3}" --env EXPERT_CACHE_DISABLE=1 "${route[@]}" \
         -- "${SERVE[@]}"
       arm "cache$GIB" --runs "${RUNS:-5}" --env EXPERT_CACHE_STATS=480 "${route[@]}" \

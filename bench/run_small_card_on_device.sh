@@ -8,14 +8,21 @@
 # Re-entrant and split in steps so that each call stays under a caller's time limit
 # (STEPS="setup ckpt probe acct" then "card24" then "resident card16"); an arm whose JSON
 # already says ok is not run again. Results are copied to $OUT after every arm.
+# Warm-ups: where a floor (EXPERT_CACHE_DISABLE=1) and a cache server of one command are
+# compared (greedy tokens, KV), the floor's command and environment is started once before
+# them (bench/small_card.py --warm-only, one 4-token request; acct_warm, warm24) while
+# either is still to run: vLLM's first start of a configuration compiles the model, which
+# parts from later starts at near-ties (and a cold start's compile can take room from the
+# KV cache), so neither server compared may be it.
 #
 #   acct      the memory-plan check on the whole GPU: the 8-layer bf16 shape (dummy
 #             weights) at --gpu-memory-utilization 0.3, 120 slots vs the same server
 #             with EXPERT_CACHE_DISABLE=1: KV smaller by the slot bytes, used memory
-#             near 0.3 x total
+#             near 0.3 x total (after the warm-up acct_warm, ~1 min)
 #   card24    ballast leaves 24 GiB; `expertcache size` and `serve --dry-run` for the
-#             flags; the floor (serve with EXPERT_CACHE_DISABLE=1) and the cache (serve
-#             as planned, 5 concurrent streams at the end: the padding check)
+#             flags; the warm-up warm24 (a 48-layer start more, ~2 min), the floor (serve
+#             with EXPERT_CACHE_DISABLE=1) and the cache (serve as planned, 5 concurrent
+#             streams at the end: the padding check)
 #   resident  the ceiling: every expert in VRAM on the whole H200 (no ballast)
 #   card16    ballast leaves 16 GiB: what size and serve say, and that it serves as said
 #   pad       what CUDA-graph padding costs where vLLM does not mark padded rows (0.26's
@@ -36,7 +43,8 @@
 #   card24b   the 24 GiB card again: a second floor server (are its greedy tokens its own
 #             from run to run?), the cache without EXPERT_CACHE_STATS (tok/s with no
 #             periodic reports at all, for the prediction), and the cache on vLLM's V2 model
-#             runner refused by serve on a vLLM whose V2 runner cannot offload (0.26)
+#             runner refused by serve on a vLLM whose V2 runner cannot offload (0.26); card24's
+#             command, so its warm-up warm24 serves here too (run here where card24's did not)
 # PY, SC (arm records: /tmp/sc) and MODEL_DIR (checkpoints: /tmp) are overridable: the
 # flow is tested on CPU with stubbed GPU steps (tests/bench/test_bench_small_card_runner.py).
 set -uo pipefail
@@ -54,6 +62,7 @@ COMMON=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}
 
 save() { bench_save "$SC"; }
 arm() { bench_arm "$SC" bench/small_card.py "$@"; }  # arm NAME [options] -- server command
+arm_done() { [ -f "$SC/$1.json" ] && grep -q '"status": "ok"' "$SC/$1.json"; }
 ballast() {  # ballast GiB | ballast stop
   if [ "$1" = stop ]; then $PY bench/ballast.py stop; return; fi
   $PY bench/ballast.py stop >/dev/null
@@ -91,6 +100,13 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MD/m8'), 8)
     acct)
       ACCT=(serve $MD/m8 --vram 141 --slots 120 -- --gpu-memory-utilization 0.3
             --load-format dummy --max-model-len 1024 --max-num-seqs 4 "${COMMON[@]}")
+      # the floor's start once first: a configuration's first start compiles the model (its
+      # tokens part from warm starts' at near-ties, its KV can be smaller), so neither
+      # compared server may be it
+      if ! arm_done acct_cache || ! arm_done acct_off; then
+        arm acct_warm --warm-only --env EXPERT_CACHE_DISABLE=1 \
+          -- "$PY" -m expertcache_cli "${ACCT[@]}"
+      fi
       arm acct_cache --runs 1 --max-tokens 32 -- "$PY" -m expertcache_cli "${ACCT[@]}"
       arm acct_off --runs 1 --max-tokens 32 --env EXPERT_CACHE_DISABLE=1 \
         -- "$PY" -m expertcache_cli "${ACCT[@]}" ;;
@@ -101,6 +117,12 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MD/m8'), 8)
       SERVE=(serve "$MODEL" --vram "$GIB" -- --max-model-len 8192 --max-num-seqs "$SAFE"
              "${COMMON[@]}")
       if [ "$GIB" = 24 ]; then
+        # the floor's start once first: a configuration's first start compiles the model
+        # and parts from warm ones at near-ties, so neither compared server may be it
+        if ! arm_done floor24 || ! arm_done cache24; then
+          arm warm24 --warm-only --env EXPERT_CACHE_DISABLE=1 \
+            -- "$PY" -m expertcache_cli "${SERVE[@]}"
+        fi
         arm floor24 --runs "${FLOOR_RUNS:-5}" --env EXPERT_CACHE_DISABLE=1 \
           -- "$PY" -m expertcache_cli "${SERVE[@]}"
       fi
@@ -145,6 +167,11 @@ import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MD/m8'), 8)
       plan_card 24
       SERVE=(serve "$MODEL" --vram 24 -- --max-model-len 8192 --max-num-seqs "$SAFE"
              "${COMMON[@]}")
+      # card24's command: its warm-up (done there, or here first) keeps both starts warm
+      if ! arm_done floor24b || ! arm_done cache24q; then
+        arm warm24 --warm-only --env EXPERT_CACHE_DISABLE=1 \
+          -- "$PY" -m expertcache_cli "${SERVE[@]}"
+      fi
       arm floor24b --runs 2 --env EXPERT_CACHE_DISABLE=1 -- "$PY" -m expertcache_cli "${SERVE[@]}"
       arm cache24q --runs 5 -- "$PY" -m expertcache_cli "${SERVE[@]}"
       # vLLM 0.26's V2 runner ignores --cpu-offload-gb (died at load, 2026-12-01): serve

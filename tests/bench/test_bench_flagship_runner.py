@@ -55,9 +55,15 @@ elif args[:3] == ["-m", "expertcache_cli", "plan"]:
     print(f"plan text {vram}")
 elif args[0].endswith("small_card.py"):
     name, out = args[1], Path(args[args.index("--out") + 1])
+    status = "failed" if name == os.environ.get("STUB_FAIL") else "ok"
+    if "--warm-only" in args:  # as small_card.py writes a warm-up: no runs, no tokens
+        (out / f"{name}.json").write_text(json.dumps(
+            {"status": status, "arm": name, "warm_only": True, "log": {}}))
+        (out / f"{name}.log").write_text("log\n")
+        sys.exit(0 if status == "ok" else 1)
     tok = {"resident": 200.0, "floor24": 21.0, "cache24": 54.0, "floor32": 21.5,
            "cache32": 80.0}[name]
-    rec = {"status": "ok", "arm": name, "tok_s": [tok, tok + 1, tok - 1],
+    rec = {"status": status, "arm": name, "tok_s": [tok, tok + 1, tok - 1],
            "greedy": {"tokens": ["a", "b"], "logprob": [0.0, 0.0], "margin": [1.0, 1.0]},
            "log": {"startup_line": "expertcache: vLLM 0.26.0: armed 36 of 36 MoE layers"
                    if name.startswith("cache") else None, "declined": []}}
@@ -104,11 +110,12 @@ def test_every_step_as_a_new_user_runs_it_on_both_cards(runner):
     assert fits[1] == (f"bench/trace_fit.py {fs / 'route-top4.npz'} {fs / 'route-36.npz'} "
                        "--layers 36 --streams 1 --steps 1200 --request-steps 200 "
                        "--decode-only")
-    assert _servers(calls) == ["resident", "floor24", "cache24", "floor32", "cache32"]
+    assert _servers(calls) == ["resident", "warm24", "floor24", "cache24", "warm32", "floor32",
+                               "cache32"]
     resident = _arm(calls, "resident")
     assert "vllm.entrypoints.cli.main serve" in resident and "--moe-backend marlin" in resident
     assert "--env EXPERT_CACHE_DISABLE=1" in resident
-    for name in ("resident", "floor24", "cache24", "floor32", "cache32"):
+    for name in ("resident", "warm24", "floor24", "cache24", "warm32", "floor32", "cache32"):
         call = _arm(calls, name)
         assert "--env EC_BENCH_SYNTH_WEIGHTS=1" in call and "--load-format dummy" in call
         assert f"EC_BENCH_TRACE_ROUTING={fs / 'route-top4.npz'}" in call
@@ -128,10 +135,15 @@ def test_every_step_as_a_new_user_runs_it_on_both_cards(runner):
         assert floor.split(" -- ", 1)[1] == cache.split(" -- ", 1)[1]  # same vLLM flags
         assert "EXPERT_CACHE_DISABLE=1" in floor and "EXPERT_CACHE_DISABLE" not in cache
         assert "--port {port}" in cache
-        # the ballast holds the card around size, plan and both servers
+        # a warm-up start of the floor's very command and environment right before it
+        warm = _arm(calls, f"warm{gib}")
+        assert warm.replace(f" warm{gib} ", " ").replace(" --warm-only", "") == \
+            floor.replace(f" floor{gib} ", " ")
+        # the ballast holds the card around size, plan and every server
         start = calls.index(f"bench/ballast.py start --leave {gib}")
         stop = next(i for i, c in enumerate(calls) if i > start and c == "bench/ballast.py stop")
-        assert start < calls.index(plan) < calls.index(floor) < calls.index(cache) < stop
+        assert start < calls.index(plan) < calls.index(warm) < calls.index(floor) \
+            < calls.index(cache) < stop
     assert calls.index(_arm(calls, "resident")) < calls.index(
         "bench/ballast.py start --leave 24")
     text = (tmp / "out" / "flagship.txt").read_text()
@@ -186,3 +198,18 @@ def test_no_fitting_budget_serves_as_serve_plans_it_and_missing_hooks_void_the_n
     assert "| 32 GiB | cache at 50 of 128 slots | no budget fits |" in text
     assert ("bench hooks NOT in force, these numbers do not count: cache24: weights NOT "
             "synthesized, routing NOT replayed") in text
+
+
+def test_the_warm_up_runs_once_and_only_while_floor_or_cache_is_owed(runner):
+    """Re-entrant as the other arms: a warm-up whose record says ok is not run again (the
+    cache failed: the next call runs the cache only), and a card whose floor and cache are
+    done starts no warm-up even where its record is missing. The report reads none."""
+    run, tmp = runner
+    fs = tmp / "fs"
+    calls = run(STEPS="model probe resident card24 report", STUB_FAIL="cache24")
+    assert _servers(calls) == ["resident", "warm24", "floor24", "cache24"]
+    assert _servers(run(STEPS="card24 report")) == ["cache24"]
+    (fs / "warm24.json").unlink()
+    assert _servers(run(STEPS="card24 report")) == []
+    text = (tmp / "out" / "flagship.txt").read_text()
+    assert "warm" not in text and "identical (2)" in text

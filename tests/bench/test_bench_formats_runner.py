@@ -70,6 +70,9 @@ elif args[0].endswith("small_card.py"):
            "env": [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--env"],
            "greedy": {"tokens": ["a"], "logprob": [0.0], "margin": [1.0]},
            "log": {"startup_line": startup, "check_line": check, "declined": []}}
+    if "--warm-only" in args:  # as small_card.py writes a warm-up: no runs, no tokens
+        rec = {"status": status, "arm": name, "warm_only": True, "env": rec["env"],
+               "log": {"startup_line": None, "declined": []}}
     (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
     (out / f"{name}.log").write_text("log\n")
     if "--profile" in args:  # a trace as vLLM's profiler writes it: 2 steps, 1 or 2 kernels
@@ -101,8 +104,8 @@ def _servers(calls: list[str]) -> list[str]:
 def test_an_armed_format_runs_all_four_arms_and_cleans_up(runner):
     run, tmp = runner
     calls = run("fp8-block")
-    assert _servers(calls) == ["fp8-block-floor", "fp8-block-cache", "fp8-block-resident",
-                               "fp8-block-hot"]
+    assert _servers(calls) == ["fp8-block-warm", "fp8-block-floor", "fp8-block-cache",
+                               "fp8-block-resident", "fp8-block-hot"]
     writes = [c.split()[1] for c in calls if "write_checkpoint.py" in c]
     assert writes == [str(tmp / "fm" / "fp8-block"), str(tmp / "fm" / "fp8-block-hot")]
     assert any("--layers 24" in c for c in calls if "write_checkpoint.py" in c)
@@ -118,7 +121,7 @@ def test_an_armed_format_runs_all_four_arms_and_cleans_up(runner):
 def test_a_declined_format_with_a_sent_back_trial_gets_no_resident_or_all_hit_arm(runner):
     run, tmp = runner
     calls = run("gptq", TRIAL_FORMATS="gptq")
-    assert _servers(calls) == ["gptq-floor", "gptq-cache", "gptq-trial"]
+    assert _servers(calls) == ["gptq-warm", "gptq-floor", "gptq-cache", "gptq-trial"]
     assert [c.split()[1] for c in calls if "write_checkpoint.py" in c] == [
         str(tmp / "fm" / "gptq")]  # the hot checkpoint is never needed
     trial = next(c for c in calls if c.startswith("bench/small_card.py gptq-trial"))
@@ -128,7 +131,8 @@ def test_a_declined_format_with_a_sent_back_trial_gets_no_resident_or_all_hit_ar
 
 def test_the_trial_runs_only_for_the_formats_named(runner):
     run, _ = runner
-    assert _servers(run("awq")) == ["awq-floor", "awq-cache"]  # declined: no trial by default
+    # declined: no trial by default
+    assert _servers(run("awq")) == ["awq-warm", "awq-floor", "awq-cache"]
 
 
 def _call(calls, arm):
@@ -142,8 +146,9 @@ def test_a_4_bit_format_on_marlin_runs_every_arm_routed_by_a_trace(runner):
     written (one format's checkpoint on the disk at a time)."""
     run, tmp = runner
     calls = run("nvfp4")
-    assert _servers(calls) == ["nvfp4-floor", "nvfp4-cache", "nvfp4-resident", "nvfp4-hot"]
-    for arm in ("nvfp4-floor", "nvfp4-cache"):
+    assert _servers(calls) == ["nvfp4-warm", "nvfp4-floor", "nvfp4-cache", "nvfp4-resident",
+                               "nvfp4-hot"]
+    for arm in ("nvfp4-warm", "nvfp4-floor", "nvfp4-cache"):
         call = _call(calls, arm)
         assert "EC_BENCH_TRACE_ROUTING=" in call
         assert "route-top8-demo-qwen3-30b-a3b-tasks.npz" in call
@@ -184,8 +189,8 @@ def test_gpt_oss_20bs_32_experts_get_16_slots_and_random_routing_stays_possible(
 def test_gptq_with_act_order_is_a_format_of_its_own(runner):
     run, tmp = runner
     calls = run("gptq-act", TRACE8="/data/olmoe-recorded.npz")
-    assert _servers(calls) == ["gptq-act-floor", "gptq-act-cache", "gptq-act-resident",
-                               "gptq-act-hot"]
+    assert _servers(calls) == ["gptq-act-warm", "gptq-act-floor", "gptq-act-cache",
+                               "gptq-act-resident", "gptq-act-hot"]
     assert all("--format gptq-act" in c for c in calls if "write_checkpoint.py" in c)
     routed = tmp / "fm" / "route-top8-olmoe-recorded.npz"
     assert f"EC_BENCH_TRACE_ROUTING={routed}" in _call(calls, "gptq-act-cache")
@@ -298,3 +303,50 @@ def test_random_routing_and_a_declined_format_get_no_plan(runner):
         tmp / "out" / "formats.txt").read_text()
     calls = run("awq")  # declined: no resident arm, so no rate to plan with
     assert not any(c.startswith("-m expertcache_cli plan") for c in calls)
+
+
+def _without_name(call: str, warm: bool = False) -> str:
+    """A small_card call with its arm name (and a warm-up's flag) left out: the command
+    and environment the server ran with."""
+    words = call.split()
+    del words[1]
+    return " ".join(w for w in words if not (warm and w == "--warm-only"))
+
+
+def test_a_warm_up_start_of_the_floor_runs_before_the_compared_arms(runner):
+    """vLLM's first start of a configuration compiles the model and parts from later
+    starts at near-ties: a warm-up server with the floor's very command and environment
+    starts first, so that neither the floor nor the cache (nor the trial) is that start;
+    the report reads no warm-up record."""
+    run, tmp = runner
+    calls = run("fp8-block")
+    warm = _call(calls, "fp8-block-warm")
+    assert "--warm-only" in warm
+    assert _without_name(warm, warm=True) == _without_name(_call(calls, "fp8-block-floor"))
+    assert "--warm-only" not in _call(calls, "fp8-block-floor")
+    rec = json.loads((tmp / "out" / "fp8-block-warm.json").read_text())
+    assert rec["warm_only"] and "greedy" not in rec
+    report = (tmp / "out" / "formats.txt").read_text()
+    assert "warm" not in report
+    assert "fp8-block cache: 100.0 tok/s" in report and "greedy vs floor identical" in report
+
+
+def test_the_warm_up_is_not_run_again_once_done_nor_once_the_pair_is(runner):
+    """Re-entrant as every arm: a warm-up whose record says ok is not run again (the cache
+    failed: the next call runs only the cache), and none is run where floor and cache
+    (and the trial) are done, even if its own record is missing."""
+    run, tmp = runner
+    calls = run("gptq", STUB_FAIL="gptq-cache")
+    assert _servers(calls) == ["gptq-warm", "gptq-floor", "gptq-cache"]
+    assert _servers(run("gptq")) == ["gptq-cache"]
+    (tmp / "fm" / "gptq-warm.json").unlink()
+    assert _servers(run("gptq")) == []
+    # a trial asked for later: the warm-up runs again (its record gone), then the trial only
+    assert _servers(run("gptq", TRIAL_FORMATS="gptq")) == ["gptq-warm", "gptq-trial"]
+
+
+def test_arms_without_floor_or_cache_start_no_warm_up(runner):
+    run, _ = runner
+    assert "fp8-block-warm" not in _servers(run("fp8-block", ARMS="resident hot"))
+    # the cache alone: the warm-up still runs before it
+    assert _servers(run("awq", ARMS="cache")) == ["awq-warm", "awq-cache"]

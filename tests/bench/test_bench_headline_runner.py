@@ -44,9 +44,17 @@ elif args[:3] == ["-m", "expertcache_cli", "serve"]:
 elif args[0].endswith("small_card.py"):
     name, out = args[1], Path(args[args.index("--out") + 1])
     env = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--env"]
+    if "--warm-only" in args:  # as small_card.py writes a warm-up: no runs, no tokens
+        status = "failed" if name == os.environ.get("STUB_FAIL") else "ok"
+        (out / f"{name}.json").write_text(json.dumps(
+            {"status": status, "arm": name, "warm_only": True, "env": env,
+             "argv": args[args.index("--") + 1:], "log": {}}))
+        (out / f"{name}.log").write_text("log\n")
+        sys.exit(0 if status == "ok" else 1)
     tok = {"resident": 300.0, "floor24": 30.0, "cache24": 150.0, "floor16": 29.0,
            "cache16": 90.0}[name]
-    rec = {"status": "ok", "arm": name, "tok_s": [tok, tok + 1, tok - 1], "env": env,
+    status = "failed" if name == os.environ.get("STUB_FAIL") else "ok"
+    rec = {"status": status, "arm": name, "tok_s": [tok, tok + 1, tok - 1], "env": env,
            "argv": args[args.index("--") + 1:],
            "greedy": {"tokens": ["a", "b"], "logprob": [0.0, 0.0], "margin": [1.0, 1.0]},
            "greedy_again": {"tokens": ["a", "b"], "logprob": [0.0, 0.0],
@@ -99,8 +107,9 @@ def test_every_server_replays_the_recording_on_a_checkpoint_of_its_width(runner)
                     f"bench/trace_fit.py --source {hl}/route-48.npz"]
     fitted = tracefile.load(hl / "route-48.npz")
     assert fitted.num_layers == 48 and fitted.top_k == 6
-    assert _servers(calls) == ["resident", "floor24", "cache24", "floor16", "cache16"]
-    for name in ("resident", "floor24", "cache24", "floor16", "cache16"):
+    assert _servers(calls) == ["resident", "warm24", "floor24", "cache24", "warm16", "floor16",
+                               "cache16"]
+    for name in ("resident", "warm24", "floor24", "cache24", "warm16", "floor16", "cache16"):
         call = _arm(calls, name)
         assert f"--env EC_BENCH_TRACE_ROUTING={hl}/route-48.npz" in call
         assert "--env PYTHONPATH=" in call and f"{tmp}/tree/bench/trace_hook:" in call
@@ -122,11 +131,15 @@ def test_every_server_replays_the_recording_on_a_checkpoint_of_its_width(runner)
         assert size == f"-m expertcache_cli size --model {model} --vram {gib} --json -- " \
                        "--max-model-len 8192"
         dry = next(c for c in calls if "--dry-run" in c and f"--vram {gib}" in c)
-        # the ballast holds the card around what serve plans and both servers
+        # a warm-up start of the floor's very command and environment right before it
+        warm = _arm(calls, f"warm{gib}")
+        assert warm.replace(f" warm{gib} ", " ").replace(" --warm-only", "") == \
+            floor.replace(f" floor{gib} ", " ").replace(" --runs 3", "")
+        # the ballast holds the card around what serve plans and every server
         start = calls.index(f"bench/ballast.py start --leave {gib}")
         stop = next(i for i, c in enumerate(calls) if i > start and c == "bench/ballast.py stop")
-        assert start < calls.index(size) < calls.index(dry) < calls.index(floor) \
-            < calls.index(cache) < stop
+        assert start < calls.index(size) < calls.index(dry) < calls.index(warm) \
+            < calls.index(floor) < calls.index(cache) < stop
     assert calls.index(resident) < calls.index("bench/ballast.py start --leave 24")
     report = (tmp / "out" / "headline.md").read_text()
     lines = report.splitlines()
@@ -165,7 +178,7 @@ def test_no_trace_serves_the_checkpoints_own_routers_at_top_8(runner):
     write = next(c for c in calls if "write_checkpoint.py" in c)
     assert write.split()[1] == f"{tmp}/models/w8a8" and "--top-k" not in write
     assert not any(c.startswith("bench/trace_fit.py") for c in calls)
-    assert _servers(calls) == ["resident", "floor24", "cache24"]
+    assert _servers(calls) == ["resident", "warm24", "floor24", "cache24"]
     assert not any("EC_BENCH_TRACE_ROUTING" in c for c in calls)
     report = (tmp / "out" / "headline.md").read_text().splitlines()
     assert report[0] == ("Routing of every server: no trace: the checkpoint's own per-layer "
@@ -209,3 +222,22 @@ def test_a_trace_of_another_expert_count_writes_no_checkpoint(runner):
     assert out.strip().splitlines()[-1] == (
         f"TRACE={odd}: top-4 of 64 experts; the checkpoint has 128 experts")
     assert not any("write_checkpoint.py" in c for c in calls) and _servers(calls) == []
+
+
+def test_the_warm_up_runs_once_and_only_while_floor_or_cache_is_owed(runner):
+    """Re-entrant as the other arms: a warm-up whose record says ok is not run again (the
+    cache failed: the next call runs the cache only), and a card whose floor and cache are
+    done starts no warm-up even where its record is missing. The report reads none."""
+    run, tmp = runner
+    hl = tmp / "hl"
+    calls, _ = run(STEPS="setup model card24 report", STUB_FAIL="cache24")
+    assert _servers(calls) == ["warm24", "floor24", "cache24"]
+    rec = json.loads((hl / "warm24.json").read_text())
+    assert rec["warm_only"] and "greedy" not in rec
+    again, _ = run(STEPS="card24 report")
+    assert _servers(again) == ["cache24"]
+    (hl / "warm24.json").unlink()
+    calls, _ = run(STEPS="card24 report")
+    assert _servers(calls) == []
+    report = (tmp / "out" / "headline.md").read_text()
+    assert "warm" not in report and "| 24 GiB | cache at the planned slots |" in report

@@ -28,8 +28,11 @@ if args[0].endswith("ballast.py"):
     print(json.dumps({"verb": args[1]}))
 elif args[0].endswith("small_card.py"):
     name, out = args[1], Path(args[args.index("--out") + 1])
-    (out / f"{name}.json").write_text(json.dumps({"arm": name, "status": "ok",
-                                                  "greedy": ["a", "b"]}))
+    status = "failed" if name == os.environ.get("STUB_FAIL") else "ok"
+    rec = {"arm": name, "status": status, "greedy": ["a", "b"]}
+    if "--warm-only" in args:  # as small_card.py writes a warm-up: no tokens
+        rec = {"arm": name, "status": status, "warm_only": True}
+    (out / f"{name}.json").write_text(json.dumps(rec))
     (out / f"{name}.log").write_text("log\n")
 elif args[1:3] == ["expertcache_cli", "size"]:
     print(json.dumps({"safe_max_num_seqs": 8}) if "--json" in args else "size text")
@@ -64,9 +67,12 @@ def test_card24_runs_the_floor_and_the_cache_with_what_size_planned(runner):
     calls, _ = run(STEPS="setup card24")
     servers = [c for c in calls if c.startswith("bench/small_card.py")
                and "--greedy-report" not in c]
-    assert [c.split()[1] for c in servers] == ["floor24", "cache24"]
+    assert [c.split()[1] for c in servers] == ["warm24", "floor24", "cache24"]
     assert all("--max-num-seqs 8" in c and "--vram 24" in c for c in servers)
-    assert "EXPERT_CACHE_DISABLE=1" in servers[0] and "--streams 5" in servers[1]
+    assert "EXPERT_CACHE_DISABLE=1" in servers[1] and "--streams 5" in servers[2]
+    # the warm-up: the floor's very command and environment, right before it
+    assert servers[0].replace(" warm24 ", " ").replace(" --warm-only", "") == \
+        servers[1].replace(" floor24 ", " ").replace(" --runs 5", "")
     ballast = [c for c in calls if c.startswith("bench/ballast.py")]
     assert ballast[0].startswith("bench/ballast.py stop") and "start --leave 24" in ballast[1]
     assert ballast[-1] == "bench/ballast.py stop"  # the card is given back
@@ -107,3 +113,33 @@ def test_mem24_by_default_serves_in_place_twice_around_staged(runner):
     assert len(serves) == 3 and serves[0] == serves[2] and "--wide staged-install" in serves[1]
     _, said = run(STEPS="setup mem24", MEM24="inplace bogus")
     assert "mem24: no server bogus" in said
+
+
+def _servers(calls: list[str]) -> list[str]:
+    return [c.split()[1] for c in calls if c.startswith("bench/small_card.py")
+            and "--greedy-report" not in c]
+
+
+def test_the_warm_ups_run_once_and_only_while_a_compared_arm_is_owed(runner):
+    """acct and card24 start the floor's command once before their pair; a warm-up whose
+    record says ok is not run again, none runs where the pair is done, card24b reuses
+    card24's (the same command), and the greedy report passes over them."""
+    run, tmp = runner
+    calls, _ = run(STEPS="setup acct card24", STUB_FAIL="cache24")
+    assert _servers(calls) == ["acct_warm", "acct_cache", "acct_off", "warm24", "floor24",
+                               "cache24"]
+    warm = next(c for c in calls if c.startswith("bench/small_card.py acct_warm "))
+    off = next(c for c in calls if c.startswith("bench/small_card.py acct_off "))
+    assert warm.replace(" acct_warm ", " ").replace(" --warm-only", "") == \
+        off.replace(" acct_off ", " ").replace(" --runs 1 --max-tokens 32", "")
+    again, _ = run(STEPS="setup acct card24 card24b")
+    assert _servers(again) == ["cache24", "floor24b", "cache24q"]  # warm24 done before
+    (tmp / "sc" / "warm24.json").unlink()
+    (tmp / "sc" / "acct_warm.json").unlink()
+    assert _servers(run(STEPS="setup acct card24 card24b")[0]) == []
+    # card24b alone, on a box where card24 never ran: its own warm-up first
+    for name in ("floor24b", "cache24q"):
+        (tmp / "sc" / f"{name}.json").unlink()
+    assert _servers(run(STEPS="setup card24b")[0]) == ["warm24", "floor24b", "cache24q"]
+    greedy = (tmp / "out" / "greedy.txt").read_text()
+    assert "warm" not in greedy and "cache24 vs floor24: identical" in greedy
