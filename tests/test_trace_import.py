@@ -244,6 +244,9 @@ def test_a_readout_at_another_top_k_than_the_model_ran_says_so():
     (None, [{"0": [1, 5]}, {"0": [1, 6]}, {"0": [3, 4]}], "",
      "says 2 layers and the steps route 1"),
     (None, [{"a": [1, 5], "b": [0, 7]}] * 3, "", ":2: the routed layers must be named by integers"),
+    (None, [{"0": [1, 5], "\u00b2": [0, 7]}] * 3, "", ":2: the routed layers must be named"),
+    (None, [{"0": [1, 5], "01": [0, 7]}] * 3, "", ":2: the routed layers must be named"),
+    (None, [{"0": list(range(500)), "1": [0, 7]}], "", ":2: layer 0 routes [0, 1, 2,"),
     (None, STEPS[:2] + [{"0": [3, 4]}], "", ":4: not the first step's layers (missing 1, extra "
      "none)"),
     (None, STEPS[:1] + [{"0": [1, 1], "1": [2, 7]}], "", ":3: layer 0 routes [1, 1], not 2 "

@@ -249,7 +249,9 @@ def _parse_jsonl(p: Path, f: TextIO) -> RouteJsonl:
                              '{layer: [experts]}}')
         if keys is None:
             keys = sorted(routed, key=lambda k: (len(k), k))
-            if not keys or any(not k.isdigit() for k in keys):
+            # "0", "1", ...: no sign, no leading zero, no other script's digits
+            if not keys or any(not (k.isascii() and k.isdigit() and k == str(int(k)))
+                               for k in keys):
                 raise TraceError(f"{p}:{n}: the routed layers must be named by integers")
         elif set(routed) != set(keys):
             missing, extra = sorted(set(keys) - set(routed)), sorted(set(routed) - set(keys))
@@ -262,7 +264,8 @@ def _parse_jsonl(p: Path, f: TextIO) -> RouteJsonl:
             if (not isinstance(ids, list) or len(ids) != top_k
                     or any(_count(e) is None or not 0 <= e < num_experts for e in ids)
                     or len(set(ids)) != top_k):
-                raise TraceError(f"{p}:{n}: layer {k} routes {ids!r}, not {top_k} distinct "
+                shown = repr(ids) if len(repr(ids)) <= 60 else repr(ids)[:57] + "..."
+                raise TraceError(f"{p}:{n}: layer {k} routes {shown}, not {top_k} distinct "
                                  f"experts in 0..{num_experts - 1}")
             step.append(ids)
         rows.append(step)
