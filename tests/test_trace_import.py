@@ -30,9 +30,13 @@ REAL = {  # file -> (MoE layers, experts, top_k, decode steps, prefill steps, li
     "real-qwen3-30b-a3b-k6.npz": (48, 128, 6, 128, 1, "Apache-2.0"),
     "real-gemma-4-26b-a4b-k6.npz": (30, 128, 6, 128, 1, "Apache-2.0"),
     "real-gpt-oss-120b-k2.npz": (36, 128, 2, 64, 1, "Apache-2.0"),
+    # four prompts of 512 decode tokens each, one after another; their prefills unrecorded
+    "real-olmoe-1b-7b-k8.npz": (16, 64, 8, 4 * 512, 0, "MIT"),
+    "real-gpt-oss-20b-k4.npz": (24, 32, 4, 4 * 512, 0, "MIT"),
 }
 #: the license file beside the bundled traces, for each license a trace's source names
-LICENSES = {"Apache-2.0": ("BigMoeOnEdge-LICENSE", ("Apache License", "Version 2.0"))}
+LICENSES = {"Apache-2.0": ("BigMoeOnEdge-LICENSE", ("Apache License", "Version 2.0")),
+            "MIT": ("grouped-nf4-gemm-LICENSE", ("MIT License", "Permission is hereby granted"))}
 
 HEAD = """# route_trace v1
 # model=/m/tiny.gguf arch=tinymoe n_layer=4 n_expert=8 n_expert_used=2
