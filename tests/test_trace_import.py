@@ -3,6 +3,8 @@ real traces that came through it."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +13,30 @@ import numpy as np
 import pytest
 
 from expertcache_cli.commands import DEMO_TRACE, demo_trace_path
-from expertcache_cli.rules.trace import TraceError, load
-from expertcache_cli.rules.trace_import import read_route_csv, to_trace
+from expertcache_cli.rules.trace import DECODE, TraceError, load
+from expertcache_cli.rules.trace_import import (
+    RouteCsv,
+    RouteJsonl,
+    default_source,
+    join,
+    read_recording,
+    read_route_csv,
+    recording_trace,
+    to_trace,
+)
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
-REAL = {  # file -> (MoE layers, experts, top_k, decode steps)
-    "real-qwen3-30b-a3b-k6.npz": (48, 128, 6, 128),
-    "real-gemma-4-26b-a4b-k6.npz": (30, 128, 6, 128),
-    "real-gpt-oss-120b-k2.npz": (36, 128, 2, 64),
+REAL = {  # file -> (MoE layers, experts, top_k, decode steps, prefill steps, license)
+    "real-qwen3-30b-a3b-k6.npz": (48, 128, 6, 128, 1, "Apache-2.0"),
+    "real-gemma-4-26b-a4b-k6.npz": (30, 128, 6, 128, 1, "Apache-2.0"),
+    "real-gpt-oss-120b-k2.npz": (36, 128, 2, 64, 1, "Apache-2.0"),
+    # four prompts of 512 decode tokens each, one after another; their prefills unrecorded
+    "real-olmoe-1b-7b-k8.npz": (16, 64, 8, 4 * 512, 0, "MIT"),
+    "real-gpt-oss-20b-k4.npz": (24, 32, 4, 4 * 512, 0, "MIT"),
 }
+#: the license file beside the bundled traces, for each license a trace's source names
+LICENSES = {"Apache-2.0": ("BigMoeOnEdge-LICENSE", ("Apache License", "Version 2.0")),
+            "MIT": ("grouped-nf4-gemm-LICENSE", ("MIT License", "Permission is hereby granted"))}
 
 HEAD = """# route_trace v1
 # model=/m/tiny.gguf arch=tinymoe n_layer=4 n_expert=8 n_expert_used=2
@@ -130,12 +147,16 @@ def test_cli_import_of_a_bad_file_is_one_line_and_exit_2(tmp_path, src):
 def test_the_bundled_real_traces_are_a_routers_output(name):
     """Real routing looks like a router's: each token's experts distinct and in range, many
     experts per layer over the decode, and consecutive tokens not routed alike every time."""
-    layers, experts, k, decode = REAL[name]
+    layers, experts, k, decode, prefills, license_name = REAL[name]
     tr = load(TRACES / name)
     assert (tr.num_layers, tr.num_experts, tr.top_k) == (layers, experts, k)
-    assert tr.source.startswith("recorded (real model") and "Apache-2.0" in tr.source
+    assert tr.source.startswith("recorded (real model") and license_name in tr.source
+    assert "synthetic" not in tr.source and tr.expert_bytes and tr.expert_bytes > 2**20
     single = tr.step_tokens == 1
-    assert int(single.sum()) == decode and tr.step_tokens[0] > 1  # one prompt, then decode
+    assert int(single.sum()) == decode and tr.steps == decode + prefills
+    assert (tr.step_kinds() == DECODE).sum() == decode
+    if prefills:  # one prompt's prefill, then its decode
+        assert tr.step_tokens[0] > 1
     dec = tr.topk_ids[single][:, :, :k]
     assert (dec >= 0).all() and (dec < experts).all()
     assert all(len(set(row)) == k for row in dec.reshape(-1, k).tolist())
@@ -150,10 +171,127 @@ def test_the_default_demo_trace_is_a_real_recording_with_its_license_beside_it()
     assert DEMO_TRACE in REAL and demo_trace_path().name == DEMO_TRACE
     assert "synthetic" not in load(demo_trace_path()).source
     readme = (TRACES / "README.md").read_text()
-    license_text = (TRACES / "licenses" / "BigMoeOnEdge-LICENSE").read_text()
-    assert "Apache License" in license_text and "Version 2.0" in license_text
-    for name in REAL:
+    for name, (*_, license_name) in REAL.items():
         assert name in readme
+        file, words = LICENSES[license_name]
+        text = (TRACES / "licenses" / file).read_text()
+        assert all(w in text for w in words) and f"licenses/{file}" in readme
     for name in ("demo-qwen3-30b-a3b-tasks.npz", "demo-olmoe-1b-7b-zipf.npz",
                  "demo-qwen3-30b-a3b-batch4.npz"):
         assert "synthetic" in load(TRACES / name).source
+    # every bundled trace is either listed real one or a synthetic one, and the README names it
+    for path in TRACES.glob("*.npz"):
+        assert path.name in readme
+        assert path.name in REAL or "synthetic" in load(path).source
+
+
+# the routing JSONL of capture_routing.py: a meta line, then one line a decode token
+META = {"model": "/m/tiny", "prompt": "prose", "steps": 3, "layers": 2, "top_k": 2,
+        "n_experts": 8, "top_k_native": 2, "top_k_overridden": False, "prompt_tokens": 5,
+        "decode": True}
+STEPS = [{"0": [1, 5], "1": [0, 7]}, {"0": [1, 6], "1": [2, 7]}, {"0": [3, 4], "1": [2, 7]}]
+
+
+def _jsonl(tmp_path: Path, meta: dict | None = None, steps: list | None = None,
+           name: str = "t.jsonl", extra: str = "") -> Path:
+    lines = [json.dumps({"meta": META if meta is None else meta})]
+    lines += [json.dumps({"step": i, "token": 100 + i, "routed": r})
+              for i, r in enumerate(STEPS if steps is None else steps)]
+    p = tmp_path / name
+    p.write_text("\n".join(lines) + "\n" + extra)
+    return p
+
+
+def test_a_routing_jsonl_is_one_decode_step_a_line(tmp_path):
+    rec = read_recording(_jsonl(tmp_path))
+    assert isinstance(rec, RouteJsonl) and (rec.num_experts, rec.top_k) == (8, 2)
+    tr = recording_trace(rec)
+    assert tr.topk_ids.shape == (3, 2, 2) and tr.step_tokens.tolist() == [1, 1, 1]
+    assert tr.topk_ids[:, 0].tolist() == [[1, 5], [1, 6], [3, 4]]
+    assert tr.topk_ids[:, 1].tolist() == [[0, 7], [2, 7], [2, 7]]
+    assert tr.layers.tolist() == [0, 1] and tr.model == "/m/tiny"
+    assert (tr.step_kinds() == DECODE).all() and tr.expert_bytes is None
+
+
+def test_several_recordings_are_joined_in_turn_and_the_route_csv_still_reads(tmp_path):
+    a = _jsonl(tmp_path, name="a.jsonl")
+    b = _jsonl(tmp_path, meta={**META, "steps": 1, "prompt": "code"},
+               steps=[{"1": [3, 0], "0": [2, 6]}], name="b.jsonl")
+    recs = [read_recording(a), read_recording(b)]
+    tr = join([recording_trace(r) for r in recs], ["a.jsonl", "b.jsonl"], expert_bytes=7)
+    assert tr.topk_ids.shape == (4, 2, 2) and tr.expert_bytes == 7
+    assert tr.topk_ids[3].tolist() == [[2, 6], [3, 0]]  # by layer, as the file names them
+    assert default_source(recs, ["a.jsonl", "b.jsonl"]) == \
+        "recorded: a.jsonl, b.jsonl (routing JSONL, /m/tiny)"
+    assert isinstance(read_recording(_write(tmp_path, HEAD + ROWS)), RouteCsv)
+    wide = _jsonl(tmp_path, meta={**META, "n_experts": 16}, name="c.jsonl")
+    with pytest.raises(TraceError, match="c.jsonl: top-2 of 16 .* not recordings of one model"):
+        join([recording_trace(read_recording(p)) for p in (a, wide)], ["a.jsonl", "c.jsonl"])
+
+
+def test_a_readout_at_another_top_k_than_the_model_ran_says_so():
+    rec = RouteJsonl(model="m", prompt="p", num_experts=8, top_k=4, layers=np.arange(1),
+                     ids=np.zeros((1, 1, 4), np.int32), top_k_native=2)
+    assert "read at top-4 of a router that routed 2: not what the model ran" in \
+        default_source([rec], ["x.jsonl"])
+
+
+@pytest.mark.parametrize("meta, steps, extra, message", [
+    ({"model": "m"}, None, "", ":1: the meta line gives no n_experts and top_k"),
+    ({**META, "n_experts": None}, None, "", "no n_experts and top_k"),
+    ({**META, "top_k": True}, None, "", "no n_experts and top_k"),
+    ({**META, "top_k": 9}, None, "", "n_experts=8 top_k=9 is not a router"),
+    ({**META, "decode": False}, None, "", "not a decode recording"),
+    (None, None, "{oops\n", ":5: not a JSON line"),
+    (None, None, "[1, 2]\n", ":5: not a JSON object"),
+    (None, None, '{"step": 7, "routed": {}}\n', ':5: expected {"step": 3'),
+    (None, [{"0": [1, 5]}, {"0": [1, 6]}, {"0": [3, 4]}], "",
+     "says 2 layers and the steps route 1"),
+    (None, [{"a": [1, 5], "b": [0, 7]}] * 3, "", ":2: the routed layers must be named by integers"),
+    (None, [{"0": [1, 5], "\u00b2": [0, 7]}] * 3, "", ":2: the routed layers must be named"),
+    (None, [{"0": [1, 5], "01": [0, 7]}] * 3, "", ":2: the routed layers must be named"),
+    (None, [{"0": list(range(500)), "1": [0, 7]}], "", ":2: layer 0 routes [0, 1, 2,"),
+    (None, STEPS[:2] + [{"0": [3, 4]}], "", ":4: not the first step's layers (missing 1, extra "
+     "none)"),
+    (None, STEPS[:1] + [{"0": [1, 1], "1": [2, 7]}], "", ":3: layer 0 routes [1, 1], not 2 "
+     "distinct experts in 0..7"),
+    (None, [{"0": [1, 8], "1": [0, 7]}], "", ":2: layer 0 routes"),
+    (None, [{"0": [1, 2.0], "1": [0, 7]}], "", ":2: layer 0 routes"),
+    (None, [{"0": [1], "1": [0, 7]}], "", ":2: layer 0 routes"),
+    (None, STEPS[:2], "", "says 3 steps and the file holds 2"),
+    (None, [], "", "no steps after the meta line"),
+])
+def test_a_jsonl_that_is_not_a_routers_output_is_one_clear_error(tmp_path, meta, steps, extra,
+                                                                  message):
+    with pytest.raises(TraceError, match=re.escape(message)):
+        recording_trace(read_recording(_jsonl(tmp_path, meta, steps, extra=extra)))
+
+
+def test_cli_imports_jsonl_recordings_in_turn(tmp_path):
+    a, b = _jsonl(tmp_path, name="a.jsonl"), _jsonl(tmp_path, name="b.jsonl")
+    r = _cli("import", str(a), str(b), str(tmp_path / "out"), "--expert-bytes", "4096")
+    assert r.returncode == 0, r.stderr
+    assert "6 steps (6 decode, 0 prefill) x 2 layers, top-2 of 8, 6 tokens from 2 " \
+        "recordings" in " ".join(r.stdout.split())
+    tr = load(tmp_path / "out.npz")
+    assert tr.source == "recorded: a.jsonl, b.jsonl (routing JSONL, /m/tiny)"
+    assert tr.expert_bytes == 4096 and tr.steps == 6
+
+
+@pytest.mark.parametrize("text", [
+    '{"meta": {"top_k": 2}}\n',  # no n_experts
+    json.dumps({"meta": META}) + '\n{"step": 0, "routed": {"0": [1, 99], "1": [0, 7]}}\n',
+    json.dumps({"meta": META}) + "\n" + "{" * 5000 + "\n",
+    json.dumps({"meta": META}) + "\n" + "[" * 200000 + "]" * 200000 + "\n",  # too deep
+    "\xff\xfe{",
+    "",
+])
+def test_cli_import_of_a_malformed_jsonl_is_one_line_and_exit_2(tmp_path, text):
+    src = tmp_path / "bad.jsonl"
+    src.write_bytes(text.encode("latin-1"))
+    good = _jsonl(tmp_path, name="good.jsonl")
+    for args in ([src], [good, src]):  # alone, and after a good recording
+        r = _cli("import", *map(str, args), str(tmp_path / "out.npz"))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1 and "bad.jsonl" in r.stderr
+        assert not (tmp_path / "out.npz").exists()

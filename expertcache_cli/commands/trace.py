@@ -80,35 +80,45 @@ def synth_command(
 
 @trace_app.command("import")
 def import_command(
-    src: Path = typer.Argument(..., help="A route_trace v1 CSV (llama.cpp-based --route-trace)."),
+    src: list[Path] = typer.Argument(
+        ..., help="Recordings of one model: route_trace v1 CSVs (llama.cpp-based --route-trace) "
+        "or routing JSONL files (capture_routing.py); several are joined in the order given."),
     out: Path = typer.Argument(..., help="Output .npz path."),
     decode_only: bool = typer.Option(
         False, "--decode-only", help="Drop the prefill steps (default: each prefill is one step "
         "of all its positions)."),
     expert_bytes: int | None = typer.Option(
         None, "--expert-bytes", min=1, help="Bytes of one expert (default: the file's per-layer "
-        "sizes, averaged)."),
+        "sizes, averaged; the JSONL format gives none)."),
     model: str | None = typer.Option(None, "--model", help="Model label (default: the file's)."),
     source: str | None = typer.Option(
         None, "--source", help="Where the recording comes from, stored in the trace (default: "
-        "the file's name)."),
+        "the files' names and format)."),
 ) -> None:
-    """Convert another engine's routing recording into a trace `replay` and `plan` read."""
+    """Convert other engines' routing recordings into a trace `replay` and `plan` read."""
     from ..files import check_output
-    from ..rules.trace import DECODE, npz_path, save
-    from ..rules.trace_import import read_route_csv, to_trace
+    from ..rules.trace import DECODE, TraceError, npz_path, save
+    from ..rules.trace_import import default_source, join, read_recording, recording_trace
 
     out = check_output(out if out.expanduser().is_dir() else npz_path(out), "OUT",
                        make_parents=True)
-    rc = read_route_csv(src)
-    trace = to_trace(rc, prefill=not decode_only, expert_bytes=expert_bytes, model=model,
-                     source=source or f"recorded: {src.name} (route_trace v1, {rc.arch or '?'})")
+    recs = [read_recording(p) for p in src]
+    names = [p.name for p in src]
+    traces = []
+    for p, rec in zip(src, recs):
+        try:
+            traces.append(recording_trace(rec, prefill=not decode_only))
+        except TraceError as exc:  # which of the recordings it is
+            raise TraceError(f"{p}: {exc}") from None
+    trace = join(traces, names, expert_bytes=expert_bytes, model=model,
+                 source=source or default_source(recs, names))
     path = save(trace, out)
     decode = int((trace.step_kinds() == DECODE).sum())  # as `plan` will tell them apart
+    joined = f" from {len(src)} recordings" if len(src) > 1 else ""
     console.print(
         f"wrote {path}: {trace.steps} steps ({decode} decode, {trace.steps - decode} prefill) x "
         f"{trace.num_layers} layers, top-{trace.top_k} of {trace.num_experts}, "
-        f"{trace.tokens} tokens"
+        f"{trace.tokens} tokens{joined}"
     )
 
 

@@ -5,19 +5,32 @@ decodes, not what a generator makes up) is the one input `replay` and `plan` can
 invent. Engines other than vLLM already record it; converting their files lets a user (and
 the bundled demo traces, `traces/README.md`) use those recordings as they are.
 
-One format is read: the ``route_trace v1`` CSV written by llama.cpp-based engines that log
-every routing (``--route-trace``): comment lines ``# route_trace v1``, ``# model=...
-arch=... n_layer=N n_expert=E n_expert_used=K``, one ``# layer=I expert_bytes=B ...`` a
-MoE layer, then rows ``turn,phase,step,layer,slot,expert,...`` with ``phase`` 0 for a
-prefill (one batch over the prompt's positions) and 1 for a decode step (one token),
-``step`` the token's position and ``slot`` the router's rank. Each decode token becomes one
-trace step; each prefill becomes one step of all its positions (``step_tokens`` says how
-many), so the shape gate sees the width the engine ran.
+Two formats are read, told apart by their first line:
+
+- the ``route_trace v1`` CSV written by llama.cpp-based engines that log every routing
+  (``--route-trace``): comment lines ``# route_trace v1``, ``# model=... arch=... n_layer=N
+  n_expert=E n_expert_used=K``, one ``# layer=I expert_bytes=B ...`` a MoE layer, then rows
+  ``turn,phase,step,layer,slot,expert,...`` with ``phase`` 0 for a prefill (one batch over
+  the prompt's positions) and 1 for a decode step (one token), ``step`` the token's
+  position and ``slot`` the router's rank. Each decode token becomes one trace step; each
+  prefill becomes one step of all its positions (``step_tokens`` says how many), so the
+  shape gate sees the width the engine ran.
+- the routing JSONL written by ``capture_routing.py`` (a transformers forward hook on every
+  router, greedy decode; github.com/pjordanandrsn/grouped-nf4-gemm,
+  ``bench/cold-engine/routing-trace/``): a first line ``{"meta": {"model", "prompt",
+  "steps", "layers", "top_k", "n_experts", ...}}``, then one line a decode token,
+  ``{"step": s, "token": t, "routed": {"<router index>": [expert ids]}}``. It records
+  decode only (the prompt's prefill is run, not recorded) and each token's ids sorted, not
+  in the router's rank order. Each line becomes one decode step of one token.
+
+Several recordings of one model (``trace import A B C OUT``) become one trace, one after
+another in the order given: requests served in turn by one stream.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,3 +179,188 @@ def to_trace(rc: RouteCsv, *, prefill: bool = True, expert_bytes: int | None = N
                  expert_bytes=expert_bytes, model=model or rc.model or None,
                  layers=layers.astype(np.int64), step_tokens=tokens,
                  source=source).validate()
+
+
+@dataclass
+class RouteJsonl:
+    """What a routing JSONL file holds: its meta facts and ``ids[T, L, top_k]``, one decode
+    token a row, the layers in ``layers`` (the recording's router indices) order."""
+
+    model: str
+    prompt: str
+    num_experts: int
+    top_k: int
+    layers: np.ndarray
+    ids: np.ndarray
+    top_k_native: int | None = None
+
+
+def _count(value: object) -> int | None:
+    """``value`` as a JSON integer (not a bool, not a float), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def read_route_jsonl(path: str | Path) -> RouteJsonl:
+    """Parse a routing JSONL file line by line; every failure is a TraceError naming the
+    file and, where there is one, the line. Refused: a meta line without ``top_k`` and
+    ``n_experts``, a line that is not a decode token's routing, a step out of order, a
+    layer missing or extra, a token whose ids are not ``top_k`` distinct experts, and a
+    file shorter or wider than its meta line says (a truncated recording)."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"{p}: no such file")
+    try:
+        with p.open(encoding="utf-8") as f:
+            return _parse_jsonl(p, f)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{p}: not a readable text file ({exc.__class__.__name__})") from None
+
+
+def _json_line(p: Path, n: int, line: str) -> dict:
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):  # RecursionError: arrays nested past the C stack
+        raise TraceError(f"{p}:{n}: not a JSON line") from None
+    if not isinstance(obj, dict):
+        raise TraceError(f"{p}:{n}: not a JSON object")
+    return obj
+
+
+def _parse_jsonl(p: Path, f: TextIO) -> RouteJsonl:
+    meta = _json_line(p, 1, f.readline()).get("meta")
+    if not isinstance(meta, dict):
+        raise TraceError(f'{p}:1: the first line is not a {{"meta": {{...}}}} object')
+    num_experts, top_k = _count(meta.get("n_experts")), _count(meta.get("top_k"))
+    if num_experts is None or top_k is None:
+        raise TraceError(f"{p}:1: the meta line gives no n_experts and top_k")
+    if num_experts <= 0 or not 0 < top_k <= num_experts:
+        raise TraceError(f"{p}:1: n_experts={num_experts} top_k={top_k} is not a router")
+    if meta.get("decode") is False:
+        raise TraceError(f"{p}:1: the meta line says decode=false: not a decode recording")
+    keys: list[str] | None = None
+    rows: list[list[list[int]]] = []
+    for n, line in enumerate(f, start=2):
+        if not line.strip():
+            continue
+        rec = _json_line(p, n, line)
+        routed = rec.get("routed")
+        if _count(rec.get("step")) != len(rows) or not isinstance(routed, dict):
+            raise TraceError(f'{p}:{n}: expected {{"step": {len(rows)}, "routed": '
+                             '{layer: [experts]}}')
+        if keys is None:
+            keys = sorted(routed, key=lambda k: (len(k), k))
+            # "0", "1", ...: no sign, no leading zero, no other script's digits
+            if not keys or any(not (k.isascii() and k.isdigit() and k == str(int(k)))
+                               for k in keys):
+                raise TraceError(f"{p}:{n}: the routed layers must be named by integers")
+        elif set(routed) != set(keys):
+            missing, extra = sorted(set(keys) - set(routed)), sorted(set(routed) - set(keys))
+            raise TraceError(f"{p}:{n}: not the first step's layers (missing "
+                             f"{', '.join(missing[:4]) or 'none'}, extra "
+                             f"{', '.join(map(str, extra[:4])) or 'none'})")
+        step = []
+        for k in keys:
+            ids = routed[k]
+            if (not isinstance(ids, list) or len(ids) != top_k
+                    or any(_count(e) is None or not 0 <= e < num_experts for e in ids)
+                    or len(set(ids)) != top_k):
+                shown = repr(ids) if len(repr(ids)) <= 60 else repr(ids)[:57] + "..."
+                raise TraceError(f"{p}:{n}: layer {k} routes {shown}, not {top_k} distinct "
+                                 f"experts in 0..{num_experts - 1}")
+            step.append(ids)
+        rows.append(step)
+    if not rows or keys is None:
+        raise TraceError(f"{p}: no steps after the meta line")
+    said = _count(meta.get("steps"))
+    if said is not None and said != len(rows):
+        raise TraceError(f"{p}: the meta line says {said} steps and the file holds "
+                         f"{len(rows)} (a truncated recording?)")
+    said = _count(meta.get("layers"))
+    if said is not None and said != len(keys):
+        raise TraceError(f"{p}: the meta line says {said} layers and the steps route "
+                         f"{len(keys)}")
+    return RouteJsonl(model=str(meta.get("model") or ""), prompt=str(meta.get("prompt") or ""),
+                      num_experts=num_experts, top_k=top_k,
+                      layers=np.asarray([int(k) for k in keys], dtype=np.int64),
+                      ids=np.asarray(rows, dtype=np.int32),
+                      top_k_native=_count(meta.get("top_k_native")))
+
+
+def jsonl_to_trace(rj: RouteJsonl, *, expert_bytes: int | None = None,
+                   model: str | None = None, source: str | None = None) -> Trace:
+    """The recording as a `Trace`: one decode step of one token a line, in file order."""
+    return Trace(topk_ids=rj.ids.copy(), num_experts=rj.num_experts, top_k=rj.top_k,
+                 expert_bytes=expert_bytes, model=model or rj.model or None,
+                 layers=rj.layers.copy(), step_tokens=np.ones(len(rj.ids), np.int64),
+                 source=source).validate()
+
+
+#: the formats `read_recording` tells apart, as `import`'s default source names them
+CSV_KIND, JSONL_KIND = "route_trace v1", "routing JSONL"
+
+
+def read_recording(path: str | Path) -> RouteCsv | RouteJsonl:
+    """A recording in either format, told apart by its first line (``# route_trace v1``,
+    or a JSON object: the routing JSONL's meta line)."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"{p}: no such file")
+    try:
+        with p.open(encoding="utf-8", newline="") as f:
+            first = f.readline()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{p}: not a readable text file ({exc.__class__.__name__})") from None
+    if first.strip() == MAGIC:
+        return read_route_csv(p)
+    if first.lstrip().startswith("{"):
+        return read_route_jsonl(p)
+    raise TraceError(f"{p}: not a route trace (its first line is neither {MAGIC!r} nor a "
+                     "routing JSONL meta line)")
+
+
+def recording_trace(rec: RouteCsv | RouteJsonl, *, prefill: bool = True) -> Trace:
+    """One recording as a `Trace` (no labels: `join` gives them)."""
+    if isinstance(rec, RouteJsonl):
+        return jsonl_to_trace(rec)
+    return to_trace(rec, prefill=prefill)
+
+
+def join(traces: list[Trace], names: list[str], *, expert_bytes: int | None = None,
+         model: str | None = None, source: str | None = None) -> Trace:
+    """Recordings of one model as one trace: their steps one after another, in the order
+    given (requests served in turn), ids padded to the widest step. ``names`` label the
+    recordings in errors. Refused: recordings of different shapes (experts, top_k, layers).
+    ``expert_bytes`` and ``model`` default to the first recording's that has one."""
+    first = traces[0]
+    for tr, name in zip(traces[1:], names[1:]):
+        if ((tr.num_experts, tr.top_k) != (first.num_experts, first.top_k)
+                or tr.layer_names() != first.layer_names()):
+            raise TraceError(
+                f"{name}: top-{tr.top_k} of {tr.num_experts} over {tr.num_layers} layers, and "
+                f"{names[0]} top-{first.top_k} of {first.num_experts} over {first.num_layers}: "
+                "not recordings of one model")
+    width = max(tr.width for tr in traces)
+    ids = np.concatenate([np.pad(tr.topk_ids, ((0, 0), (0, 0), (0, width - tr.width)),
+                                 constant_values=-1) for tr in traces])
+    tokens = np.concatenate([tr.step_tokens for tr in traces])
+    if expert_bytes is None:
+        expert_bytes = next((tr.expert_bytes for tr in traces if tr.expert_bytes), None)
+    if model is None:
+        model = next((tr.model for tr in traces if tr.model), None)
+    return Trace(topk_ids=ids, num_experts=first.num_experts, top_k=first.top_k,
+                 expert_bytes=expert_bytes, model=model, layers=first.layers,
+                 step_tokens=tokens, source=source).validate()
+
+
+def default_source(recs: list[RouteCsv | RouteJsonl], names: list[str]) -> str:
+    """What `trace import` stores as ``source`` when not told: the files and their format
+    (a JSONL readout at another top_k than the model routed says so)."""
+    files = ", ".join(names)
+    rec = recs[0]
+    if isinstance(rec, RouteCsv):
+        return f"recorded: {files} ({CSV_KIND}, {rec.arch or '?'})"
+    note = ""
+    if rec.top_k_native is not None and rec.top_k_native != rec.top_k:
+        note = (f"; ids read at top-{rec.top_k} of a router that routed "
+                f"{rec.top_k_native}: not what the model ran")
+    return f"recorded: {files} ({JSONL_KIND}, {rec.model or '?'}{note})"
