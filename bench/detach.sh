@@ -9,10 +9,16 @@
 #   RESULTS=/tmp/of bash bench/detach.sh --poll formats 540
 # waits up to 540 s for it to end, prints the tail of its log, packs RESULTS into the call's
 # $OUT (results.tgz, with the log), and says whether it is still running (exit 3) or ended
-# (exit 0; the runner's own status is in /tmp/detached-NAME.rc).
+# (exit 0; the runner's own status is in /tmp/detached-NAME.rc), or, at once, that no such job
+# is on this machine (exit 4: the machine was given back and this one starts bare).
 set -uo pipefail
 if [ "${1:-}" = "--poll" ]; then
   name=$2 wait_s=${3:-540} t0=$SECONDS
+  if [ ! -f "/tmp/detached-$name.log" ] && [ ! -f "/tmp/detached-$name.rc" ]; then
+    # a machine given back between calls comes back bare: waiting would only spend time
+    echo "no detached job '$name' on this machine (started fresh: its job and results are gone)"
+    exit 4
+  fi
   while [ ! -f "/tmp/detached-$name.rc" ] && [ $((SECONDS - t0)) -lt "$wait_s" ]; do sleep 5; done
   tail -n "${TAIL_LINES:-40}" "/tmp/detached-$name.log"
   if [ -n "${OUT:-}" ] && [ -n "${RESULTS:-}" ] && [ -d "$RESULTS" ]; then

@@ -39,3 +39,10 @@ def test_detached_runner_outlives_its_caller_and_poll_reports_it(tmp_path):
     finally:
         for suffix in ("log", "rc"):
             Path(f"/tmp/detached-{name}.{suffix}").unlink(missing_ok=True)
+
+
+def test_poll_of_a_job_not_on_this_machine_says_so_at_once():
+    name = f"t{uuid.uuid4().hex[:8]}"  # never started: as on a machine that came back bare
+    r = _run("--poll", name, "540")
+    assert r.returncode == 4, r.stdout
+    assert f"no detached job '{name}' on this machine" in r.stdout
