@@ -243,8 +243,8 @@ def test_a_rebatch_to_more_streams_than_memory_holds_is_every_start_once():
 def test_shared_requests_counts_streams_that_start_together_once():
     from expertcache_cli.planning.rebatch import shared_requests
 
-    single = np.array([False] + [True] * 9 + [False] + [True] * 9)
-    many = shared_requests(single, [(i * 18) // 5000 for i in range(5000)], 5000)
+    req = np.array([0] * 9 + [1] * 9)  # the decode steps of two requests
+    many = shared_requests(req, [(i * 18) // 5000 for i in range(5000)], 5000)
     assert many["streams"] == 5000 and many["requests"] == 2
     assert many["fewest"] == many["median"] == 2  # the 18 distinct starts span both
 
@@ -258,3 +258,43 @@ def test_reuse_distance_counts_an_expert_once_a_layer_step():
     # expert 1 re-used at step 2 after {3} (2 is older: at its own step), expert 3 after none
     assert reuse_percentiles(once, (50, 100)) == {"p50": 0.5, "p100": 1.0, "reuses": 2}
     assert reuse_percentiles(twice, (50, 100)) == reuse_percentiles(once, (50, 100))
+
+
+def _steps(tokens: list[int], requests: list[int] | None = None) -> Trace:
+    ids = np.zeros((len(tokens), 1, 2), np.int32)
+    return Trace(ids, 4, 2, step_tokens=np.array(tokens),
+                 requests=None if requests is None else np.array(requests)).validate()
+
+
+def test_requests_start_at_prefills_or_where_the_recording_says():
+    # derived: a prefill (a step wider than decode) opens a request, the first step too
+    assert _steps([5, 1, 1, 7, 1, 1]).request_ids().tolist() == [0, 0, 0, 1, 1, 1]
+    assert _steps([1, 1, 7, 1]).request_ids().tolist() == [0, 0, 1, 1]
+    # recorded: decode-only requests that no prefill marks, renumbered in trace order
+    tr = _steps([1, 1, 1, 1, 1], [3, 3, 8, 8, 9])
+    assert tr.request_ids().tolist() == [0, 0, 1, 1, 2]
+    assert tr.request_starts().tolist() == [0, 2, 4]
+    assert Trace(np.zeros((2, 1, 2), np.int32), 4, 2).request_ids() is None  # cannot tell
+
+
+def test_requests_must_be_one_non_negative_entry_a_step(tmp_path):
+    from expertcache_cli.rules.trace import TraceError, load, save
+
+    with pytest.raises(TraceError, match="one entry a step"):
+        _steps([1, 1], [0])
+    with pytest.raises(TraceError, match="non-negative"):
+        _steps([1, 1], [0, -1])
+    back = load(save(_steps([1, 1, 1], [0, 0, 1]), tmp_path / "r.npz"))
+    assert back.requests.tolist() == [0, 0, 1]
+
+
+def test_rebatch_counts_requests_the_recording_marks():
+    from expertcache_cli.planning.rebatch import rebatch
+
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.choice(16, 2, replace=False) for _ in range(40)])[:, None, :]
+    marked = Trace(ids.astype(np.int32), 16, 2, step_tokens=np.ones(40, np.int64),
+                   requests=np.repeat(np.arange(4), 10))
+    assert rebatch(marked, 4, 4).extra["shared"]["requests"] == 4
+    unmarked = Trace(ids.astype(np.int32), 16, 2, step_tokens=np.ones(40, np.int64))
+    assert rebatch(unmarked, 4, 4).extra["shared"]["requests"] == 1

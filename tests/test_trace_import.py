@@ -221,6 +221,8 @@ def test_several_recordings_are_joined_in_turn_and_the_route_csv_still_reads(tmp
     tr = join([recording_trace(r) for r in recs], ["a.jsonl", "b.jsonl"], expert_bytes=7)
     assert tr.topk_ids.shape == (4, 2, 2) and tr.expert_bytes == 7
     assert tr.topk_ids[3].tolist() == [[2, 6], [3, 0]]  # by layer, as the file names them
+    # no prefill marks where b's prompt starts: the joined trace says it
+    assert tr.request_starts().tolist() == [0, 3]
     assert default_source(recs, ["a.jsonl", "b.jsonl"]) == \
         "recorded: a.jsonl, b.jsonl (routing JSONL, /m/tiny)"
     assert isinstance(read_recording(_write(tmp_path, HEAD + ROWS)), RouteCsv)

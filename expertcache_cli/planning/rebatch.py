@@ -62,8 +62,9 @@ def rebatch(trace: Trace, n: int, padded_tokens: int | None = None) -> Trace:
     # (n >= t: every step starts one, the rest are copies; never an array of n)
     offsets = (np.arange(t, dtype=np.int64) if n >= t
                else np.unique((np.arange(n, dtype=np.int64) * t) // n))
-    # requests are known only where the recording marked its prefills (step_tokens)
-    shared = shared_requests(single, offsets, n) if trace.step_tokens is not None else None
+    # requests are known only where the recording marked them (`Trace.request_ids`)
+    req = trace.request_ids()
+    shared = shared_requests(req[single], offsets, n) if req is not None else None
     width = max(1, int(valid[single].max()))
     dec = np.where((dec >= 0) & (dec < trace.num_experts), dec, -1).astype(np.int32)
     out = _stream_union(dec, offsets, trace.num_experts, width)
@@ -100,21 +101,20 @@ def _stream_union(dec: np.ndarray, offsets: np.ndarray, num_experts: int,
     return out
 
 
-def shared_requests(single: np.ndarray, starts, streams: int | None = None) -> dict:
+def shared_requests(req: np.ndarray, starts, streams: int | None = None) -> dict:
     """How many distinct requests `rebatch`'s streams are in at once.
 
     Why: the streams are copies of one recording, so two streams inside the same request
     route alike and share its experts, and a re-batch of a trace that is mostly one
     request prices ``n`` users as one (24 layers: a one-request trace re-batched to 16 streams
     predicted 180 tok/s in place; 16 users with their own prompts ran 41;
-    bench/results/wide-steps.md). A
-    request is a run of decode steps between two steps that are not (a prefill starts
-    each). ``single``: ``[T]`` bool, the trace's decode steps; ``starts``: each stream's
-    first decode step (streams starting together are in one request: counted once);
-    ``streams``: how many there are (default: one a start). Returns ``requests`` (in the
-    decode steps), and the fewest and the median distinct requests at one step.
+    bench/results/wide-steps.md). ``req``: ``[T]``, the request of each of the trace's
+    decode steps (`Trace.request_ids`, non-decreasing); ``starts``: each stream's first
+    decode step (streams starting together are in one request: counted once); ``streams``:
+    how many there are (default: one a start). Returns ``requests`` (in the decode steps),
+    and the fewest and the median distinct requests at one step.
     """
-    req = np.cumsum(np.concatenate([[True], ~single[:-1]])[single])  # +1 after a prefill
+    req = np.asarray(req, dtype=np.int64)
     t, offsets = len(req), np.unique(np.asarray(starts, dtype=np.int64))
     distinct = np.empty(t, dtype=np.int64)
     block = max(1, (1 << 22) // len(offsets))  # [steps, starts] ~32 MiB at a time
@@ -122,7 +122,7 @@ def shared_requests(single: np.ndarray, starts, streams: int | None = None) -> d
         steps = np.arange(lo, min(t, lo + block))
         at = np.sort(req[(steps[:, None] + offsets[None, :]) % t], axis=1)
         distinct[steps] = 1 + np.count_nonzero(np.diff(at, axis=1), axis=1)
-    return {"requests": int(req[-1]),
+    return {"requests": len(np.unique(req)),
             "streams": len(offsets) if streams is None else int(streams),
             "fewest": int(distinct.min()), "median": float(np.median(distinct))}
 

@@ -38,6 +38,9 @@ class Trace:
     layers: np.ndarray | None = None
     step_tokens: np.ndarray | None = None
     source: str | None = None
+    #: ``[T]``: the request each step belongs to, where the recording says so (several
+    #: decode-only recordings joined in turn, whose boundaries no prefill step marks)
+    requests: np.ndarray | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -90,6 +93,33 @@ class Trace:
         batch = int(widths[np.argmax(counts)])  # unique sorts: a tie goes to the narrowest
         return np.where(tokens > batch, PREFILL, DECODE).astype(np.int64)
 
+    def request_ids(self) -> np.ndarray | None:
+        """``[T]``: the request each step is in, numbered from 0 in trace order; None where
+        the trace cannot tell.
+
+        The one place a request is told apart. Why it matters: streams re-batched from one
+        recording route alike while they are in the same request (`rebatch.shared_requests`),
+        and a served bench request replays one recorded request. ``requests`` says it where
+        the recording did; else a request starts at each prefill (`step_kinds`), and at the
+        first step.
+        """
+        if self.requests is not None:
+            raw = np.asarray(self.requests, dtype=np.int64)
+            return np.cumsum(np.concatenate([[0], raw[1:] != raw[:-1]])).astype(np.int64)
+        kinds = self.step_kinds()
+        if kinds is None:
+            return None
+        starts = kinds == PREFILL
+        starts[0] = False  # the first step opens request 0 whatever it is
+        return np.cumsum(starts).astype(np.int64)
+
+    def request_starts(self) -> np.ndarray | None:
+        """The first step of each request (`request_ids`), or None where it cannot tell."""
+        req = self.request_ids()
+        if req is None:
+            return None
+        return np.flatnonzero(np.concatenate([[True], req[1:] != req[:-1]])).astype(np.int64)
+
     def layer_names(self) -> list[int]:
         if self.layers is not None:
             return [int(x) for x in self.layers]
@@ -131,6 +161,13 @@ class Trace:
             raise TraceError(
                 f"step_tokens has {len(self.step_tokens)} entries for {ids.shape[0]} steps"
             )
+        if self.requests is not None:
+            req = np.asarray(self.requests)
+            if req.ndim != 1 or len(req) != ids.shape[0]:
+                raise TraceError(
+                    f"requests has shape {req.shape} for {ids.shape[0]} steps (one entry a step)")
+            if not np.issubdtype(req.dtype, np.integer) or (req.size and int(req.min()) < 0):
+                raise TraceError("requests must be non-negative integers (a request a step)")
         if self.expert_bytes is not None and self.expert_bytes <= 0:
             raise TraceError(f"expert_bytes must be positive, got {self.expert_bytes}")
         return self
@@ -179,6 +216,7 @@ def load(path: str | Path) -> Trace:
                 if "step_tokens" in data.files
                 else None,
                 source=_scalar(data, "source", str) if "source" in data.files else None,
+                requests=np.asarray(data["requests"]) if "requests" in data.files else None,
             )
         except ValueError as exc:  # e.g. object arrays refused with allow_pickle=False
             raise TraceError(f"{p}: unreadable field ({exc})") from None
@@ -214,6 +252,8 @@ def save(trace: Trace, path: str | Path) -> Path:
         payload["step_tokens"] = np.asarray(trace.step_tokens, dtype=np.int64)
     if trace.source is not None:
         payload["source"] = np.str_(trace.source)
+    if trace.requests is not None:
+        payload["requests"] = np.asarray(trace.requests, dtype=np.int64)
     p.parent.mkdir(parents=True, exist_ok=True)
     # whole or not at all: a reader never sees half a file (an interrupted save, or two
     # processes writing the same name, leave the previous file or the complete new one)
@@ -241,6 +281,8 @@ def describe(trace: Trace) -> dict:
         "num_experts": trace.num_experts,
         "top_k": trace.top_k,
         "tokens": trace.tokens,
+        # None: the trace does not say where its requests start
+        "requests": None if (req := trace.request_ids()) is None else int(req[-1]) + 1,
         "ids_per_step_min": int(per_step.min()),
         "ids_per_step_max": int(per_step.max()),
         "padding_fraction": float(1 - valid.mean()),

@@ -343,13 +343,22 @@ def join(traces: list[Trace], names: list[str], *, expert_bytes: int | None = No
     ids = np.concatenate([np.pad(tr.topk_ids, ((0, 0), (0, 0), (0, width - tr.width)),
                                  constant_values=-1) for tr in traces])
     tokens = np.concatenate([tr.step_tokens for tr in traces])
+    # each recording's requests (one, or one a prefill it marks), numbered on from the last
+    parts, base = [], 0
+    for tr in traces:
+        own = tr.request_ids()
+        own = np.zeros(tr.steps, np.int64) if own is None else own
+        parts.append(own + base)
+        base += int(own[-1]) + 1
+    requests = np.concatenate(parts)
     if expert_bytes is None:
         expert_bytes = next((tr.expert_bytes for tr in traces if tr.expert_bytes), None)
     if model is None:
         model = next((tr.model for tr in traces if tr.model), None)
     return Trace(topk_ids=ids, num_experts=first.num_experts, top_k=first.top_k,
                  expert_bytes=expert_bytes, model=model, layers=first.layers,
-                 step_tokens=tokens, source=source).validate()
+                 step_tokens=tokens, source=source,
+                 requests=requests if len(traces) > 1 else None).validate()
 
 
 def default_source(recs: list[RouteCsv | RouteJsonl], names: list[str]) -> str:
