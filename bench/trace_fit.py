@@ -21,7 +21,9 @@ says so. ``--streams S --steps N`` writes what the hook hands a decode of ``S`` 
 over ``N`` steps: row ``t mod T``'s first ``S x top_k`` ids at step ``t`` (the hook cycles
 the trace and takes a step's width from the row's front), so that `plan` replays the very
 ids a short recording drives a long served run with; ``--request-steps R`` as the hook
-restarts each request of ``R`` steps at row 0, its prefill ``P`` tokens wide.
+restarts each request of ``R`` steps at row 0, its prefill ``P`` tokens wide (or, with
+``--prompt-tokens P1,P2,...`` on a trace of several recorded requests, at the first row of
+the one each served prompt replays).
     python bench/trace_fit.py --source T.npz     # the trace's source line (the reports)
     python bench/trace_fit.py --shape T.npz      # "TOP_K EXPERTS LAYERS" (the runners: the
                                                  # checkpoint a recording is served on)
@@ -39,6 +41,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 from expertcache_cli.rules import trace as tracefile  # noqa: E402
 
@@ -69,43 +72,83 @@ def narrow(trace: tracefile.Trace, top_k: int) -> tracefile.Trace:
 
 def as_served(trace: tracefile.Trace, streams: int, steps: int,
               request_steps: int | None = None, prefill_tokens: int | None = None,
-              decode_only: bool = False) -> tracefile.Trace:
-    """The ids the hook hands ``steps`` steps of ``streams`` streams: step ``t`` is row
-    ``t mod T``'s first ``streams x top_k`` ids (padding where the row is short). With
-    ``request_steps`` R, each request of R steps starts the trace again (the hook's
-    restart at a prefill): step ``t`` is row ``(t mod R) mod T``, and a request's first
-    step, its prefill, takes ``prefill_tokens x top_k`` ids of row 0. ``decode_only``
-    leaves each request's first step out: a served run's rate is timed over its decode
-    steps, and `plan` leaves out of its pricing only the prefills it can tell (steps wider
-    than decode: ``prefill_tokens``), so a first step written one token wide would be priced
-    as decode; in place a prefill wider than the slots is read through without installing,
-    so the cache it leaves is the same."""
+              decode_only: bool = False,
+              prompt_tokens: list[int] | None = None) -> tracefile.Trace:
+    """The ids the hook (`bench/trace_routing.py`) hands ``steps`` steps of ``streams``
+    streams: step ``t`` is row ``t mod T``'s first ``streams x top_k`` ids (padding where
+    the row is short), or, on a trace recorded one stream at a time, stream ``i``'s top_k
+    ids from row ``t + i x T / streams`` (mod T). With ``request_steps`` R, each request of R
+    steps starts again at the first row of the recorded request its prefill picks (the
+    hook's rule: request q's prompt of ``prompt_tokens[q mod len]`` tokens replays
+    recorded request (tokens // 8) mod the trace's requests; row 0 without prompts or for
+    a trace of one request), and that first step, its prefill, takes ``prefill_tokens x
+    top_k`` ids of the row. ``decode_only`` leaves each request's first step out: a served
+    run's rate is timed over its decode steps, and `plan` leaves out of its pricing only
+    the prefills it can tell (steps wider than decode: ``prefill_tokens``), so a first step
+    written one token wide would be priced as decode; in place a prefill wider than the
+    slots is read through without installing, so the cache it leaves is the same."""
     if streams <= 0 or steps <= 0 or (request_steps is not None and request_steps <= 0):
         raise ValueError(f"streams, steps and request steps must be positive, got "
                          f"{streams}, {steps}, {request_steps}")
-    k = trace.top_k
-    pos = np.arange(steps) if request_steps is None else np.arange(steps) % request_steps
+    if prompt_tokens is not None and (not prompt_tokens or min(prompt_tokens) <= 0):
+        raise ValueError(f"prompt tokens must be positive, got {prompt_tokens}")
+    k, t_rows = trace.top_k, trace.steps
+    t = np.arange(steps)
+    pos = t if request_steps is None else t % request_steps
+    base = np.zeros(steps, dtype=np.int64)
+    starts = trace.request_starts()
+    several = (request_steps is not None and bool(prompt_tokens) and starts is not None
+               and len(starts) > 1)
+    if several or streams > 1:
+        from trace_routing import PROMPT_STEP, one_stream  # the hook's own rules
+    if several:
+        q = t // request_steps
+        lengths = np.asarray(prompt_tokens, dtype=np.int64)[q % len(prompt_tokens)]
+        base = starts[(lengths // PROMPT_STEP) % len(starts)]
+    at = base + pos  # the row the first stream takes at each step
     prefill = (pos == 0) & (request_steps is not None) & (prefill_tokens is not None)
     width = max(streams, prefill_tokens if request_steps and prefill_tokens else 0) * k
-    ids = trace.topk_ids[pos % trace.steps]
-    if ids.shape[2] >= width:
-        ids = ids[:, :, :width]
+    if streams > 1 and one_stream(trace):
+        # one row a stream, `TraceRouting._streams`; a prefill as the hook takes it
+        rows = trace.topk_ids[:, :, :k]
+        offsets = np.arange(streams, dtype=np.int64) * (t_rows // streams)
+        ids = np.full((steps, trace.num_layers, width), -1, dtype=trace.topk_ids.dtype)
+        per = rows[(at[:, None] + offsets[None, :]) % t_rows]  # [steps, streams, L, k]
+        ids[:, :, : streams * k] = per.transpose(0, 2, 1, 3).reshape(steps, trace.num_layers, -1)
+        wide = trace.topk_ids[at % t_rows]
+        cut = min(width, wide.shape[2])
+        ids[prefill] = -1
+        ids[prefill, :, :cut] = wide[prefill, :, :cut]
     else:
-        pad = np.full(ids.shape[:2] + (width - ids.shape[2],), -1, dtype=ids.dtype)
-        ids = np.concatenate([ids, pad], axis=2)
-    ids = np.ascontiguousarray(ids)
-    ids[~prefill, :, streams * k:] = -1  # a decode step: its streams' ids only
+        ids = trace.topk_ids[at % t_rows]
+        if ids.shape[2] >= width:
+            ids = ids[:, :, :width]
+        else:
+            pad = np.full(ids.shape[:2] + (width - ids.shape[2],), -1, dtype=ids.dtype)
+            ids = np.concatenate([ids, pad], axis=2)
+        ids = np.ascontiguousarray(ids)
+        ids[~prefill, :, streams * k:] = -1  # a decode step: its streams' ids only
+    keep = np.ones(steps, bool)
     if decode_only and request_steps is not None:
-        ids = np.ascontiguousarray(ids[pos != 0])
+        keep = pos != 0
+        ids = np.ascontiguousarray(ids[keep])
     valid = (ids >= 0).sum(axis=2).max(axis=1)  # ids of the widest layer a step
+    picked = ""
+    if several:
+        replays = (np.asarray(prompt_tokens) // PROMPT_STEP) % len(starts)
+        picked = (f", prompts of {'/'.join(str(p) for p in prompt_tokens)} tokens replaying "
+                  f"recorded requests {'/'.join(str(int(r)) for r in replays)}")
     what = (f"{streams} stream(s) x {steps} steps: row t mod {trace.steps}, its first "
             f"{streams * k} ids" if request_steps is None else
-            f"{steps // request_steps} request(s) of {request_steps} steps, each from row 0 "
-            f"(its prefill{f' of {prefill_tokens} tokens' if prefill_tokens else ''}), "
+            f"{steps // request_steps} request(s) of {request_steps} steps, each from "
+            f"{'row 0' if not picked else 'a recorded request' + chr(39) + 's first row'} "
+            f"(its prefill"
+            f"{f' of {prefill_tokens} tokens' if prefill_tokens else ''}){picked}, "
             f"{streams} stream(s){', prefills left out' if decode_only else ''}")
+    served_req = None if request_steps is None else (t // request_steps)[keep]
     return dataclasses.replace(
         trace, topk_ids=ids, step_tokens=np.maximum(1, valid // k).astype(np.int64),
-        source=source_of(trace) + f" [as the hook serves {what}]")
+        requests=served_req, source=source_of(trace) + f" [as the hook serves {what}]")
 
 
 def fit(trace: tracefile.Trace, layers: int, expert_bytes: int | None = None
@@ -157,6 +200,10 @@ def main(argv: list[str]) -> int:
                     help="with --request-steps: a request's prefill, in tokens")
     ap.add_argument("--decode-only", action="store_true",
                     help="with --request-steps: leave each request's prefill step out")
+    ap.add_argument("--prompt-tokens", default=None,
+                    help="with --request-steps: the served requests' prompts, in tokens, "
+                    "comma-separated, in the order sent (cycled): which recorded request each "
+                    "replays")
     a = ap.parse_args(argv)
     if (a.streams is None) != (a.steps is None):
         print("trace_fit: --streams and --steps go together", file=sys.stderr)
@@ -176,8 +223,10 @@ def main(argv: list[str]) -> int:
             trace = narrow(trace, a.top_k)
         trace = fit(trace, a.layers, per)
         if a.streams is not None:
+            prompts = ([int(x) for x in a.prompt_tokens.split(",")]
+                       if a.prompt_tokens else None)
             trace = as_served(trace, a.streams, a.steps, a.request_steps, a.prefill_tokens,
-                              a.decode_only)
+                              a.decode_only, prompts)
     except ValueError as exc:
         print(f"trace_fit: {exc}", file=sys.stderr)
         return 2

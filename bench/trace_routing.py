@@ -7,7 +7,14 @@ nothing about what `expertcache plan` predicts for a real workload's trace. With
 for a step no wider than the trace's rows, the trace's ids for that layer at the layer's
 next step (cycling), with the router's own weights; wider steps keep the router's ids. Each
 request starts the trace again: a step of more tokens than ``EC_BENCH_TRACE_STREAMS``
-(default 1) is its prefill and takes row 0, its decode steps rows 1, 2, ...
+(default 1) is its prefill and takes the first row of one of the trace's recorded requests
+(`Trace.request_starts`; row 0 for a trace of one request), its decode steps the rows
+after it. Which one: the prefill's tokens // `PROMPT_STEP`, modulo the requests, so that
+served prompts whose lengths differ by `PROMPT_STEP` tokens replay different recorded
+requests while one prompt always replays the same one (two servers given it compare).
+A decode step of several streams on a trace recorded one stream at a time gives stream
+``i`` the row ``i x T / streams`` after the first stream's (as `rebatch` places streams):
+each stream at another point of the recording, in another request where it holds them.
 The substitution is device work on a device step counter per layer, so it is
 captured in CUDA graphs like the rest of the step. Every process that imports vLLM's
 router gets it (``bench/trace_hook/sitecustomize.py`` imports this module at startup when
@@ -35,6 +42,10 @@ STREAMS_ENV = "EC_BENCH_TRACE_STREAMS"
 #: "0": one counter across requests, no restart at a prefill (a long synthetic trace that
 #: `plan` replays whole, as the plan check's synthetic rows were measured)
 RESTART_ENV = "EC_BENCH_TRACE_RESTART"
+#: a prefill of P tokens replays recorded request (P // PROMPT_STEP) mod R: vLLM pads a
+#: step to its CUDA-graph sizes, multiples of 8 past 8 tokens, so prompts 8 tokens apart
+#: are told apart whether their prefill is padded or not
+PROMPT_STEP = 8
 ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router.fused_moe_router"
 ROUTER_CLASS = "FusedMoERouter"
 
@@ -49,12 +60,18 @@ class TraceRouting:
     """The trace on the device and one step counter per router (= per MoE layer)."""
 
     def __init__(self, topk_ids: Any, top_k: int, streams: int = 1,
-                 restart: bool = True) -> None:
+                 restart: bool = True, starts: Any = None,
+                 one_stream: bool = False) -> None:
         self.ids = topk_ids  # numpy [T, L, W]
         self.top_k = int(top_k)
         #: decode steps are at most this many tokens; a wider step is a prefill
         self.streams = max(1, int(streams))
         self.restart = restart
+        #: the first row of each recorded request (a prefill restarts at one of them)
+        self.starts = [0] if starts is None or len(starts) == 0 else [int(x) for x in starts]
+        #: the trace was recorded one stream at a time (its decode rows hold top_k ids):
+        #: a step of several streams takes one row a stream
+        self.one_stream = bool(one_stream)
         self.logged = False
         self.layers: dict[int, int] = {}  # id(router) -> layer ordinal, in first-call order
         self.dev: dict[Any, tuple[Any, Any]] = {}  # (device, layer) -> (rows, counter)
@@ -70,10 +87,11 @@ class TraceRouting:
         router's own ids when the step is wider than the trace's rows.
 
         A step of more tokens than ``streams`` is a request's prefill: the layer's counter
-        starts again at row 0 (a recording's prefill), so that every request replays the
-        trace from its start whatever ran before it (vLLM's warm-up, the other arm's extra
-        calls, an earlier request): two servers, or two requests, given one prompt see the
-        same routing, and their greedy tokens can be compared."""
+        starts again at the first row of the recorded request `request_for` picks (a
+        recording's prefill), so that every request replays the trace from a request's
+        start whatever ran before it (vLLM's warm-up, the other arm's extra calls, an
+        earlier request): two servers, or two requests, given one prompt see the same
+        routing, and their greedy tokens can be compared."""
         import torch
 
         tokens, k = topk_ids.shape
@@ -88,7 +106,9 @@ class TraceRouting:
         rows, counter = self.dev[key]
         prefill = self.restart and tokens > self.streams
         if prefill:
-            counter.zero_()
+            counter.fill_(self.starts[self.request_for(tokens)])
+        if self.one_stream and 1 < tokens <= self.streams:
+            return self._streams(layer, rows, counter, topk_ids)
         if width > self.ids.shape[2]:
             if prefill:
                 counter.add_(1)  # the prefill used row 0's place, with the router's own ids
@@ -104,6 +124,39 @@ class TraceRouting:
         counter.add_(1)
         # a trace row shorter than this step (padding -1): keep the router's ids there
         return torch.where(row >= 0, row, topk_ids)
+
+    def request_for(self, tokens: int) -> int:
+        """The recorded request a prefill of ``tokens`` tokens replays (module docstring)."""
+        return (int(tokens) // PROMPT_STEP) % len(self.starts)
+
+    def _streams(self, layer: int, rows: Any, counter: Any, topk_ids: Any) -> Any:
+        """A decode step of several streams on a one-stream recording: stream ``i`` takes
+        row ``counter + i x T / streams`` (mod T), its first top_k ids."""
+        import torch
+
+        tokens, k = topk_ids.shape
+        t = rows.shape[0]
+        offsets = torch.arange(tokens, device=topk_ids.device, dtype=torch.int64)
+        offsets = offsets * (t // self.streams)
+        at = torch.remainder(counter + offsets, t)
+        row = rows.index_select(0, at)[:, :k].to(topk_ids.dtype)
+        counter.add_(1)
+        if not self.logged:
+            self.logged = True
+            log.warning("%s: layer %d's steps of %d streams take one recorded row a stream "
+                        "(%d steps x %d layers)", IN_FORCE_LINE, layer, tokens,
+                        self.ids.shape[0], self.ids.shape[1])
+        return torch.where(row >= 0, row, topk_ids)
+
+
+def one_stream(trace: Any) -> bool:
+    """Whether ``trace`` was recorded one stream at a time: its decode steps ran one token
+    (a recording's `step_tokens`), or, without them, no row holds more than top_k ids."""
+    kinds = trace.step_kinds()
+    if kinds is not None:
+        decode = kinds == 0
+        return bool(decode.any()) and bool((trace.step_tokens[decode] == 1).all())
+    return bool(((trace.topk_ids >= 0).sum(axis=2) <= trace.top_k).all())
 
 
 def patch_router_class(cls: Any, routing: TraceRouting) -> None:
@@ -131,7 +184,8 @@ def install(path: str | None = None) -> TraceRouting | None:
     trace = load(path)
     routing = TraceRouting(trace.topk_ids, trace.top_k,
                            int(os.environ.get(STREAMS_ENV, "1") or 1),
-                           os.environ.get(RESTART_ENV, "1") != "0")
+                           os.environ.get(RESTART_ENV, "1") != "0",
+                           starts=trace.request_starts(), one_stream=one_stream(trace))
 
     def patch(module: Any) -> None:
         cls = getattr(module, ROUTER_CLASS, None)

@@ -73,6 +73,9 @@ class H(BaseHTTPRequestHandler):
         posts += 1
         req = json.loads(self.rfile.read(int(self.headers["content-length"])))
         assert req["stream"] and req["ignore_eos"] and req["temperature"] == 0, req
+        if os.environ.get("STUB_PROMPTS"):
+            with open(os.environ["STUB_PROMPTS"], "a") as fh:
+                fh.write(f"{arm} {req['prompt']}\n")
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.end_headers()
@@ -489,3 +492,29 @@ def test_the_failure_cause_is_the_root_not_vllms_wrapper():
     assert failure_cause("warning: something\nfatal error in the thing\n") == (
         "fatal error in the thing")
     assert failure_cause("all fine\n") == ""
+
+
+@pytest.mark.parametrize("concurrency,want", [
+    (1, ["p0", "p1", "p2"]),  # the warm-up, then each run the next prompt
+    (2, ["p0", "p1", "p2", "p0", "p1", "p2"]),  # a run's streams the ones after
+])
+def test_several_prompts_are_taken_in_turn_in_every_server(tmp_path, stub, monkeypatch,
+                                                           concurrency, want):
+    stub_path, pidfile = stub
+    log = tmp_path / "prompts.txt"
+    monkeypatch.setenv("STUB_PROMPTS", str(log))
+    cfg = _cfg(tmp_path, stub_path, pidfile, {}, restarts=1, runs=2,
+               concurrency=concurrency, prompt=["p0", "p1", "p2"])
+    run_baseline(cfg)
+    seen = [ln.split() for ln in log.read_text().splitlines()]
+    for arm in ("resident", "offload"):  # the same order in both servers
+        assert sorted(p for a, p in seen if a == arm) == sorted(want)
+        # streams of one run arrive in either order: compare the runs as sets
+        got = [p for a, p in seen if a == arm]
+        runs = [sorted(got[i:i + concurrency]) for i in range(0, len(got), concurrency)]
+        assert runs == [sorted(want[i:i + concurrency]) for i in range(0, len(want),
+                                                                      concurrency)]
+    meta, _ = store.load(cfg.out)
+    assert meta["prompt"] == ["p0", "p1", "p2"]
+    with pytest.raises(UserError, match="--prompt is empty"):
+        _cfg(tmp_path, stub_path, pidfile, {}, prompt=["p0", ""]).validate()

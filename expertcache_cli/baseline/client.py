@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 #: Two token events closer than this arrived together (diagnostic: some servers flush
@@ -45,7 +46,7 @@ class StreamResult:
 
 @dataclass
 class RunResult:
-    """One run: ``concurrency`` identical requests sent together.
+    """One run: ``concurrency`` requests sent together (one prompt, or one a stream).
 
     ``tok_s`` is aggregate decode throughput: tokens after each stream's first, over the
     time from the earliest first token to the latest last token. With one stream it is
@@ -147,28 +148,31 @@ async def _stream_one(client, url: str, body: dict[str, object]) -> StreamResult
     )
 
 
-async def _run(base_url: str, body: dict[str, object], concurrency: int, timeout_s: float):
+async def _run(base_url: str, bodies: list[dict[str, object]], timeout_s: float):
     import httpx
 
-    limits = httpx.Limits(max_connections=concurrency + 1)
+    limits = httpx.Limits(max_connections=len(bodies) + 1)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         url = base_url + "/v1/completions"
-        return await asyncio.gather(*(_stream_one(client, url, body) for _ in range(concurrency)))
+        return await asyncio.gather(*(_stream_one(client, url, body) for body in bodies))
 
 
 def measure_run(
     base_url: str,
     model_id: str,
-    prompt: str,
+    prompt: str | Sequence[str],
     max_tokens: int,
     concurrency: int = 1,
     timeout_s: float = 600.0,
 ) -> RunResult:
-    """Send ``concurrency`` identical streaming requests at once and time them."""
-    body = request_body(model_id, prompt, max_tokens)
+    """Send ``concurrency`` streaming requests at once and time them: each the one
+    ``prompt``, or, given several, stream ``i`` prompt ``i`` (cycled)."""
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    bodies = [request_body(model_id, prompts[i % len(prompts)], max_tokens)
+              for i in range(concurrency)]
     t0 = time.perf_counter()
-    streams: list[StreamResult] = asyncio.run(_run(base_url, body, concurrency, timeout_s))
+    streams: list[StreamResult] = asyncio.run(_run(base_url, bodies, timeout_s))
     wall = time.perf_counter() - t0
     for s in streams:
         if s.tokens < max_tokens:

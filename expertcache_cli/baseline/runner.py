@@ -54,7 +54,8 @@ class BaselineConfig:
     runs: int = 5
     max_tokens: int = 200
     concurrency: int = 1
-    prompt: str = DEFAULT_PROMPT
+    #: one prompt for every request, or several taken in turn (`prompts_of_run`)
+    prompt: str | list[str] = DEFAULT_PROMPT
     resume: bool = False
     server_cmd: str | None = None
     vllm_args: list[str] = field(default_factory=list)
@@ -93,7 +94,7 @@ class BaselineConfig:
             raise UserError("--max-tokens must be at least 2 (decode speed needs two tokens)")
         if self.concurrency < 1:
             raise UserError("--concurrency must be at least 1")
-        if not self.prompt:
+        if not self.prompt or any(not p for p in self.prompt_list()):
             raise UserError("--prompt is empty")
         if self.start_timeout_s <= 0:
             raise UserError(f"--start-timeout must be positive, got {self.start_timeout_s:g}")
@@ -146,9 +147,28 @@ class BaselineConfig:
             "expertcache": __version__,
         }
 
+    def prompt_list(self) -> list[str]:
+        return _prompt_list(self.prompt)
+
+    def prompts_of_run(self, run: int) -> list[str]:
+        """The prompts of a server's request ``run`` (-1: its warm-up), one a stream.
+
+        Why several: a run that repeats the last one's prompt finds its prefix in vLLM's
+        cache and, on a MoE model, the experts its routing left hot; users' requests
+        differ. So the warm-up and the runs take the prompts in turn, and a run's streams
+        the ones after its own, the same order in every server, so arms still compare.
+        """
+        ps = self.prompt_list()
+        first = (run + 1) * self.concurrency
+        return [ps[(first + i) % len(ps)] for i in range(self.concurrency)]
+
     @property
     def logs(self) -> Path:
         return self.log_dir or self.out.parent / f"{self.out.stem}-logs"
+
+
+def _prompt_list(prompt: str | list[str]) -> list[str]:
+    return [prompt] if isinstance(prompt, str) else list(prompt)
 
 
 def now_iso() -> str:
@@ -375,7 +395,7 @@ def _run_block(
                 res = measure_run(
                     server.base_url,
                     server.model_id or cfg.model,
-                    cfg.prompt,
+                    cfg.prompts_of_run(run),
                     cfg.max_tokens,
                     cfg.concurrency,
                     cfg.request_timeout_s,

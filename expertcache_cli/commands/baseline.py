@@ -96,8 +96,12 @@ def run_cmd(
     restarts: int = typer.Option(3, help="Restart rounds: fresh servers for every arm each round."),
     runs: int = typer.Option(5, help="Measured requests per server (after one warm-up)."),
     max_tokens: int = typer.Option(200, help="Tokens per request (ignore_eos: always this many)."),
-    concurrency: int = typer.Option(1, help="Identical streams sent together per run."),
-    prompt: str | None = typer.Option(None, help="Fixed prompt (default: a built-in one)."),
+    concurrency: int = typer.Option(
+        1, help="Streams sent together per run (each the next --prompt, when several)."),
+    prompt: list[str] | None = typer.Option(
+        None, metavar="TEXT", help="Prompt of the requests (default: a built-in one). Given more than once, "
+        "the warm-up, the runs and a run's streams take them in turn, in the same order "
+        "in every server: no run repeats the last one's prefix cache and routing."),
     out: Path = typer.Option(Path("results.jsonl"), help="Results file (JSON Lines)."),
     resume: bool = typer.Option(False, help="Continue an interrupted --out file."),
     retry_failed: bool = typer.Option(False, help="With --resume: run failed blocks again."),
@@ -156,7 +160,7 @@ def run_cmd(
         runs=runs,
         max_tokens=max_tokens,
         concurrency=concurrency,
-        prompt=prompt if prompt is not None else DEFAULT_PROMPT,
+        prompt=DEFAULT_PROMPT if not prompt else prompt[0] if len(prompt) == 1 else prompt,
         resume=resume,
         server_cmd=server_cmd,
         vllm_args=vllm_args,

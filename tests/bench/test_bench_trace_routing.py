@@ -136,3 +136,97 @@ def test_a_decode_step_wider_than_the_rows_keeps_the_router_and_the_counter():
     assert r.select_experts(torch.zeros(1, 4), None)[1].tolist() == [[1, 2]]
     assert r.select_experts(torch.zeros(3, 4), None)[1].tolist() == [[0, 1]] * 3
     assert r.select_experts(torch.zeros(1, 4), None)[1].tolist() == [[5, 6]]
+
+
+def _patched(routing):
+    cls = type("FusedMoERouter", (Router,), {"select_experts": Router.select_experts})
+    trace_routing.patch_router_class(cls, routing)
+    return cls()
+
+
+def _four_requests() -> np.ndarray:
+    """T12 L1 top-2, one stream: recorded requests start at rows 0, 3, 6, 9."""
+    return np.array([[[2 * t, 2 * t + 1]] for t in range(12)])
+
+
+def test_a_prompt_replays_the_recorded_request_its_length_picks():
+    """Prompts 8 tokens apart replay different recorded requests, one prompt always the
+    same one (so that two servers given it still compare)."""
+    routing = trace_routing.TraceRouting(_four_requests(), top_k=2, starts=[0, 3, 6, 9])
+    r = _patched(routing)
+
+    def request(prompt: int, decode_steps: int = 2) -> list:
+        r.select_experts(torch.zeros(prompt, 4), None)  # the prefill: the router's ids
+        return [r.select_experts(torch.zeros(1, 4), None)[1].tolist()[0]
+                for _ in range(decode_steps)]
+
+    # 16 tokens: request (16 // 8) % 4 = 2, from row 6 (the prefill took row 6's place)
+    assert request(16) == [[14, 15], [16, 17]]
+    assert request(24) == [[20, 21], [22, 23]]  # request 3, row 9 on
+    assert request(32) == [[2, 3], [4, 5]]  # request 0
+    assert request(16) == [[14, 15], [16, 17]]  # the same prompt again: the same rows
+    assert request(17) == request(23) == [[14, 15], [16, 17]]  # one 8-token band
+    # a trace of one request: row 0 whatever the prompt, as before
+    one = _patched(trace_routing.TraceRouting(_four_requests(), top_k=2))
+    one.select_experts(torch.zeros(24, 4), None)
+    assert one.select_experts(torch.zeros(1, 4), None)[1].tolist() == [[2, 3]]
+
+
+def test_streams_of_a_one_stream_recording_each_take_their_own_row():
+    routing = trace_routing.TraceRouting(_four_requests(), top_k=2, streams=4,
+                                         one_stream=True)
+    r = _patched(routing)
+    # streams 12 / 4 = 3 rows apart: in the four recorded requests at once
+    assert r.select_experts(torch.zeros(4, 4), None)[1].tolist() == [
+        [0, 1], [6, 7], [12, 13], [18, 19]]
+    assert r.select_experts(torch.zeros(2, 4), None)[1].tolist() == [[2, 3], [8, 9]]
+    # without one_stream, a row's first ids as far as they go (a batch trace's rule)
+    batch = _patched(trace_routing.TraceRouting(_four_requests(), top_k=2, streams=4))
+    assert batch.select_experts(torch.zeros(2, 4), None)[1].tolist() == [[0, 1], [0, 1]]
+
+
+def test_one_stream_is_what_the_recording_ran():
+    from expertcache_cli.rules.trace import Trace
+
+    ids = _four_requests()
+    assert trace_routing.one_stream(Trace(ids, 24, 2, step_tokens=np.ones(12, np.int64)))
+    assert trace_routing.one_stream(Trace(ids, 24, 2))  # no step_tokens: no row wider
+    wide = np.concatenate([ids, ids], axis=2)  # two streams a step
+    assert not trace_routing.one_stream(Trace(wide, 24, 2, step_tokens=np.full(12, 2)))
+
+
+@pytest.mark.parametrize("streams,prompts", [(1, [16, 24, 40]), (1, None), (3, [16, 32])])
+def test_as_served_hands_plan_the_ids_the_hook_served(streams, prompts):
+    """trace_fit.as_served is the hook's rule written for `plan`: driven request by request,
+    the hook hands every decode step the ids as_served wrote for it."""
+    import trace_fit
+
+    from expertcache_cli.rules.trace import Trace
+
+    rng = np.random.default_rng(1)
+    ids = np.stack([[rng.choice(32, 2, replace=False) for _ in range(2)]
+                    for _ in range(20)])  # T20 L2 top-2, one stream
+    tr = Trace(ids, 32, 2, step_tokens=np.ones(20, np.int64),
+               requests=np.repeat(np.arange(4), 5)).validate()
+    # without prompts as_served starts every request at row 0: a hook on one request
+    routing = trace_routing.TraceRouting(ids, top_k=2, streams=streams,
+                                         starts=tr.request_starts() if prompts else None,
+                                         one_stream=trace_routing.one_stream(tr))
+    cls = type("FusedMoERouter", (Router,), {"select_experts": Router.select_experts})
+    trace_routing.patch_router_class(cls, routing)
+    layers = [cls(), cls()]
+    steps_per_request, n_requests = 7, 3
+    served = []
+    for q in range(n_requests):
+        prompt = prompts[q % len(prompts)] if prompts else 16
+        for r in layers:  # the prefill (left out: decode only)
+            r.select_experts(torch.zeros(prompt, 4), None)
+        for _ in range(steps_per_request - 1):
+            served.append([r.select_experts(torch.zeros(streams, 4), None)[1].reshape(-1)
+                           .tolist() for r in layers])
+    want = trace_fit.as_served(tr, streams, steps_per_request * n_requests, steps_per_request,
+                               16, decode_only=True, prompt_tokens=prompts)
+    assert (want.topk_ids[:, :, streams * 2:] == -1).all()  # a prefill's width, unused
+    assert want.topk_ids[:, :, : streams * 2].tolist() == served
+    assert want.request_ids().tolist() == [q for q in range(n_requests)
+                                           for _ in range(steps_per_request - 1)]
