@@ -68,7 +68,8 @@ ARMS: dict[str, tuple[bool, dict[str, str]]] = {
 # ----------------------------------------------------------------------------- the model
 def write_model(d: Path, layers: int, vocab_size: int = VOCAB,
                 quantization_config: dict | None = None, context: int = 4096,
-                head_dim: int | None = None, top_k: int | None = None) -> Path:
+                head_dim: int | None = None, top_k: int | None = None,
+                experts: int | None = None) -> Path:
     """config.json of the Qwen3-30B-A3B shape with ``layers`` layers, and a tokenizer.
 
     ``vocab_size`` 151936 is the real model's (embeddings and LM head then weigh what they
@@ -77,7 +78,8 @@ def write_model(d: Path, layers: int, vocab_size: int = VOCAB,
     attention heads (the bench shape's default is hidden / heads = 64); ``top_k`` the
     experts a token (default the shape's 8): a routing trace recorded at another width
     drives a model of that width (`bench/trace_routing.py` replaces ids only where the
-    widths agree).
+    widths agree); ``experts`` the experts a layer (default the shape's 128): a recording of
+    a model with fewer drives a model with as many.
     """
     d.mkdir(parents=True, exist_ok=True)
     cfg = {
@@ -90,7 +92,7 @@ def write_model(d: Path, layers: int, vocab_size: int = VOCAB,
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
         "head_dim": head_dim or HIDDEN // HEADS,
-        "num_experts": E,
+        "num_experts": experts or E,
         "num_experts_per_tok": top_k or TOP_K,
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,

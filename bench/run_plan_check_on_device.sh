@@ -33,17 +33,25 @@
 # recording in traces/ (or a path to one), beside the synthetic kinds:
 #   TRACES="real-qwen3-30b-a3b-k6 real-gemma-4-26b-a4b-k6 real-gpt-oss-120b-k2" PLAN_ARM=0 \
 #     bash bench/run_plan_check_on_device.sh
-# A recording is served on a checkpoint of its own width: LAYERS layers, 128 experts, top-k
-# the trace's (6 for Qwen3 and Gemma 4 as recorded, 2 for gpt-oss: the hook replaces a
-# router's ids only where the widths agree, so each token's experts are exactly the
-# recorded ones), a model directory per top-k (model24-k6; top-8 shares model24), and per
-# model its own probe (probe-k6.json) and resident rate (bl-resident-24-k6.jsonl: resident
-# tok/s depends on the experts a token). The servers route by the recording fitted to
+# A recording is served on a checkpoint of its own width and expert count: LAYERS layers of
+# the Qwen3-30B-A3B expert shape, the trace's experts and top-k (6 of 128 for Qwen3 and
+# Gemma 4 as recorded, 2 of 128 for gpt-oss-120b, 8 of 64 for OLMoE, 4 of 32 for
+# gpt-oss-20b: the hook replaces a router's ids only where the widths agree, so each
+# token's experts are exactly the recorded ones), a model directory per shape (model24-k6,
+# model24-k8-e64; top-8 of 128 shares model24), and per model its own probe (probe-k6.json)
+# and resident rate (bl-resident-24-k6.jsonl: resident tok/s depends on the experts a
+# token). SLOTS are counted for 128 experts: a recording of E experts is served at
+# SLOTS x E / 128 (16,32,64 -> 8,16,32 of OLMoE's 64). The servers route by the recording fitted to
 # LAYERS (bench/trace_fit.py --layers: model layer i routes as trace layer i mod L); `plan
 # --model` (the checkpoint's bytes an expert, its top-k checked against the trace's) is
 # given the ids the hook handed each server: a warm-up and RUNS requests of 200 tokens
 # (`expertcache baseline`'s protocol), each from the trace's row 0 with a 16-token prefill
 # (trace_fit --streams 1 --steps (RUNS+1)*200 --request-steps 200 --prefill-tokens 16).
+# A recording of several requests (four prompts, each decoded in turn: OLMoE, gpt-oss-20b)
+# is served a different prompt a request, so that no run replays the one before it: the
+# warm-up and the runs send prompts of 16, 24, 32, ... words (baseline --prompt, given once
+# a request), and the hook replays recorded request (words // 8) mod R for each
+# (bench/trace_routing.py; trace_fit --prompt-tokens 16,24,... gives plan the same ids).
 # Every request of a recorded trace's servers (resident too) sends the bench's 16-word
 # prompt (bench/small_card.py's PROMPT), not `baseline`'s 25-word default: vLLM's prefix
 # cache would serve a later request's first 16 tokens of that one from its first request's
@@ -53,8 +61,7 @@
 # prediction and beside plan's formula over the steps the runs timed (the warm-up and the
 # prefills are not in a run's decode rate); the table of every trace run, with the command,
 # goes to $OUT/plan-check-table.md. A name that is no trace is refused (one line, exit 2)
-# before anything starts, a recording of other than 128 experts after the setup, before any
-# checkpoint or server.
+# before anything starts.
 # Only recorded traces in TRACES: the top-8 model, its probe and resident rate are skipped.
 # Device minutes (H200, 24 layers): a checkpoint 0.3, a probe 1.5, a server 1-2.7 to start
 # and <1 to serve 3 runs; so per top-k ~4.5 (checkpoint, probe, resident), per trace ~6-10
@@ -75,13 +82,19 @@ RUNS="${RUNS:-3}"
 TOKENS=200  # a request's tokens (baseline --max-tokens): its prefill and 199 decode steps
 PREFILL=16  # the recorded traces' prompt, in tokens (one word a token)
 PROMPT16="w17 w923 w4410 w88 w5120 w3 w777 w2048 w60 w1999 w4096 w31 w8000 w12 w640 w5"
+prompt_of() {  # prompt_of Q WORDS: request Q's prompt, its own words (no prefix shared)
+  local i out=()
+  for ((i = 0; i < $2; i++)); do out+=("w$(( (Q_SALT + $1 * 1009 + i * 7919) % 9970 + 3 ))"); done
+  echo "${out[*]}"
+}
+Q_SALT=31
 SFX=""; [ "$POLICY" = lru ] || SFX="-$POLICY"  # LRU keeps the first run's file names
 VLLM_ARGS=(--attention-backend TRITON_ATTN --max-num-seqs 4 --max-model-len 1024 --seed 0)
 TRACES="${TRACES:-tasks zipf}"
 
 # The recorded traces in TRACES: a name in traces/ (or a path), checked before anything
 # starts; their top-k and experts (what checkpoint serves them) once python's numpy is set up
-declare -A REC_SRC REC_K
+declare -A REC_SRC REC_K REC_E REC_R
 synthetic=0
 for kind in $TRACES; do
   case $kind in
@@ -103,12 +116,8 @@ source bench/_device_vllm.sh
 device_vllm_setup || { echo "setup failed"; exit 1; }
 for kind in "${!REC_SRC[@]}"; do
   shape=$($PY bench/trace_fit.py --shape "${REC_SRC[$kind]}") || exit 2
-  read -r k e _ <<< "$shape"
-  if [ "$e" != 128 ]; then
-    echo "TRACES: $kind: top-$k of $e experts; the bench checkpoint has 128 experts" >&2
-    exit 2
-  fi
-  REC_K[$kind]=$k
+  read -r k e _ r <<< "$shape"
+  REC_K[$kind]=$k REC_E[$kind]=$e REC_R[$kind]=${r:-1}
 done
 
 baseline() {  # baseline MODEL OUT.jsonl ARMS [env...]: one server per arm, resumable
@@ -121,12 +130,19 @@ baseline() {  # baseline MODEL OUT.jsonl ARMS [env...]: one server per arm, resu
     -- "${VLLM_ARGS[@]}" 2>&1 | tail -12
   cp "$out" "$OUT/"
 }
-model_of() {  # model_of K: the checkpoint of top-K (8: the shape's own), written when missing
-  local dir=$MD/model$LAYERS topk=()
-  [ "$1" = 8 ] || { dir=$MD/model$LAYERS-k$1; topk=(--top-k "$1"); }
+model_of() {  # model_of K [E]: the checkpoint of top-K of E experts (8 of 128: the
+  # shape's own), written when missing
+  local dir=$MD/model$LAYERS topk=() e=${2:-128}
+  [ "$1" = 8 ] && [ "$e" = 128 ] || { dir=$MD/model$LAYERS-k$1; topk=(--top-k "$1"); }
+  [ "$e" = 128 ] || { dir=$dir-e$e; topk+=(--experts "$e"); }
   [ -f "$dir/model.safetensors.index.json" ] || \
     $PY bench/write_checkpoint.py "$dir" --layers "$LAYERS" "${topk[@]}" 2>&1 | tail -1 >&2
   echo "$dir"
+}
+slots_of() {  # slots_of E: SLOTS (counted for 128 experts) for a model of E experts
+  local s out=()
+  for s in ${SLOTS//,/ }; do out+=("$(( s * $1 / 128 > 0 ? s * $1 / 128 : 1 ))"); done
+  (IFS=,; echo "${out[*]}")
 }
 probe_of() {  # probe_of MODEL FILE: the link and the cache step at the model's experts, once
   [ -f "$2" ] || $PY -m expertcache_cli probe-link --only gather,step --model "$1" \
@@ -134,18 +150,18 @@ probe_of() {  # probe_of MODEL FILE: the link and the cache step at the model's 
   cp "$2" "$OUT/" 2>/dev/null
 }
 # plan, the budgets' (and the saved plan's) servers routed by trace T, the comparison:
-# check NAME T PLAN_TRACE MODEL PROBE RESIDENT
+# check NAME T PLAN_TRACE MODEL PROBE RESIDENT [SLOTS]
 check() {
-  local name=$1 t=$2 pt=$3 model=$4 probe=$5 res=$6
+  local name=$1 t=$2 pt=$3 model=$4 probe=$5 res=$6 slots=${7:-$SLOTS}
   local p=$PC/plan-$name$SFX-$LAYERS.json
   local j=$PC/plan-$name$SFX-$LAYERS.out.json  # kept on the box: $OUT is emptied every call
   local b=$PC/bl-$name$SFX-$LAYERS.jsonl
   [ -f "$p" ] || $PY -m expertcache_cli plan "$pt" --model "$model" --probe "$probe" \
-    --baseline "$res" --slots "$SLOTS" --policy "$POLICY" --save "$p" --json \
+    --baseline "$res" --slots "$slots" --policy "$POLICY" --save "$p" --json \
     > "$j" 2> "$OUT/plan-$name$SFX.err"
   cp "$j" "$OUT/plan-$name$SFX.json"; cp "$p" "$OUT/plan-$name$SFX.saved.json" 2>/dev/null
   local arms
-  arms=$(echo "$SLOTS" | sed "s/\([0-9]\+\)/cache:\1${SFX/-/:}/g")
+  arms=$(echo "$slots" | sed "s/\([0-9]\+\)/cache:\1${SFX/-/:}/g")
   [ "${PLAN_ARM:-1}" = 0 ] || arms="$arms,plan:$p"
   baseline "$model" "$b" "$arms" EC_BENCH_TRACE_ROUTING="$t" \
     EC_BENCH_TRACE_RESTART="$RESTART" PYTHONPATH="$PWD/bench/trace_hook:$PYTHONPATH"
@@ -173,13 +189,21 @@ for kind in $TRACES; do
         --model "qwen3-30b-a3b shape, $LAYERS layers" > /dev/null
       check "$kind" "$T" "$T" "$MODEL" "$PC/probe.json" "$PC/bl-resident-$LAYERS.jsonl" ;;
     *)
-      # each request from the recording's row 0, as plan is given it
-      prompt=(--prompt "$PROMPT16") RESTART=1
-      k=${REC_K[$kind]} name=$(basename "$kind" .npz)
-      M=$(model_of "$k")
-      probe=$PC/probe.json; [ "$k" = 8 ] || probe=$PC/probe-k$k.json
+      # each request from the first row of a recorded request, as plan is given it: of
+      # several, the one the prompt's length picks, a different one a request
+      prompt=(--prompt "$PROMPT16") RESTART=1 lengths=()
+      k=${REC_K[$kind]} e=${REC_E[$kind]} name=$(basename "$kind" .npz)
+      if [ "${REC_R[$kind]}" -gt 1 ]; then
+        prompt=()
+        for ((q = 0; q <= RUNS; q++)); do
+          lengths+=($(( PREFILL + 8 * q ))); prompt+=(--prompt "$(prompt_of "$q" "${lengths[-1]}")")
+        done
+      fi
+      M=$(model_of "$k" "$e")
+      tag=k$k; [ "$e" = 128 ] || tag=k$k-e$e
+      probe=$PC/probe.json; [ "$tag" = k8 ] || probe=$PC/probe-$tag.json
       probe_of "$M" "$probe"
-      res=$PC/bl-resident-$LAYERS-k$k.jsonl
+      res=$PC/bl-resident-$LAYERS-$tag.jsonl
       baseline "$M" "$res" resident
       # the servers' routing: the recording at LAYERS layers; plan's: the ids it handed them
       T=$PC/$name-$LAYERS.npz
@@ -187,12 +211,14 @@ for kind in $TRACES; do
       S=$PC/$name-$LAYERS-served$steps.npz
       [ -f "$T" ] || $PY bench/trace_fit.py "${REC_SRC[$kind]}" "$T" --layers "$LAYERS" \
         > /dev/null || { echo "$kind: trace_fit failed: trace skipped"; continue; }
+      served=()
+      [ "${#lengths[@]}" = 0 ] || served=(--prompt-tokens "$(IFS=,; echo "${lengths[*]}")")
       [ -f "$S" ] || $PY bench/trace_fit.py "$T" "$S" --layers "$LAYERS" --streams 1 \
-        --steps "$steps" --request-steps "$TOKENS" --prefill-tokens "$PREFILL" \
+        --steps "$steps" --request-steps "$TOKENS" --prefill-tokens "$PREFILL" "${served[@]}" \
         > "$PC/$name-$LAYERS-served$steps.txt" || { echo "$kind: trace_fit failed"; continue; }
       # beside plan's JSON in $OUT, so that plan_check.py runs on the files copied off the box
       cp "$S" "$PC/$name-$LAYERS-served$steps.txt" "$OUT/" 2>/dev/null
-      check "$name" "$T" "$S" "$M" "$probe" "$res" ;;
+      check "$name" "$T" "$S" "$M" "$probe" "$res" "$(slots_of "$e")" ;;
   esac
 done
 if [ "${#TABLE[@]}" -gt 0 ]; then  # one table over the traces run, with its command

@@ -25,8 +25,9 @@ restarts each request of ``R`` steps at row 0, its prefill ``P`` tokens wide (or
 ``--prompt-tokens P1,P2,...`` on a trace of several recorded requests, at the first row of
 the one each served prompt replays).
     python bench/trace_fit.py --source T.npz     # the trace's source line (the reports)
-    python bench/trace_fit.py --shape T.npz      # "TOP_K EXPERTS LAYERS" (the runners: the
-                                                 # checkpoint a recording is served on)
+    python bench/trace_fit.py --shape T.npz      # "TOP_K EXPERTS LAYERS REQUESTS" (the
+                                                 # runners: the checkpoint a recording is
+                                                 # served on, the prompts it needs)
 """
 
 from __future__ import annotations
@@ -146,8 +147,13 @@ def as_served(trace: tracefile.Trace, streams: int, steps: int,
             f"{f' of {prefill_tokens} tokens' if prefill_tokens else ''}){picked}, "
             f"{streams} stream(s){', prefills left out' if decode_only else ''}")
     served_req = None if request_steps is None else (t // request_steps)[keep]
+    # a prefill ran its prompt's tokens whatever ids its row holds (a decode-only recording's
+    # first row holds one token's): `plan` tells it apart by them and does not price it
+    tokens = np.maximum(1, valid // k).astype(np.int64)
+    if prefill_tokens:
+        tokens[prefill[keep]] = prefill_tokens
     return dataclasses.replace(
-        trace, topk_ids=ids, step_tokens=np.maximum(1, valid // k).astype(np.int64),
+        trace, topk_ids=ids, step_tokens=tokens,
         requests=served_req, source=source_of(trace) + f" [as the hook serves {what}]")
 
 
@@ -180,7 +186,8 @@ def main(argv: list[str]) -> int:
             why = (str(exc).splitlines() or [type(exc).__name__])[0]
             print(f"trace_fit: {argv[1]}: not a routing trace ({why})", file=sys.stderr)
             return 2
-        print(t.top_k, t.num_experts, t.num_layers)
+        starts = t.request_starts()
+        print(t.top_k, t.num_experts, t.num_layers, 1 if starts is None else len(starts))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", type=Path)

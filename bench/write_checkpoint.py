@@ -206,14 +206,15 @@ ROUTER_SEED_STRIDE = 100_003
 
 
 def tensors(layers: int, device: str, fmt: str = "bf16", vocab: int = shape.VOCAB,
-            head_dim: int | None = None, hot: int = 0, seed: int = 0):
+            head_dim: int | None = None, hot: int = 0, seed: int = 0,
+            experts: int | None = None):
     """(name, tensor) pairs in HF Qwen3-MoE naming, generated on ``device``, on the CPU.
     ``hot``: route to the first ``hot`` experts of every layer only (`--hot`); ``seed``:
     another draw of every tensor (`--seed`; 0 gives the checkpoint written before it
     existed, so earlier records still describe what this writes)."""
     import torch
 
-    h, e, inter = shape.HIDDEN, shape.E, shape.MOE_INTER
+    h, e, inter = shape.HIDDEN, experts or shape.E, shape.MOE_INTER
     hd = head_dim or h // shape.HEADS
     q, kv = shape.HEADS * hd, shape.KV_HEADS * hd
     g = torch.Generator(device=device).manual_seed(seed)
@@ -308,7 +309,9 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
           hot: int = 0, experts: int | None = None, config_only: bool = False,
           top_k: int | None = None, seed: int = 0) -> dict:
     """config + tokenizer (from the e2e bench) and safetensors shards with an index.
-    ``experts``: the gpt-oss shape's expert count (``mxfp4`` only; default gpt-oss-20b's).
+    ``experts``: the experts a layer (default the shape's: gpt-oss-20b's 32 for ``mxfp4``,
+    Qwen3-30B-A3B's 128 otherwise): a recording of a model with another count is served on
+    a checkpoint with as many.
     ``config_only``: config and tokenizer, no weights: a model directory that vLLM serves
     with ``--load-format dummy`` (the flagship run fills its weights in process,
     `bench/synth_weights.py`: gpt-oss-120b's 63 GiB of experts do not fit the box's disk).
@@ -321,15 +324,16 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
 
     import write_gpt_oss
 
-    if experts is not None and fmt != "mxfp4":
-        raise SystemExit("--experts: the gpt-oss shape's only (--format mxfp4)")
+    if experts is not None and experts < 1:
+        raise SystemExit(f"--experts {experts}: 1 or more")
     if seed and fmt == "mxfp4":
         raise SystemExit("--seed: the Qwen3 shape's formats only (not --format mxfp4)")
     if seed < 0:
         raise SystemExit(f"--seed {seed}: 0 or more")
     gpt_oss = dataclasses.replace(write_gpt_oss.shape(), experts=experts or
                                   write_gpt_oss.shape().experts)
-    experts = gpt_oss.experts if fmt == "mxfp4" else shape.E
+    qwen_experts = experts
+    experts = gpt_oss.experts if fmt == "mxfp4" else (experts or shape.E)
     if top_k is not None and not 1 <= top_k <= experts:
         raise SystemExit(f"--top-k {top_k}: between 1 and the {experts} experts a layer")
     if top_k is not None:
@@ -342,7 +346,8 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
         write_gpt_oss.write_config(out, layers, vocab, context, gpt_oss)
     else:
         shape.write_model(out, layers, vocab_size=vocab, context=context, head_dim=head_dim,
-                          quantization_config=quantization_config(fmt, layers), top_k=top_k)
+                          quantization_config=quantization_config(fmt, layers), top_k=top_k,
+                          experts=qwen_experts)
     if config_only:
         return {"bytes": 0, "shards": 0, "tensors": 0}
     import torch
@@ -352,7 +357,7 @@ def write(out: Path, layers: int, fmt: str = "bf16", vocab: int = shape.VOCAB,
     if fmt == "mxfp4":
         pairs = write_gpt_oss.tensors(layers, device, vocab, hot, gpt_oss)
     else:
-        pairs = tensors(layers, device, fmt, vocab, head_dim, hot, seed)
+        pairs = tensors(layers, device, fmt, vocab, head_dim, hot, seed, qwen_experts)
     weight_map: dict[str, str] = {}
     shard: dict = {}
     size = total = 0
@@ -396,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=None,
                     help="attention head width (default hidden / heads; Qwen3-30B-A3B: 128)")
     ap.add_argument("--experts", type=int, default=None,
-                    help="--format mxfp4: experts a layer (gpt-oss-20b 32, gpt-oss-120b 128)")
+                    help="experts a layer (default the shape's: 128; --format mxfp4 gpt-oss-20b's "
+                         "32, gpt-oss-120b 128): a recording's expert count")
     ap.add_argument("--hot", type=int, default=0,
                     help="route to the first N experts of every layer only (an all-hit cache "
                          "at N slots, for the resident comparison); 0: all experts")
@@ -408,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="experts a token, the config's num_experts_per_tok (default the "
                          "shape's: 8; mxfp4 4): a recorded trace's width")
     a = ap.parse_args(argv)
-    experts = (a.experts or write_gpt_oss_experts()) if a.format == "mxfp4" else shape.E
+    experts = (a.experts or write_gpt_oss_experts()) if a.format == "mxfp4" else (
+        a.experts or shape.E)
     if a.top_k is not None and not 1 <= a.top_k <= experts:
         # before anything is written: a checkpoint of a width no router can pick is no model
         print(f"write_checkpoint: --top-k {a.top_k}: between 1 and the {experts} experts a "

@@ -99,9 +99,10 @@ def run_cmd(
     concurrency: int = typer.Option(
         1, help="Streams sent together per run (each the next --prompt, when several)."),
     prompt: list[str] | None = typer.Option(
-        None, metavar="TEXT", help="Prompt of the requests (default: a built-in one). Given more than once, "
-        "the warm-up, the runs and a run's streams take them in turn, in the same order "
-        "in every server: no run repeats the last one's prefix cache and routing."),
+        None, metavar="TEXT",
+        help="Prompt of the requests (default: a built-in one). Given more than once, the "
+        "warm-up, the runs and a run's streams take them in turn, in the same order in every "
+        "server: no run repeats the last one's prefix cache and routing."),
     out: Path = typer.Option(Path("results.jsonl"), help="Results file (JSON Lines)."),
     resume: bool = typer.Option(False, help="Continue an interrupted --out file."),
     retry_failed: bool = typer.Option(False, help="With --resume: run failed blocks again."),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from bench_runner_harness import make_runner, trace_of_64_experts
+from bench_runner_harness import make_runner
 
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("httpx", reason="the comparison reads baseline files with the bench's client")
@@ -73,7 +73,8 @@ elif mod == ["expertcache_cli", "baseline"]:
 @pytest.fixture()
 def full_runner(tmp_path):
     """The runner: ``run(**env)`` -> (calls, stdout), and its folder."""
-    run = make_runner(tmp_path, "run_plan_check_on_device.sh", ("plan_check.py", "trace_fit.py"),
+    run = make_runner(tmp_path, "run_plan_check_on_device.sh",
+                      ("plan_check.py", "trace_fit.py", "trace_routing.py"),
                       STUB, PC=str(tmp_path / "pc"), MODEL_DIR=str(tmp_path / "models"))
     return run, tmp_path
 
@@ -303,10 +304,37 @@ def test_a_trace_that_is_not_there_is_one_line_and_exit_2_before_anything(record
     assert "\n" not in line
 
 
-def test_a_recording_of_another_expert_count_is_refused_before_any_server(recorded):
+def test_a_recording_of_64_experts_and_four_prompts_is_served_as_recorded(recorded):
+    """OLMoE's recording: a checkpoint of 64 experts top-8, the budgets scaled to them, and
+    a prompt of its own a request, whose length picks the recorded request replayed."""
+    from expertcache_cli.rules import trace as tracefile
+
     run, tmp = recorded
-    odd = trace_of_64_experts(tmp / "odd.npz")
-    calls, out = run(expect_rc=2, TRACES=str(odd))
-    assert out.strip().splitlines()[-1] == (
-        f"TRACES: {odd}: top-4 of 64 experts; the bench checkpoint has 128 experts")
-    assert not _cmd(calls, "write_checkpoint.py") and not _cmd(calls, "baseline")
+    pc, models = tmp / "pc", tmp / "models"
+    name = "real-olmoe-1b-7b-k8"
+    calls = run(TRACES=name, LAYERS="24", PLAN_ARM="0")
+    writes = [c.split("  RESTART=")[0] for c in _cmd(calls, "write_checkpoint.py")]
+    assert writes == [f"bench/write_checkpoint.py {models}/model24-k8-e64 --layers 24 "
+                      "--top-k 8 --experts 64"]
+    res, arms = _cmd(calls, "expertcache_cli baseline")
+    assert f"--out {pc}/bl-resident-24-k8-e64.jsonl" in res
+    assert "--arms cache:8,cache:16,cache:32 " in arms  # 16/32/64 of 128 -> of 64
+    # the warm-up and the 3 runs: four prompts of 16, 24, 32 and 40 words, none alike
+    prompts = arms.split("--prompt ")[1:]
+    words = [p.split(" --")[0].split() for p in prompts]
+    assert [len(w) for w in words] == [16, 24, 32, 40]
+    assert len({w[0] for w in words}) == 4 and res.count("--prompt ") == 4
+    fits = [c.split("  RESTART=")[0] for c in _cmd(calls, "trace_fit.py")
+            if "--shape" not in c]
+    assert fits[1].endswith("--prefill-tokens 16 --prompt-tokens 16,24,32,40")
+    given = tracefile.load(pc / f"{name}-24-served800.npz")
+    src = tracefile.load(ROOT / "traces" / f"{name}.npz")
+    # request q replays recorded request (16 + 8q) // 8 mod 4 = 2, 3, 0, 1 from its first
+    # row (its prefill's place), then on: row 1 of each request is its first decode step
+    starts = src.request_starts()
+    for q, recorded_request in enumerate((2, 3, 0, 1)):
+        assert int(given.step_tokens[q * 200]) == 16  # its prefill, which plan leaves out
+        assert given.topk_ids[q * 200 + 1, 0, :8].tolist() == \
+            src.topk_ids[starts[recorded_request] + 1, 0, :8].tolist()
+    plan = next(c for c in _cmd(calls, "expertcache_cli plan") if name in c)
+    assert "--slots 8,16,32 " in plan and f"--probe {pc}/probe-k8-e64.json" in plan

@@ -111,12 +111,14 @@ def test_as_served_restarts_each_request_at_its_prefill_row():
     assert plain.topk_ids[:, 0].tolist() == [[1, 2], [5, 6], [7, 8], [1, 2]]
 
 
-def test_shape_says_top_k_experts_and_layers_and_refuses_a_non_trace(tmp_path, capsys):
+def test_shape_says_top_k_experts_layers_and_requests_and_refuses_a_non_trace(tmp_path, capsys):
     """The runners pick the checkpoint a recording is served on from this line."""
     assert trace_fit.main(["--shape", str(ROOT / "traces" / "real-qwen3-30b-a3b-k6.npz")]) == 0
-    assert capsys.readouterr().out.strip() == "6 128 48"
+    assert capsys.readouterr().out.strip() == "6 128 48 1"  # one prompt: one request
     assert trace_fit.main(["--shape", str(ROOT / "traces" / "real-gpt-oss-120b-k2.npz")]) == 0
-    assert capsys.readouterr().out.strip() == "2 128 36"
+    assert capsys.readouterr().out.strip() == "2 128 36 1"
+    assert trace_fit.main(["--shape", str(ROOT / "traces" / "real-olmoe-1b-7b-k8.npz")]) == 0
+    assert capsys.readouterr().out.strip() == "8 64 16 4"  # four prompts in turn
     (tmp_path / "x.npz").write_text("not a trace")
     assert trace_fit.main(["--shape", str(tmp_path / "x.npz")]) == 2
     err = capsys.readouterr().err.strip()

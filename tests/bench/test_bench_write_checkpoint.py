@@ -154,8 +154,14 @@ def test_mxfp4_is_gpt_oss_as_openai_ships_it(writer, tmp_path):
     # gpt-oss-120b's expert count on the same shape (--experts)
     writer.write(tmp_path / "e", 1, "mxfp4", vocab=64, experts=24, hot=20)
     assert json.loads((tmp_path / "e" / "config.json").read_text())["num_local_experts"] == 24
-    with pytest.raises(SystemExit, match="--experts: the gpt-oss shape's only"):
-        writer.write(tmp_path / "y", 1, "gptq", vocab=64, experts=24)
+    # and on the Qwen3 shape: a recording of a 64-expert model served as recorded
+    writer.write(tmp_path / "q", 1, "gptq", vocab=64, experts=64, config_only=True)
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["num_experts"] == 64
+    gen = writer.tensors(1, "cpu", "bf16", 64, experts=64)
+    gate = next(t for name, t in gen if name.endswith("mlp.gate.weight"))
+    assert gate.shape[0] == 64  # the router picks among 64
+    with pytest.raises(SystemExit, match="--experts 0: 1 or more"):
+        writer.write(tmp_path / "y", 1, "gptq", vocab=64, experts=0)
 
 
 def test_sizing_reads_the_gpt_oss_checkpoint_as_mxfp4(writer, tmp_path):
