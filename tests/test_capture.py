@@ -111,3 +111,33 @@ def test_a_batch_below_max_num_seqs_pads_to_the_next_graph():
     assert capture.batch_tokens(10, 256, 2048, NEW) == 16
     assert capture.batch_tokens(9, 10, 2048, NEW) == 10
     assert capture.batch_tokens(600, 1024, 8192, NEW) == 600  # past the largest graph: eager
+
+
+GPT_OSS = ("GptOssForCausalLM",)
+
+
+def test_gpt_oss_raises_the_ceiling_and_drops_the_appended_batch():
+    """vLLM's gpt-oss config sets the ceiling to 1024 before the sizes are drawn: 83 graphs
+    at 4096 batched tokens, and from 0.31 a batch of 10 is no longer captured as 10."""
+    old, new = capture.for_model(OLD, GPT_OSS), capture.for_model(NEW, GPT_OSS)
+    assert old.max_capture == new.max_capture == 1024
+    assert "GptOssForCausalLM" in new.source
+    assert len(capture.capture_sizes(4, 4096, old)) == 83
+    assert capture.capture_sizes(4, 4096, OLD) == [1, 2, 4, 8]
+    assert capture.padded_batch(10, 2048, NEW) == 10
+    assert capture.padded_batch(10, 2048, new) == 16
+    assert capture.safe_max_num_seqs(40, 4, 2048, NEW) == 10
+    assert capture.safe_max_num_seqs(40, 4, 2048, new) == 8
+
+
+@pytest.mark.parametrize("args", [["--max-cudagraph-capture-size", "8"],
+                                  ["--cudagraph-capture-sizes", "1", "2", "4"],
+                                  ["--enforce-eager"]])
+def test_a_users_graph_flags_win_over_the_models_ceiling(args):
+    g = capture.settings_from_vllm_args(args, version=(0, 33))
+    assert capture.for_model(g, GPT_OSS) == g
+
+
+def test_other_architectures_keep_vllms_defaults():
+    assert capture.for_model(NEW, ("Qwen3MoeForCausalLM",)) == NEW
+    assert capture.for_model(NEW, ()) == NEW

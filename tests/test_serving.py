@@ -61,3 +61,19 @@ def test_an_assumed_release_counts_the_batches_that_must_stay_on_the_cache_as_th
     known = serving.server([], vllm_version="0.33")
     assert known.safe_max_num_seqs(85, 8) == 10 and known.widest_ids(8, 10) == 80
     assert serving.server([], installed=(0, 26)).safe_max_num_seqs(85, 8) == 8
+
+
+def test_a_gpt_oss_server_pads_as_its_model_config_says():
+    """gpt-oss's ceiling of 1024 reaches plan and replay through the model, the --model's
+    or the preset the trace's recorded name starts with."""
+    from expertcache_cli.sizing.model_size import load_model
+
+    arch = serving.architectures_of(None, "gpt-oss-20b (MXFP4, transformers), top-4 of 32")
+    assert arch == ("GptOssForCausalLM",)
+    assert serving.architectures_of(load_model("gpt-oss-120b"), None) == arch
+    assert serving.architectures_of(None, "a model no preset knows") == ()
+    plain = serving.server([], batch=10, vllm_version="0.33", installed=None)
+    oss = serving.server([], batch=10, vllm_version="0.33", installed=None, architectures=arch)
+    assert plain.batch_tokens(10) == 10
+    assert oss.batch_tokens(10) == 16
+    assert "GptOssForCausalLM" in oss.describe_batch(10)

@@ -689,3 +689,14 @@ def test_the_verdict_is_one_enum_whose_names_the_json_keeps():
     assert p.verdict is sizing.Verdict.CACHE and p.verdict.offloads
     assert type(p.to_json()["verdict"]) is str and p.to_json()["verdict"] == "cache"
     assert not sizing.Verdict.FITS_OUTRIGHT.offloads and not sizing.Verdict.DOES_NOT_FIT.offloads
+
+
+def test_gpt_oss_is_sized_for_the_graphs_vllm_captures_for_it():
+    """vLLM captures gpt-oss up to 1024 tokens (83 graphs where Qwen3 at the same flags
+    has 51): the runtime reserve grows with them, and the config's architectures say so."""
+    m = model_size.load_model(Path(__file__).parent / "configs" / "gpt-oss-120b.json", "mxfp4")
+    assert m.architectures == ("GptOssForCausalLM",)
+    plain = dataclasses.replace(m, architectures=())
+    oss, other = sizing.plan(m, 24), sizing.plan(plain, 24)
+    assert oss.overhead_bytes > other.overhead_bytes
+    assert "GptOssForCausalLM" in oss.graphs

@@ -101,8 +101,6 @@ def register(app: typer.Typer) -> None:
         if trace_path is not None and str(trace_path).startswith("-"):
             # no TRACE given: click took the first vLLM flag after -- for it
             extra, trace_path = [str(trace_path), *extra], None
-        srv = serving.server(passthrough_args(extra), max_num_seqs=max_num_seqs, batch=batch,
-                             vllm_version=vllm_version, vram_gib=vram_gib)
         if save is not None:
             save = check_output(save, "--save")
         if plot is not None:
@@ -110,10 +108,14 @@ def register(app: typer.Typer) -> None:
 
             plot = plot_path(plot)
         path = trace_path if trace_path is not None else demo_trace_path()
-        trace, mode = workload(load(path), wide, batch,
+        recorded = load(path)
+        m = inputs.plan_model(model, recorded, demo=trace_path is None)
+        srv = serving.server(passthrough_args(extra), max_num_seqs=max_num_seqs, batch=batch,
+                             vllm_version=vllm_version, vram_gib=vram_gib,
+                             architectures=serving.architectures_of(m, recorded.model))
+        trace, mode = workload(recorded, wide, batch,
                                srv.batch_tokens(batch) if batch else None)
         policies = parse_policies(policy)
-        m = inputs.plan_model(model, trace, demo=trace_path is None)
         per_expert = inputs.expert_bytes(m, model, trace)
         fits_upto = inputs.card_slots(m, vram, mode, srv, batch)
         select_kernels()  # the environment's kernels, should the link be measured here

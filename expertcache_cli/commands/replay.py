@@ -142,6 +142,7 @@ def replay_command(
     vllm_version: str | None = typer.Option(None, "--vllm-version", help=VLLM_VERSION_HELP),
 ) -> None:
     """Replay a routing trace: experts fetched per policy and slot budget."""
+    from ..planning.serving import architectures_of
     from ..planning.serving import server as serving_server
     from ..rules.replay import replay
     from ..rules.split import recommend, split_policy
@@ -154,15 +155,17 @@ def replay_command(
         # no TRACE given: click took the first vLLM flag after -- for it
         extra, trace_path = [str(trace_path), *extra], None
     vllm_args = passthrough_args(extra)
-    srv = None
-    if batch is not None:
-        srv = serving_server(vllm_args, max_num_seqs=max_num_seqs, batch=batch,
-                             vllm_version=vllm_version)
-    elif max_num_seqs is not None or vllm_version is not None or vllm_args:
+    if batch is None and (max_num_seqs is not None or vllm_version is not None or vllm_args):
         raise UserError("--max-num-seqs, --vllm-version and the vLLM flags after -- say how "
                         "the server pads a --batch N: give --batch")
     path = trace_path if trace_path is not None else demo_trace_path()
-    trace, mode = workload(load(path), wide, batch,
+    recorded = load(path)
+    srv = None
+    if batch is not None:
+        srv = serving_server(vllm_args, max_num_seqs=max_num_seqs, batch=batch,
+                             vllm_version=vllm_version,
+                             architectures=architectures_of(None, recorded.model))
+    trace, mode = workload(recorded, wide, batch,
                            srv.batch_tokens(batch) if srv and batch else None)
     budgets = parse_budgets(slots, trace.num_experts, trace.top_k)
     policies = parse_policies(policy)

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..vllm_facts import capture
 from ..vllm_facts.vllm_flags import plan_kwargs_from_vllm_args, with_flag
+
+if TYPE_CHECKING:
+    from ..sizing.model_size import ModelSize
 
 
 @dataclass(frozen=True)
@@ -84,12 +88,15 @@ class Server:
 def server(vllm_args: Sequence[str], *, max_num_seqs: int | None = None,
            batch: int | None = None, vllm_version: str | None = None,
            vram_gib: float | None = None,
-           installed: tuple[int, int] | None | bool = True) -> Server:
+           installed: tuple[int, int] | None | bool = True,
+           architectures: Sequence[str] = ()) -> Server:
     """The server ``vllm_args`` (and the command's own options) describe.
 
     ``max_num_seqs``: the command's ``--max-num-seqs`` (wins over the flag); ``batch``:
     the streams to price, which the server must be able to run at once; ``vram_gib``:
-    the card, whose size decides vLLM's batch defaults (None: under 70 GiB).
+    the card, whose size decides vLLM's batch defaults (None: under 70 GiB);
+    ``architectures``: the model's, whose vLLM config may move the capture ceiling
+    (`capture.for_model`).
     """
     from ..sizing.sizing import vllm_defaults
 
@@ -117,6 +124,25 @@ def server(vllm_args: Sequence[str], *, max_num_seqs: int | None = None,
     return Server(
         vllm_args=args, max_num_seqs=int(seqs), seqs_source=source,
         seqs_given=given is not None, max_num_batched_tokens=int(batched), release=release,
-        graphs=capture.settings_from_vllm_args(args, version=release.version),
-        oldest=capture.settings_from_vllm_args(args, version=capture.OLDEST_KNOWN),
+        graphs=capture.for_model(
+            capture.settings_from_vllm_args(args, version=release.version), architectures),
+        oldest=capture.for_model(
+            capture.settings_from_vllm_args(args, version=capture.OLDEST_KNOWN),
+            architectures),
     )
+
+
+def architectures_of(model: ModelSize | None, trace_model: str | None) -> tuple[str, ...]:
+    """The served model's architectures, which may move vLLM's capture ceiling: the
+    ``--model`` given, else the preset the first word of the trace's recorded model name
+    matches (a trace of gpt-oss is served as gpt-oss), else none known (vLLM's
+    defaults)."""
+    if model is not None:
+        return model.architectures
+    if trace_model and trace_model.split():
+        from ..sizing.presets import find_preset
+
+        preset = find_preset(trace_model.split()[0])
+        if preset is not None:
+            return tuple(preset.config.get("architectures") or ())
+    return ()

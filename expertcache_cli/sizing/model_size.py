@@ -58,6 +58,9 @@ class ModelSize:
     attention_heads: int = 0
     #: tensor-parallel ranks the figures are per (1: the whole model)
     tensor_parallel: int = 1
+    #: config.json's ``architectures``: vLLM's per-model config may change how it serves
+    #: (gpt-oss raises the CUDA-graph capture ceiling, `capture.for_model`)
+    architectures: tuple[str, ...] = ()
 
     def per_rank(self, tp: int) -> ModelSize:
         """The share one of ``tp`` tensor-parallel GPUs holds.
@@ -373,6 +376,7 @@ def _model_from_config(
         notes=notes,
         kv_heads=0 if mla else kv_heads,
         attention_heads=heads,
+        architectures=tuple(str(a) for a in cfg.get("architectures") or ()),
     )
 
 

@@ -526,7 +526,9 @@ def _plan_for(
     model = model.per_rank(int(tensor_parallel_size or 1))
     vram_gb, device, gpu_memory_utilization, budget, notes_device = _card_budget(
         float(vram_gb), device_total_gib, gpu_memory_utilization)
-    graphs = graphs if graphs is not None else capture.settings_from_vllm_args([])
+    graphs = capture.for_model(
+        graphs if graphs is not None else capture.settings_from_vllm_args([]),
+        model.architectures)
     forced_slots = _forced_slots(model, slots, fraction)
     d_seqs, d_batched = vllm_defaults(vram_gb)
     max_model_len = int(max_model_len if max_model_len is not None

@@ -16,13 +16,17 @@ captured too (the uniform decode size; 0.29-0.32 read as well). Explicit sizes
 (``--cudagraph-capture-sizes``, ``compilation_config.cudagraph_capture_sizes``) replace
 the grid, and eager execution (``--enforce-eager``, ``-O0``, ``cudagraph_mode`` NONE)
 pads nothing. A batch wider than the largest capture size runs eagerly, unpadded.
+A model's own vLLM config can move the ceiling before the sizes are drawn: gpt-oss's
+(`GptOssForCausalLMConfig`) sets it to 1024 where the user set neither sizes nor a
+ceiling, which from 0.31 also drops the appended ``max_num_seqs`` (vLLM appends it only
+to a ceiling it computed itself), so `for_model` applies it.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import UserError
 from . import installed_vllm
@@ -34,6 +38,9 @@ APPENDS_MAX_NUM_SEQS_FROM = (0, 31)
 OLDEST_KNOWN = (0, 26)
 NEWEST_KNOWN = (0, 33)
 _DEFAULT_MAX_GRAPH = 512
+#: capture ceilings a model's vLLM config sets where the user set no capture sizes nor
+#: ceiling (`vllm/model_executor/models/config.py`, read in 0.26.0 and 0.33.0)
+MODEL_MAX_CAPTURE = {"GptOssForCausalLM": 1024}
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,19 @@ class GraphSettings:
     interactivity: bool = False
     appends_max_num_seqs: bool = False
     source: str = "vLLM's defaults"
+
+
+def for_model(g: GraphSettings, architectures: Sequence[str]) -> GraphSettings:
+    """``g`` as vLLM applies it to a model of ``architectures`` (its config.json's): the
+    model's own capture ceiling where the user's flags left sizes and ceiling to vLLM."""
+    if g.eager or g.sizes is not None or g.max_capture is not None:
+        return g
+    for arch in architectures:
+        ceiling = MODEL_MAX_CAPTURE.get(arch)
+        if ceiling is not None:
+            return replace(g, max_capture=ceiling,
+                           source=f"{arch}'s vLLM config: captured up to {ceiling} tokens")
+    return g
 
 
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, g: GraphSettings) -> list[int]:
