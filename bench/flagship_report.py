@@ -205,9 +205,20 @@ def goals(run: dict) -> list[str]:
     return lines
 
 
+def seeded(d: Path) -> list[str]:
+    """The records an earlier session measured (the runner's SEED), said under the table:
+    the resident rate then comes from another start of the machine than the cards."""
+    try:
+        names = sorted(set((d / "seeded.txt").read_text().split()))
+    except OSError:
+        return []
+    return [f"from an earlier session, not measured in this one: {', '.join(names)}"] \
+        if names else []
+
+
 def report(d: Path) -> list[str]:
     run = load(d)
-    return [TABLE_HEAD, *(card_row(c, run) for c in CARDS), "", *goals(run)]
+    return [TABLE_HEAD, *(card_row(c, run) for c in CARDS), "", *goals(run), *seeded(d)]
 
 
 def main(argv: list[str]) -> int:

@@ -49,6 +49,9 @@
 #   RESULTS=/tmp/ofs bash bench/detach.sh --poll flagship 540     (3-4 polls)
 # Split over two sessions (the box keeps nothing between them, so each needs its resident
 # rate): STEPS="setup model probe resident card24 report", then the same with card32.
+# SEED=DIR (a folder in the carried tree): an earlier session's probe.json, resident.json
+# and resident.log (from its results.tgz), copied into FS where FS lacks them, so that a
+# card's session skips the probe and resident steps (~5 min); the report names what came so.
 # PY, FS (records, model, plans: /tmp/fs), TRACE and RUNS (5 measured runs of 200 tokens
 # after a warm-up, which plan's replay covers) are overridable:
 # the flow is tested on CPU with the GPU steps stubbed (tests/bench/test_bench_flagship_runner.py).
@@ -57,6 +60,13 @@ OUT="${OUT:-out}"
 FS="${FS:-/tmp/fs}"
 mkdir -p "$OUT" "$FS"
 source bench/_device_vllm.sh
+if [ -n "${SEED:-}" ]; then
+  for f in probe.json resident.json resident.log; do
+    if [ -f "$SEED/$f" ] && [ ! -f "$FS/$f" ]; then
+      cp "$SEED/$f" "$FS/$f" && echo "$f" >> "$FS/seeded.txt"
+    fi
+  done
+fi
 STEPS="${STEPS:-setup model probe resident card24 card32 report}"
 PY="${PY:-python3}"
 MODEL=$FS/gpt-oss-120b

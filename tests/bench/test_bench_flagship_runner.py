@@ -152,6 +152,7 @@ def test_every_step_as_a_new_user_runs_it_on_both_cards(runner):
     assert "routing of every server: synthetic, stub tasks" in text
     assert "bench hooks: weights synthesized and routing replayed in every server" in text
     assert "24 GiB: cache 2.57x the offload floor (met: at least 2x)" in text
+    assert "from an earlier session" not in text  # every record measured in this run
     assert (tmp / "out" / "plan24.json").exists() and (tmp / "out" / "cache32.json").exists()
     assert (tmp / "out" / "plan24.txt").read_text().strip() == "plan text 24"
     again = run()  # re-entrant: nothing served, planned or ballasted twice
@@ -213,3 +214,27 @@ def test_the_warm_up_runs_once_and_only_while_floor_or_cache_is_owed(runner):
     assert _servers(run(STEPS="card24 report")) == []
     text = (tmp / "out" / "flagship.txt").read_text()
     assert "warm" not in text and "identical (2)" in text
+
+
+def test_a_seeded_probe_and_resident_rate_are_not_measured_again_and_are_said(runner):
+    """A card's session given an earlier session's records (SEED) skips the probe and the
+    resident server, plans from the seeded rate, and the report says what came so."""
+    import json
+
+    run, tmp = runner
+    seed = tmp / "seed"
+    seed.mkdir()
+    (seed / "probe.json").write_text("{}")
+    (seed / "resident.json").write_text(json.dumps(
+        {"status": "ok", "arm": "resident", "tok_s": [150.0, 151.0, 149.0]}))
+    (seed / "resident.log").write_text(
+        "log\nWARNING BENCH: weights synthesized: 400 tensors\n"
+        "BENCH: trace routing in force: layer 0\n")
+    calls = run(STEPS="setup model probe resident card24 report", SEED=str(seed))
+    assert not any(c.startswith("-m expertcache_cli probe-link") for c in calls)
+    assert _servers(calls) == ["warm24", "floor24", "cache24"]
+    plan = next(c for c in calls if c.startswith("-m expertcache_cli plan"))
+    assert "--resident-tok-s 150.000" in plan
+    text = (tmp / "out" / "flagship.txt").read_text()
+    assert ("from an earlier session, not measured in this one: probe.json, resident.json, "
+            "resident.log") in text
