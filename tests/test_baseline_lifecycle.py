@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from terminal import sigint_default
 
 from expertcache_cli.baseline import store
 from expertcache_cli.baseline.arms import parse_arms
@@ -350,7 +351,8 @@ def test_interrupt_mid_run_then_resume(tmp_path, stub):
     # of the summary counted below
     paced = {**os.environ, "STUB_TOKEN_DELAY": "0.01"}
     proc = subprocess.Popen(
-        _cli_args(cfg), env=paced, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        _cli_args(cfg), env=paced, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=sigint_default,
     )
 
     def in_second_offload_run() -> None:

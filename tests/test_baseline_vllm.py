@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from terminal import sigint_default
 from tiny_moe import MAKE_MODEL
 
 from expertcache_cli.baseline import store
@@ -130,7 +131,7 @@ def test_two_arms_two_restarts_interrupt_and_resume(vllm_python, tiny_model, tmp
     env = {**os.environ, **SERVER_ENV}
     proc = subprocess.Popen(
         _cli(vllm_python, tiny_model, out), env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default,
     )  # fmt: skip
     try:
         # Interrupt during the second block, once its first measured run is on disk: a 256-

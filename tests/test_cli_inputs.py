@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from terminal import sigint_default
 
 BAD = [
     (["size", "--vram", "nan"], "--vram must be a finite number"),
@@ -173,7 +174,7 @@ cli.main()
 ])
 def test_ctrl_c_is_one_line_and_exit_130(where, line):
     r = subprocess.run([sys.executable, "-c", _CTRL_C, where], capture_output=True, text=True,
-                       timeout=120, stdin=subprocess.DEVNULL)
+                       timeout=120, stdin=subprocess.DEVNULL, preexec_fn=sigint_default)
     assert r.returncode == 130, (r.returncode, r.stderr[-800:])
     assert r.stderr.strip().splitlines() == [line], r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
