@@ -140,9 +140,10 @@ def architectures_of(model: ModelSize | None, trace_model: str | None) -> tuple[
     if model is not None:
         return model.architectures
     if trace_model and trace_model.split():
+        from ..sizing.model_size import config_architectures
         from ..sizing.presets import find_preset
 
         preset = find_preset(trace_model.split()[0])
         if preset is not None:
-            return tuple(preset.config.get("architectures") or ())
+            return config_architectures(preset.config)
     return ()

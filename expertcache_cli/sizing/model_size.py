@@ -376,7 +376,7 @@ def _model_from_config(
         notes=notes,
         kv_heads=0 if mla else kv_heads,
         attention_heads=heads,
-        architectures=tuple(str(a) for a in cfg.get("architectures") or ()),
+        architectures=config_architectures(cfg),
     )
 
 
@@ -536,6 +536,11 @@ def _read_config(path: Path) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise UserError(f"{path}: a config.json must hold a JSON object")
     return cfg
+
+
+def config_architectures(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """config.json's ``architectures``, the names vLLM picks its model classes by."""
+    return tuple(str(a) for a in cfg.get("architectures") or ())
 
 
 def load_model(spec: str | Path | None = None, quant: str | None = None) -> ModelSize:
