@@ -6,8 +6,8 @@
 #   bash bench/detach.sh formats env OUT=/tmp/of FORMATS="fp8-block w4a16" \
 #     bash bench/run_formats_on_device.sh
 # (OUT on the box: the call's own $OUT is emptied before every call), then, in later calls,
-#   RESULTS=/tmp/of bash bench/detach.sh --poll formats 540
-# waits up to 540 s for it to end, prints the tail of its log, packs RESULTS into the call's
+#   RESULTS=/tmp/of bash bench/detach.sh --poll formats 280
+# waits up to 280 s for it to end, prints the tail of its log, packs RESULTS into the call's
 # $OUT (results.tgz, with the log), and says whether it is still running (exit 3) or ended
 # (exit 0; the runner's own status is in /tmp/detached-NAME.rc), or, at once, that no such job
 # is on this machine (exit 4: the machine was given back and this one starts bare).

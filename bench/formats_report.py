@@ -342,6 +342,19 @@ def routing_lines(runs: dict[str, tuple]) -> list[str]:
     return [f"- {fmt}: {routing_of(run[0].get('cache'), run[5])}" for fmt, run in runs.items()]
 
 
+def seeded_lines(d: Path, formats: list[str]) -> list[str]:
+    """The records of these formats that an earlier session measured (the runner's SEED),
+    said under the report: the arms of one row then come from two starts of the machine."""
+    try:
+        names = sorted(set((d / "seeded.txt").read_text().split()))
+    except OSError:
+        return []
+    mine = [n for n in names  # "gptq-act-floor.json" is gptq-act's, not gptq's
+            if any(n.startswith(f"{f}-") and "-" not in n[len(f) + 1:] for f in formats)]
+    return [f"from an earlier session, not measured in this one: {', '.join(mine)}"] \
+        if mine else []
+
+
 def load_run(fmt: str, d: Path) -> tuple[dict[str, dict], int | None, float | None, float,
                                          int, dict | None]:
     """A format's server records, its bytes an expert and MoE layers (`size --json`), its
@@ -398,14 +411,15 @@ def main(argv: list[str]) -> int:
         d = Path(argv[1])
         runs = {f: load_run(f, d) for f in argv[2:]}
         print("\n".join([TABLE_HEAD, *(table_row(f, *run) for f, run in runs.items()), "",
-                         "Routing of the floor and cache arms:", *routing_lines(runs)]))
+                         "Routing of the floor and cache arms:", *routing_lines(runs),
+                         *seeded_lines(d, list(runs))]))
         return 0
     if len(argv) != 2:
         print("usage: formats_report.py FORMAT DIR | --table DIR FORMAT... | "
               "--armed/--served/--median RECORD", file=sys.stderr)
         return 2
     fmt, d = argv[0], Path(argv[1])
-    print("\n".join(summarize(fmt, *load_run(fmt, d))))
+    print("\n".join([*summarize(fmt, *load_run(fmt, d)), *seeded_lines(d, [fmt])]))
     return 0
 
 

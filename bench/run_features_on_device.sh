@@ -37,7 +37,7 @@
 # About 17 device minutes in all (twelve starts of ~35-80 s, each arm's stages ~30-50 s),
 # plus the bundle's install; one detached job:
 #   bash bench/detach.sh features env OUT=/tmp/ofe bash bench/run_features_on_device.sh
-#   RESULTS=/tmp/ofe bash bench/detach.sh --poll features 540      (2-3 polls)
+#   RESULTS=/tmp/ofe bash bench/detach.sh --poll features 280      (4-6 polls)
 # PY, FE (arm records: /tmp/fe), MODEL_DIR (checkpoints: /tmp), LAYERS (8), SLOTS (32),
 # TOKENS (64 greedy tokens a prompt), ABOVE (8) and ARM_TIMEOUT (600 s an arm) are
 # overridable: the flow is tested on CPU with vLLM stubbed

@@ -44,9 +44,9 @@
 #   card32    the same on 32 GiB (11.5)
 #   report    bench/flagship_report.py: the table and the goals, to $OUT/flagship.txt
 # Every step: about 29 device minutes in all, more than a session leaves after the bundle:
-# split it (below). One detached job, polled every 9 minutes:
+# split it (below). One detached job, polled every ~4.5 minutes:
 #   bash bench/detach.sh flagship env OUT=/tmp/ofs bash bench/run_flagship_on_device.sh
-#   RESULTS=/tmp/ofs bash bench/detach.sh --poll flagship 540     (3-4 polls)
+#   RESULTS=/tmp/ofs bash bench/detach.sh --poll flagship 280     (3-4 polls)
 # Split over two sessions (the box keeps nothing between them, so each needs its resident
 # rate): STEPS="setup model probe resident card24 report", then the same with card32.
 # SEED=DIR (a folder in the carried tree): an earlier session's probe.json, resident.json

@@ -62,7 +62,7 @@
 # has the runs in order with the minutes each step is expected to take:
 #   bash bench/detach.sh formats env OUT=/tmp/of RUNS=3 FORMATS="mxfp4" \
 #     bash bench/run_formats_on_device.sh
-#   RESULTS=/tmp/of bash bench/detach.sh --poll formats 540
+#   RESULTS=/tmp/of bash bench/detach.sh --poll formats 280
 # then FORMATS="gptq-act awq", "w4a16 w8a8" and "nvfp4 fp8-block" (fp8-block's row again);
 #   python bench/formats_report.py --table DIR gptq-act awq w4a16 nvfp4 mxfp4 fp8-block w8a8
 set -uo pipefail
@@ -82,6 +82,21 @@ COMMON=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}
         --shutdown-timeout 10 --max-model-len 1024 --max-num-seqs 4
         --max-cudagraph-capture-size 8)
 device_vllm_setup || { echo "setup failed"; exit 1; }
+# SEED=DIR (a folder in the carried tree): an earlier session's records (FMT-ARM.json and
+# .log, FMT-size.json, FMT-probe.json, from its results.tgz), copied into FM where FM lacks
+# them: the box keeps nothing between sessions, so a format's floor and cache measured in one
+# session and its resident and all-hit pair in the next still make one row, with `plan`
+# from the seeded size and probe; the report names what came so (seeded.txt)
+if [ -n "${SEED:-}" ]; then
+  for f in "$SEED"/*.json "$SEED"/*.log; do
+    [ -f "$f" ] || continue
+    b=$(basename "$f")
+    if [ ! -f "$FM/$b" ]; then
+      cp "$f" "$FM/$b" && cp "$f" "$OUT/" && echo "$b" >> "$FM/seeded.txt"
+    fi
+  done
+  [ -f "$FM/seeded.txt" ] && cp "$FM/seeded.txt" "$OUT/"
+fi
 
 # ARMS="resident hot" runs only those arms of each format (the others count as done): the
 # all-hit pair again, say, without the floor and cache servers and their checkpoint

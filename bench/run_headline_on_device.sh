@@ -46,9 +46,9 @@
 #   card16    the same on 16 GiB (10-12)
 #   report    bench/headline_report.py: the table, the routing, the greedy tokens, to
 #             $OUT/headline.md
-# ~24-30 device minutes in all: one detached job, polled every 9 minutes (or split, below):
+# ~24-30 device minutes in all: one detached job, polled every ~4.5 minutes (or split, below):
 #   bash bench/detach.sh headline env OUT=/tmp/ohl bash bench/run_headline_on_device.sh
-#   RESULTS=/tmp/ohl bash bench/detach.sh --poll headline 540
+#   RESULTS=/tmp/ohl bash bench/detach.sh --poll headline 280
 # Split over two sessions (the box keeps nothing between them): STEPS="setup model resident
 # card24 report", then STEPS="setup model resident card16 report".
 # An unknown step or a TRACE that is not a file: one line, exit 2, before anything starts; a

@@ -21,7 +21,7 @@
 #   CUDA_VISIBLE_DEVICES=1 TRACES=zipf EC_KEEP_SERVERS=1 OUT=out2 bash ...
 # Detached past a caller's time limit (bench/detach.sh), with no per-baseline limit:
 #   bash bench/detach.sh plan env OUT=/tmp/opc BL_SECONDS=7200 bash bench/run_plan_check_on_device.sh
-#   RESULTS=/tmp/opc bash bench/detach.sh --poll plan 540
+#   RESULTS=/tmp/opc bash bench/detach.sh --poll plan 280
 # PLAN_ARM=0 leaves the saved plan's arm out (one server fewer a trace: the per-layer plan
 # against uniform needs measuring once, not per trace). A resident baseline file already in
 # $PC (say, copied from an earlier run, as tests/data/plan-check-resident-24.jsonl is) is not

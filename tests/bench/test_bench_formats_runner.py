@@ -350,3 +350,46 @@ def test_arms_without_floor_or_cache_start_no_warm_up(runner):
     assert "fp8-block-warm" not in _servers(run("fp8-block", ARMS="resident hot"))
     # the cache alone: the warm-up still runs before it
     assert _servers(run("awq", ARMS="cache")) == ["awq-warm", "awq-cache"]
+
+
+def test_a_seeded_floor_and_cache_get_their_resident_pair_and_plan_and_are_said(runner):
+    """A session given an earlier session's floor, cache, size and probe records (SEED)
+    starts only the resident and all-hit servers, writes only their checkpoint, plans the
+    cache arm from the seeded size and probe with this session's resident rate, and the
+    report says which records came from the earlier session."""
+    run, tmp = runner
+    first = tmp / "first"
+    run("mxfp4", FM=str(first), ARMS="floor cache", OUT=str(tmp / "out1"))
+    seed = tmp / "seed"
+    seed.mkdir()
+    for p in (tmp / "out1").iterdir():  # what the first session's results.tgz brought back
+        if p.suffix in (".json", ".log"):
+            (seed / p.name).write_bytes(p.read_bytes())
+    assert (seed / "mxfp4-cache.json").exists() and (seed / "mxfp4-size.json").exists()
+    calls = run("mxfp4", SEED=str(seed))
+    assert _servers(calls) == ["mxfp4-resident", "mxfp4-hot"]
+    writes = [c.split()[1] for c in calls if "write_checkpoint.py" in c]
+    assert writes == [str(tmp / "fm" / "mxfp4-hot")]
+    assert not any(c.startswith("-m expertcache_cli size") for c in calls)
+    plans = [c for c in calls if c.startswith("-m expertcache_cli plan")]
+    assert len(plans) == 1 and f"--probe {tmp / 'fm' / 'mxfp4-probe.json'}" in plans[0]
+    report = (tmp / "out" / "formats.txt").read_text()
+    assert "from an earlier session, not measured in this one: " in report
+    said = report.split("not measured in this one: ")[1].splitlines()[0]
+    assert "mxfp4-cache.json" in said and "mxfp4-floor.json" in said
+    assert "mxfp4-resident" not in said
+    assert (tmp / "out" / "mxfp4-floor.json").exists()  # the row's records travel together
+    table = (tmp / "out" / "table.md").read_text()
+    assert "from an earlier session" in table
+
+
+def test_seeded_records_of_one_format_are_not_said_under_another(tmp_path):
+    """gptq-act's records are not gptq's, though their names share a prefix."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("fr", ROOT / "bench" / "formats_report.py")
+    fr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fr)
+    (tmp_path / "seeded.txt").write_text("gptq-act-floor.json\ngptq-cache.json\n")
+    assert fr.seeded_lines(tmp_path, ["gptq"]) == [
+        "from an earlier session, not measured in this one: gptq-cache.json"]
+    assert fr.seeded_lines(tmp_path, ["awq"]) == []
