@@ -72,6 +72,22 @@ def installs_per_token(rec: dict | None) -> float | None:
     return (a["installs"] - b["installs"]) / n
 
 
+def timed_hit_rate(rec: dict | None) -> float | None:
+    """The share of expert uses that hit over the measured runs (the stats lines around
+    them): the routing's part of the cache arm's tok/s, which a row has to say."""
+    rec = rec or {}
+    b, a = rec.get("counters_before"), rec.get("counters_after")
+    if not (b and a) or b.get("requests") is None or a.get("requests") is None:
+        return None
+    uses = a["requests"] - b["requests"]
+    return 1 - (a["installs"] - b["installs"]) / uses if uses > 0 else None
+
+
+def _hits(rec: dict | None) -> str:
+    h = timed_hit_rate(rec)
+    return "-" if h is None else f"{100 * h:.1f}%"
+
+
 def predicted_tok_s(resident: float, per_token: float, bytes_per_expert: int,
                     gbps: float, step_us: float = 0.0, layers: int = 0) -> float:
     """The planner's own prediction (`planner.predict_ms`), single stream: every MoE layer
@@ -206,6 +222,8 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
                     compare_greedy(floor["greedy"], floor["greedy_again"])))
         if not slot_path_served(rec):
             per = None  # nothing served from slots: no installs to predict from
+        elif timed_hit_rate(rec) is not None:
+            parts.append(f"hits over the timed runs {_hits(rec)}")
         if per is not None and r_tok and bytes_per_expert and gbps:
             want = predicted_tok_s(r_tok, per, bytes_per_expert, gbps, step_us, layers)
             ratio = tok / want if tok else 0.0
@@ -289,8 +307,8 @@ def _arm_facts(rec: dict, res: dict | None) -> str:
 
 
 TABLE_HEAD = ("| format | plugin | tokens vs the floor | floor tok/s | cache tok/s (x floor) "
-              "| all-hit / resident | missing arm / predicted | cache / plan |\n| --- | --- "
-              "| --- | --- | --- | --- | --- | --- |")
+              "| cache hits, timed runs | all-hit / resident | missing arm / predicted "
+              "| cache / plan |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def table_row(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
@@ -332,8 +350,9 @@ def table_row(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
     if row is not None and c_tok:
         want = float(row["predicted_tok_s"])
         planned = f"{c_tok / want:.3f} ({c_tok:.1f} / {want:.1f})"
-    return (f"| {fmt} | {plugin} | {same} | {_fmt(f_tok)} | {speed} | {all_hit} | {miss} "
-            f"| {planned} |")
+    hits = _hits(rec) if arm else "-"
+    return (f"| {fmt} | {plugin} | {same} | {_fmt(f_tok)} | {speed} | {hits} | {all_hit} "
+            f"| {miss} | {planned} |")
 
 
 def routing_lines(runs: dict[str, tuple]) -> list[str]:

@@ -131,7 +131,7 @@ def test_the_table_row_carries_each_goal_of_an_armed_and_a_declined_format():
             "cache": rec([410.0, 420.0, 500.0], installs=2000),
             "hot": rec([480.0], hit_rate=0.9999)}
     row = report.table_row("w8a8", recs, 10**7, 50.0)
-    assert row == ("| w8a8 | armed 8 of 8 | identical (2) | 50.0 | 420.0 (8.40x) | "
+    assert row == ("| w8a8 | armed 8 of 8 | identical (2) | 50.0 | 420.0 (8.40x) | - | "
                    "0.960 (480.0 / 500.0) | 1.008 (420.0 / 416.7) | - |")
     declined = {"floor": rec([256.0], startup=None), "cache": rec(
         [256.0], startup="expertcache: vLLM 0.26.0: armed 0 of 8 MoE layers (experts kernel "
@@ -139,7 +139,7 @@ def test_the_table_row_carries_each_goal_of_an_armed_and_a_declined_format():
                          "stock path")}
     row = report.table_row("gptq", declined, 10**7, 50.0)
     assert row.startswith("| gptq | declined: experts kernel MarlinExperts is not known "
-                          "(known: TritonExperts) | identical (2) | 256.0 | 256.0 (1.00x) | - |")
+                          "(known: TritonExperts) | identical (2) | 256.0 | 256.0 (1.00x) | - | - |")
     assert report.TABLE_HEAD.splitlines()[0].count("|") == row.count("|")
 
 
@@ -257,3 +257,19 @@ def test_a_floor_that_does_not_repeat_itself_is_said():
     floor["greedy_again"] = GREEDY
     lines = report.summarize("mxfp4", {"floor": floor, "cache": rec([100.0])}, None, None)
     assert "the floor's second greedy request vs its first identical (2 tokens)" in lines[1]
+
+
+def test_the_cache_arms_hit_rate_over_its_timed_runs_is_in_its_line_and_row():
+    """The hits between the stats lines around the measured runs (the MXFP4 row's counters:
+    57,888 uses and 8,664 installs), said beside the cache's tok/s; a record without the
+    uses counted says nothing rather than a guess."""
+    cache = rec([137.1], installs=8664)
+    cache["counters_before"].update(requests=19902)
+    cache["counters_after"].update(requests=19902 + 57888)
+    assert report.timed_hit_rate(cache) == pytest.approx(1 - 8664 / 57888)
+    recs = {"floor": rec([33.9], startup=None), "cache": cache}
+    row = report.table_row("mxfp4", recs, None, None)
+    assert "| 137.1 (4.04x) | 85.0% | - |" in row
+    assert report.TABLE_HEAD.splitlines()[0].count("|") == row.count("|")
+    assert "hits over the timed runs 85.0%" in report.summarize("mxfp4", recs, None, None)[1]
+    assert report.timed_hit_rate(rec([1.0], installs=5)) is None  # no uses counted
