@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from small_card import compare_greedy, describe  # noqa: E402
+from small_card import compare_greedy, describe, live_hit_rate  # noqa: E402
 from synth_weights import DONE_LINE  # noqa: E402
 from trace_routing import IN_FORCE_LINE as ROUTING_LINE  # noqa: E402
 
@@ -89,15 +89,6 @@ def plan_hit_rate(plan: dict | None) -> float | None:
         if row.get("policy") == rec.get("policy") and row.get("slots") == rec.get("slots"):
             return 1 - float(row["miss_rate"])
     return None
-
-
-def live_hit_rate(rec: dict | None) -> float | None:
-    """The cache arm's hit rate over its measured runs (the stats lines around them)."""
-    b, a = (rec or {}).get("counters_before"), (rec or {}).get("counters_after")
-    if not (b and a):
-        return None
-    req = a.get("requests", 0) - b.get("requests", 0)
-    return 1 - (a["installs"] - b["installs"]) / req if req > 0 else None
 
 
 def hook_problems(d: Path, arms: dict[str, dict]) -> list[str]:

@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from small_card import compare_greedy, describe  # noqa: E402
+from small_card import compare_greedy, describe, live_hit_rate  # noqa: E402
 
 from expertcache_cli.baseline.counters import ARMED_RE  # noqa: E402
 
@@ -72,19 +72,8 @@ def installs_per_token(rec: dict | None) -> float | None:
     return (a["installs"] - b["installs"]) / n
 
 
-def timed_hit_rate(rec: dict | None) -> float | None:
-    """The share of expert uses that hit over the measured runs (the stats lines around
-    them): the routing's part of the cache arm's tok/s, which a row has to say."""
-    rec = rec or {}
-    b, a = rec.get("counters_before"), rec.get("counters_after")
-    if not (b and a) or b.get("requests") is None or a.get("requests") is None:
-        return None
-    uses = a["requests"] - b["requests"]
-    return 1 - (a["installs"] - b["installs"]) / uses if uses > 0 else None
-
-
 def _hits(rec: dict | None) -> str:
-    h = timed_hit_rate(rec)
+    h = live_hit_rate(rec)
     return "-" if h is None else f"{100 * h:.1f}%"
 
 
@@ -222,7 +211,7 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
                     compare_greedy(floor["greedy"], floor["greedy_again"])))
         if not slot_path_served(rec):
             per = None  # nothing served from slots: no installs to predict from
-        elif timed_hit_rate(rec) is not None:
+        elif live_hit_rate(rec) is not None:
             parts.append(f"hits over the timed runs {_hits(rec)}")
         if per is not None and r_tok and bytes_per_expert and gbps:
             want = predicted_tok_s(r_tok, per, bytes_per_expert, gbps, step_us, layers)

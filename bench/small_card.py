@@ -104,6 +104,17 @@ def greedy_ids(base_url: str, model_id: str, max_tokens: int) -> dict:
     return {"tokens": choice["text"].split(), "logprob": chosen, "margin": margins}
 
 
+def live_hit_rate(rec: dict | None) -> float | None:
+    """A cache server's hit rate over its measured runs, from the stats lines its record
+    keeps around them (the routing's share of its tok/s, which a row has to say); None
+    where the record has no such counters or counted no uses."""
+    b, a = (rec or {}).get("counters_before"), (rec or {}).get("counters_after")
+    if not (b and a) or b.get("requests") is None or a.get("requests") is None:
+        return None
+    uses = a["requests"] - b["requests"]
+    return 1 - (a["installs"] - b["installs"]) / uses if uses > 0 else None
+
+
 def compare_greedy(a: dict, b: dict) -> dict:
     """Where two arms' greedy completions part, and whether that is a near-tie: the first
     differing position, each arm's margin there, and the largest difference of the chosen

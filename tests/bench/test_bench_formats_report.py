@@ -267,10 +267,10 @@ def test_the_cache_arms_hit_rate_over_its_timed_runs_is_in_its_line_and_row():
     cache = rec([137.1], installs=8664)
     cache["counters_before"].update(requests=19902)
     cache["counters_after"].update(requests=19902 + 57888)
-    assert report.timed_hit_rate(cache) == pytest.approx(1 - 8664 / 57888)
+    assert report.live_hit_rate(cache) == pytest.approx(1 - 8664 / 57888)
     recs = {"floor": rec([33.9], startup=None), "cache": cache}
     row = report.table_row("mxfp4", recs, None, None)
     assert "| 137.1 (4.04x) | 85.0% | - |" in row
     assert report.TABLE_HEAD.splitlines()[0].count("|") == row.count("|")
     assert "hits over the timed runs 85.0%" in report.summarize("mxfp4", recs, None, None)[1]
-    assert report.timed_hit_rate(rec([1.0], installs=5)) is None  # no uses counted
+    assert report.live_hit_rate(rec([1.0], installs=5)) is None  # no uses counted
