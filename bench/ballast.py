@@ -43,11 +43,20 @@ MiB = 1024**2
 PIDFILE = Path(os.environ.get("EC_BALLAST_PIDFILE", "/tmp/expertcache-ballast.pid"))
 
 
+def smi_id(device: int, environ: dict[str, str] | None = None) -> str:
+    """nvidia-smi's name for torch's ``device``: nvidia-smi ignores CUDA_VISIBLE_DEVICES,
+    so under ``CUDA_VISIBLE_DEVICES=1`` torch's device 0 is nvidia-smi's 1 (a runner per
+    GPU of a 2-GPU box)."""
+    visible = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",")] if visible else []
+    return ids[device] if 0 <= device < len(ids) and ids[device] else str(device)
+
+
 def _smi_free_mib(device: int) -> float | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=memory.free,memory.used,memory.total",
-             "--format=csv,noheader,nounits", "-i", str(device)],
+             "--format=csv,noheader,nounits", "-i", smi_id(device)],
             capture_output=True, text=True, timeout=20, check=True,
         ).stdout
         return float(out.split(",")[0])

@@ -95,3 +95,12 @@ def test_stop_leaves_a_process_that_took_the_recorded_pid_alone(holder):
     pidfile.write_text(f"{proc.pid}")  # no start time: nothing to tell it by
     assert "nothing stopped" in ballast.stop()
     assert proc.poll() is None and pidfile.exists()
+
+
+def test_nvidia_smi_is_asked_about_the_gpu_torch_holds():
+    """Under CUDA_VISIBLE_DEVICES torch's device 0 is the first GPU listed, which
+    nvidia-smi (blind to the variable) names by its own index or UUID."""
+    assert ballast.smi_id(0, {}) == "0"
+    assert ballast.smi_id(0, {"CUDA_VISIBLE_DEVICES": "1"}) == "1"
+    assert ballast.smi_id(1, {"CUDA_VISIBLE_DEVICES": "1,0"}) == "0"
+    assert ballast.smi_id(0, {"CUDA_VISIBLE_DEVICES": "GPU-3f2a"}) == "GPU-3f2a"
