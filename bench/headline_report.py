@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from flagship_report import _greedy, _status, live_hit_rate, median  # noqa: E402
+from flagship_report import _greedy, _status, live_hit_rate, median, seeded  # noqa: E402
 from small_card import describe  # noqa: E402
 from trace_routing import IN_FORCE_LINE  # noqa: E402
 
@@ -173,7 +173,7 @@ def report(d: Path) -> list[str]:
     trace = _shown(run["trace"]) if routed(run) else "none"
     return [*routing_lines(run), "",
             f"Reproduce: `TRACE={trace} bash bench/run_headline_on_device.sh`", "",
-            *table(run), "", *findings(run)]
+            *table(run), "", *findings(run), *seeded(d)]
 
 
 def main(argv: list[str]) -> int:

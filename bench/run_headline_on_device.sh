@@ -50,7 +50,10 @@
 #   bash bench/detach.sh headline env OUT=/tmp/ohl bash bench/run_headline_on_device.sh
 #   RESULTS=/tmp/ohl bash bench/detach.sh --poll headline 280
 # Split over two sessions (the box keeps nothing between them): STEPS="setup model resident
-# card24 report", then STEPS="setup model resident card16 report".
+# card24 report", then SEED=DIR STEPS="setup model resident card16 report", where DIR (a
+# folder in the carried tree) holds the first session's resident.json and resident.log
+# (from its results.tgz): copied into HL where HL lacks them, the resident server is not
+# run again (~4-5 min), and the report names what came from the earlier session.
 # An unknown step or a TRACE that is not a file: one line, exit 2, before anything starts; a
 # trace of other than 128 experts: one line, exit 2, at the model step. HL (records:
 # /tmp/hl) holds one routing's run: another TRACE given to it is refused (exit 2).
@@ -85,6 +88,13 @@ if [ -f "$HL/trace.src" ] && [ "$(cat "$HL/trace.src")" != "$TRACE" ]; then
 fi
 mkdir -p "$OUT" "$HL"
 source bench/_device_vllm.sh
+if [ -n "${SEED:-}" ]; then
+  for f in resident.json resident.log; do
+    if [ -f "$SEED/$f" ] && [ ! -f "$HL/$f" ]; then
+      cp "$SEED/$f" "$HL/$f" && echo "$f" >> "$HL/seeded.txt"
+    fi
+  done
+fi
 # what a user on a small card gives (a context that leaves room for slots), and the bench's
 # own (the bundle has no FlashAttention binaries; the seed; the port the runner picks)
 USER_FLAGS=(--max-model-len 8192)

@@ -241,3 +241,22 @@ def test_the_warm_up_runs_once_and_only_while_floor_or_cache_is_owed(runner):
     assert _servers(calls) == []
     report = (tmp / "out" / "headline.md").read_text()
     assert "warm" not in report and "| 24 GiB | cache at the planned slots |" in report
+
+
+def test_a_seeded_resident_is_not_run_again_and_is_said(runner):
+    """The card16 session given the card24 session's resident record (SEED) starts no
+    resident server, compares against the seeded one, and the report says so."""
+    run, tmp = runner
+    first, _ = run(STEPS="setup model resident card24 report")
+    assert "resident" in _servers(first)
+    seed = tmp / "seed"
+    seed.mkdir()
+    for f in ("resident.json", "resident.log"):
+        (seed / f).write_bytes((tmp / "hl" / f).read_bytes())
+    (tmp / "hl" / "resident.json").unlink()  # a fresh box: the earlier record only seeded
+    (tmp / "hl" / "resident.log").unlink()
+    calls, _ = run(STEPS="setup model resident card16 report", SEED=str(seed))
+    assert _servers(calls) == ["warm16", "floor16", "cache16"]
+    text = (tmp / "out" / "headline.md").read_text()
+    assert "from an earlier session, not measured in this one: resident.json, resident.log" \
+        in text
