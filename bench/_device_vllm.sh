@@ -19,6 +19,19 @@ bench_save() {
   cp "$1"/*.json "$OUT/" 2>/dev/null
   for f in "$1"/*.log; do tail -c "${LOG_TAIL:-400000}" "$f" > "$OUT/$(basename "$f")"; done
 }
+# An earlier session's records (BENCH ONLY): `bench_seed DIR NAME...` copies each NAME that
+# $SEED holds and DIR lacks into DIR and $OUT, and lists it in DIR/seeded.txt (copied to $OUT
+# too), which the reports print as not measured in this session. Nothing without SEED.
+bench_seed() {
+  local dir=$1 f; shift
+  [ -n "${SEED:-}" ] || return 0
+  for f in "$@"; do
+    if [ -f "$SEED/$f" ] && [ ! -f "$dir/$f" ]; then
+      cp "$SEED/$f" "$dir/$f" && cp "$SEED/$f" "$OUT/" && echo "$f" >> "$dir/seeded.txt"
+    fi
+  done
+  if [ -f "$dir/seeded.txt" ]; then cp "$dir/seeded.txt" "$OUT/"; fi
+}
 bench_arm() {
   local dir=$1 runner=$2 name=$3; shift 3
   if [ -f "$dir/$name.json" ] && grep -q '"status": "ok"' "$dir/$name.json"; then

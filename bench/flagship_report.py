@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from small_card import compare_greedy, describe, live_hit_rate  # noqa: E402
+from small_card import compare_greedy, describe, live_hit_rate, seeded_line  # noqa: E402
 from synth_weights import DONE_LINE  # noqa: E402
 from trace_routing import IN_FORCE_LINE as ROUTING_LINE  # noqa: E402
 
@@ -199,12 +199,7 @@ def goals(run: dict) -> list[str]:
 def seeded(d: Path) -> list[str]:
     """The records an earlier session measured (the runner's SEED), said under the table:
     the resident rate then comes from another start of the machine than the cards."""
-    try:
-        names = sorted(set((d / "seeded.txt").read_text().split()))
-    except OSError:
-        return []
-    return [f"from an earlier session, not measured in this one: {', '.join(names)}"] \
-        if names else []
+    return seeded_line(d)
 
 
 def report(d: Path) -> list[str]:

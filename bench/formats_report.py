@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from small_card import compare_greedy, describe, live_hit_rate  # noqa: E402
+from small_card import compare_greedy, describe, live_hit_rate, seeded_line  # noqa: E402
 
 from expertcache_cli.baseline.counters import ARMED_RE  # noqa: E402
 
@@ -211,8 +211,8 @@ def summarize(fmt: str, recs: dict[str, dict], bytes_per_expert: int | None,
                     compare_greedy(floor["greedy"], floor["greedy_again"])))
         if not slot_path_served(rec):
             per = None  # nothing served from slots: no installs to predict from
-        elif live_hit_rate(rec) is not None:
-            parts.append(f"hits over the timed runs {_hits(rec)}")
+        elif (hits := _hits(rec)) != "-":
+            parts.append(f"hits over the timed runs {hits}")
         if per is not None and r_tok and bytes_per_expert and gbps:
             want = predicted_tok_s(r_tok, per, bytes_per_expert, gbps, step_us, layers)
             ratio = tok / want if tok else 0.0
@@ -353,14 +353,8 @@ def routing_lines(runs: dict[str, tuple]) -> list[str]:
 def seeded_lines(d: Path, formats: list[str]) -> list[str]:
     """The records of these formats that an earlier session measured (the runner's SEED),
     said under the report: the arms of one row then come from two starts of the machine."""
-    try:
-        names = sorted(set((d / "seeded.txt").read_text().split()))
-    except OSError:
-        return []
-    mine = [n for n in names  # "gptq-act-floor.json" is gptq-act's, not gptq's
-            if any(n.startswith(f"{f}-") and "-" not in n[len(f) + 1:] for f in formats)]
-    return [f"from an earlier session, not measured in this one: {', '.join(mine)}"] \
-        if mine else []
+    return seeded_line(d, lambda n: any(  # "gptq-act-floor.json" is gptq-act's, not gptq's
+        n.startswith(f"{f}-") and "-" not in n[len(f) + 1:] for f in formats))
 
 
 def load_run(fmt: str, d: Path) -> tuple[dict[str, dict], int | None, float | None, float,

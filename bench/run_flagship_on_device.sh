@@ -60,13 +60,7 @@ OUT="${OUT:-out}"
 FS="${FS:-/tmp/fs}"
 mkdir -p "$OUT" "$FS"
 source bench/_device_vllm.sh
-if [ -n "${SEED:-}" ]; then
-  for f in probe.json resident.json resident.log; do
-    if [ -f "$SEED/$f" ] && [ ! -f "$FS/$f" ]; then
-      cp "$SEED/$f" "$FS/$f" && echo "$f" >> "$FS/seeded.txt"
-    fi
-  done
-fi
+bench_seed "$FS" probe.json resident.json resident.log
 STEPS="${STEPS:-setup model probe resident card24 card32 report}"
 PY="${PY:-python3}"
 MODEL=$FS/gpt-oss-120b

@@ -88,14 +88,7 @@ device_vllm_setup || { echo "setup failed"; exit 1; }
 # session and its resident and all-hit pair in the next still make one row, with `plan`
 # from the seeded size and probe; the report names what came so (seeded.txt)
 if [ -n "${SEED:-}" ]; then
-  for f in "$SEED"/*.json "$SEED"/*.log; do
-    [ -f "$f" ] || continue
-    b=$(basename "$f")
-    if [ ! -f "$FM/$b" ]; then
-      cp "$f" "$FM/$b" && cp "$f" "$OUT/" && echo "$b" >> "$FM/seeded.txt"
-    fi
-  done
-  [ -f "$FM/seeded.txt" ] && cp "$FM/seeded.txt" "$OUT/"
+  bench_seed "$FM" $(cd "$SEED" && ls -- *.json *.log 2>/dev/null)
 fi
 
 # ARMS="resident hot" runs only those arms of each format (the others count as done): the

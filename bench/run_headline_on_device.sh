@@ -88,13 +88,7 @@ if [ -f "$HL/trace.src" ] && [ "$(cat "$HL/trace.src")" != "$TRACE" ]; then
 fi
 mkdir -p "$OUT" "$HL"
 source bench/_device_vllm.sh
-if [ -n "${SEED:-}" ]; then
-  for f in resident.json resident.log; do
-    if [ -f "$SEED/$f" ] && [ ! -f "$HL/$f" ]; then
-      cp "$SEED/$f" "$HL/$f" && echo "$f" >> "$HL/seeded.txt"
-    fi
-  done
-fi
+bench_seed "$HL" resident.json resident.log
 # what a user on a small card gives (a context that leaves room for slots), and the bench's
 # own (the bundle has no FlashAttention binaries; the seed; the port the runner picks)
 USER_FLAGS=(--max-model-len 8192)

@@ -115,6 +115,19 @@ def live_hit_rate(rec: dict | None) -> float | None:
     return 1 - (a["installs"] - b["installs"]) / uses if uses > 0 else None
 
 
+def seeded_line(d: Path, keep: Callable[[str], bool] = lambda name: True) -> list[str]:
+    """The records in ``d`` that an earlier session measured (a runner's SEED, listed in
+    ``d/seeded.txt``) and ``keep`` accepts, as the one line a report prints under its table:
+    the arms of its rows then come from two starts of the machine. Empty where none."""
+    try:
+        names = sorted(set((d / "seeded.txt").read_text().split()))
+    except OSError:
+        return []
+    names = [n for n in names if keep(n)]
+    return [f"from an earlier session, not measured in this one: {', '.join(names)}"] \
+        if names else []
+
+
 def compare_greedy(a: dict, b: dict) -> dict:
     """Where two arms' greedy completions part, and whether that is a near-tie: the first
     differing position, each arm's margin there, and the largest difference of the chosen
