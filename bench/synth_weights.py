@@ -38,6 +38,9 @@ sys.path.insert(0, str(HERE.parent))
 ENV = "EC_BENCH_SYNTH_WEIGHTS"
 LOADER_MODULE = "vllm.model_executor.model_loader.dummy_loader"
 LOADER_CLASS = "DummyModelLoader"
+#: the checkpoint's name for the format, and the one vLLM 0.26 writes over it in the
+#: config it hands the loader (its gpt-oss MXFP4 method)
+MXFP4_METHODS = ("mxfp4", "gpt_oss_mxfp4")
 #: the line the flagship report looks for in every server's log
 DONE_LINE = "BENCH: weights synthesized"
 
@@ -54,7 +57,8 @@ def shape_of(hf_config: Any) -> Any:
     import write_gpt_oss
 
     quant = _get(hf_config, "quantization_config") or {}
-    if _get(hf_config, "model_type") != "gpt_oss" or _get(quant, "quant_method") != "mxfp4":
+    if (_get(hf_config, "model_type") != "gpt_oss"
+            or _get(quant, "quant_method") not in MXFP4_METHODS):
         raise RuntimeError(f"{ENV}: only gpt-oss in MXFP4 is synthesized (model_type "
                            f"{_get(hf_config, 'model_type')!r}, quant "
                            f"{_get(quant, 'quant_method')!r})")

@@ -88,6 +88,9 @@ def test_the_shape_is_read_from_the_served_config_and_only_gpt_oss_mxfp4_is_draw
     assert s == write_gpt_oss.Shape(experts=128)  # gpt-oss-120b: the 20b's shape, 128 experts
     obj = types.SimpleNamespace(**GPT_OSS_120B)  # vLLM hands a config object, not a dict
     assert synth_weights.shape_of(obj) == s
+    # vLLM 0.26 renames the method in the config the loader sees
+    renamed = dict(GPT_OSS_120B, quantization_config={"quant_method": "gpt_oss_mxfp4"})
+    assert synth_weights.shape_of(renamed) == s
     with pytest.raises(RuntimeError, match="only gpt-oss in MXFP4"):
         synth_weights.shape_of({"model_type": "qwen3_moe", "quantization_config": None})
     with pytest.raises(RuntimeError, match="quant 'fp8'"):
