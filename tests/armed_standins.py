@@ -119,13 +119,14 @@ class AliasedExperts(Experts):
             setattr(self, alias, p)  # torch registers the alias, after the first name
 
 
-def arm(layer, slots=6, recorder=None, wide_inserts=None):
-    """``layer`` armed with a reference slot cache of ``slots`` (and a CPU scratch when
-    ``wide_inserts`` is given), installed."""
+def arm(layer, slots=6, recorder=None, wide_inserts=None, policy="lru"):
+    """``layer`` armed with a reference slot cache of ``slots`` under ``policy`` (and a CPU
+    scratch when ``wide_inserts`` is given), installed."""
     d = plan_layer(layer, CacheConfig(slots=slots))
     assert d.action == ARM, d.reason
     specs = {s.name: (s.shape, s.dtype) for s in d.specs}
-    cache = RefSlotCache(d.num_experts, d.num_slots, specs, wide_inserts=wide_inserts)
+    cache = RefSlotCache(d.num_experts, d.num_slots, specs, policy=policy,
+                         wide_inserts=wide_inserts)
     scratch = None
     if wide_inserts is not None:
         from expertcache_cli.device.scratch import Scratch, torch_copiers

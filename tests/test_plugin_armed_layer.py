@@ -25,6 +25,7 @@ from armed_standins import (  # noqa: E402
     QuantConfig,
     TileLookup,
     arm,
+    mark_swept,
     routing,
 )
 
@@ -179,6 +180,56 @@ def test_invalidated_slots_refill_from_the_new_weights(caplog):
     assert not torch.allclose(stale, want)  # the slots still held the old experts
     assert torch.allclose(fresh, want, atol=1e-5)
     assert "slots of 1 layer(s) emptied" in caplog.text
+
+
+def test_serving_starts_from_an_empty_cache_whatever_the_warm_up_routed(caplog):
+    """vLLM's warm-up steps (compile sizes, graph capture, the sampler's dummy run) go
+    through the slots. Under LFU without decay the experts they routed to keep their
+    counts and hold slots the workload's hot experts cannot take. After `serving_starts`
+    the layer's cache and counters are a fresh one's: the workload installs exactly what a
+    replay from empty slots (what `plan` prices) installs; without it, more."""
+    from expertcache_cli.plugin.session import Session
+    from expertcache_cli.rules.policy import LayerCache, Policy
+
+    rng = np.random.default_rng(5)
+    hot = np.arange(8, 14)  # the workload's six hot experts: as many as the slots
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        pool = hot if rng.random() < 0.9 else np.arange(E)
+        ids = rng.choice(pool, TOPK, replace=False).astype(np.int32)[None]
+        return torch.from_numpy(ids), torch.rand(1, TOPK)
+
+    workload = [step() for _ in range(80)]
+    warm_ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)  # 4 ids, within 6 slots
+    fresh = LayerCache(E, 6, Policy.LFU)
+    want_installs = sum(fresh.step(ids.numpy()).miss_count for ids, _ in workload)
+
+    def serve(reset: bool) -> tuple[int, list[int]]:
+        layer = Experts(seed=3)
+        armed = mark_swept(arm(layer, slots=6, policy="lfu"))
+        sess = Session(CacheConfig(slots=6, policy=Policy.LFU), [armed.decision], [armed],
+                       None)
+        for _ in range(12):  # the warm-up: one dummy batch, again and again
+            layer.forward_modular(x=torch.randn(2, H), topk_weights=torch.rand(2, TOPK),
+                                  topk_ids=warm_ids)
+        assert int(armed.cache.stats[0]) == 12 * 4
+        if reset:
+            sess.serving_starts()
+            assert (armed.cache.table == -1).all() and (armed.cache.slot_expert == -1).all()
+            assert int(armed.cache.stats.sum()) == 0
+        before = int(armed.cache.stats[1])
+        for ids, w in workload:
+            layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
+        return int(armed.cache.stats[1]) - before, armed.cache.slot_expert.tolist()
+
+    caplog.set_level("INFO", logger="vllm.expertcache")
+    installs, slots = serve(reset=True)
+    assert installs == want_installs
+    assert slots == fresh.slot_expert.tolist()
+    assert "vLLM's warm-up done: the slots of 1 layer(s) emptied" in caplog.text
+    stale, stale_slots = serve(reset=False)
+    assert stale > 2 * want_installs  # the warm-up's four experts kept four of six slots
+    assert {0, 1, 2, 3} <= set(stale_slots)
 
 
 class _CopyingMethod(Method):

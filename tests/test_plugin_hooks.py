@@ -58,6 +58,10 @@ def _fake_worker_module(monkeypatch) -> type:
         def wake_up(self, tags=None):
             calls.append(f"wake:{tags}")
 
+        def compile_or_warm_up_model(self):
+            calls.append("warm")
+            return 12.5
+
     mod = types.ModuleType(plugin.WORKER_MODULE)
     mod.Worker = Worker
     monkeypatch.setitem(sys.modules, plugin.WORKER_MODULE, mod)
@@ -228,6 +232,36 @@ def test_reloaded_or_woken_weights_empty_the_slots(fresh):
                     "wake:['weights'] -> vLLM woke its weights from sleep (discarded at "
                     "level 2, maybe replaced)"]
     assert worker_cls.wake_up.__name__ == "wake_up"
+
+
+def test_the_slots_are_emptied_once_vllm_has_warmed_up(fresh, caplog):
+    """After vLLM's warm-up (its dummy steps went through the slots) the session empties
+    them, after vLLM's own call, whose result is handed back; a failure to do so is logged
+    and the server still starts."""
+    _fake_vllm(fresh, "0.26.0")
+    worker_cls = _fake_worker_module(fresh)
+    seen: list[str] = []
+
+    class Session:
+        def serving_starts(self):
+            seen.append(w.calls[-1])
+
+    fresh.setattr(plugin, "_arm_worker", lambda worker, cfg, version: Session())
+    plugin.register()
+    w = worker_cls()
+    assert w.compile_or_warm_up_model() == 12.5  # not armed yet: nothing to empty
+    w.load_model()
+    assert w.compile_or_warm_up_model() == 12.5
+    assert seen == ["warm"]
+    assert worker_cls.compile_or_warm_up_model.__name__ == "compile_or_warm_up_model"
+
+    def broken():
+        raise RuntimeError("device gone")
+
+    w._expertcache_session.serving_starts = broken
+    with caplog.at_level("WARNING", logger="vllm.expertcache"):
+        assert w.compile_or_warm_up_model() == 12.5
+    assert "could not be emptied after vLLM's warm-up (RuntimeError: device gone)" in caplog.text
 
 
 def test_a_v2_runner_that_will_not_offload_is_named_before_the_load(fresh, caplog):

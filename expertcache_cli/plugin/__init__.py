@@ -185,7 +185,9 @@ def _patch_engine_loop(module: ModuleType) -> None:
 
 def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
     """Wrap `Worker.load_model` (arm), `execute_model` (stats), `shutdown` (flush) and,
-    where present, `determine_available_memory` (the memory-plan line)."""
+    where present, the weight changes (empty the slots), `compile_or_warm_up_model` (empty
+    them of the warm-up's experts) and `determine_available_memory` (the memory-plan
+    line)."""
     worker_cls = getattr(module, "Worker", None)
     if worker_cls is None or getattr(worker_cls, "_expertcache_patched", False):
         return
@@ -226,6 +228,22 @@ def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
     orig_wake = getattr(worker_cls, "wake_up", None)
     if callable(orig_wake):
         pairs.append((_invalidating(orig_wake, WAKE_WHY, _wakes_weights), orig_wake))
+    orig_warm = getattr(worker_cls, "compile_or_warm_up_model", None)
+    if callable(orig_warm):
+
+        def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = orig_warm(self, *args, **kwargs)
+            session = getattr(self, "_expertcache_session", None)
+            if session is not None:
+                try:
+                    session.serving_starts()
+                except Exception as exc:  # the slots keep the warm-up's experts: still right
+                    log.warning("expertcache: the slots could not be emptied after vLLM's "
+                                "warm-up (%s: %s); the first requests share them with the "
+                                "warm-up's experts", exc.__class__.__name__, exc)
+            return out
+
+        pairs.append((compile_or_warm_up_model, orig_warm))
     orig_memory = getattr(worker_cls, "determine_available_memory", None)
     if callable(orig_memory):
 

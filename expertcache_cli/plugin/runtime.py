@@ -717,6 +717,13 @@ class ArmedLayer:
         self._check_attempts = {"slots": CHECK_ATTEMPTS, "scratch": CHECK_ATTEMPTS}
         self.sweep_result = None  # the caller sweeps now where the probe is known
 
+    def start_serving(self) -> None:
+        """vLLM's warm-up is over: empty the slots and zero the counters (`Session.
+        serving_starts` says why). Device work only; no pointer a graph holds changes."""
+        self.cache.reset()
+        for t in self._counters():
+            t.zero_()
+
     def disarm(self, why: str) -> None:
         """Put the layer back on the stock path for good, saying why (not in a call)."""
         self._fail(why)

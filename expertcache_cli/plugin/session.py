@@ -241,6 +241,32 @@ class Session:
                 if not a._failed:
                     a.sweep()
 
+    def serving_starts(self) -> None:
+        """vLLM finished its warm-up (compile sizes, graph capture, the sampler's dummy
+        run): empty every armed layer's slots and zero its counters before the first
+        request. Why: the warm-up's dummy steps go through the cache like real ones, and
+        under LFU (no decay) the experts they routed to keep the counts those steps gave
+        them, holding slots that the workload's hot experts then cannot take; `plan`
+        replays the workload from empty slots, and the live hit rate should count serving,
+        not the warm-up. LRU forgets them anyway; emptying costs it nothing."""
+        if not self.armed:
+            return
+        import torch
+
+        live = [a for a in self.armed if not a._failed]
+        for a in live:
+            a.start_serving()
+        if live and torch.cuda.is_available() and live[0].cache.table.is_cuda:
+            torch.cuda.synchronize()  # once, before the first request's steps
+        self._pending = None
+        self._last = (0, 0)
+        self.layer_steps = 0
+        self._next_report = self.cfg.stats_every
+        log.info("expertcache: vLLM's warm-up done: the slots of %d layer(s) emptied and "
+                 "their counters zeroed, so the first request starts from an empty cache "
+                 "(the warm-up's dummy steps would otherwise hold %s priorities)", len(live),
+                 self.cfg.policy.name)
+
     def after_step(self) -> None:
         """Once per engine step (host side): periodic stats and trace draining. Neither may
         take serving down: a failure is logged once and that bookkeeping stops."""
