@@ -83,12 +83,54 @@ def prediction(plan: dict | None) -> tuple[float, str] | None:
 
 
 def plan_hit_rate(plan: dict | None) -> float | None:
-    """The replayed hit rate of the recommended (uniform) row."""
+    """The replayed hit rate of what `prediction` prices: the per-layer split's where the
+    command serves the saved plan (the uniform row's misses less the ones the split saves,
+    ``per_layer_misses_saved`` over the trace's tokens), else the uniform row's."""
     rec = (plan or {}).get("recommended") or {}
-    for row in (plan or {}).get("rows") or []:
-        if row.get("policy") == rec.get("policy") and row.get("slots") == rec.get("slots"):
-            return 1 - float(row["miss_rate"])
-    return None
+    row = next((r for r in (plan or {}).get("rows") or []
+                if r.get("policy") == rec.get("policy") and r.get("slots") == rec.get("slots")),
+               None)
+    if row is None:
+        return None
+    miss_rate, per_token = float(row["miss_rate"]), row.get("misses_per_token")
+    pred = prediction(plan)
+    tokens = ((plan or {}).get("trace") or {}).get("tokens")
+    saved = rec.get("per_layer_misses_saved")
+    if (pred and "per-layer split" in pred[1] and tokens and per_token and miss_rate > 0
+            and saved is not None):
+        uses_per_token = float(per_token) / miss_rate
+        return 1 - (float(per_token) - float(saved) / float(tokens)) / uses_per_token
+    return 1 - miss_rate
+
+
+def live_misses_per_token(rec: dict | None) -> float | None:
+    """A cache server's installs a decoded token over its measured runs (its stats lines
+    around them), None where the record lacks them."""
+    b, a = (rec or {}).get("counters_before"), (rec or {}).get("counters_after")
+    tokens = (rec or {}).get("decode_tokens")
+    if not (b and a and tokens) or b.get("installs") is None or a.get("installs") is None:
+        return None
+    return (a["installs"] - b["installs"]) / tokens
+
+
+def with_live_misses(plan: dict | None, rec: dict | None) -> float | None:
+    """`plan`'s time model (`planner.predict_ms`, its own inputs) fed the misses the
+    server made instead of the replayed ones: measured over this says how much of a gap
+    is the time model's, the rest being the hit rate's."""
+    from expertcache_cli.planning.planner import Inputs, predict_ms
+
+    misses = live_misses_per_token(rec)
+    p = plan or {}
+    model = p.get("model") or {}
+    try:
+        inputs = Inputs(int(model["bytes_per_expert"]), "", float(p["link_gbps"]), "",
+                        float(p["resident_tok_s"]), "", float(p.get("step_us") or 0.0))
+        layers = int(model["num_moe_layers"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if misses is None:
+        return None
+    return 1000.0 / predict_ms(misses, inputs, layers)
 
 
 def hook_problems(d: Path, arms: dict[str, dict]) -> list[str]:
@@ -180,6 +222,10 @@ def goals(run: dict) -> list[str]:
             hit, live = plan_hit_rate(run["plan"].get(c)), live_hit_rate(cache)
             rates = (f"; hit rate replayed {hit:.3f}" if hit is not None else "") + (
                 f", live {live:.3f}" if live is not None else "")
+            timed = with_live_misses(run["plan"].get(c), cache)
+            if timed:
+                rates += (f"; plan's time model with the live misses: {timed:.1f} tok/s "
+                          f"(measured {c_tok / timed:.3f} of it)")
             lines.append(f"{c} GiB: measured {c_tok:.1f} tok/s = {r:.3f} of plan's "
                          f"{pred[0]:.1f} ({pred[1]}) "
                          f"({'met' if abs(1 - r) <= PLAN_GOAL else 'NOT met'}: "

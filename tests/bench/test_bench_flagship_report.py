@@ -45,6 +45,30 @@ def test_the_prediction_is_the_one_for_the_command_plan_printed():
     assert report.plan_hit_rate(uniform) == pytest.approx(0.75)
 
 
+def test_the_split_is_held_to_its_own_hit_rate_and_the_time_model_to_the_live_misses():
+    """A plan served per layer is held to the split's replayed hit rate (the uniform row's
+    misses less those the split saves), not the uniform row's; and `plan`'s time model fed
+    the misses the server made says how much of a gap is the model's, not the hit rate's."""
+    p = plan("expertcache serve /m --vram 24 --plan /p.json -- --max-num-seqs 4")
+    p["rows"][0].update(misses_per_token=36.0)  # miss rate 0.25: 144 uses a token
+    p["recommended"]["per_layer_misses_saved"] = 720  # over the trace's 100 tokens
+    p["trace"]["tokens"] = 100
+    assert report.plan_hit_rate(p) == pytest.approx(1 - (36.0 - 7.2) / 144)
+    p.update(model={"bytes_per_expert": 10**7, "num_moe_layers": 36}, link_gbps=50.0,
+             resident_tok_s=250.0, step_us=5.0)
+    cache = {"decode_tokens": 100, "counters_before": {"requests": 0, "installs": 0},
+             "counters_after": {"requests": 14400, "installs": 3000}}
+    # 4 ms resident + 36 x 5 us + 30 misses x 0.2 ms = 10.18 ms a token
+    assert report.with_live_misses(p, cache) == pytest.approx(1000 / 10.18)
+    assert report.with_live_misses(p, {"decode_tokens": 100}) is None
+    assert report.with_live_misses({"recommended": {}}, cache) is None
+    # a uniform command keeps the row's own rate
+    uniform = plan("expertcache serve /m --vram 24 --slots 34 --policy lru")
+    uniform["rows"][0].update(misses_per_token=36.0)
+    uniform["trace"]["tokens"] = 100
+    assert report.plan_hit_rate(uniform) == pytest.approx(0.75)
+
+
 def _write(d: Path, name: str, data: dict, hooks: str = HOOKS) -> None:
     (d / f"{name}.json").write_text(json.dumps(data))
     (d / f"{name}.log").write_text("start\n" + hooks)
