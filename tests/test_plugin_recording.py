@@ -59,6 +59,41 @@ def test_recorded_trace_replays_to_the_live_install_count(tmp_path, wide):
     assert (tmp_path / "live.live.json").read_text().strip().startswith("{")
 
 
+def test_the_trace_starts_with_the_cache_after_vllms_warm_up(tmp_path):
+    """The warm-up's steps are dropped from the trace when the session empties the slots
+    after vLLM's warm-up (spilled ones too): the file then replays from empty slots to the
+    live counters, which start there."""
+    from expertcache_cli.config import CacheConfig
+    from expertcache_cli.plugin.recorder import TraceRecorder
+    from expertcache_cli.plugin.session import Session
+    from expertcache_cli.rules.policy import replay_layer_reference
+    from expertcache_cli.rules.trace import load
+
+    layer = Experts(seed=4)
+    spill = tmp_path / ".live.npz.spill"
+    rec = TraceRecorder(1, E, TOPK, torch.device("cpu"), capacity=8, spill=spill)
+    armed = arm(layer, slots=6, recorder=rec)
+    sess = Session(CacheConfig(slots=6), [armed.decision], [armed], rec)
+    rng = np.random.default_rng(8)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            ids, w = routing(rng, 1)
+            layer.forward_modular(x=torch.randn(1, H), topk_weights=w, topk_ids=ids)
+            rec.maybe_flush()
+
+    steps(12)  # the warm-up, part of it drained to the spill file
+    assert spill.exists()
+    sess.serving_starts()
+    assert not spill.exists() and rec.rows == 0
+    steps(30)
+    live_installs = int(armed.cache.stats[1])
+    tr = load(rec.save(tmp_path / "live.npz"))
+    assert tr.steps == 30
+    replay = replay_layer_reference(tr.topk_ids[:, 0, :], E, 6, Policy.LRU)
+    assert sum(r.miss_count for r in replay) == live_installs > 0
+
+
 def test_the_recorder_spills_to_disk_and_writes_the_same_trace(tmp_path):
     """Host memory stays bounded: drained rows go to a spill file, not a Python list; the
     trace written from the spill equals the one from memory, and the spill is removed."""

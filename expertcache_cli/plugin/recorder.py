@@ -18,8 +18,10 @@ more (a prefill chunk) is recorded as its distinct routed experts, with its real
 count in ``tokens``: the cache rules see only the distinct set and the shape gate only
 ``tokens x top_k`` (docs/design.md, The cache rules), so the row replays as the step ran,
 read through in place or staged through the scratch. Warm-up, profiling and capture
-forwards are recorded like any other: the live cache saw them too, which is what makes a
-replay of the file reproduce the live miss counters exactly.
+forwards are dropped (`restart`) when the live cache is emptied after vLLM's warm-up
+(`Session.serving_starts`): the file holds the served steps, which the live cache ran from
+empty slots as a replay of the file does, so the replay reproduces the live miss counters
+exactly.
 """
 
 from __future__ import annotations
@@ -124,6 +126,20 @@ class TraceRecorder:
             self.rows += n
         self.ring[:, :n].fill_(-1)
         self.pos.zero_()
+
+    def restart(self) -> None:
+        """Drop every row recorded so far (the ring, what was drained, the spill files):
+        the next row is the trace's first. Device work and file removal, no sync."""
+        self.ring.fill_(-1)
+        self.tokens.zero_()
+        self.pos.zero_()
+        self.host_steps = 0
+        self.overflowed = False
+        self.rows = 0
+        self.chunks, self.token_chunks = [], []
+        if self.spill is not None:
+            for p in self._spill_paths():
+                p.unlink(missing_ok=True)
 
     def maybe_flush(self, forwards_hint: int = 1) -> None:
         """Called once per engine step: drain when the ring may be half full."""

@@ -248,7 +248,9 @@ class Session:
         under LFU (no decay) the experts they routed to keep the counts those steps gave
         them, holding slots that the workload's hot experts then cannot take; `plan`
         replays the workload from empty slots, and the live hit rate should count serving,
-        not the warm-up. LRU forgets them anyway; emptying costs it nothing."""
+        not the warm-up. LRU forgets them anyway; emptying costs it nothing. A routing
+        trace being recorded starts again with the cache, so that it replays to the live
+        counters."""
         if not self.armed:
             return
         import torch
@@ -256,6 +258,8 @@ class Session:
         live = [a for a in self.armed if not a._failed]
         for a in live:
             a.start_serving()
+        if self.recorder is not None:  # the trace starts where the cache does: empty
+            self.recorder.restart()
         if live and torch.cuda.is_available() and live[0].cache.table.is_cuda:
             torch.cuda.synchronize()  # once, before the first request's steps
         self._pending = None
