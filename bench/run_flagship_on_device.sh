@@ -64,9 +64,8 @@ bench_seed "$FS" probe.json resident.json resident.log
 STEPS="${STEPS:-setup model probe resident card24 card32 report}"
 PY="${PY:-python3}"
 MODEL=$FS/gpt-oss-120b
-# the 4-bit experts run on Marlin, which the plugin arms (and size/plan/serve plan a cache
-# for) only when asked for, until the formats table proves it
-export EXPERT_CACHE_MARLIN="${EXPERT_CACHE_MARLIN:-1}"
+# MXFP4 on Marlin is armed (and planned for) by default: nothing is set, as a new user
+# sets nothing (EXPERT_CACHE_MARLIN in the caller's environment still reaches the servers)
 # the vLLM flags a user on a small card gives (the context; the attention backend: the box's
 # vLLM bundle has no FlashAttention binaries, and gpt-oss's sinks run on Triton's), and the
 # bench's own: dummy weights, filled by the hook

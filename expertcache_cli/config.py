@@ -75,10 +75,10 @@ ENV_VARS: dict[str, EnvVar] = {
     AUDIT: EnvVar("1 = at shutdown, compare every occupied slot with its expert's weights and "
                   "the table with the slots, and log what differs (syncs; copies the slots' "
                   "experts once)", "off", ("at shutdown", "occupied slot")),
-    MARLIN: EnvVar("1 = arm vLLM's Marlin experts (4-bit: GPTQ, AWQ, W4A16, NVFP4, MXFP4), "
-                   "whose served rows are not all in yet; unset, they are declined and "
-                   "served on the stock path", "off",
-                   ("arm vLLM's Marlin experts", "are not all in")),
+    MARLIN: EnvVar("1 = arm vLLM's Marlin experts in every 4-bit format (GPTQ, AWQ, W4A16, "
+                   "NVFP4, MXFP4), 0 = in none; unset, only the formats served from slots "
+                   "on a GPU (MXFP4), the others declined and served on the stock path",
+                   "mxfp4 only", ("Marlin experts", "served from slots")),
 }
 
 #: the variables that change what a server measures or writes: a launcher that states a
@@ -246,15 +246,28 @@ def kernel_source(env: Mapping[str, str] | None = None) -> tuple[str | None, boo
     return env.get(LIB) or None, pdl_from_env(env)
 
 
-def marlin_from_env(env: Mapping[str, str] | None = None) -> bool:
-    """Whether Marlin experts may be armed. Off unless ``EXPERT_CACHE_MARLIN=1``: their
-    arming (the stock block order remapped to slots, ragged per-expert tensors in a side
-    row) is tested against CPU stand-ins of vLLM 0.26's and 0.33's classes and checked on
-    a GPU, but not every format has been served from slots against its floor yet, and
-    serving must not change for a user who did not ask. `size`, `plan`
-    and `serve` read the same switch, so a plan never promises a cache the plugin would
-    decline."""
-    return _bool(os.environ if env is None else env, MARLIN)
+#: the 4-bit formats whose Marlin experts have been served from slots against their floor
+#: on a GPU (armed on every layer, every check at difference 0, greedy tokens identical:
+#: bench/results/formats.md, bench/results/flagship.md): armed unless EXPERT_CACHE_MARLIN=0
+MARLIN_SERVED = frozenset({"mxfp4"})
+
+
+def marlin_from_env(env: Mapping[str, str] | None = None, quant: str | None = None) -> bool:
+    """Whether Marlin experts of format ``quant`` may be armed. ``EXPERT_CACHE_MARLIN=1``
+    arms every format, ``=0`` none; unset, the formats served from slots on a GPU
+    (`MARLIN_SERVED`). Every format's arming (the stock block order remapped to slots,
+    ragged per-expert tensors in a side row) is tested against CPU stand-ins of vLLM 0.26's
+    and 0.33's classes, but serving must not change for a user who did not ask until its
+    format has been served against its floor. `size`, `plan` and `serve` read the same
+    switch, so a plan never promises a cache the plugin would decline."""
+    setting = marlin_setting(env)
+    return quant in MARLIN_SERVED if setting is None else setting
+
+
+def marlin_setting(env: Mapping[str, str] | None = None) -> bool | None:
+    """``EXPERT_CACHE_MARLIN`` as set (True, False), or None where it is not set."""
+    env = os.environ if env is None else env
+    return _bool(env, MARLIN) if env.get(MARLIN, "").strip() else None
 
 
 def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:

@@ -37,6 +37,31 @@ FORMATS = [("gptq", "0.26", False), ("gptq", "0.26", True), ("awq", "0.26", Fals
            ("mxfp4", "0.33", False)]
 
 
+@pytest.mark.parametrize(("method", "fmt", "armed"), [
+    ("GptOssMxfp4MoEMethod", "mxfp4", True), ("Mxfp4MoEMethod", "mxfp4", True),
+    ("AutoGPTQMoEMethod", "gptq", False), ("CompressedTensorsWNA16MarlinMoEMethod", "w4a16",
+                                            False),
+    ("ModelOptNvFp4FusedMoE", "nvfp4", False), ("MarlinMoEMethod", "mxfp4", False)])
+def test_unset_arms_the_formats_served_from_slots_and_declines_the_rest(method, fmt, armed,
+                                                                        monkeypatch):
+    """With EXPERT_CACHE_MARLIN unset the format is read from the quant method's class name:
+    MXFP4 (served from slots on a GPU) is armed, the others and any method not known are
+    declined with the reason and the switch that arms them; =0 declines MXFP4 too."""
+    monkeypatch.delenv("EXPERT_CACHE_MARLIN")
+    layer = ms.RoutedExperts(fmt, "0.33" if fmt != "gptq" else "0.26")
+    layer.quant_method.__class__ = type(method, (ms.MarlinMoEMethod,), {})
+    d = plan_layer(layer, CacheConfig(slots=S))
+    if armed:
+        assert d.action == ARM, d.reason
+        monkeypatch.setenv("EXPERT_CACHE_MARLIN", "0")
+        d = plan_layer(layer, CacheConfig(slots=S))
+        assert d.action == DECLINE and "EXPERT_CACHE_MARLIN=0 keeps" in d.reason
+    else:
+        assert d.action == DECLINE
+        assert f"vLLM runs {method}'s experts on Marlin" in d.reason
+        assert d.reason.endswith("EXPERT_CACHE_MARLIN=1 arms it")
+
+
 @pytest.fixture(autouse=True)
 def _patched():
     """The plugin's block remap installed in the stand-in marlin module, as arm_model

@@ -23,17 +23,35 @@ def _marlin_armed(monkeypatch):
     monkeypatch.setenv("EXPERT_CACHE_MARLIN", "1")
 
 
-@pytest.mark.parametrize("quant", ["w4a16", "nvfp4", "mxfp4"])
-def test_marlin_experts_are_declined_unless_asked_for(quant, monkeypatch):
+@pytest.mark.parametrize("quant", ["w4a16", "nvfp4"])
+def test_marlin_formats_not_yet_served_are_declined_unless_asked_for(quant, monkeypatch):
     monkeypatch.delenv("EXPERT_CACHE_MARLIN")
     why = vllm_experts.declined_kernel(quant, None)
-    assert why and "EXPERT_CACHE_MARLIN=1" in why and "served from its slots" in why
+    assert why and "EXPERT_CACHE_MARLIN=1 arms it" in why and "served from its slots" in why
+    assert f"(mxfp4; {quant} not yet)" in why
     assert vllm_experts.declined_kernel(quant, None, marlin=True) is None
+    monkeypatch.setenv("EXPERT_CACHE_MARLIN", "1")
+    assert vllm_experts.declined_kernel(quant, None) is None
+    if quant == "w4a16":  # vLLM 0.32+'s Triton WNA16 kernel is armed either way
+        monkeypatch.setenv("EXPERT_CACHE_MARLIN", "0")
+        assert vllm_experts.declined_kernel(quant, "triton") is None
+
+
+def test_mxfp4_served_from_slots_is_armed_by_default_and_0_declines_it(monkeypatch):
+    """MXFP4 on Marlin has been served from slots on a GPU (every check at difference 0,
+    tokens identical): `size` plans its cache with nothing set, as the plugin arms it;
+    EXPERT_CACHE_MARLIN=0 keeps every format on the stock path, and says so."""
+    monkeypatch.delenv("EXPERT_CACHE_MARLIN")
+    assert vllm_experts.declined_kernel("mxfp4", None) is None
     oss = Path(__file__).parent / "configs" / "gpt-oss-120b.json"
     p = sizing.plan(model_size.load_model(oss, "mxfp4"), 24)
-    assert p.verdict == "offload_no_cache" and "EXPERT_CACHE_MARLIN=1" in p.verdict_text
-    if quant == "w4a16":  # vLLM 0.32+'s Triton WNA16 kernel is armed either way
-        assert vllm_experts.declined_kernel(quant, "triton") is None
+    assert p.verdict == "cache"
+    monkeypatch.setenv("EXPERT_CACHE_MARLIN", "0")
+    why = vllm_experts.declined_kernel("mxfp4", None)
+    assert why == ("vLLM runs these 4-bit experts on Marlin, which EXPERT_CACHE_MARLIN=0 keeps "
+                   "on the stock path")
+    p = sizing.plan(model_size.load_model(oss, "mxfp4"), 24)
+    assert p.verdict == "offload_no_cache" and "EXPERT_CACHE_MARLIN=0" in p.verdict_text
 
 
 def test_the_oracle_source_decides(tmp_path, monkeypatch):
@@ -216,12 +234,13 @@ def test_triton_for_4_bit_experts_on_a_vllm_without_it_is_refused_before_launch(
                   v2_runner_offloads=lambda: True, wna16_triton=lambda: False)
 
 
-@pytest.mark.parametrize("quant", ["w4a16", "mxfp4"])
+@pytest.mark.parametrize("quant", ["w4a16", "nvfp4"])
 def test_a_cache_forced_on_marlin_not_opted_in_is_told_why_not_a_traceback(quant, monkeypatch):
-    """`size --slots N` on a 4-bit model on vLLM's default kernel, Marlin not asked for:
-    the note says why every layer will be declined (no backend flag to name)."""
+    """`size --slots N` on a 4-bit model on vLLM's default kernel, its format's Marlin not
+    armed by default and not asked for: the note says why every layer will be declined (no
+    backend flag to name)."""
     monkeypatch.delenv("EXPERT_CACHE_MARLIN", raising=False)
     note = vllm_experts.kernel_note(quant, [], "0.26")
     assert note.startswith("vLLM runs these 4-bit experts on Marlin, which the cache arms "
-                           "only with EXPERT_CACHE_MARLIN=1")
+                           "by default only in the formats served from its slots on a GPU")
     assert note.endswith("every layer will be declined (the offload floor)")

@@ -261,11 +261,13 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
         return decline(f"{experts_name} has no quant_config attribute (unknown layout)")
     layout = ""
     if experts_name == marlin.MARLIN_EXPERTS:
-        from ..config import MARLIN, marlin_from_env
+        from ..config import marlin_from_env
+        from ..vllm_facts.vllm_experts import marlin_declined
 
-        if not marlin_from_env():
-            return decline(f"{experts_name}: Marlin experts are armed only with {MARLIN}=1 "
-                           "until every format has been served from its slots")
+        fmt = marlin.format_of(qm_name)
+        if not marlin_from_env(quant=fmt):
+            return decline(f"{experts_name}: " + marlin_declined(
+                f"{qm_name}'s experts", fmt))
         found, why = marlin.layout(experts)
         if found is None:
             return decline(why)

@@ -38,6 +38,26 @@ from typing import Any
 
 from .compat import wrap_once
 
+#: the format of the experts behind a quant method that runs them on Marlin, by the method's
+#: class name (vLLM 0.26 and 0.33), named as `size` names it (GPTQ and AWQ are W4A16 there):
+#: what `config.marlin_from_env` is asked about
+FORMAT_OF_METHOD = {
+    "GptOssMxfp4MoEMethod": "mxfp4",
+    "Mxfp4MoEMethod": "mxfp4",
+    "AutoGPTQMoEMethod": "w4a16",
+    "AutoAWQMoEMethod": "w4a16",
+    "CompressedTensorsWNA16MarlinMoEMethod": "w4a16",
+    "CompressedTensorsWNA16MoEMethod": "w4a16",
+    "ModelOptNvFp4FusedMoE": "nvfp4",
+    "CompressedTensorsW4A4Nvfp4MoEMethod": "nvfp4",
+}
+
+
+def format_of(method_name: str) -> str | None:
+    """The 4-bit format of a quant method's Marlin experts, or None where it is not known
+    (then only ``EXPERT_CACHE_MARLIN=1`` arms them)."""
+    return FORMAT_OF_METHOD.get(method_name)
+
 #: the experts class this module handles, by name (as `compat.KNOWN_EXPERTS`)
 MARLIN_EXPERTS = "MarlinExperts"
 #: module whose ``moe_align_block_size`` `fused_marlin_moe` calls by name (0.26 and 0.33)

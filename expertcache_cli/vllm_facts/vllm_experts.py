@@ -105,12 +105,24 @@ def declined_kernel(quant: str, moe_backend: str | None,
                 "cache does not arm (vLLM's default, Marlin, it arms)")
     if backend == "triton":
         return None
-    from ..config import MARLIN, marlin_from_env
+    from ..config import marlin_from_env
 
-    if not (marlin_from_env() if marlin is None else marlin):
-        return (f"vLLM runs these 4-bit experts on Marlin, which the cache arms only with "
-                f"{MARLIN}=1 until every format has been served from its slots")
+    if not (marlin_from_env(quant=quant) if marlin is None else marlin):
+        return marlin_declined("these 4-bit experts", quant)
     return None
+
+
+def marlin_declined(what: str, quant: str | None) -> str:
+    """The one reason Marlin experts of format ``quant`` are declined (`config.marlin_from_env`
+    said no), as the plugin and `size` both word it."""
+    from ..config import MARLIN, MARLIN_SERVED, marlin_setting
+
+    served = ", ".join(sorted(MARLIN_SERVED))
+    if marlin_setting() is False:
+        return f"vLLM runs {what} on Marlin, which {MARLIN}=0 keeps on the stock path"
+    return (f"vLLM runs {what} on Marlin, which the cache arms by default only in the formats "
+            f"served from its slots on a GPU ({served}; {quant or 'this format'} not yet): "
+            f"{MARLIN}=1 arms it")
 
 
 def triton_refusal(quant: str, args: list[str], triton: bool | None,

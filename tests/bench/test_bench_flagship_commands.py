@@ -2,7 +2,8 @@
 stubs them): `size` and `plan` on gpt-oss-120b's config-only directory with the bench's
 vLLM flags, and the serve command `plan` prints, as the runner reads it back
 (`flagship_report.serve_argv`), accepted by `serve --dry-run` with the cache armed on
-Marlin, the experts offloaded and the dummy-load flag carried to vLLM."""
+Marlin, the experts offloaded and the dummy-load flag carried to vLLM, with no
+EXPERT_CACHE_* variable set, as a new user runs them."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ PROBE = ROOT / "bench" / "results" / "probe-link-h200-gpt-oss-120b.json"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "EXPERT_CACHE_MARLIN": "1", "COLUMNS": "200"}
+    # as a new user types them: nothing set (MXFP4 on Marlin is armed by default)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPERT_CACHE_")}
+    env["COLUMNS"] = "200"
     return subprocess.run([sys.executable, "-m", "expertcache_cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
