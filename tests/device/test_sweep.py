@@ -190,3 +190,40 @@ def test_a_failure_once_captured_stops_the_server(cuda, caplog):
             pytest.raises(CacheFault, match="the server stops rather than serve it"):
         layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)
     print(f"\n{caplog.records[-1].getMessage()}")
+
+
+@pytest.mark.device
+def test_the_slots_emptied_after_warm_up_refill_through_the_captured_graph(cuda):
+    """`Session.serving_starts` after capture, as vLLM's warm-up ends: every slot empty,
+    the counters zero, and the graph captured before keeps serving, installing again from
+    empty (device state only changed, no pointer)."""
+    torch = cuda
+    from expertcache_cli.config import CacheConfig
+    from expertcache_cli.plugin.session import Session
+
+    layer, armed = _armed(torch, 4)
+    x, w, ids = _warm_up_call(torch, rows=1)
+    layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)  # eager: swept, checked
+    static = (x.clone(), w.clone(), ids.clone())
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+        graph_out = layer.forward_modular(x=static[0], topk_weights=static[1],
+                                          topk_ids=static[2])
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(5):  # the warm-up's dummy steps, through the graph
+        g.replay()
+    torch.cuda.synchronize()
+    assert int(armed.cache.stats[0]) > 0 and (armed.cache.slot_expert >= 0).any()
+    Session(CacheConfig(slots=S), [armed.decision], [armed], None).serving_starts()
+    assert (armed.cache.table == -1).all() and (armed.cache.slot_expert == -1).all()
+    assert all(int(t.sum()) == 0 for t in armed._counters())
+    stock = _layer_class(torch)(4)
+    static[2].copy_(torch.arange(40, 40 + K, dtype=torch.int32, device="cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(graph_out, stock.forward_modular(*static))
+    assert armed.cache.stats.tolist() == [K, K]  # the first request: K uses, K installs
+    assert sorted(armed.cache.slot_expert[armed.cache.slot_expert >= 0].tolist()) == list(
+        range(40, 40 + K))
