@@ -267,9 +267,8 @@ class Session:
         self.layer_steps = 0
         self._next_report = self.cfg.stats_every
         log.info("expertcache: vLLM's warm-up done: the slots of %d layer(s) emptied and "
-                 "their counters zeroed, so the first request starts from an empty cache "
-                 "(the warm-up's dummy steps would otherwise hold %s priorities)", len(live),
-                 self.cfg.policy.name)
+                 "their counters zeroed, so the first request starts from an empty cache, "
+                 "not from the experts of the warm-up's dummy steps", len(live))
 
     def after_step(self) -> None:
         """Once per engine step (host side): periodic stats and trace draining. Neither may
