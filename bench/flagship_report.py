@@ -31,6 +31,8 @@ from small_card import compare_greedy, describe, live_hit_rate, seeded_line  # n
 from synth_weights import DONE_LINE  # noqa: E402
 from trace_routing import IN_FORCE_LINE as ROUTING_LINE  # noqa: E402
 
+from expertcache_cli.plugin.session import WARM_UP_DONE  # noqa: E402
+
 CARDS = (24, 32)
 PLAN_GOAL = 0.10
 FLOOR_GOAL = 2.0  # the cache against the offload floor on the 24 GiB card
@@ -151,6 +153,18 @@ def hook_problems(d: Path, arms: dict[str, dict]) -> list[str]:
     return out
 
 
+def warm_up_line(d: Path, name: str) -> str:
+    """Whether the server emptied its slots once vLLM's warm-up was done (the plugin's line
+    in its log): a server that did not served from what the warm-up's steps left."""
+    try:
+        text = (d / f"{name}.log").read_text(errors="replace")
+    except OSError:
+        return "no log to tell whether the slots were emptied after vLLM's warm-up"
+    if WARM_UP_DONE in text:
+        return "slots emptied after vLLM's warm-up, before the first request"
+    return "slots NOT emptied after vLLM's warm-up (the warm-up's experts stayed in them)"
+
+
 def routing_source(run: dict) -> str:
     """The trace's ``source`` (from plan's record of it): what routing every number has."""
     for c in CARDS:
@@ -216,6 +230,7 @@ def goals(run: dict) -> list[str]:
             continue
         start = (cache.get("log") or {}).get("startup_line") or "no startup line"
         lines.append(f"{c} GiB cache server: {start}")
+        lines.append(f"{c} GiB cache server: " + warm_up_line(run["dir"], f"cache{c}"))
         pred = prediction(run["plan"].get(c))
         if c_tok and pred:
             r = c_tok / pred[0]

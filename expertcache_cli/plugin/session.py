@@ -24,6 +24,9 @@ from ..config import CacheConfig
 from .arming import ARM, DECLINE, Decision, plan_layer, summary_line
 from .runtime import ArmedLayer
 
+#: the start of the line `Session.serving_starts` logs (benches look for it in server logs)
+WARM_UP_DONE = "vLLM's warm-up done: the slots of"
+
 log = logging.getLogger("vllm.expertcache")
 
 
@@ -266,9 +269,9 @@ class Session:
         self._last = (0, 0)
         self.layer_steps = 0
         self._next_report = self.cfg.stats_every
-        log.info("expertcache: vLLM's warm-up done: the slots of %d layer(s) emptied and "
-                 "their counters zeroed, so the first request starts from an empty cache, "
-                 "not from the experts of the warm-up's dummy steps", len(live))
+        log.info("expertcache: %s %d layer(s) emptied and their counters zeroed, so the "
+                 "first request starts from an empty cache, not from the experts of the "
+                 "warm-up's dummy steps", WARM_UP_DONE, len(live))
 
     def after_step(self) -> None:
         """Once per engine step (host side): periodic stats and trace draining. Neither may

@@ -83,7 +83,8 @@ def test_the_table_and_every_goal_from_a_run_directory(tmp_path, capsys):
     _write(tmp_path, "floor32", arm(21.0))
     other = dict(GREEDY, tokens=["w1", "w2", "w9"])
     _write(tmp_path, "cache32", arm(40.0, greedy=other),
-           hooks="BENCH: trace routing in force: layer 0\n")
+           hooks="BENCH: trace routing in force: layer 0\nexpertcache: vLLM's warm-up done: "
+                 "the slots of 36 layer(s) emptied\n")
     (tmp_path / "size24.json").write_text(json.dumps({"verdict_text": "cache at 34 of 128"}))
     (tmp_path / "plan24.json").write_text(json.dumps(plan(
         "expertcache serve /m --vram 24 --plan /p.json -- --max-num-seqs 8")))
@@ -103,6 +104,10 @@ def test_the_table_and_every_goal_from_a_run_directory(tmp_path, capsys):
     assert ("24 GiB: measured 51.0 tok/s = 0.981 of plan's 52.0 (lru, per-layer split of 34 "
             "slots a layer) (met: 10%); hit rate replayed 0.750, live 0.750") in text
     assert "24 GiB: cache 2.55x the offload floor (met: at least 2x)" in text
+    assert ("24 GiB cache server: slots NOT emptied after vLLM's warm-up (the warm-up's "
+            "experts stayed in them)") in text
+    assert ("32 GiB cache server: slots emptied after vLLM's warm-up, before the first "
+            "request") in text
     assert "32 GiB: measured 40.0 tok/s = 0.800 of plan's 50.0" in text and "(NOT met: 10%)" in text
     assert "32 GiB greedy, cache vs floor: part at token 2 of 3, margins there 0.0100" in text
     assert "24 GiB greedy, cache vs resident: identical (3 tokens)" in text

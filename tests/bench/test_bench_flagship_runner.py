@@ -213,7 +213,7 @@ def test_the_warm_up_runs_once_and_only_while_floor_or_cache_is_owed(runner):
     (fs / "warm24.json").unlink()
     assert _servers(run(STEPS="card24 report")) == []
     text = (tmp / "out" / "flagship.txt").read_text()
-    assert "warm" not in text and "identical (2)" in text
+    assert "warm24" not in text and "identical (2)" in text
 
 
 def test_a_seeded_probe_and_resident_rate_are_not_measured_again_and_are_said(runner):
