@@ -18,8 +18,9 @@ V026 = 'mapping = {\n        "marlin": WNA16MoEBackend.MARLIN,\n        "humming
 
 @pytest.fixture(autouse=True)
 def _marlin_armed(monkeypatch):
-    """Marlin arming is opt-in (EXPERT_CACHE_MARLIN=1) until every format is served; these
-    tests are about plans where it is on (the default is tested on its own below)."""
+    """Marlin arming is opt-in (EXPERT_CACHE_MARLIN=1) for the formats not yet served from
+    slots (MXFP4 is armed by default); these tests are about plans where it is on (the
+    default is tested on its own below)."""
     monkeypatch.setenv("EXPERT_CACHE_MARLIN", "1")
 
 
