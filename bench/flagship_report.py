@@ -105,6 +105,38 @@ def plan_hit_rate(plan: dict | None) -> float | None:
     return 1 - miss_rate
 
 
+def timed_replay_hit_rate(d: Path, plan: dict | None) -> float | None:
+    """The replay's hit rate over the requests the servers timed (all but the first, the
+    warm-up request), each layer at the slots the command serves, from the trace `plan`
+    replayed when it is in ``d`` (the runner's FS): what the live rate over the timed runs
+    is held to. `plan` prices the whole trace, the untimed first request's cold misses
+    included."""
+    import numpy as np
+    from warmup_replay import timed_hit_rate
+
+    from expertcache_cli.rules.policy import Policy
+
+    rec = (plan or {}).get("recommended") or {}
+    path = Path(((plan or {}).get("trace") or {}).get("path") or "")
+    fit = d / path.name if path.name else None
+    if not fit or not fit.is_file() or not rec.get("slots"):
+        return None
+    try:
+        z = np.load(fit, allow_pickle=True)
+        ids, requests = z["topk_ids"], z["requests"]
+    except Exception:  # a trace the report cannot read (not an npz, no labels): say nothing
+        return None
+    if len(set(requests.tolist())) < 2:
+        return None
+    pred = prediction(plan)
+    per_layer = rec.get("per_layer_slots")
+    slots = (per_layer if per_layer and pred and "per-layer split" in pred[1]
+             else [rec["slots"]] * ids.shape[1])
+    none = np.zeros((0, *ids.shape[1:]), np.int32)
+    return timed_hit_rate(ids, requests, none, slots, int(z["num_experts"]),
+                          Policy.parse(rec["policy"]))
+
+
 def live_misses_per_token(rec: dict | None) -> float | None:
     """A cache server's installs a decoded token over its measured runs (its stats lines
     around them), None where the record lacks them."""
@@ -235,8 +267,10 @@ def goals(run: dict) -> list[str]:
         if c_tok and pred:
             r = c_tok / pred[0]
             hit, live = plan_hit_rate(run["plan"].get(c)), live_hit_rate(cache)
+            timed_hit = timed_replay_hit_rate(run["dir"], run["plan"].get(c))
             rates = (f"; hit rate replayed {hit:.3f}" if hit is not None else "") + (
-                f", live {live:.3f}" if live is not None else "")
+                f" (the timed requests alone {timed_hit:.3f})" if timed_hit is not None
+                else "") + (f", live {live:.3f}" if live is not None else "")
             timed = with_live_misses(run["plan"].get(c), cache)
             if timed:
                 rates += (f"; plan's time model with the live misses: {timed:.1f} tok/s "

@@ -69,6 +69,27 @@ def test_the_split_is_held_to_its_own_hit_rate_and_the_time_model_to_the_live_mi
     assert report.plan_hit_rate(uniform) == pytest.approx(0.75)
 
 
+def test_the_replay_over_the_timed_requests_reads_the_trace_plan_replayed(tmp_path):
+    """The live rate is taken over the timed runs, which skip the first (warm-up) request:
+    the replay of the same requests is read from the trace `plan` replayed, in the run
+    directory; without it (or with one request) there is nothing to say."""
+    import numpy as np
+
+    p = plan("expertcache serve /m --vram 24 --slots 4 --policy lru")
+    p["recommended"].update(slots=4)
+    p["trace"]["path"] = "/elsewhere/route-36.npz"
+    assert report.timed_replay_hit_rate(tmp_path, p) is None  # no trace in the directory
+    # two requests over a hot set of four experts: the first fills the slots (its four
+    # cold misses), the second, timed, hits every time
+    ids = np.array([[[0, 1]], [[2, 3]]] * 5, np.int32)
+    np.savez(tmp_path / "route-36.npz", topk_ids=ids, requests=np.repeat([0, 1], 5),
+             num_experts=8, top_k=2)
+    assert report.timed_replay_hit_rate(tmp_path, p) == 1.0
+    np.savez(tmp_path / "route-36.npz", topk_ids=ids, requests=np.zeros(10, int),
+             num_experts=8, top_k=2)
+    assert report.timed_replay_hit_rate(tmp_path, p) is None
+
+
 def _write(d: Path, name: str, data: dict, hooks: str = HOOKS) -> None:
     (d / f"{name}.json").write_text(json.dumps(data))
     (d / f"{name}.log").write_text("start\n" + hooks)

@@ -78,7 +78,7 @@ elif args[0].endswith("small_card.py"):
 def runner(tmp_path):
     run = make_runner(tmp_path, "run_flagship_on_device.sh",
                       ("flagship_report.py", "small_card.py", "synth_weights.py",
-                       "trace_routing.py"), STUB,
+                       "trace_routing.py", "warmup_replay.py"), STUB,
                       keep_bench_helpers=True,
                       FS=str(tmp_path / "fs"))
     traces = tmp_path / "tree" / "traces"  # the bundled recording the runner defaults to
