@@ -77,11 +77,17 @@ def prediction(plan: dict | None) -> tuple[float, str] | None:
     rec = (plan or {}).get("recommended")
     if not rec:
         return None
-    argv = serve_argv(plan) or []
-    if "--plan" in argv and rec.get("per_layer_predicted_tok_s"):
+    if serves_split(plan):
         return float(rec["per_layer_predicted_tok_s"]), (
             f"{rec['policy']}, per-layer split of {rec['slots']} slots a layer")
     return float(rec["predicted_tok_s"]), f"{rec['policy']} at {rec['slots']} slots a layer"
+
+
+def serves_split(plan: dict | None) -> bool:
+    """Whether the command `plan` recommends serves its per-layer split (``--plan`` the
+    saved file) rather than the uniform budget: what `prediction` and the hit rates price."""
+    rec = (plan or {}).get("recommended") or {}
+    return "--plan" in (serve_argv(plan) or []) and bool(rec.get("per_layer_predicted_tok_s"))
 
 
 def plan_hit_rate(plan: dict | None) -> float | None:
@@ -95,11 +101,9 @@ def plan_hit_rate(plan: dict | None) -> float | None:
     if row is None:
         return None
     miss_rate, per_token = float(row["miss_rate"]), row.get("misses_per_token")
-    pred = prediction(plan)
     tokens = ((plan or {}).get("trace") or {}).get("tokens")
     saved = rec.get("per_layer_misses_saved")
-    if (pred and "per-layer split" in pred[1] and tokens and per_token and miss_rate > 0
-            and saved is not None):
+    if serves_split(plan) and tokens and per_token and miss_rate > 0 and saved is not None:
         uses_per_token = float(per_token) / miss_rate
         return 1 - (float(per_token) - float(saved) / float(tokens)) / uses_per_token
     return 1 - miss_rate
@@ -128,10 +132,8 @@ def timed_replay_hit_rate(d: Path, plan: dict | None) -> float | None:
         return None
     if len(set(requests.tolist())) < 2:
         return None
-    pred = prediction(plan)
     per_layer = rec.get("per_layer_slots")
-    slots = (per_layer if per_layer and pred and "per-layer split" in pred[1]
-             else [rec["slots"]] * ids.shape[1])
+    slots = per_layer if per_layer and serves_split(plan) else [rec["slots"]] * ids.shape[1]
     none = np.zeros((0, *ids.shape[1:]), np.int32)
     return timed_hit_rate(ids, requests, none, slots, int(z["num_experts"]),
                           Policy.parse(rec["policy"]))
