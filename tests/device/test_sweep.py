@@ -157,6 +157,20 @@ def test_a_slot_wrong_for_one_unrouted_expert_is_caught_at_the_first_call(cuda, 
     print(f"\n{caplog.records[-1].getMessage()}")
 
 
+def _captured(torch, layer, x, w, ids):
+    """The layer's call captured in a CUDA graph on static copies of its inputs, as vLLM
+    captures it: (graph, the static inputs a replay reads, the output it writes)."""
+    static = (x.clone(), w.clone(), ids.clone())
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+        graph_out = layer.forward_modular(x=static[0], topk_weights=static[1],
+                                          topk_ids=static[2])
+    torch.cuda.current_stream().wait_stream(side)
+    return g, static, graph_out
+
+
 @pytest.mark.device
 def test_a_failure_once_captured_stops_the_server(cuda, caplog):
     torch = cuda
@@ -166,14 +180,7 @@ def test_a_failure_once_captured_stops_the_server(cuda, caplog):
     x, w, ids = _warm_up_call(torch, rows=1)
     layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)  # eager: swept, checked
     assert armed.sweep_result is not None and not armed.sweep_result.failed
-    static = (x.clone(), w.clone(), ids.clone())
-    g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
-        graph_out = layer.forward_modular(x=static[0], topk_weights=static[1],
-                                          topk_ids=static[2])
-    torch.cuda.current_stream().wait_stream(side)
+    g, static, graph_out = _captured(torch, layer, x, w, ids)
     assert armed.captured and not armed._failed
     stock = _layer_class(torch)(3)
     for e in (40, 90, 127):  # replays install and serve experts the warm-up never routed
@@ -204,14 +211,7 @@ def test_the_slots_emptied_after_warm_up_refill_through_the_captured_graph(cuda)
     layer, armed = _armed(torch, 4)
     x, w, ids = _warm_up_call(torch, rows=1)
     layer.forward_modular(x=x, topk_weights=w, topk_ids=ids)  # eager: swept, checked
-    static = (x.clone(), w.clone(), ids.clone())
-    g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
-        graph_out = layer.forward_modular(x=static[0], topk_weights=static[1],
-                                          topk_ids=static[2])
-    torch.cuda.current_stream().wait_stream(side)
+    g, static, graph_out = _captured(torch, layer, x, w, ids)
     for _ in range(5):  # the warm-up's dummy steps, through the graph
         g.replay()
     torch.cuda.synchronize()
