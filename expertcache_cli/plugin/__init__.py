@@ -230,39 +230,40 @@ def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
         pairs.append((_invalidating(orig_wake, WAKE_WHY, _wakes_weights), orig_wake))
     orig_warm = getattr(worker_cls, "compile_or_warm_up_model", None)
     if callable(orig_warm):
-
-        def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-            out = orig_warm(self, *args, **kwargs)
-            session = getattr(self, "_expertcache_session", None)
-            if session is not None:
-                try:
-                    session.serving_starts()
-                except Exception as exc:  # the slots keep the warm-up's experts: still right
-                    log.warning("expertcache: the slots could not be emptied after vLLM's "
-                                "warm-up (%s: %s); the first requests share them with the "
-                                "warm-up's experts", exc.__class__.__name__, exc)
-            return out
-
-        pairs.append((compile_or_warm_up_model, orig_warm))
+        # a failure leaves the warm-up's experts in the slots: still right, and served
+        pairs.append((_then(orig_warm, lambda w, session, out: session.serving_starts(),
+                            "the slots could not be emptied after vLLM's warm-up ({}); the "
+                            "first requests share them with the warm-up's experts"),
+                      orig_warm))
     orig_memory = getattr(worker_cls, "determine_available_memory", None)
     if callable(orig_memory):
-
-        def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
-            out = orig_memory(self, *args, **kwargs)
-            session = getattr(self, "_expertcache_session", None)
-            if session is not None:
-                try:
-                    _log_memory_plan(self, session, out)
-                except Exception as exc:  # a log line must never stop vLLM starting
-                    log.warning("expertcache: no memory-plan line (%s: %s)",
-                                exc.__class__.__name__, exc)
-            return out
-
-        pairs.append((determine_available_memory, orig_memory))
+        # a log line must never stop vLLM starting
+        pairs.append((_then(orig_memory, _log_memory_plan, "no memory-plan line ({})"),
+                      orig_memory))
     for fn, orig in pairs:
         fn.__name__, fn.__qualname__, fn.__doc__ = orig.__name__, orig.__qualname__, orig.__doc__
         setattr(worker_cls, orig.__name__, fn)
     worker_cls._expertcache_patched = True
+
+
+def _then(orig: Callable[..., Any], act: Callable[[Any, Any, Any], None],
+          failed: str) -> Callable[..., Any]:
+    """``orig``, then ``act(worker, session, its result)`` where the worker has a session;
+    ``act`` failing is logged (``failed``, its ``{}`` the exception) and vLLM goes on with
+    ``orig``'s result."""
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        session = getattr(self, "_expertcache_session", None)
+        if session is not None:
+            try:
+                act(self, session, out)
+            except Exception as exc:
+                log.warning("expertcache: " + failed.format(
+                    f"{exc.__class__.__name__}: {exc}"))
+        return out
+
+    return wrapper
 
 
 def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
