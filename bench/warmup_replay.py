@@ -49,10 +49,9 @@ def timed_hit_rate(fit: np.ndarray, requests: np.ndarray, pre: np.ndarray, slots
     labels = np.concatenate([np.zeros(len(pre), np.int64), 1 + requests.astype(np.int64)])
     first = int(requests.min())
     uses = misses = 0
-    for s in sorted(set(slots)):
-        for lc in sweep(seq, num_experts, [policy], [s], groups=labels):
-            if slots[lc.layer] != s:
-                continue
+    for s in sorted(set(slots)):  # each layer replayed once, at its own slots
+        layers = [i for i, n in enumerate(slots) if n == s]
+        for lc in sweep(seq[:, layers, :], num_experts, [policy], [s], groups=labels):
             for g in range(len(lc.by_group)):
                 if g >= 2 + first:  # group 0: warm-up; group 1 + first: the untimed request
                     c = lc.group(g)
