@@ -25,10 +25,12 @@ around a stock call that only copies its input (the experts' GEMMs left out on p
                  --thrash-mib says: what probe-link's cold step writes), as a served step's
                  other layers do: the cache state is cold, as served; over "stock, cold"
     marlin       armed+count on NVFP4-shaped Marlin layers (`plugin.marlin`): what vLLM's
-                 Marlin experts add, the block remap (the table's slots, the block ids
-                 clamped, one gather, inside a stand-in ``moe_align_block_size`` that
-                 launches nothing) and the unpack of the packed side row of the two 4-byte
-                 global scales
+                 Marlin experts add, the block remap (the cache's remap kernel on the block
+                 list of a stand-in ``moe_align_block_size`` that launches nothing) and the
+                 unpack of the packed side row of the two 4-byte global scales
+    ... torch    the same with the remap in torch ops (`binding.block_slots`: the table's
+                 slots, the block ids clamped, one gather), what a cache without the
+                 kernel runs: the ratio of the two is the kernel's gain
 
 Each printed with its cost over ``stock`` per layer and the ratio of the armed path to the
 step alone. The layers are fp8-block-shaped (Qwen3-30B-A3B-FP8: fp8 w13/w2 and fp32 block
@@ -187,10 +189,13 @@ def main() -> None:
             graph_time(torch, lambda s: cold(counted_fns)(), 50) / L * 1e6
             - cold_stock + t["stock"])
         kernels.set_pdl(pdl_default)
-    marlin_fns, marlin_armed = marlin_layers(torch, args, token_count, x, w, ids)
-    t["marlin (armed+count on Marlin)"] = run(lambda: [f(x, w, ids) for f in marlin_fns])
-    assert sum(int(a.cache.stats[1].item()) for a in marlin_armed) == marlin_armed[0].warm, (
-        "a timed Marlin step missed")
+    for label, kernel_remap in (("marlin (armed+count on Marlin)", True),
+                                ("marlin, remap in torch ops", False)):
+        marlin_fns, marlin_armed = marlin_layers(torch, args, token_count, x, w, ids,
+                                                 kernel_remap)
+        t[label] = run(lambda fns=marlin_fns: [f(x, w, ids) for f in fns])
+        assert (sum(int(a.cache.stats[1].item()) for a in marlin_armed)
+                == marlin_armed[0].warm), "a timed Marlin step missed"
     assert installs() == warm, "a timed step missed: not the all-hit steady state"
     print(f"layers={L} E={E} S={S} rows={rows} ({args.tokens} real, the rest padding); "
           f"PDL {'on' if pdl_default else 'off'} by default here; cold rows: "
@@ -206,11 +211,12 @@ def main() -> None:
               f"{(t[name] - t['stock']) / step:.2f}x the step alone ({step:.2f} us)")
 
 
-def marlin_layers(torch, args, token_count, x, w, ids):
+def marlin_layers(torch, args, token_count, x, w, ids, kernel_remap=True):
     """``args.layers`` NVFP4-shaped layers on a stand-in of vLLM's Marlin experts (0.33
     layout), armed as the plugin arms them: expert-order blocks through the patched
     ``moe_align_block_size`` of a stand-in module (whose own work is none: preallocated
-    outputs), the packed side row of the global scales; warmed to the all-hit steady state.
+    outputs), remapped by the cache's kernel or (``kernel_remap=False``) by the torch ops,
+    the packed side row of the global scales; warmed to the all-hit steady state.
     Returns the layers' forward calls and their `ArmedLayer` objects."""
     import os
     import types
@@ -299,7 +305,8 @@ def marlin_layers(torch, args, token_count, x, w, ids):
                                  SMALL_ROW: ((small.row_bytes,), torch.uint8)},
                           policy="lru", device="cuda", name=d.layer_name)
         a = ArmedLayer(layer, d, cache, index=i, padding=mask_reader(token_count, 64),
-                       small=small, block_order=BlockOrder(E, device))
+                       small=small, block_order=BlockOrder(
+                           E, cache if kernel_remap else SimpleNamespace(table=cache.table)))
         a.install()
         layer.forward_modular(x, w, ids)  # eager: the first-call check, and the installs
         assert a.checked["slots"] == 0.0, "the Marlin first-call check did not pass"

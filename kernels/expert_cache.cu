@@ -1,6 +1,7 @@
 // expert_cache.cu: the device side of the expert slot cache (docs/design.md, The cache rules and The kernel contract).
 //
-// Two kernels run per MoE layer per forward, on the caller's stream, with no host sync:
+// Two kernels run per MoE layer per forward (three on vLLM's Marlin experts), on the
+// caller's stream, with no host sync:
 //
 //   expert_cache_manage_kernel  one block of EC_THREADS threads. Marks the step's distinct
 //       routed experts, refreshes the resident ones, lists the misses in ascending expert
@@ -16,16 +17,22 @@
 //       per-expert tensors, 16 bytes a lane. The miss count is read on the device, so the
 //       launch is the same whatever the misses are: CUDA-graph capturable. Blocks with no
 //       work return at once, which is what makes an all-hit step cheap.
+//   expert_cache_block_remap_kernel  for vLLM's Marlin experts, which keep the routing in
+//       expert space and build their block list from it: rewrites that list in place,
+//       each block's expert id replaced by its slot (an id outside 0..E-1, vLLM's filler,
+//       is clamped into it; an expert not resident reads slot 0: only padding rows route
+//       there and their output is dropped). One launch a layer, reading the table the
+//       manager wrote, in place of a per-step copy of the table and two torch ops.
 //
 // The file is compiled two ways: by NVRTC at first use (kernels only: the host wrappers
 // are kept out by EC_KERNELS_ONLY) and by nvcc into a shared library whose C entry points
-// expert_cache_manage / expert_cache_gather validate their arguments, return a nonzero
-// EC_ERR_* code instead of launching when something is wrong, and otherwise return the
-// launch error code. expertcache_cli/device/binding.py is the one Python module that mirrors
-// this ABI; change both together and bump EC_ABI_VERSION.
+// expert_cache_manage / expert_cache_gather / expert_cache_block_remap validate their
+// arguments, return a nonzero EC_ERR_* code instead of launching when something is wrong,
+// and otherwise return the launch error code. expertcache_cli/device/binding.py is the one
+// Python module that mirrors this ABI; change both together and bump EC_ABI_VERSION.
 #include "ec_compat.h"
 
-#define EC_ABI_VERSION 3
+#define EC_ABI_VERSION 4
 #define EC_THREADS 256              // manager block size; the gather uses the same
 #define EC_MAX_EXPERTS 16384        // bounded by the manager's shared memory (one byte each)
 #define EC_MAX_SLOTS 1024           // bounded by the manager's shared memory (24 bytes each)
@@ -394,6 +401,17 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_gather_ker
     }
 }
 
+extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_block_remap_kernel(
+    int* __restrict__ blocks, int n_blocks, const int* __restrict__ table, int num_experts) {
+    ec_grid_wait();  // PDL: the block list and the table are written by earlier kernels
+    const int i = blockIdx.x * EC_THREADS + threadIdx.x;
+    if (i >= n_blocks) return;
+    int e = blocks[i];
+    e = e < 0 ? 0 : (e >= num_experts ? num_experts - 1 : e);
+    const int slot = table[e];
+    blocks[i] = slot < 0 ? 0 : slot;
+}
+
 #ifndef EC_KERNELS_ONLY
 // ---------------------------------------------------------------------------------------
 // Host entry points of the shared library (C linkage; bound by name through ctypes).
@@ -471,5 +489,15 @@ extern "C" int expert_cache_gather(const int* miss_expert, const int* miss_slot,
         if (err != 0) return err;
     }
     return 0;
+}
+extern "C" int expert_cache_block_remap(int* blocks, int n_blocks, const int* table,
+                                        int num_experts, void* stream) {
+    if (n_blocks < 0 || num_experts < 1 || num_experts > EC_MAX_EXPERTS) return EC_ERR_SIZE;
+    if (n_blocks == 0) return 0;
+    if (!blocks || !table) return EC_ERR_NULL;
+    (void)ec_get_last_error();
+    EC_LAUNCH_PDL(ec_pdl, expert_cache_block_remap_kernel, (n_blocks + EC_THREADS - 1) / EC_THREADS,
+                  EC_THREADS, 0, (ec_stream_t)stream, blocks, n_blocks, table, num_experts);
+    return ec_get_last_error();
 }
 #endif  // EC_KERNELS_ONLY

@@ -35,6 +35,12 @@ class Recorder(binding.Kernels):
     def run_gather(self, call, srcs, stream):
         self.gather_calls.append((list(srcs), stream))
 
+    def run_remap(self, call, stream):
+        n = len(binding.REMAP_ARGS)
+        ptrs = (ctypes.c_void_p * n).from_address(call.params_addr)
+        vals = [type(v).from_address(ptrs[i]).value for i, v in enumerate(call.values)]
+        self.remap_calls = getattr(self, "remap_calls", []) + [(vals, call.grid, stream)]
+
 
 def test_a_backend_must_implement_both_launches():
     class Half(binding.Kernels):
@@ -88,6 +94,67 @@ def test_manage_refusals_launch_nothing():
     with pytest.raises(ValueError, match="bad routing ids"):
         launch(0, 4, False, 0, stream=0)
     assert k.manage_calls == []
+
+
+def test_remap_call_carries_the_list_its_grid_and_the_fixed_table():
+    """The block list and its length change per call, the grid with them (one thread a
+    block id); the table and the expert count are the cache's."""
+    k = Recorder()
+    remap = binding.RemapLauncher(k, table=0x1000, num_experts=128)
+    remap(0xA000, 7, stream=3)
+    remap(0xB000, binding.THREADS + 1, stream=4)
+    remap(0xC000, 0, stream=5)  # an empty list launches nothing
+    names = [n for n, _ in binding.REMAP_ARGS]
+    (first, g1, s1), (second, g2, s2) = k.remap_calls
+    a, b = dict(zip(names, first)), dict(zip(names, second))
+    assert (a["blocks"], a["n_blocks"], g1, s1) == (0xA000, 7, 1, 3)
+    assert (b["blocks"], b["n_blocks"], g2, s2) == (0xB000, binding.THREADS + 1, 2, 4)
+    assert a["table"] == b["table"] == 0x1000 and a["num_experts"] == 128
+    with pytest.raises(ValueError, match="bad block list"):
+        remap(0, 4, stream=0)
+    with pytest.raises(ValueError, match="table pointer is null"):
+        binding.RemapLauncher(k, table=0, num_experts=128)
+    with pytest.raises(ValueError, match="num_experts"):
+        binding.RemapLauncher(k, table=0x1000, num_experts=binding.MAX_EXPERTS + 1)
+    assert len(k.remap_calls) == 2
+
+
+def test_both_backends_launch_the_remap_with_its_arguments_and_the_library_codes_raise():
+    k = object.__new__(binding.NvrtcKernels)
+    k.remap_fn = "remap"
+    launched = []
+    k.launch = lambda fn, grid, smem, stream, addr: launched.append((fn, grid, smem, stream,
+                                                                     addr))
+    remap = binding.RemapLauncher(k, table=0x1000, num_experts=64)
+    remap(0xA000, 600, stream=9)
+    assert launched == [("remap", 3, 0, 9, remap.params_addr)]
+
+    lib_k = object.__new__(binding.LibraryKernels)
+    seen = []
+
+    class Lib:
+        code = 0
+
+        def expert_cache_block_remap(self, blocks, n, table, experts, stream):
+            seen.append((blocks.value, n.value, table.value, experts.value, stream))
+            return self.code
+
+    lib_k.lib = Lib()
+    remap = binding.RemapLauncher(lib_k, table=0x1000, num_experts=64)
+    remap(0xA000, 600, stream=9)
+    assert seen == [(0xA000, 600, 0x1000, 64, 9)]
+    lib_k.lib.code = 1003
+    with pytest.raises(binding.KernelError, match="1003: null pointer"):
+        remap(0xA000, 600, stream=9)
+
+
+def test_the_block_remap_rule_clamps_the_ids_and_reads_a_missing_expert_as_slot_0():
+    torch = pytest.importorskip("torch", reason="no torch: the rule's torch ops need it")
+    table = torch.tensor([5, -1, 2, 7], dtype=torch.int32)
+    blocks = torch.tensor([0, 2, 3, 1, -1, 4, 99], dtype=torch.int32)
+    # ids clamped into 0..3 (-1 -> 0, 4 and 99 -> 3); expert 1 not resident -> slot 0
+    assert binding.block_slots(blocks, table).tolist() == [5, 2, 7, 0, 5, 7, 7]
+    assert binding.block_slots(blocks, table).dtype == torch.int32
 
 
 def _gather(kernels, n: int) -> binding.GatherLauncher:

@@ -148,6 +148,12 @@ def test_binding_constants_match_the_kernel_source():
     sig = re.sub(r"//[^\n]*", "", sig)
     names = re.findall(r"(\w+)\s*(?:,|$)", sig.replace("\n", " ").strip())
     assert names == [n for n, _ in binding.MANAGE_ARGS]
+    # the block remap's arguments likewise, and its C wrapper's before the stream
+    for fn in ("expert_cache_block_remap_kernel", "expert_cache_block_remap"):
+        sig = re.search(fn + r"\((.*?)\)\s*\{", src, re.S).group(1)
+        names = re.findall(r"(\w+)\s*(?:,|$)", sig.replace("\n", " ").strip())
+        want = [n for n, _ in binding.REMAP_ARGS]
+        assert names == (want if fn.endswith("_kernel") else want + ["stream"])
 
 
 def test_manager_shared_memory_is_the_kernels_formula():

@@ -8,6 +8,8 @@ torch is missing."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -85,7 +87,7 @@ def _arm(layer, slots=S, wide_inserts=None):
 
         scratch = Scratch(d.num_experts, {s.name: (s.shape, s.dtype) for s in d.specs},
                           "cpu", copier=torch_copiers)
-    order = marlin.BlockOrder(d.num_experts, "cpu") if d.marlin else None
+    order = marlin.BlockOrder(d.num_experts, cache) if d.marlin else None
     armed = ArmedLayer(layer, d, cache, index=0, scratch=scratch, small=small,
                        block_order=order)
     armed.install()
@@ -236,10 +238,9 @@ def test_the_block_remap_acts_only_inside_a_slot_bound_call():
     ids = torch.tensor([[3, 9], [9, 0]], dtype=torch.int32)
     plain = ms.MODULE.moe_align_block_size(ids, 8, ms.E, None, ignore_invalid_experts=True)
     assert plain[1][:3].tolist() == [0, 3, 9]  # vLLM's own: expert ids, ascending
-    order = marlin.BlockOrder(ms.E, "cpu")
     table = torch.full((ms.E,), -1, dtype=torch.int32)
     table[[0, 3, 9]] = torch.tensor([4, 1, 2], dtype=torch.int32)
-    order.refresh(table)
+    order = marlin.BlockOrder(ms.E, SimpleNamespace(table=table))  # a cache without the kernel
     order.bind()
     try:
         sorted_ids, blocks, padded = ms.MODULE.moe_align_block_size(ids, 8, S)

@@ -1,8 +1,10 @@
 """The kernel ABI, in one place: argument order, C types, checks, policy codes.
 
-`kernels/expert_cache.cu` exports two kernels (``expert_cache_manage_kernel``,
-``expert_cache_gather_kernel``) and, when built as a shared library, two C entry points
-(``expert_cache_manage``, ``expert_cache_gather``) that validate and launch them. This
+`kernels/expert_cache.cu` exports three kernels (``expert_cache_manage_kernel``,
+``expert_cache_gather_kernel``, and for vLLM's Marlin experts
+``expert_cache_block_remap_kernel``) and, when built as a shared library, three C entry
+points (``expert_cache_manage``, ``expert_cache_gather``, ``expert_cache_block_remap``)
+that validate and launch them. This
 module is the only Python code that knows their signatures. It can drive either build:
 
 * ``NvrtcKernels`` (default): the source compiled by NVRTC for this GPU (see
@@ -18,11 +20,12 @@ choice, handed over with `select` (the plugin from its `CacheConfig`, the comman
 module reads no environment, so the device layer does not depend on the configuration
 above it.
 
-Launchers (`ManageLauncher`, `GatherLauncher`) check and prebuild their argument blocks
-once, so a call only rewrites the few values that change (ids, output, source pointers):
+Launchers (`ManageLauncher`, `GatherLauncher`, `RemapLauncher`) check and prebuild their
+argument blocks once, so a call only rewrites the few values that change (ids, output,
+source pointers):
 the per-layer Python cost stays small, and nothing here ever synchronises with the device.
-They hand themselves to the backend (`Kernels.run_manage` / `run_gather`), the only code
-that differs between the two builds.
+They hand themselves to the backend (`Kernels.run_manage` / `run_gather` / `run_remap`),
+the only code that differs between the two builds.
 
 Both can launch with programmatic dependent launch (PDL) on sm_90 and newer
 (on by default where the GPU and driver have it; ``select(pdl=False)`` turns it off): a
@@ -45,7 +48,7 @@ from pathlib import Path
 from ..rules.budget import MAX_EXPERTS, MAX_SLOTS, ONLINE_POLICIES, online_names
 from ..rules.policy import Policy
 
-ABI_VERSION = 3  # = EC_ABI_VERSION in expert_cache.cu
+ABI_VERSION = 4  # = EC_ABI_VERSION in expert_cache.cu
 THREADS = 256  # = EC_THREADS: manager block size and gather block size
 WARP = 32  # = EC_WARP on NVIDIA: the manager keeps one scan total a warp
 # MAX_EXPERTS (= EC_MAX_EXPERTS) and MAX_SLOTS (= EC_MAX_SLOTS) are rules of the slot
@@ -163,6 +166,27 @@ MANAGE_ARGS: tuple[tuple[str, type], ...] = (
 )
 
 
+# The block remap's arguments, in order (kernel and C wrapper alike; the wrapper adds the
+# stream last): rewrites an int32 block list of ``n_blocks`` expert ids in place, each to
+# ``max(table[clamp(id, 0, num_experts - 1)], 0)`` (`block_slots` is the same on the host).
+REMAP_ARGS: tuple[tuple[str, type], ...] = (
+    ("blocks", ctypes.c_void_p),
+    ("n_blocks", ctypes.c_int),
+    ("table", ctypes.c_void_p),
+    ("num_experts", ctypes.c_int),
+)
+
+
+def block_slots(blocks, table):
+    """The block remap's rule, with torch ops (any device): the slot of each block's expert,
+    its id clamped into ``0..E-1`` (vLLM's filler past the last block is 0 or -1) and a
+    non-resident expert's -1 read as slot 0 (only padding rows route there, and their
+    output is dropped). The reference the kernel is tested against, and the path of a
+    cache without the kernel."""
+    index = blocks.clamp(0, table.shape[0] - 1)
+    return table.clamp(min=0).index_select(0, index.to(table.device)).to(blocks.dtype)
+
+
 #: the first driver whose stream capture records programmatic dependent launches
 PDL_MIN_DRIVER = 12030
 
@@ -218,6 +242,10 @@ class Kernels(ABC):
     def run_gather(self, call: GatherLauncher, srcs: Sequence[int], stream: int) -> None:
         """Launch ``call``'s gather(s) from the checked source addresses ``srcs``."""
 
+    @abstractmethod
+    def run_remap(self, call: RemapLauncher, stream: int) -> None:
+        """Launch one block remap with ``call``'s current argument values."""
+
 
 class NvrtcKernels(Kernels):
     """The kernels compiled by NVRTC (cached per user) and launched via the driver API."""
@@ -264,6 +292,10 @@ class NvrtcKernels(Kernels):
                 self._module, b"expert_cache_gather_kernel"
             )
             self._check(err, "cuModuleGetFunction(expert_cache_gather_kernel)")
+            err, self.remap_fn = driver.cuModuleGetFunction(
+                self._module, b"expert_cache_block_remap_kernel"
+            )
+            self._check(err, "cuModuleGetFunction(expert_cache_block_remap_kernel)")
         self.set_pdl(pdl)
         self.description = (
             f"NVRTC {self.image.kind} for sm_{self.image.arch} ({self.image.path}"
@@ -319,6 +351,9 @@ class NvrtcKernels(Kernels):
                 p.src[t] = int(srcs[first + t])
             self.launch(self.gather_fn, call.grid, 0, stream, addr)
 
+    def run_remap(self, call: RemapLauncher, stream: int) -> None:
+        self.launch(self.remap_fn, call.grid, 0, stream, call.params_addr)
+
 
 class LibraryKernels(Kernels):
     """A shared library built by nvcc (``kernels/build.sh``), called through ctypes."""
@@ -355,6 +390,8 @@ class LibraryKernels(Kernels):
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
         ]
+        lib.expert_cache_block_remap.restype = ctypes.c_int
+        lib.expert_cache_block_remap.argtypes = [t for _, t in REMAP_ARGS] + [ctypes.c_void_p]
         self.lib = lib
         self.path = path
         if device_index is not None:
@@ -383,6 +420,11 @@ class LibraryKernels(Kernels):
                                          call.lib_bytes, call.grid, stream),
             "expert_cache_gather",
         )
+
+
+    def run_remap(self, call: RemapLauncher, stream: int) -> None:
+        raise_for_code(self.lib.expert_cache_block_remap(*call.values, stream),
+                       "expert_cache_block_remap")
 
 
 def raise_for_code(code: int, what: str) -> None:
@@ -522,6 +564,38 @@ class GatherLauncher:
                 raise ValueError(f"{name}: source pointer is null")
             check_aligned(f"{name} source", int(s))
         self.kernels.run_gather(self, srcs, stream)
+
+
+class RemapLauncher:
+    """One cache's block remap (vLLM's Marlin experts): the table fixed, the block list per
+    call. The grid follows the list's length, which a captured graph fixes."""
+
+    def __init__(self, kernels: Kernels, *, table: int, num_experts: int) -> None:
+        if not table:
+            raise ValueError("block remap: the table pointer is null")
+        if not 1 <= num_experts <= MAX_EXPERTS:
+            raise ValueError(f"num_experts={num_experts} outside 1..{MAX_EXPERTS}")
+        self.kernels = kernels
+        fixed = dict(blocks=0, n_blocks=0, table=table, num_experts=num_experts)
+        #: the arguments in REMAP_ARGS order, as ctypes values rewritten in place per call
+        self.values = [ctype(fixed[name]) for name, ctype in REMAP_ARGS]
+        self._blocks, self._n = self.values[0], self.values[1]
+        self._params = (ctypes.c_void_p * len(self.values))(
+            *[ctypes.addressof(v) for v in self.values]
+        )
+        self.params_addr = ctypes.addressof(self._params)
+        self.grid = 1
+
+    def __call__(self, blocks: int, n_blocks: int, stream: int) -> None:
+        """Remap ``n_blocks`` int32 block ids at ``blocks`` in place, on ``stream``."""
+        if n_blocks < 0 or n_blocks >= 2**31 or (n_blocks and not blocks):
+            raise ValueError(f"bad block list: n_blocks={n_blocks}, pointer={blocks:#x}")
+        if n_blocks == 0:
+            return
+        self._blocks.value = blocks
+        self._n.value = n_blocks
+        self.grid = (n_blocks + THREADS - 1) // THREADS
+        self.kernels.run_remap(self, stream)
 
 
 def default_gather_grid(device_index: int) -> int:

@@ -136,6 +136,8 @@ class SlotCache:
                 slab_bytes=slab_bytes, grid=binding.default_gather_grid(dev.index),
                 names=[f"{self._label()}{k}" for k in self.specs],
             )
+        self._remap = binding.RemapLauncher(kernels, table=self.table.data_ptr(),
+                                            num_experts=E)
         self._checked: dict[str, tuple] = {}  # name -> signature of the last source seen
 
     def reset(self) -> None:
@@ -217,8 +219,8 @@ class SlotCache:
         the number of leading rows that are real (vLLM's V1 runner), and/or ``pad_rows``,
         a bool (or uint8) tensor with one flag a row (its V2 runner's marks). No host
         synchronisation happens here. ``remap=False``: the installs only, no slot-space
-        ids written (None returned), for a caller that maps experts to slots from
-        `table` itself (vLLM's Marlin, `plugin.marlin`).
+        ids written (None returned), for a caller that maps experts to slots after the
+        step (vLLM's Marlin: `remap_blocks`, `plugin.marlin`).
         """
         import torch
 
@@ -231,6 +233,23 @@ class SlotCache:
         self._run(self._manage, ids, out.data_ptr() if out is not None else 0, sources,
                   real_ptr, width, pad_ptr)
         return out
+
+    def remap_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """vLLM's Marlin block list, rewritten in place from expert ids to this cache's
+        slots (`binding.block_slots`' rule), one kernel on the current stream, reading the
+        table as the last `step` left it; returns ``blocks``. No synchronisation: a CUDA
+        graph captures it."""
+        import torch
+
+        if (blocks.device != self.device or blocks.dtype != torch.int32
+                or not blocks.is_contiguous()):
+            raise ValueError(
+                f"{self._label()}the block list must be contiguous int32 on {self.device}, "
+                f"not {tuple(blocks.shape)} {blocks.dtype} on {blocks.device}"
+            )
+        self._remap(blocks.data_ptr(), blocks.numel(),
+                    torch.cuda.current_stream(self.device).cuda_stream)
+        return blocks
 
     def _checked_real_rows(self, real_rows: torch.Tensor) -> int:
         """The count's address: one int32 on this cache's device (else ValueError)."""

@@ -21,8 +21,9 @@ split at other points, and fp32 partial sums round differently. So for Marlin th
 call gets the routing ids in expert space, and the block list is remapped to slots right
 after vLLM built it (`expert_order_blocks`): the blocks, their order, the block size and
 the padding are the stock path's, only the weights each block reads are the slot's. The
-remap is three small device ops (the table's resident slots, the block ids clamped, one
-gather), captured in CUDA graphs like the rest of the step. While bound to slots the
+remap is one kernel of the cache's (`SlotCache.remap_blocks`, in place on the block list,
+reading the table the step's manager wrote), captured in CUDA graphs like the rest of the
+step; three torch ops did it before, at about 7 us a layer more. While bound to slots the
 layer reports ``S`` experts (``global_num_experts``), the experts its weights hold, as an
 ``S``-expert layer would (vLLM then estimates no expert-parallel share of the tokens);
 the block list is still built over the real ``E`` by the remap. The block size vLLM picks
@@ -97,8 +98,8 @@ def layout(experts: Any) -> tuple[str | None, str]:
                   "activation_config: neither vLLM 0.26's nor 0.33's Marlin layout")
 
 
-#: set for exactly the duration of a slot-bound Marlin call: (E, [E] int32 slot of each
-#: expert with non-resident ones at 0); None otherwise (thread-local)
+#: set for exactly the duration of a slot-bound Marlin call: its `BlockOrder`; None
+#: otherwise (thread-local)
 _BLOCK_SLOTS = threading.local()
 
 
@@ -110,18 +111,12 @@ def expert_order_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     def moe_align_block_size(topk_ids: Any, block_size: int, num_experts: int,
                              expert_map: Any = None, *args: Any, **kwargs: Any) -> Any:
-        ctx = getattr(_BLOCK_SLOTS, "value", None)
-        if ctx is None:
+        order = getattr(_BLOCK_SLOTS, "value", None)
+        if order is None:
             return orig(topk_ids, block_size, num_experts, expert_map, *args, **kwargs)
-        import torch
-
-        experts, slot_of = ctx
-        sorted_ids, block_experts, padded = orig(topk_ids, block_size, experts, expert_map,
-                                                 *args, **kwargs)
-        # vLLM fills the block list past the last real block with 0 (or -1): clamped, so
-        # the gather never leaves the table whatever a release writes there
-        index = block_experts.clamp(0, experts - 1)
-        return sorted_ids, torch.index_select(slot_of, 0, index), padded
+        sorted_ids, block_experts, padded = orig(topk_ids, block_size, order.num_experts,
+                                                 expert_map, *args, **kwargs)
+        return sorted_ids, order.remap(block_experts), padded
 
     moe_align_block_size.__wrapped__ = orig  # type: ignore[attr-defined]
     return moe_align_block_size
@@ -133,24 +128,25 @@ def patch_block_order(module: Any) -> bool:
 
 
 class BlockOrder:
-    """One armed Marlin layer's block remap: the slot of every expert, refreshed from the
-    cache's table after each step (non-resident experts map to slot 0: only CUDA-graph
-    padding rows route to them, and their output is dropped)."""
+    """One armed Marlin layer's block remap: its real expert count, and the cache's way of
+    turning a block list of expert ids into slots (`SlotCache.remap_blocks`: in place, one
+    kernel; a cache without it: `binding.block_slots`' torch ops over its table)."""
 
-    def __init__(self, num_experts: int, device: Any) -> None:
-        import torch
-
+    def __init__(self, num_experts: int, cache: Any) -> None:
         self.num_experts = int(num_experts)
-        self.slot_of = torch.zeros(self.num_experts, dtype=torch.int32, device=device)
+        self._remap = getattr(cache, "remap_blocks", None)
+        self._cache = cache
 
-    def refresh(self, table: Any) -> None:
-        """One device op: the table with -1 (not resident) as 0."""
-        import torch
+    def remap(self, blocks: Any) -> Any:
+        """The block list with each block's expert replaced by its slot."""
+        if self._remap is not None:
+            return self._remap(blocks)
+        from ..device.binding import block_slots
 
-        torch.clamp(table, min=0, out=self.slot_of)
+        return block_slots(blocks, self._cache.table)
 
     def bind(self) -> None:
-        _BLOCK_SLOTS.value = (self.num_experts, self.slot_of)
+        _BLOCK_SLOTS.value = self
 
     @staticmethod
     def unbind() -> None:

@@ -770,7 +770,6 @@ class ArmedLayer:
                 # Marlin: installs only; the call keeps the expert ids (every row, padded
                 # ones too, as the stock call sees them) and the block list is remapped
                 self.cache.step(ids, self._sources(), remap=False, **(rows or {}))
-                self.block_order.refresh(self.cache.table)
                 call_ids = topk_ids
             else:
                 call_ids = self.cache.step(ids, self._sources(), **(rows or {}))

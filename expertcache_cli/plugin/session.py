@@ -555,11 +555,6 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
         from .small import SMALL_ROW
 
         specs[SMALL_ROW] = ((small.row_bytes,), torch.uint8)
-    block_order = None
-    if decision.marlin:
-        from .marlin import BlockOrder
-
-        block_order = BlockOrder(decision.num_experts, device)
     # a bare "cuda" device (no index) is resolved to the current one by SlotCache
     cache = SlotCache(
         decision.num_experts,
@@ -572,6 +567,11 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
         wide_inserts=wide_inserts,
         pool=pool,
     )
+    block_order = None
+    if decision.marlin:
+        from .marlin import BlockOrder
+
+        block_order = BlockOrder(decision.num_experts, cache)
     armed = ArmedLayer(module, decision, cache, index=index, decode_tokens=decode_tokens,
                        scratch=scratch, padding=padding, small=small,
                        block_order=block_order)

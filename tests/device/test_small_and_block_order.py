@@ -74,37 +74,54 @@ def test_the_side_row_follows_every_install_eager_and_in_a_graph(cuda):
 
 @pytest.mark.device
 def test_the_block_remap_gives_each_block_its_experts_slot_in_a_graph(cuda):
+    """The cache's remap kernel, captured with the manager step before it as a Marlin layer
+    runs them: on every replay each block of vLLM's list (fillers -1 and 0 past the real
+    blocks, ids out of range too) holds what `binding.block_slots` gives over the table the
+    step just wrote, and every resident expert's block its own slot."""
     torch = cuda
+    from expertcache_cli.device.binding import block_slots
+    from expertcache_cli.device.slotcache import SlotCache
     from expertcache_cli.plugin import marlin
 
-    E = 32
-    blocks = torch.tensor([1, 5, 9, 30, 0, 0], dtype=torch.int32, device="cuda")
+    E, S, K = 64, 12, 4
+    cache = SlotCache(E, S, {"w": ((16,), torch.float32)}, policy="lfu")
+    weights = torch.zeros((E, 16)).pin_memory()
+    sources = {"w": weights}
+    cache.check_sources(sources)
+    static_ids = torch.zeros((2, K), dtype=torch.int32, device="cuda")
+    static_list = torch.zeros(40, dtype=torch.int32, device="cuda")
+    seen_count = []
 
     def align(topk_ids, block_size, num_experts, expert_map=None, **kw):
-        assert num_experts == E  # the real expert count, whatever the caller passed
-        return topk_ids, blocks.clone(), blocks[:1]
+        seen_count.append(num_experts)  # the real expert count, whatever the caller passed
+        return topk_ids, static_list.clone(), static_list[:1]
 
     wrapped = marlin.expert_order_blocks(align)
-    order = marlin.BlockOrder(E, "cuda")
-    table = torch.full((E,), -1, dtype=torch.int32, device="cuda")
-    ids = torch.zeros(4, dtype=torch.int32, device="cuda")
+    order = marlin.BlockOrder(E, cache)
     g = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
-        order.refresh(table)
+        cache.step(static_ids, sources, remap=False)
         order.bind()
         try:
-            _, out, _ = wrapped(ids, 8, 6)
+            _, out, _ = wrapped(static_ids, 8, S)
         finally:
             order.unbind()
     torch.cuda.current_stream().wait_stream(side)
-    for t in range(3):
-        table.fill_(-1)
-        slots = torch.randperm(E)[:5].to(torch.int32)
-        table[torch.tensor([1, 5, 9, 30, 0])] = slots.cuda()
+    assert seen_count == [E]
+    for t, row in enumerate(_routing(E, 60, tokens=2, top_k=K, seed=3)):
+        static_ids.copy_(torch.from_numpy(row).cuda())
+        experts = sorted(set(row.reshape(-1).tolist()))
+        filler = [-1, 0, E, E + 7, -5]
+        blocks = (experts + filler * 8)[:40]
+        static_list.copy_(torch.tensor(blocks, dtype=torch.int32))
         g.replay()
         torch.cuda.synchronize()
-        want = [int(slots[i]) for i in (0, 1, 2, 3, 4, 4)]
-        assert out.cpu().tolist() == want, f"replay {t}"
-    assert torch.equal(wrapped(ids, 8, E)[1], blocks)  # unbound: vLLM's own list
+        table = cache.table.clone()
+        want = block_slots(torch.tensor(blocks, dtype=torch.int32, device="cuda"), table)
+        assert torch.equal(out, want), f"replay {t}"
+        slot_expert = cache.slot_expert.cpu().tolist()
+        for e, slot in zip(experts, out[:len(experts)].cpu().tolist()):
+            assert slot_expert[slot] == e, f"replay {t}: expert {e} read slot {slot}"
+    assert torch.equal(wrapped(static_ids, 8, E)[1], static_list)  # unbound: vLLM's own
