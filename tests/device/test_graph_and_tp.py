@@ -243,12 +243,19 @@ def test_library_backend(cuda, tmp_path, monkeypatch, pdl):
         out = cache.step(torch.from_numpy(row).cuda(), sources)
         res = ref.step(row)
         assert_same_state(cache, ref, f"library step {t}", row, out, res)
+        if t % 50 == 49:  # the block remap through the library, against its rule
+            blocks = torch.arange(-3, E + 5, dtype=torch.int32, device="cuda")
+            want = binding.block_slots(blocks, cache.table)
+            assert torch.equal(cache.remap_blocks(blocks), want), f"library remap {t}"
     st = cache.state()
     for name, buf in cache.slots.items():
         for s, e in enumerate(st["slot_expert"]):
             assert torch.equal(buf[s].cpu().view(torch.uint8), sources[name][e].view(torch.uint8))
     # argument checks return a code, no launch
     lib_h = kernels.lib
+    assert lib_h.expert_cache_block_remap(None, 4, p_table := cache.table.data_ptr(), E,
+                                          None) == 1003
+    assert lib_h.expert_cache_block_remap(None, 4, p_table, 0, None) == 1001
     i32 = torch.zeros(4, dtype=torch.int32, device="cuda")
     p = i32.data_ptr()
     # (ids, n, is64, table, slot_expert, prio, step, miss e/s/count, out, stats, real_rows,
