@@ -216,3 +216,39 @@ def test_build_kernels_command_errors_are_one_line():
     assert proc.stderr.strip().count("\n") == 0 and "--arch" in proc.stderr
     proc = _cli("build-kernels", env={"EXPERT_CACHE_LIB": "/no/such/libexpertcache.so"})
     assert proc.returncode == 2 and "no such file" in proc.stderr
+
+
+def _host_library(tmp_path: Path, abi: int, exports: tuple[str, ...]) -> Path:
+    """A shared library with the named C entry points (doing nothing) and an ABI number,
+    built by the host C compiler: what an older or partial build of the kernels looks like
+    to the loader, without nvcc."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler: the stand-in library cannot be built here")
+    src = tmp_path / "lib.c"
+    src.write_text(f"int expert_cache_abi_version(void) {{ return {abi}; }}\n"
+                   + "".join(f"int {name}(void) {{ return 0; }}\n" for name in exports))
+    out = tmp_path / "libold.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
+    return out
+
+
+def test_a_library_of_an_older_abi_is_refused_with_its_abi_and_how_to_rebuild(tmp_path):
+    """A library built before the block remap lacks its entry point; the user is told the
+    library's ABI against the package's and how to rebuild, not only a missing symbol."""
+    old = _host_library(tmp_path, binding.ABI_VERSION - 1,
+                        ("expert_cache_manage", "expert_cache_gather", "expert_cache_set_pdl"))
+    with pytest.raises(kernel_build.KernelBuildError,
+                       match=rf"kernel ABI {binding.ABI_VERSION - 1}, this package needs "
+                             rf"{binding.ABI_VERSION}: rebuild it \(kernels/build.sh"):
+        binding.LibraryKernels(old)
+
+
+def test_a_library_of_this_abi_missing_an_entry_point_names_it(tmp_path):
+    partial = _host_library(tmp_path, binding.ABI_VERSION,
+                            ("expert_cache_manage", "expert_cache_gather", "expert_cache_set_pdl"))
+    with pytest.raises(kernel_build.KernelBuildError,
+                       match="does not export expert_cache_block_remap: rebuild it"):
+        binding.LibraryKernels(partial)

@@ -373,14 +373,18 @@ class LibraryKernels(Kernels):
         missing = kernel_build.missing_entry_points(
             path.read_bytes(), kernel_build.LIBRARY_ENTRY_POINTS
         )
-        if missing:
-            raise kernel_build.KernelBuildError(f"{path} does not export {', '.join(missing)}")
         lib = ctypes.CDLL(str(path))
         version = lib.expert_cache_abi_version() if hasattr(lib, "expert_cache_abi_version") else 0
+        # an older build lacks the newer entry points: its ABI says why, and what to do
         if version != ABI_VERSION:
             raise kernel_build.KernelBuildError(
-                f"{path} has kernel ABI {version}, this package needs {ABI_VERSION}: rebuild it"
+                f"{path} has kernel ABI {version}, this package needs {ABI_VERSION}: rebuild it "
+                "(kernels/build.sh or `expertcache build-kernels --library`)"
             )
+        if missing:
+            raise kernel_build.KernelBuildError(
+                f"{path} does not export {', '.join(missing)}: rebuild it (kernels/build.sh "
+                "or `expertcache build-kernels --library`)")
         lib.expert_cache_manage.restype = ctypes.c_int
         lib.expert_cache_manage.argtypes = [t for _, t in MANAGE_ARGS] + [ctypes.c_void_p]
         lib.expert_cache_set_pdl.restype = ctypes.c_int
