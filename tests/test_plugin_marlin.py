@@ -267,3 +267,39 @@ def test_marlin_layers_are_declined_where_the_block_remap_cannot_be_installed(mo
     assert not sess.armed
     assert sess.decisions[0].action == DECLINE
     assert "Marlin MoE module is not the one read" in sess.decisions[0].reason
+
+
+def test_arm_model_hands_the_marlin_block_list_to_the_caches_own_remap(monkeypatch):
+    """Armed through `arm_model`, a Marlin layer's block list is remapped by its cache
+    (`SlotCache.remap_blocks`: the kernel, on a GPU), once a slot-bound call, and the
+    output is the stock path's bit for bit."""
+    import expertcache_cli.device.slotcache as slotcache_mod
+    from expertcache_cli.device.binding import block_slots
+
+    class KernelCache(RefSlotCache):
+        remaps = 0
+
+        def remap_blocks(self, blocks):
+            KernelCache.remaps += 1
+            blocks.copy_(block_slots(blocks, self.table))  # in place, as the kernel does
+            return blocks
+
+    monkeypatch.setattr(slotcache_mod, "SlotCache", KernelCache)
+    # the remap is installed in the stand-in Marlin module (`_patched`), not vLLM's
+    monkeypatch.setattr(session, "_patch_marlin", lambda: None)
+    stock = ms.RoutedExperts("nvfp4", "0.33", seed=5)
+    cached = ms.RoutedExperts("nvfp4", "0.33", seed=5)
+    sess = session.arm_model(FakeModel([cached]), CacheConfig(slots=S), "0.33.0")
+    assert len(sess.armed) == 1 and sess.armed[0].block_order is not None
+    rng = np.random.default_rng(5)
+    before = KernelCache.remaps
+    calls = 12
+    for step in range(calls):
+        tokens = (1, 2, 3)[step % 3]  # at most 6 ids: every call on the slots
+        x, (ids, w) = _x(tokens), _routing(rng, tokens)
+        torch.testing.assert_close(
+            cached.forward_modular(x=x, topk_weights=w, topk_ids=ids),
+            stock.forward_modular(x=x.clone(), topk_weights=w, topk_ids=ids), rtol=0, atol=0)
+    # each call on the slots, and each step of the first call's sweep of every expert
+    sweep_steps = sess.armed[0].sweep_result.paths[0].steps
+    assert KernelCache.remaps - before == calls + sweep_steps
