@@ -22,7 +22,7 @@
 //       each block's expert id replaced by its slot (an id outside 0..E-1, vLLM's filler,
 //       is clamped into it; an expert not resident reads slot 0: only padding rows route
 //       there and their output is dropped). One launch a layer, reading the table the
-//       manager wrote, in place of a per-step copy of the table and two torch ops.
+//       manager wrote: no copy of the table per step.
 //
 // The file is compiled two ways: by NVRTC at first use (kernels only: the host wrappers
 // are kept out by EC_KERNELS_ONLY) and by nvcc into a shared library whose C entry points
