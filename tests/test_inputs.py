@@ -329,3 +329,23 @@ def test_a_trace_without_expert_bytes_needs_a_model_at_the_command_line(tmp_path
     data = json.loads(ok.stdout)
     assert data["model"]["bytes_per_expert"] == inputs.plan_model(str(QWEN), trace).bytes_per_expert
     assert data["link_source"] == "given (--link-gbps)"
+
+
+def test_plan_sizes_an_online_quantised_model_as_size_does(tmp_path, trace):
+    """`--quantization fp8` after `--` has vLLM quantise a bf16 model while loading: `plan`
+    prices its misses and fits its slots at the fp8 bytes a slot holds, the numbers `size`
+    gives for the same flags (it priced bf16 bytes, twice as many, and fewer slots)."""
+    from expertcache_cli.sizing import sizing
+
+    bf16 = inputs.plan_model(str(QWEN), trace)
+    fp8 = inputs.plan_model(str(QWEN), trace, vllm_quantization="fp8")
+    assert (bf16.quant, fp8.quant) == ("bf16", "fp8")
+    assert fp8.bytes_per_expert < bf16.bytes_per_expert
+    size = sizing.plan(str(QWEN), 24, max_model_len=8192, vllm_quantization="fp8")
+    r = _plan(str(TRACE), "--link-gbps", "50", "--resident-tok-s", "300", "--model", str(QWEN),
+              "--vram", "24", "--json", "--", "--max-model-len", "8192", "--quantization",
+              "fp8", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    model = json.loads(r.stdout)["model"]
+    assert model["bytes_per_expert"] == fp8.bytes_per_expert == size.bytes_per_expert
+    assert model["max_slots"] == size.max_slots

@@ -109,7 +109,11 @@ def register(app: typer.Typer) -> None:
             plot = plot_path(plot)
         path = trace_path if trace_path is not None else demo_trace_path()
         recorded = load(path)
-        m = inputs.plan_model(model, recorded, demo=trace_path is None)
+        from ..vllm_facts.vllm_flags import plan_kwargs_from_vllm_args
+
+        m = inputs.plan_model(model, recorded, demo=trace_path is None,
+                              vllm_quantization=plan_kwargs_from_vllm_args(
+                                  passthrough_args(extra)).get("vllm_quantization"))
         srv = serving.server(passthrough_args(extra), max_num_seqs=max_num_seqs, batch=batch,
                              vllm_version=vllm_version, vram_gib=vram_gib,
                              architectures=serving.architectures_of(m, recorded.model))

@@ -141,8 +141,12 @@ def resident_rate(resident_tok_s: float | None, baseline: Path | None,
     raise UserError(f"plan needs {RESIDENT_INPUT}")
 
 
-def plan_model(spec: str | None, trace: Trace, demo: bool = False) -> ModelSize | None:
-    """The model ``--model`` names (a preset, a config.json or a model directory), or None.
+def plan_model(spec: str | None, trace: Trace, demo: bool = False,
+               vllm_quantization: str | None = None) -> ModelSize | None:
+    """The model ``--model`` names (a preset, a config.json or a model directory), or None,
+    as vLLM will hold it: ``vllm_quantization`` is the server's ``--quantization``, which
+    quantises an unquantised model while loading (`sizing.model_as_held`, as `size` and
+    `serve` read it), so that the slots and the misses are priced at the bytes served.
 
     It must route as the trace does (the same experts and top_k): its bytes price the
     trace's misses, and a trace of another shape counts misses that model never has.
@@ -152,8 +156,10 @@ def plan_model(spec: str | None, trace: Trace, demo: bool = False) -> ModelSize 
     if not spec:
         return None
     from ..sizing.model_size import load_model
+    from ..sizing.sizing import model_as_held
 
-    m = load_model(Path(spec) if Path(spec).exists() else spec)
+    where = Path(spec) if Path(spec).exists() else spec
+    m = model_as_held(load_model(where), where, None, vllm_quantization)
     if (m.num_experts, m.top_k) != (trace.num_experts, trace.top_k):
         hint = (f" (the bundled demo, recorded at {trace.top_k} experts a token): give a "
                 f"TRACE routed top-{m.top_k}, recorded with EXPERT_CACHE_TRACE or made by "
