@@ -349,3 +349,18 @@ def test_plan_sizes_an_online_quantised_model_as_size_does(tmp_path, trace):
     model = json.loads(r.stdout)["model"]
     assert model["bytes_per_expert"] == fp8.bytes_per_expert == size.bytes_per_expert
     assert model["max_slots"] == size.max_slots
+
+
+def test_under_tensor_parallelism_a_miss_costs_one_ranks_share_of_the_expert(tmp_path, trace):
+    """`-tp 2` after `--`: every rank holds half of each expert and gathers that half over
+    its own link, so `plan` prices a miss at the rank's share (it priced the whole expert,
+    twice the time), and says so where it names the bytes."""
+    m = inputs.plan_model(str(QWEN), trace)
+    whole, _ = inputs.expert_bytes(m, str(QWEN), trace)
+    share, source = inputs.expert_bytes(m, str(QWEN), trace, tensor_parallel=2)
+    assert share == m.per_rank(2).bytes_per_expert and 2 * share == whole
+    assert "one of 2 tensor-parallel ranks' share" in source
+    r = _plan(str(TRACE), "--link-gbps", "50", "--resident-tok-s", "300", "--model", str(QWEN),
+              "--slots", "32", "--json", "--", "-tp", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model"]["bytes_per_expert"] == share

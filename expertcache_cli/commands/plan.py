@@ -111,16 +111,17 @@ def register(app: typer.Typer) -> None:
         recorded = load(path)
         from ..vllm_facts.vllm_flags import plan_kwargs_from_vllm_args
 
+        flags = plan_kwargs_from_vllm_args(passthrough_args(extra))
         m = inputs.plan_model(model, recorded, demo=trace_path is None,
-                              vllm_quantization=plan_kwargs_from_vllm_args(
-                                  passthrough_args(extra)).get("vllm_quantization"))
+                              vllm_quantization=flags.get("vllm_quantization"))
         srv = serving.server(passthrough_args(extra), max_num_seqs=max_num_seqs, batch=batch,
                              vllm_version=vllm_version, vram_gib=vram_gib,
                              architectures=serving.architectures_of(m, recorded.model))
         trace, mode = workload(recorded, wide, batch,
                                srv.batch_tokens(batch) if batch else None)
         policies = parse_policies(policy)
-        per_expert = inputs.expert_bytes(m, model, trace)
+        per_expert = inputs.expert_bytes(m, model, trace,
+                                         int(flags.get("tensor_parallel_size") or 1))
         fits_upto = inputs.card_slots(m, vram, mode, srv, batch)
         select_kernels()  # the environment's kernels, should the link be measured here
         link = inputs.link_rate(link_gbps, probe_file, model, card)

@@ -169,11 +169,19 @@ def plan_model(spec: str | None, trace: Trace, demo: bool = False,
     return m
 
 
-def expert_bytes(model: ModelSize | None, spec: str | None, trace: Trace) -> tuple[int, str]:
-    """An expert's bytes (one layer) and their source: the model's where ``--model`` was
-    given (sized as it will be served: its format, its tensors), else what the trace
-    recorded (`Trace.expert_bytes`); one line asking for ``--model`` when neither says."""
+def expert_bytes(model: ModelSize | None, spec: str | None, trace: Trace,
+                 tensor_parallel: int = 1) -> tuple[int, str]:
+    """The bytes one GPU's link carries for a missed expert (one layer) and their source:
+    the model's where ``--model`` was given (sized as it will be served: its format, its
+    tensors), else what the trace recorded (`Trace.expert_bytes`: a served rank's own
+    tensors); one line asking for ``--model`` when neither says. Under tensor parallelism
+    every rank holds and gathers its 1/N of each expert over its own link, at once: a miss
+    costs a rank's share, not the expert (`ModelSize.per_rank`)."""
     if model is not None:
+        if tensor_parallel > 1:
+            return (model.per_rank(tensor_parallel).bytes_per_expert,
+                    f"--model {spec} ({model.source}), one of {tensor_parallel} "
+                    "tensor-parallel ranks' share, each gathered over its GPU's own link")
         return model.bytes_per_expert, f"--model {spec} ({model.source})"
     if trace.expert_bytes:
         return int(trace.expert_bytes), "the trace's expert_bytes"
