@@ -111,10 +111,11 @@ def register(app: typer.Typer) -> None:
         recorded = load(path)
         from ..vllm_facts.vllm_flags import plan_kwargs_from_vllm_args
 
-        flags = plan_kwargs_from_vllm_args(passthrough_args(extra))
+        vllm_args = passthrough_args(extra)
+        flags = plan_kwargs_from_vllm_args(vllm_args)
         m = inputs.plan_model(model, recorded, demo=trace_path is None,
                               vllm_quantization=flags.get("vllm_quantization"))
-        srv = serving.server(passthrough_args(extra), max_num_seqs=max_num_seqs, batch=batch,
+        srv = serving.server(vllm_args, max_num_seqs=max_num_seqs, batch=batch,
                              vllm_version=vllm_version, vram_gib=vram_gib,
                              architectures=serving.architectures_of(m, recorded.model))
         trace, mode = workload(recorded, wide, batch,

@@ -425,7 +425,6 @@ class LibraryKernels(Kernels):
             "expert_cache_gather",
         )
 
-
     def run_remap(self, call: RemapLauncher, stream: int) -> None:
         raise_for_code(self.lib.expert_cache_block_remap(*call.values, stream),
                        "expert_cache_block_remap")
@@ -436,6 +435,26 @@ def raise_for_code(code: int, what: str) -> None:
     if code:
         meaning = ERROR_CODES.get(code, "CUDA error")
         raise KernelError(f"{what} returned {code}: {meaning}")
+
+
+class _ArgBlock:
+    """A kernel's arguments as ctypes values in ``args`` order (rewritten in place per
+    call: the C wrappers take them as they are) and the array of their addresses that
+    ``cuLaunchKernel`` takes as its kernelParams, built once: what every launcher keeps."""
+
+    def __init__(self, args: tuple[tuple[str, type], ...], fixed: dict[str, int]) -> None:
+        #: the arguments in ``args`` order, as ctypes values rewritten in place per call
+        self.values = [ctype(fixed[name]) for name, ctype in args]
+        self._at = {name: i for i, (name, _) in enumerate(args)}
+        self._params = (ctypes.c_void_p * len(self.values))(
+            *[ctypes.addressof(v) for v in self.values]
+        )
+        #: the address of the kernel-parameter array (cuLaunchKernel's kernelParams)
+        self.params_addr = ctypes.addressof(self._params)
+
+    def value(self, name: str):
+        """The ctypes value of argument ``name``, to rewrite in place."""
+        return self.values[self._at[name]]
 
 
 class ManageLauncher:
@@ -477,17 +496,11 @@ class ManageLauncher:
             num_slots=num_slots,
             policy=policy, decay=decay, max_distinct=max_distinct, max_inserts=max_inserts,
         )
-        #: the arguments in MANAGE_ARGS order, as ctypes values rewritten in place per call
-        self.values = [ctype(fixed[name]) for name, ctype in MANAGE_ARGS]
-        at = {name: i for i, (name, _) in enumerate(MANAGE_ARGS)}
+        block = _ArgBlock(MANAGE_ARGS, fixed)
+        self.values, self.params_addr, self._block = block.values, block.params_addr, block
         self._ids, self._n, self._is64, self._out, self._real, self._pad, self._width = (
-            self.values[at[k]] for k in ("ids", "n_ids", "ids_is64", "out_ids", "real_rows",
-                                         "pad_rows", "row_width"))
-        self._params = (ctypes.c_void_p * len(self.values))(
-            *[ctypes.addressof(v) for v in self.values]
-        )
-        #: the address of the kernel-parameter array (cuLaunchKernel's kernelParams)
-        self.params_addr = ctypes.addressof(self._params)
+            block.value(k) for k in ("ids", "n_ids", "ids_is64", "out_ids", "real_rows",
+                                     "pad_rows", "row_width"))
         self.smem = manage_smem_bytes(num_experts, num_slots)
 
     def __call__(self, ids: int, n_ids: int, ids_is64: bool, out_ids: int, stream: int,
@@ -580,14 +593,10 @@ class RemapLauncher:
         if not 1 <= num_experts <= MAX_EXPERTS:
             raise ValueError(f"num_experts={num_experts} outside 1..{MAX_EXPERTS}")
         self.kernels = kernels
-        fixed = dict(blocks=0, n_blocks=0, table=table, num_experts=num_experts)
-        #: the arguments in REMAP_ARGS order, as ctypes values rewritten in place per call
-        self.values = [ctype(fixed[name]) for name, ctype in REMAP_ARGS]
-        self._blocks, self._n = self.values[0], self.values[1]
-        self._params = (ctypes.c_void_p * len(self.values))(
-            *[ctypes.addressof(v) for v in self.values]
-        )
-        self.params_addr = ctypes.addressof(self._params)
+        block = _ArgBlock(REMAP_ARGS, dict(blocks=0, n_blocks=0, table=table,
+                                           num_experts=num_experts))
+        self.values, self.params_addr, self._block = block.values, block.params_addr, block
+        self._blocks, self._n = block.value("blocks"), block.value("n_blocks")
         self.grid = 1
 
     def __call__(self, blocks: int, n_blocks: int, stream: int) -> None:
