@@ -52,7 +52,7 @@
 # SEED=DIR (a folder in the carried tree): an earlier session's probe.json, resident.json
 # and resident.log (from its results.tgz), copied into FS where FS lacks them, so that a
 # card's session skips the probe and resident steps (~5 min); the report names what came so.
-# PY, FS (records, model, plans: /tmp/fs), TRACE and RUNS (5 measured runs of 200 tokens
+# PY, FS (records, model, plans: /tmp/fs), START_TIMEOUT (900 s), TRACE and RUNS (5 measured runs of 200 tokens
 # after a warm-up, which plan's replay covers) are overridable:
 # the flow is tested on CPU with the GPU steps stubbed (tests/bench/test_bench_flagship_runner.py).
 set -uo pipefail
@@ -86,7 +86,11 @@ hooks() {
 arm_done() { [ -f "$FS/$1.json" ] && grep -q '"status": "ok"' "$FS/$1.json"; }
 arm() {  # arm NAME [small_card options] -- server command
   local name=$1; shift
-  bench_arm "$FS" bench/small_card.py "$name" --runs "${RUNS:-5}" "${hook_env[@]}" "$@"
+  # START_TIMEOUT: a 36-layer start pins 63 GiB, repacks for Marlin and, cold, compiles:
+  # 300-350 s alone, 435 s and more beside a second bench on a 2-GPU host; a warm-up start
+  # ended at small_card's default 480 s leaves its compile to the floor's start
+  bench_arm "$FS" bench/small_card.py "$name" --runs "${RUNS:-5}" \
+    --start-timeout "${START_TIMEOUT:-900}" "${hook_env[@]}" "$@"
 }
 ballast() {  # ballast GiB | ballast stop
   if [ "$1" = stop ]; then $PY bench/ballast.py stop; return; fi
