@@ -22,12 +22,15 @@
 #             through the bench-only hook (bench/kernel_trial, TRIAL_KERNELS), first-call
 #             checked like every layer
 # Floor and cache route from a trace (ROUTING=trace, the default; bench/trace_routing.py):
-# TRACE8 for the top-8 formats (default traces/demo-qwen3-30b-a3b-tasks.npz, synthetic: no
-# bundled recording is routed at top-8), TRACE4 for gpt-oss's top-4 (default the recorded
-# traces/real-qwen3-30b-a3b-k6.npz, each token narrowed to its router's first 4 of 6). A
-# trace recorded wider than the model's top-k is narrowed (bench/trace_fit.py --top-k, in
-# FM) and the servers replay the narrowed copy. ROUTING=random: the checkpoints' own random
-# routers (issue 11's runs).
+# TRACE, default the recorded traces/real-qwen3-30b-a3b-k6.npz (Qwen3-30B-A3B's decode at 6
+# experts a token). The Qwen3-shaped checkpoints are written at QWEN_TOPK experts a token
+# (default 6, the recording's width, so that every token routes to exactly its recorded
+# experts); gpt-oss's top-4 (mxfp4) takes each token's first 4 of the 6, by its router's
+# rank. QWEN_TOPK=8 keeps Qwen3's own top-8, routed by TRACE8 (default the synthetic
+# traces/demo-qwen3-30b-a3b-tasks.npz: no bundled recording is routed at top-8 of 128; its
+# numbers then say "synthetic"). A trace recorded wider than the model's top-k is narrowed
+# (bench/trace_fit.py --top-k, in FM) and the servers replay the narrowed copy.
+# ROUTING=random: the checkpoints' own random routers (issue 11's runs).
 # And, where the cache (or the trial) armed, on a second checkpoint whose routers reach
 # only the first SLOTS experts (`--hot`), routed by its routers:
 #   resident  every expert in VRAM, stock vLLM (plugin off); mxfp4 on Marlin too
@@ -122,7 +125,7 @@ routing() {  # routing TOPK EXPERTS -> sets `route` (small_card options) and `tr
   if [ "$1" = 8 ]; then
     t=${TRACE8:-traces/demo-qwen3-30b-a3b-tasks.npz}
   else
-    t=${TRACE4:-traces/real-qwen3-30b-a3b-k6.npz}
+    t=${TRACE:-traces/real-qwen3-30b-a3b-k6.npz}
   fi
   case $t in /*) ;; *) t=$PWD/$t ;; esac
   # the servers replay the trace at the model's top-k and layers: a recording made wider is
@@ -164,7 +167,9 @@ for fmt in ${FORMATS:-w8a8 fp8-block gptq gptq-act awq w4a16 nvfp4 mxfp4}; do
   M=$FM/$fmt H=$FM/$fmt-hot
   # SLOTS of 128 (default 32); gpt-oss (mxfp4) has MXFP4_EXPERTS experts a layer: at 32
   # (gpt-oss-20b), 16 of them
-  S=${SLOTS:-32} shape=(--vocab 151936 --context 40960 --head-dim 128) E=128 K=8 res_args=()
+  K=${QWEN_TOPK:-6}
+  S=${SLOTS:-32} shape=(--vocab 151936 --context 40960 --head-dim 128 --top-k "$K") E=128
+  res_args=()
   if [ "$fmt" = mxfp4 ]; then
     shape=(--vocab 201088 --context 131072 --experts "$MXFP4_EXPERTS") E=$MXFP4_EXPERTS K=4
     [ "$E" -le 32 ] && S=16

@@ -141,9 +141,10 @@ def _call(calls, arm):
 
 def test_a_4_bit_format_on_marlin_runs_every_arm_routed_by_a_trace(runner):
     """Issue 29's rows: NVFP4 (the Qwen3-30B-A3B shape) armed on Marlin runs floor, cache,
-    resident and all-hit; floor and cache route from the top-8 trace, the all-hit pair
-    from its own routers; the floor/cache checkpoint is gone before the all-hit one is
-    written (one format's checkpoint on the disk at a time)."""
+    resident and all-hit; both checkpoints are written at the recording's 6 experts a token
+    and floor and cache route from the recorded Qwen3 trace as it is, the all-hit pair from
+    its own routers; the floor/cache checkpoint is gone before the all-hit one is written
+    (one format's checkpoint on the disk at a time)."""
     run, tmp = runner
     calls = run("nvfp4")
     assert _servers(calls) == ["nvfp4-warm", "nvfp4-floor", "nvfp4-cache", "nvfp4-resident",
@@ -151,8 +152,10 @@ def test_a_4_bit_format_on_marlin_runs_every_arm_routed_by_a_trace(runner):
     for arm in ("nvfp4-warm", "nvfp4-floor", "nvfp4-cache"):
         call = _call(calls, arm)
         assert "EC_BENCH_TRACE_ROUTING=" in call
-        assert "route-top8-demo-qwen3-30b-a3b-tasks.npz" in call
+        assert "route-top6-real-qwen3-30b-a3b-k6.npz" in call
         assert "bench/trace_hook" in call and "--slots 32" in call
+    writes = [c for c in calls if "write_checkpoint.py" in c]
+    assert len(writes) == 2 and all("--top-k 6" in c for c in writes)
     for arm in ("nvfp4-resident", "nvfp4-hot"):
         assert "EC_BENCH_TRACE_ROUTING" not in _call(calls, arm)
     assert "--moe-backend" not in _call(calls, "nvfp4-resident")
@@ -169,12 +172,23 @@ def test_gpt_oss_mxfp4_has_128_experts_a_top_4_trace_and_a_marlin_resident(runne
     # the recorded Qwen3 trace, narrowed once to each token's first 4 ids, routes both arms
     narrow = [c for c in calls if "trace_fit.py" in c and "--top-k 4" in c]
     assert len(narrow) == 1 and "traces/real-qwen3-30b-a3b-k6.npz" in narrow[0]
+    assert not any("--top-k" in c for c in writes)  # gpt-oss's own top-4
     routed = str(tmp / "fm" / "route-top4-real-qwen3-30b-a3b-k6.npz")
     assert routed in _call(calls, "mxfp4-cache") and routed in _call(calls, "mxfp4-floor")
     assert "--slots 32" in _call(calls, "mxfp4-cache")
     # the all-hit ratio compares one kernel: resident on Marlin too
     assert "--moe-backend marlin" in _call(calls, "mxfp4-resident")
     assert "--moe-backend marlin" not in _call(calls, "mxfp4-hot")  # (serve passes it)
+
+
+def test_qwen3s_own_top_8_is_routed_by_the_top_8_trace(runner):
+    """QWEN_TOPK=8: the checkpoints keep Qwen3's own 8 experts a token, which the top-6
+    recording cannot route, so floor and cache replay TRACE8 (default the synthetic one)."""
+    run, tmp = runner
+    calls = run("awq", QWEN_TOPK="8")
+    assert all("--top-k 8" in c for c in calls if "write_checkpoint.py" in c)
+    routed = str(tmp / "fm" / "route-top8-demo-qwen3-30b-a3b-tasks.npz")
+    assert routed in _call(calls, "awq-floor") and routed in _call(calls, "awq-cache")
 
 
 def test_gpt_oss_20bs_32_experts_get_16_slots_and_random_routing_stays_possible(runner):
@@ -188,11 +202,11 @@ def test_gpt_oss_20bs_32_experts_get_16_slots_and_random_routing_stays_possible(
 
 def test_gptq_with_act_order_is_a_format_of_its_own(runner):
     run, tmp = runner
-    calls = run("gptq-act", TRACE8="/data/olmoe-recorded.npz")
+    calls = run("gptq-act", TRACE="/data/olmoe-recorded.npz")
     assert _servers(calls) == ["gptq-act-warm", "gptq-act-floor", "gptq-act-cache",
                                "gptq-act-resident", "gptq-act-hot"]
     assert all("--format gptq-act" in c for c in calls if "write_checkpoint.py" in c)
-    routed = tmp / "fm" / "route-top8-olmoe-recorded.npz"
+    routed = tmp / "fm" / "route-top6-olmoe-recorded.npz"
     assert f"EC_BENCH_TRACE_ROUTING={routed}" in _call(calls, "gptq-act-cache")
     report = (tmp / "out" / "formats.txt").read_text()
     assert report.startswith("gptq-act: floor 100.0 tok/s")
@@ -270,9 +284,9 @@ def test_plan_predicts_the_cache_arm_on_the_fitted_trace_once_resident_has_its_r
     run, tmp = runner
     calls = run("nvfp4")
     fit = [c for c in calls if c.startswith("bench/trace_fit.py")]
-    assert len(fit) == 2  # the servers' copy at top-8, then plan's at the format's bytes
-    assert fit[0].split()[1].endswith("traces/demo-qwen3-30b-a3b-tasks.npz")
-    routed = str(tmp / "fm" / "route-top8-demo-qwen3-30b-a3b-tasks.npz")
+    assert len(fit) == 2  # the servers' copy at top-6, then plan's at the format's bytes
+    assert fit[0].split()[1].endswith("traces/real-qwen3-30b-a3b-k6.npz")
+    routed = str(tmp / "fm" / "route-top6-real-qwen3-30b-a3b-k6.npz")
     assert fit[1].split()[1] == routed  # what the hook read
     assert (f"--layers 24 --size {tmp / 'fm' / 'nvfp4-size.json'} --streams 1 --steps 1200 "
             "--request-steps 200 --decode-only" in fit[1])  # a warm-up and 5 requests
