@@ -411,6 +411,10 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[:1] == ["--table"] and len(argv) >= 3:  # --table DIR FMT...
         d = Path(argv[1])
+        if not d.is_dir():
+            print(f"formats_report.py --table: {d} is not a folder of records (--table DIR "
+                  "FORMAT...)", file=sys.stderr)
+            return 2
         runs = {f: load_run(f, d) for f in argv[2:]}
         print("\n".join([TABLE_HEAD, *(table_row(f, *run) for f, run in runs.items()), "",
                          "Routing of the floor and cache arms:", *routing_lines(runs),
@@ -421,6 +425,10 @@ def main(argv: list[str]) -> int:
               "--armed/--served/--median RECORD", file=sys.stderr)
         return 2
     fmt, d = argv[0], Path(argv[1])
+    if not d.is_dir():
+        print(f"formats_report.py: {d} is not a folder of records (FORMAT DIR: the format "
+              "first)", file=sys.stderr)
+        return 2
     print("\n".join([*summarize(fmt, *load_run(fmt, d)), *seeded_lines(d, [fmt])]))
     return 0
 

@@ -79,6 +79,15 @@ def test_main_reads_the_run_directory(tmp_path, capsys):
     assert report.main([]) == 2
 
 
+def test_a_folder_where_the_format_goes_is_one_line_and_exit_2(tmp_path, capsys):
+    assert report.main([str(tmp_path), "mxfp4"]) == 2
+    assert report.main(["--table", "mxfp4", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "formats_report.py: mxfp4 is not a folder of records (FORMAT DIR: the format first)",
+        "formats_report.py --table: mxfp4 is not a folder of records (--table DIR FORMAT...)"]
+
+
 def test_armed_reads_the_startup_line(tmp_path):
     armed = tmp_path / "a.json"
     armed.write_text(json.dumps(rec([1.0])))
