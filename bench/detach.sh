@@ -11,7 +11,41 @@
 # $OUT (results.tgz, with the log), and says whether it is still running (exit 3) or ended
 # (exit 0; the runner's own status is in /tmp/detached-NAME.rc), or, at once, that no such job
 # is on this machine (exit 4: the machine was given back and this one starts bare).
+# Two jobs at once (one a GPU of a 2-GPU box) are polled together, in one call:
+#   bash bench/detach.sh --poll-all 270 fmt0=/tmp/of0 fmt1=/tmp/of1
+# waits up to 270 s for every one of them to end, then, for each, what --poll prints, with
+# its results packed in $OUT/NAME/results.tgz; exit 0 when all ended, 3 while any runs, 4 at
+# once when none of them is on this machine.
 set -uo pipefail
+if [ "${1:-}" = "--poll-all" ]; then
+  wait_s=$2; shift 2
+  [ $# -gt 0 ] || { echo "usage: detach.sh --poll-all SECONDS NAME=RESULTS..." >&2; exit 2; }
+  names=() known=0
+  for job in "$@"; do
+    names+=("${job%%=*}")
+    if [ -f "/tmp/detached-${job%%=*}.log" ] || [ -f "/tmp/detached-${job%%=*}.rc" ]; then
+      known=1
+    fi
+  done
+  if [ $known = 0 ]; then
+    echo "no detached job '${names[*]}' on this machine (started fresh: its jobs and results are gone)"
+    exit 4
+  fi
+  t0=$SECONDS
+  all_ended() { local n; for n in "${names[@]}"; do [ -f "/tmp/detached-$n.rc" ] || return 1; done; }
+  until all_ended || [ $((SECONDS - t0)) -ge "$wait_s" ]; do sleep 5; done
+  for job in "$@"; do
+    n=${job%%=*} r=${job#*=}
+    if [ -n "${OUT:-}" ]; then
+      mkdir -p "$OUT/$n"
+      OUT="$OUT/$n" RESULTS="$r" bash "$0" --poll "$n" 0 || true
+    else
+      RESULTS="$r" bash "$0" --poll "$n" 0 || true
+    fi
+  done
+  all_ended && exit 0
+  exit 3
+fi
 if [ "${1:-}" = "--poll" ]; then
   name=$2 wait_s=${3:-540} t0=$SECONDS
   if [ ! -f "/tmp/detached-$name.log" ] && [ ! -f "/tmp/detached-$name.rc" ]; then
