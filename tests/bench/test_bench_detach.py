@@ -56,11 +56,9 @@ def test_poll_all_waits_for_every_job_and_packs_each_ones_results(tmp_path):
     names = [f"t{uuid.uuid4().hex[:8]}" for _ in range(2)]
     out = tmp_path / "out"
     out.mkdir()
-    res = []
-    for i, name in enumerate(names):
-        r = tmp_path / f"res{i}"
+    res = [tmp_path / f"res{i}" for i in range(len(names))]
+    for r in res:
         r.mkdir()
-        res.append(r)
     try:
         _run(names[0], "bash", "-c", f"echo 0 > {res[0]}/a.json; exit 0")
         _run(names[1], "bash", "-c", f"echo 1 > {res[1]}/b.json; sleep 4; exit 5")
