@@ -393,6 +393,14 @@ def load_run(fmt: str, d: Path) -> tuple[dict[str, dict], int | None, float | No
     return recs, bytes_per_expert, gbps, step_us, layers, plan
 
 
+def not_a_folder(d: Path, mode: str, usage: str) -> int:
+    """One line for a records folder that is not one (the arguments swapped, most likely),
+    and the usage error's exit code."""
+    print(f"formats_report.py{' ' + mode if mode else ''}: {d} is not a folder of records "
+          f"({usage})", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] in ("--armed", "--served"):  # exit 0: that server armed
         test = is_armed if argv[0] == "--armed" else slot_path_served  # (and served) a layer
@@ -412,9 +420,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--table"] and len(argv) >= 3:  # --table DIR FMT...
         d = Path(argv[1])
         if not d.is_dir():
-            print(f"formats_report.py --table: {d} is not a folder of records (--table DIR "
-                  "FORMAT...)", file=sys.stderr)
-            return 2
+            return not_a_folder(d, "--table", "--table DIR FORMAT...")
         runs = {f: load_run(f, d) for f in argv[2:]}
         print("\n".join([TABLE_HEAD, *(table_row(f, *run) for f, run in runs.items()), "",
                          "Routing of the floor and cache arms:", *routing_lines(runs),
@@ -426,9 +432,7 @@ def main(argv: list[str]) -> int:
         return 2
     fmt, d = argv[0], Path(argv[1])
     if not d.is_dir():
-        print(f"formats_report.py: {d} is not a folder of records (FORMAT DIR: the format "
-              "first)", file=sys.stderr)
-        return 2
+        return not_a_folder(d, "", "FORMAT DIR: the format first")
     print("\n".join([*summarize(fmt, *load_run(fmt, d)), *seeded_lines(d, [fmt])]))
     return 0
 
