@@ -11,11 +11,42 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "detach.sh"
 
 
-def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def _run(*args: str, env: dict | None = None, cwd: Path | None = None
+         ) -> subprocess.CompletedProcess:
     import os
 
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **(env or {})})
+                          timeout=60, env={**os.environ, **(env or {})},
+                          cwd=cwd or Path(__file__).parent / "detach_tree")
+
+
+def _forget(name: str) -> None:
+    import shutil
+
+    for suffix in ("log", "rc"):
+        Path(f"/tmp/detached-{name}.{suffix}").unlink(missing_ok=True)
+    shutil.rmtree(f"/tmp/detached-{name}.tree", ignore_errors=True)
+
+
+def test_the_job_runs_from_its_own_copy_of_the_tree(tmp_path):
+    """Every remote call re-copies the caller's tree over the one a detached job started in;
+    a job reading its files from there could find one missing mid-copy. It reads its copy."""
+    name = f"t{uuid.uuid4().hex[:8]}"
+    tree = tmp_path / "tree"
+    (tree / "bench").mkdir(parents=True)
+    (tree / "bench" / "step.txt").write_text("from the copy\n")
+    (tree / ".devbundle").mkdir()
+    (tree / ".devbundle" / "part").write_text("large\n")
+    try:
+        r = _run(name, "bash", "-c", "sleep 2; cat bench/step.txt; ls -A", cwd=tree)
+        assert r.returncode == 0, r.stderr
+        (tree / "bench" / "step.txt").unlink()  # the caller's tree changes under the job
+        ended = _run("--poll", name, "30", cwd=tree)
+        assert ended.returncode == 0 and "detached " + name + " ended: exit 0" in ended.stdout
+        assert "from the copy" in ended.stdout
+        assert ".devbundle" not in ended.stdout  # the bundle's parts are not copied
+    finally:
+        _forget(name)
 
 
 def test_detached_runner_outlives_its_caller_and_poll_reports_it(tmp_path):
@@ -37,8 +68,7 @@ def test_detached_runner_outlives_its_caller_and_poll_reports_it(tmp_path):
         with tarfile.open(out / "results.tgz") as tar:  # the results and the log, packed
             assert {"res/a.json", f"res/detached-{name}.log"} <= set(tar.getnames())
     finally:
-        for suffix in ("log", "rc"):
-            Path(f"/tmp/detached-{name}.{suffix}").unlink(missing_ok=True)
+        _forget(name)
 
 
 def test_poll_of_a_job_not_on_this_machine_says_so_at_once():
@@ -74,8 +104,7 @@ def test_poll_all_waits_for_every_job_and_packs_each_ones_results(tmp_path):
                 assert f"{r.name}/{f}" in tar.getnames()
     finally:
         for n in names:
-            for suffix in ("log", "rc"):
-                Path(f"/tmp/detached-{n}.{suffix}").unlink(missing_ok=True)
+            _forget(n)
 
 
 def test_poll_all_of_jobs_not_on_this_machine_says_so_at_once():
