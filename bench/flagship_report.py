@@ -187,6 +187,36 @@ def hook_problems(d: Path, arms: dict[str, dict]) -> list[str]:
     return out
 
 
+def served_command(rec: dict | None) -> list[str] | None:
+    """A server's command with its port left out: what must be the same for the floor and
+    the cache (they differ only in EXPERT_CACHE_DISABLE). The floor may come from an earlier
+    session (SEED), whose `plan` chose the command; this is what holds the two together."""
+    argv = (rec or {}).get("argv")
+    if not argv:
+        return None
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--port":
+            skip = True
+        elif not a.startswith("--port="):
+            out.append(a)
+    return out
+
+
+def command_line(c: int, floor: dict | None, cache: dict | None) -> str | None:
+    """Whether the card's floor and cache served one command, None where either record
+    lacks its command (a comparison of two commands is no floor-vs-cache comparison)."""
+    a, b = served_command(floor), served_command(cache)
+    if a is None or b is None:
+        return None
+    if a == b:
+        return f"{c} GiB: floor and cache served the same command (ports aside)"
+    return (f"{c} GiB: floor and cache served DIFFERENT commands, so the x-floor ratio and "
+            f"the token comparison do not hold: floor {shlex.join(a)} | cache {shlex.join(b)}")
+
+
 def warm_up_line(d: Path, name: str) -> str:
     """Whether the server emptied its slots once vLLM's warm-up was done (the plugin's line
     in its log): a server that did not served from what the warm-up's steps left."""
@@ -264,6 +294,9 @@ def goals(run: dict) -> list[str]:
             continue
         start = (cache.get("log") or {}).get("startup_line") or "no startup line"
         lines.append(f"{c} GiB cache server: {start}")
+        same = command_line(c, floor, cache)
+        if same:
+            lines.append(same)
         lines.append(f"{c} GiB cache server: " + warm_up_line(run["dir"], f"cache{c}"))
         pred = prediction(run["plan"].get(c))
         if c_tok and pred:

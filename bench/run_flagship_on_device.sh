@@ -52,6 +52,10 @@
 # SEED=DIR (a folder in the carried tree): an earlier session's probe.json, resident.json
 # and resident.log (from its results.tgz), copied into FS where FS lacks them, so that a
 # card's session skips the probe and resident steps (~5 min); the report names what came so.
+# A card's floorN.json/.log and the planN.json/.txt it served can be seeded too (a session
+# whose cache arm did not finish): that card then runs its warm-up start and the cache only
+# (~15 min instead of ~22), the cache serving the very plan the floor served; the report says
+# whether the two commands were the same.
 # PY, FS (records, model, plans: /tmp/fs), START_TIMEOUT (900 s), TRACE and RUNS (5 measured runs of 200 tokens
 # after a warm-up, which plan's replay covers) are overridable:
 # the flow is tested on CPU with the GPU steps stubbed (tests/bench/test_bench_flagship_runner.py).
@@ -60,7 +64,8 @@ OUT="${OUT:-out}"
 FS="${FS:-/tmp/fs}"
 mkdir -p "$OUT" "$FS"
 source bench/_device_vllm.sh
-bench_seed "$FS" probe.json resident.json resident.log
+bench_seed "$FS" probe.json resident.json resident.log \
+  floor24.json floor24.log plan24.json plan24.txt floor32.json floor32.log plan32.json plan32.txt
 STEPS="${STEPS:-setup model probe resident card24 card32 report}"
 PY="${PY:-python3}"
 MODEL=$FS/gpt-oss-120b

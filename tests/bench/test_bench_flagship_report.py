@@ -150,3 +150,17 @@ def test_a_failed_server_and_a_floor_goal_missed_are_said(tmp_path, capsys):
     assert report.main(["--median", str(tmp_path / "resident.json")]) == 1
     assert report.main(["--serve-argv", str(tmp_path / "plan24.json")]) == 1
     assert report.main([]) == 2
+
+
+def test_a_floor_and_cache_of_different_commands_are_said_to_differ(tmp_path):
+    """A floor seeded from an earlier session must have served the cache's command (the port
+    aside): the report says whether it did, and says it loudly when not."""
+    cmd = ["python3", "-m", "expertcache_cli", "serve", "/m", "--vram", "32", "--plan", "/p"]
+    _write(tmp_path, "floor32", arm(22.0, argv=[*cmd, "--port", "5001"]))
+    _write(tmp_path, "cache32", arm(150.0, argv=[*cmd, "--port", "6002"]))
+    assert "32 GiB: floor and cache served the same command (ports aside)" in report.report(
+        tmp_path)
+    _write(tmp_path, "cache32", arm(150.0, argv=[*cmd[:-1], "/q", "--port=6002"]))
+    lines = [x for x in report.report(tmp_path) if "DIFFERENT commands" in x]
+    assert len(lines) == 1 and lines[0].endswith("--plan /p | cache python3 -m "
+                                                 "expertcache_cli serve /m --vram 32 --plan /q")

@@ -238,3 +238,30 @@ def test_a_seeded_probe_and_resident_rate_are_not_measured_again_and_are_said(ru
     text = (tmp / "out" / "flagship.txt").read_text()
     assert ("from an earlier session, not measured in this one: probe.json, resident.json, "
             "resident.log") in text
+
+
+def test_a_seeded_floor_and_its_plan_leave_the_warm_up_and_the_cache_to_run(runner):
+    """A card whose floor an earlier session measured (SEED: its record and the plan it
+    served) runs the warm-up start and the cache only, with the seeded plan's command and no
+    new `plan`; the report lists the seeded records."""
+    import json
+
+    run, tmp = runner
+    first = run(STEPS="setup model probe resident card24 report")
+    assert _servers(first)[-2:] == ["floor24", "cache24"]
+    seed = tmp / "seed"
+    seed.mkdir()
+    fs = tmp / "fs"
+    for name in ("probe.json", "resident.json", "resident.log", "floor24.json",
+                 "floor24.log", "plan24.json", "plan24.txt"):
+        (seed / name).write_bytes((fs / name).read_bytes())
+    for f in fs.iterdir():  # the next session's box starts bare
+        if f.is_file():
+            f.unlink()
+    calls = run(STEPS="setup model card24 report", SEED=str(seed))
+    assert _servers(calls) == ["warm24", "cache24"]
+    assert not any(c.startswith("-m expertcache_cli plan") for c in calls)
+    assert f"--plan {fs / 'plan24.json'}" in _arm(calls, "cache24")
+    assert json.loads((fs / "floor24.json").read_text())["status"] == "ok"
+    text = (tmp / "out" / "flagship.txt").read_text()
+    assert "floor24.json, floor24.log, plan24.json, plan24.txt" in text
