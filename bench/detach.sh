@@ -68,10 +68,10 @@ name=$1; shift
 rm -f "/tmp/detached-$name.rc"
 # The job runs from its own copy of the tree: every later call re-copies the caller's tree
 # over this folder, and a job that opens a file while that copy is being written finds it
-# missing (a runner's Python import failed so once). The vLLM bundle's parts stay behind.
+# missing (a runner's Python import failed so once).
 tree="/tmp/detached-$name.tree"
 rm -rf "$tree" && mkdir -p "$tree"
-tar cf - --exclude=./.devbundle --exclude=./.git --exclude="./.venv*" --exclude=./.whl . | tar xf - -C "$tree" || {
+tar cf - --exclude=./.git --exclude="./.venv*" . | tar xf - -C "$tree" || {
   echo "detach.sh: could not copy the tree to $tree" >&2; exit 1; }
 cd "$tree" || exit 1
 setsid nohup bash -c '"$@"; echo $? > "/tmp/detached-'"$name"'.rc"' _ "$@" \

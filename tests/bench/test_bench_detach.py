@@ -35,8 +35,6 @@ def test_the_job_runs_from_its_own_copy_of_the_tree(tmp_path):
     tree = tmp_path / "tree"
     (tree / "bench").mkdir(parents=True)
     (tree / "bench" / "step.txt").write_text("from the copy\n")
-    (tree / ".devbundle").mkdir()
-    (tree / ".devbundle" / "part").write_text("large\n")
     try:
         r = _run(name, "bash", "-c", "sleep 2; cat bench/step.txt; ls -A", cwd=tree)
         assert r.returncode == 0, r.stderr
@@ -44,7 +42,6 @@ def test_the_job_runs_from_its_own_copy_of_the_tree(tmp_path):
         ended = _run("--poll", name, "30", cwd=tree)
         assert ended.returncode == 0 and "detached " + name + " ended: exit 0" in ended.stdout
         assert "from the copy" in ended.stdout
-        assert ".devbundle" not in ended.stdout  # the bundle's parts are not copied
     finally:
         _forget(name)
 
