@@ -94,6 +94,9 @@ def test_the_release_a_batch_is_padded_for():
     assert (given.version, given.known, given.name) == ((0, 31), True, "0.31")
     here = capture.serving_release(None, installed=(0, 28))
     assert (here.version, here.known, here.source) == ((0, 28), True, "installed here")
+    newer = capture.serving_release(None, installed=(0, 99))  # released after the plugin
+    assert newer.version == (0, 99) and not newer.known
+    assert "outside the releases read (0.26-0.33)" in newer.source
     none = capture.serving_release(None, installed=None)
     assert none.version == capture.NEWEST_KNOWN and not none.known
     assert "newest known" in none.source and "--vllm-version" in none.source

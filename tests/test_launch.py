@@ -380,6 +380,17 @@ def test_serve_and_baseline_refuse_to_run_the_cache_without_the_plugin(tmp_path,
     assert "does not name expertcache" in plugin_refusals(arms("cache:8"), "{python} -c pass")[0]
     assert plugin_refusals(arms("cache:8"), "{python} -c pass", {"VLLM_PLUGINS": "a,expertcache"}
                            ) == []
+    from expertcache_cli.vllm_facts import installed_vllm
+
+    monkeypatch.delenv("VLLM_PLUGINS")
+    monkeypatch.setattr(launch, "plugin_installed", lambda: True)
+    monkeypatch.setattr(installed_vllm, "text", lambda: "0.99.0")
+    assert plugin_refusals(arms("offload,cache:8"), None) == [
+        "vLLM 0.99.0 is outside the releases whose MoE layout is known (0.26-0.33.x): the "
+        "plugin would decline every layer and cache arms would run uncached"]
+    assert plugin_refusals(arms("offload,resident"), None) == []
+    monkeypatch.setattr(installed_vllm, "text", lambda: "0.33.0")
+    assert plugin_refusals(arms("offload,cache:8"), None) == []
 
 
 def test_serve_refuses_a_cache_no_plugin_would_arm_after_the_program_itself(monkeypatch):
@@ -400,6 +411,30 @@ def test_serve_refuses_a_cache_no_plugin_would_arm_after_the_program_itself(monk
     assert "not a program" in launch.start_refusal(nowhere)
     monkeypatch.setattr(launch, "plugin_installed", lambda: True)
     assert not launch.plugin_missing(cached) and launch.start_refusal(cached) is None
+
+
+def test_serve_refuses_a_cache_on_a_vllm_release_the_plugin_does_not_know(monkeypatch):
+    """Inside a vLLM the plugin has not read, it declines every layer: the server would run
+    at the offload floor with the slots' memory planned away. `serve` says so up front and
+    starts nothing; the known releases, no vLLM here, or the cache off start as before."""
+    from expertcache_cli.planning import launch
+    from expertcache_cli.vllm_facts import installed_vllm
+
+    args = ["--max-num-seqs", "4", "--max-model-len", "8192"]
+    cached = _plan(vllm_args=args, launcher=[sys.executable])
+    off = _plan(vllm_args=args, launcher=[sys.executable], vram=141)
+    monkeypatch.setattr(launch, "plugin_installed", lambda: True)
+    monkeypatch.setattr(installed_vllm, "text", lambda: "0.99.0")
+    why = launch.start_refusal(cached)
+    assert why is not None and why.startswith("vLLM 0.99.0 is outside the releases whose MoE "
+                                              "layout is known (0.26-0.33.x)")
+    assert "pip install 'vllm>=0.26,<0.34'" in why and "EXPERT_CACHE_DISABLE=1" in why
+    assert launch.start_refusal(off) is None
+    for known in ("0.26.0", "0.33.1"):
+        monkeypatch.setattr(installed_vllm, "text", lambda v=known: v)
+        assert launch.start_refusal(cached) is None
+    monkeypatch.setattr(installed_vllm, "text", lambda: None)
+    assert launch.vllm_refusal(cached) is None
 
 
 def test_a_wide_batched_token_budget_plans_the_staged_peak_as_runtime_memory():
@@ -506,3 +541,41 @@ def test_serve_refuses_a_tensor_parallel_size_vllm_cannot_split():
     KV heads) is one line before anything starts, as vLLM would refuse it after loading."""
     with pytest.raises(UserError, match="vLLM cannot split qwen3-30b-a3b 3 ways"):
         _plan(vllm_args=["-tp", "3", "--max-num-seqs", "8"])
+
+
+def test_cli_serve_on_an_unknown_vllm_release_is_one_line_and_exit_2(tmp_path):
+    """As a user with a vLLM newer than the plugin knows runs it: `serve` prints one line
+    and starts nothing (the `vllm` program here would leave a mark); the dry run warns."""
+    import os
+
+    site = tmp_path / "site"
+    meta = site / "vllm-0.99.0.dist-info"
+    meta.mkdir(parents=True)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.99.0\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    mark = tmp_path / "started"
+    fake = bin_dir / "vllm"
+    fake.write_text(f"#!/bin/sh\ntouch {mark}\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    env.pop("EXPERT_CACHE_DISABLE", None)
+    cmd = [sys.executable, "-m", "expertcache_cli", "serve", MODEL, "--vram", "24", "--",
+           "--max-num-seqs", "4", "--max-model-len", "8192"]
+    from expertcache_cli.planning.launch import plugin_installed
+
+    if not plugin_installed():
+        pytest.skip("the plugin's entry point is not installed in this python")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("expertcache: error: vLLM 0.99.0 is outside the releases whose MoE "
+                           "layout is known") and "Traceback" not in r.stderr
+    assert not mark.exists()
+    control = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                             env={**env, "EXPERT_CACHE_DISABLE": "1"})
+    assert control.returncode == 0 and mark.exists()  # the control run the line advises
+    dry = subprocess.run([*cmd[:7], "--dry-run", *cmd[7:]], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert dry.returncode == 0 and "warning: vLLM 0.99.0 is outside" in dry.stderr

@@ -149,8 +149,9 @@ def plugin_refusals(arms: list[Arm], server_cmd: str | None,
     starts: vLLM would serve them uncached, silently, and a cache arm that cannot arm
     measures the offload floor under the cache's name. ``VLLM_PLUGINS`` that leaves
     expertcache out; with the default server command (this python's vLLM), a plugin not
-    installed here. A ``server_cmd`` of the user's runs another environment, which this
-    one cannot see into. No cache arm: nothing to refuse."""
+    installed here or a vLLM release whose MoE layout the plugin has not read. A
+    ``server_cmd`` of the user's runs another environment, which this one cannot see into.
+    No cache arm: nothing to refuse."""
     import os
 
     from ..planning.launch import plugin_installed
@@ -167,6 +168,15 @@ def plugin_refusals(arms: list[Arm], server_cmd: str | None,
             "the expertcache vLLM plugin is not installed in this python (pip install -e .): "
             "cache arms would run uncached"
         )
+    if server_cmd is None:
+        from ..plugin.compat import version_refusal
+        from ..vllm_facts import installed_vllm
+
+        found = installed_vllm.text()
+        why = version_refusal(found) if found is not None else None
+        if why:
+            out.append(f"{why}: the plugin would decline every layer and cache arms would "
+                       "run uncached")
     return out
 
 

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from ..errors import UserError
-from ..planning.launch import make_plan, plugin_missing, start_refusal
+from ..planning.launch import make_plan, plugin_missing, start_refusal, vllm_refusal
 from ..sizing.sizing import Verdict
 from . import VRAM_HELP, passthrough_args, wide_option
 
@@ -85,6 +85,9 @@ def register(app: typer.Typer) -> None:
         if missing and dry_run:
             console.print("  [yellow]warning: the expertcache vLLM plugin is not installed in "
                           "this environment (pip install expertcache), nothing would arm[/]")
+        unknown = vllm_refusal(plan) if dry_run else None
+        if unknown:
+            console.print(f"  [yellow]warning: {unknown}[/]")
         if dry_run:
             print(plan.shell())
             return

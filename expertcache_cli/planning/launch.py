@@ -297,17 +297,41 @@ def plugin_missing(plan: ServePlan) -> bool:
     return config.SLOTS in plan.env and not plugin_installed()
 
 
+def vllm_refusal(plan: ServePlan) -> str | None:
+    """Why the vLLM installed here would not arm the cache ``plan`` asks for: its release is
+    outside those whose MoE layout the plugin read (`compat.version_refusal`). The plugin
+    would decline every layer inside the server, which would then serve at the offload
+    floor with the slots' memory planned away from its KV cache and look as if it worked.
+    None with the cache off or disabled (``EXPERT_CACHE_DISABLE=1``: the control run), or
+    without a vLLM here (`launch_refusal` says that)."""
+    from ..plugin import compat
+
+    found = installed_vllm.text()
+    if config.SLOTS not in plan.env or found is None:
+        return None
+    if os.environ.get(config.DISABLE, "").strip().lower() in TRUE_WORDS:
+        return None  # the control run the user asked for: the cache is not to arm
+    why = compat.version_refusal(found)
+    if why is None:
+        return None
+    lo, hi = compat.SUPPORTED_MIN, compat.SUPPORTED_MAX
+    return (f"{why}: the cache would not arm and vLLM would serve every expert from the "
+            f"host; install a known release (pip install 'vllm>={lo[0]}.{lo[1]},"
+            f"<{hi[0]}.{hi[1] + 1}'), or serve without the cache (EXPERT_CACHE_DISABLE=1)")
+
+
 def start_refusal(plan: ServePlan, missing: bool | None = None) -> str | None:
     """Why ``plan`` cannot start here, checked before `serve` hands over its process: its
     program (`launch_refusal`), else a cache it arms that no plugin would arm
     (`plugin_missing`; ``missing``: the caller's answer where it asked already, as a dry
-    run does to warn of it). None: it may start."""
+    run does to warn of it), else a vLLM release the plugin does not know (`vllm_refusal`).
+    None: it may start."""
     why = launch_refusal(plan.argv)
     if why:
         return why
     if missing is None:
         missing = plugin_missing(plan)
-    return PLUGIN_MISSING if missing else None
+    return PLUGIN_MISSING if missing else vllm_refusal(plan)
 
 
 def plugin_installed() -> bool:

@@ -289,8 +289,11 @@ def serving_release(given: str | None = None,
                 f"{OLDEST_KNOWN[0]}.{OLDEST_KNOWN[1]}-{NEWEST_KNOWN[0]}.{NEWEST_KNOWN[1]}")
         return Release(version, "given (--vllm-version)", True)
     here = installed_vllm.version() if installed is True else installed
-    if here:
+    if here and OLDEST_KNOWN <= here <= NEWEST_KNOWN:
         return Release(here, "installed here", True)
+    if here:  # a release whose rule was not read: padded as the most any known one pads
+        return Release(here, f"installed here, outside the releases read ({OLDEST_KNOWN[0]}."
+                       f"{OLDEST_KNOWN[1]}-{NEWEST_KNOWN[0]}.{NEWEST_KNOWN[1]})", False)
     return Release(NEWEST_KNOWN, "none here: the newest known; --vllm-version X.Y for "
                    "another", False)
 

