@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from expertcache_cli.plugin.compat import layout_refusal, parse_version, version_refusal
+from expertcache_cli.plugin.compat import layout_refusal
+from expertcache_cli.vllm_facts.releases import parse_version, version_refusal
 
 
 @pytest.mark.parametrize(

@@ -169,11 +169,10 @@ def plugin_refusals(arms: list[Arm], server_cmd: str | None,
             "cache arms would run uncached"
         )
     if server_cmd is None:
-        from ..plugin.compat import version_refusal
-        from ..vllm_facts import installed_vllm
+        from ..vllm_facts import installed_vllm, releases
 
         found = installed_vllm.text()
-        why = version_refusal(found) if found is not None else None
+        why = releases.version_refusal(found) if found is not None else None
         if why:
             out.append(f"{why}: the plugin would decline every layer and cache arms would "
                        "run uncached")

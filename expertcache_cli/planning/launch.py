@@ -25,7 +25,7 @@ from ..rules import budget
 from ..rules.policy import Wide
 from ..sizing import sizing
 from ..sizing.sizing import Verdict
-from ..vllm_facts import installed_vllm, vllm_experts, vllm_flags, vllm_runner
+from ..vllm_facts import installed_vllm, releases, vllm_experts, vllm_flags, vllm_runner
 
 #: flags serve sets itself; given by the user, the user's value wins (noted in the plan)
 _OWNED_FLAGS = ("--cpu-offload-gb", "--cpu-offload-params", "--gpu-memory-utilization",
@@ -299,25 +299,22 @@ def plugin_missing(plan: ServePlan) -> bool:
 
 def vllm_refusal(plan: ServePlan) -> str | None:
     """Why the vLLM installed here would not arm the cache ``plan`` asks for: its release is
-    outside those whose MoE layout the plugin read (`compat.version_refusal`). The plugin
+    outside those whose MoE layout the plugin read (`releases.version_refusal`). The plugin
     would decline every layer inside the server, which would then serve at the offload
     floor with the slots' memory planned away from its KV cache and look as if it worked.
     None with the cache off or disabled (``EXPERT_CACHE_DISABLE=1``: the control run), or
     without a vLLM here (`launch_refusal` says that)."""
-    from ..plugin import compat
-
     found = installed_vllm.text()
     if config.SLOTS not in plan.env or found is None:
         return None
     if os.environ.get(config.DISABLE, "").strip().lower() in TRUE_WORDS:
         return None  # the control run the user asked for: the cache is not to arm
-    why = compat.version_refusal(found)
+    why = releases.version_refusal(found)
     if why is None:
         return None
-    lo, hi = compat.SUPPORTED_MIN, compat.SUPPORTED_MAX
     return (f"{why}: the cache would not arm and vLLM would serve every expert from the "
-            f"host; install a known release (pip install 'vllm>={lo[0]}.{lo[1]},"
-            f"<{hi[0]}.{hi[1] + 1}'), or serve without the cache (EXPERT_CACHE_DISABLE=1)")
+            f"host; install a known release (pip install '{releases.pip_pin()}'), or serve "
+            "without the cache (EXPERT_CACHE_DISABLE=1)")
 
 
 def start_refusal(plan: ServePlan, missing: bool | None = None) -> str | None:

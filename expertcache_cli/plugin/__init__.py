@@ -26,9 +26,10 @@ from types import ModuleType
 from typing import Any
 
 from ..config import FRACTION, SLOTS, CacheConfig, ConfigError, from_env
+from ..vllm_facts.releases import version_refusal
 from ..vllm_facts.vllm_runner import runner_ignores_offload
 from . import memory
-from .compat import layout_refusal, version_refusal
+from .compat import layout_refusal
 
 log = logging.getLogger("vllm.expertcache")
 

@@ -40,13 +40,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import re
 from collections.abc import Iterator
 from typing import Any
 
+from ..vllm_facts.releases import NEWEST_KNOWN, OLDEST_KNOWN
+
 #: inclusive (major, minor) range of vLLM releases whose layout was read and is handled
-SUPPORTED_MIN = (0, 26)
-SUPPORTED_MAX = (0, 33)
+#: (`vllm_facts.releases`, the one range the tool's sizing pads by too)
+SUPPORTED_MIN = OLDEST_KNOWN
+SUPPORTED_MAX = NEWEST_KNOWN
 
 #: experts kernels known to index the weight tensors by the routing ids and nothing else
 #: (every per-expert tensor a parameter of the layer or an alias of one): safe to feed
@@ -83,29 +85,6 @@ LOAD_ONLY_TENSORS = frozenset({"w13_weight_shape", "w2_weight_shape"})
 
 #: the keyword arguments of `RoutedExperts.forward_modular` in 0.26 .. 0.33, after self
 FORWARD_MODULAR_ARGS = ("x", "topk_weights", "topk_ids", "shared_experts", "shared_experts_input")
-
-_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
-
-
-def parse_version(text: str) -> tuple[int, int, int] | None:
-    """'0.26.0', '0.33.1rc2.dev5+gabc' -> (0, 26, 0) / (0, 33, 1); None if unreadable."""
-    m = _VERSION_RE.match(text or "")
-    if not m:
-        return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
-
-
-def version_refusal(text: str) -> str | None:
-    """Why this vLLM version is refused, or None when its layout is known."""
-    v = parse_version(text)
-    if v is None:
-        return f"cannot read the vLLM version {text!r}"
-    lo = ".".join(map(str, SUPPORTED_MIN))
-    hi = ".".join(map(str, SUPPORTED_MAX))
-    if v[:2] < SUPPORTED_MIN or v[:2] > SUPPORTED_MAX:
-        return f"vLLM {text} is outside the releases whose MoE layout is known ({lo}-{hi}.x)"
-    return None
-
 
 def layout_refusal(routed_experts_cls: Any, kernel_cls: Any | None = None) -> str | None:
     """Why the classes found at runtime do not match the layout read, or None.

@@ -30,13 +30,11 @@ from dataclasses import dataclass, replace
 
 from ..errors import UserError
 from . import installed_vllm
+from .releases import NEWEST_KNOWN, OLDEST_KNOWN  # the releases whose capture rule was read
 
 #: the vLLM release from which the uniform decode size (max_num_seqs) is also captured
 #: (read in 0.30.0, which does not, and 0.31.0, which does)
 APPENDS_MAX_NUM_SEQS_FROM = (0, 31)
-#: the releases whose capture rule was read: the plugin's range (`plugin.compat`)
-OLDEST_KNOWN = (0, 26)
-NEWEST_KNOWN = (0, 33)
 _DEFAULT_MAX_GRAPH = 512
 #: capture ceilings a model's vLLM config sets where the user set no capture sizes nor
 #: ceiling (`vllm/model_executor/models/config.py`, read in 0.26.0 and 0.33.0)
