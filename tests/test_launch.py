@@ -543,7 +543,7 @@ def test_serve_refuses_a_tensor_parallel_size_vllm_cannot_split():
         _plan(vllm_args=["-tp", "3", "--max-num-seqs", "8"])
 
 
-def test_cli_serve_on_an_unknown_vllm_release_is_one_line_and_exit_2(tmp_path):
+def test_cli_serve_on_an_unknown_vllm_release_is_one_line_and_exit_2_and_size_says_so(tmp_path):
     """As a user with a vLLM newer than the plugin knows runs it: `serve` prints one line
     and starts nothing (the `vllm` program here would leave a mark); the dry run warns."""
     import os
@@ -579,3 +579,12 @@ def test_cli_serve_on_an_unknown_vllm_release_is_one_line_and_exit_2(tmp_path):
     dry = subprocess.run([*cmd[:7], "--dry-run", *cmd[7:]], capture_output=True, text=True,
                          timeout=120, env=env)
     assert dry.returncode == 0 and "warning: vLLM 0.99.0 is outside" in dry.stderr
+    size = subprocess.run([sys.executable, "-m", "expertcache_cli", "size", "--model", MODEL,
+                           "--vram", "24", "--json"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    import json
+
+    assert size.returncode == 0  # sized all the same, and told
+    notes = json.loads(size.stdout)["notes"]
+    assert any(n.startswith("vLLM 0.99.0 is outside") and "`serve` refuses" in n
+               for n in notes), notes

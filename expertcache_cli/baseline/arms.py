@@ -169,10 +169,9 @@ def plugin_refusals(arms: list[Arm], server_cmd: str | None,
             "cache arms would run uncached"
         )
     if server_cmd is None:
-        from ..vllm_facts import installed_vllm, releases
+        from ..vllm_facts import releases
 
-        found = installed_vllm.text()
-        why = releases.version_refusal(found) if found is not None else None
+        why = releases.installed_refusal()
         if why:
             out.append(f"{why}: the plugin would decline every layer and cache arms would "
                        "run uncached")

@@ -13,7 +13,7 @@ from ..sizing import cards, formats, model_size, sizing
 from ..sizing.presets import DEFAULT_PRESET, PRESETS
 from ..sizing.sizing import Verdict
 from ..tables import Table
-from ..vllm_facts import installed_vllm, vllm_experts, vllm_flags
+from ..vllm_facts import installed_vllm, releases, vllm_experts, vllm_flags
 from . import VRAM_HELP, json_text, passthrough_args, wide_option
 
 console = Console()
@@ -210,6 +210,10 @@ def register(app: typer.Typer) -> None:
                                           installed_vllm.release())
         if why:
             raise UserError(why)
+        unknown = releases.installed_refusal()
+        if unknown:  # sized all the same: the numbers hold for a known release
+            m.notes.append(f"{unknown}: the cache would not arm in it, and `serve` refuses "
+                           f"to start it (pip install '{releases.pip_pin()}')")
         if slots is not None or fraction is not None:  # else the verdict itself says it
             kernel = vllm_experts.kernel_note(m.quant, args, installed_vllm.release())
             if kernel:

@@ -304,12 +304,11 @@ def vllm_refusal(plan: ServePlan) -> str | None:
     floor with the slots' memory planned away from its KV cache and look as if it worked.
     None with the cache off or disabled (``EXPERT_CACHE_DISABLE=1``: the control run), or
     without a vLLM here (`launch_refusal` says that)."""
-    found = installed_vllm.text()
-    if config.SLOTS not in plan.env or found is None:
+    if config.SLOTS not in plan.env:
         return None
     if os.environ.get(config.DISABLE, "").strip().lower() in TRUE_WORDS:
         return None  # the control run the user asked for: the cache is not to arm
-    why = releases.version_refusal(found)
+    why = releases.installed_refusal()
     if why is None:
         return None
     return (f"{why}: the cache would not arm and vLLM would serve every expert from the "

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from . import installed_vllm
+
 #: inclusive (major, minor) range of the vLLM releases whose source was read
 OLDEST_KNOWN = (0, 26)
 NEWEST_KNOWN = (0, 33)
@@ -46,3 +48,10 @@ def version_refusal(text: str) -> str | None:
     if not OLDEST_KNOWN <= v[:2] <= NEWEST_KNOWN:
         return f"vLLM {text} is outside the releases whose MoE layout is known ({known_range()}.x)"
     return None
+
+
+def installed_refusal() -> str | None:
+    """`version_refusal` of the vLLM installed here; None where it is known, or where there
+    is none (the commands that need one say that themselves)."""
+    found = installed_vllm.text()
+    return version_refusal(found) if found is not None else None
