@@ -191,10 +191,7 @@ def make_plan(
     if config.SLOTS in env and environ.get(config.FRACTION, "").strip():
         env[config.FRACTION] = ""  # one budget only: the plan's slots win
         notes.append(f"{config.FRACTION} from your environment is replaced by the planned slots")
-    if (
-        config.DISABLE not in env
-        and environ.get(config.DISABLE, "").strip().lower() in TRUE_WORDS
-    ):
+    if config.DISABLE not in env and env_disables(environ):
         notes.append(f"{config.DISABLE}=1 in your environment: the cache will not arm "
                      "(the control run)")
     vtext = installed_vllm.release()
@@ -297,6 +294,12 @@ def plugin_missing(plan: ServePlan) -> bool:
     return config.SLOTS in plan.env and not plugin_installed()
 
 
+def env_disables(environ: Mapping[str, str]) -> bool:
+    """Whether the user's environment turns the cache off (``EXPERT_CACHE_DISABLE=1``, the
+    control run): a plan then notes it, and nothing is refused for a cache that will not arm."""
+    return environ.get(config.DISABLE, "").strip().lower() in TRUE_WORDS
+
+
 def vllm_refusal(plan: ServePlan) -> str | None:
     """Why the vLLM installed here would not arm the cache ``plan`` asks for: its release is
     outside those whose MoE layout the plugin read (`releases.version_refusal`). The plugin
@@ -306,7 +309,7 @@ def vllm_refusal(plan: ServePlan) -> str | None:
     without a vLLM here (`launch_refusal` says that)."""
     if config.SLOTS not in plan.env:
         return None
-    if os.environ.get(config.DISABLE, "").strip().lower() in TRUE_WORDS:
+    if env_disables(os.environ):
         return None  # the control run the user asked for: the cache is not to arm
     why = releases.installed_refusal()
     if why is None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import UserError
 from . import installed_vllm
-from .releases import NEWEST_KNOWN, OLDEST_KNOWN  # the releases whose capture rule was read
+from .releases import NEWEST_KNOWN, OLDEST_KNOWN, known_range  # the releases read
 
 #: the vLLM release from which the uniform decode size (max_num_seqs) is also captured
 #: (read in 0.30.0, which does not, and 0.31.0, which does)
@@ -283,15 +283,14 @@ def serving_release(given: str | None = None,
             raise UserError(f"--vllm-version wants a release like 0.31, got {given!r}") from None
         if not OLDEST_KNOWN <= version <= NEWEST_KNOWN:
             raise UserError(
-                f"--vllm-version {given}: the plugin runs on vLLM "
-                f"{OLDEST_KNOWN[0]}.{OLDEST_KNOWN[1]}-{NEWEST_KNOWN[0]}.{NEWEST_KNOWN[1]}")
+                f"--vllm-version {given}: the plugin runs on vLLM {known_range()}")
         return Release(version, "given (--vllm-version)", True)
     here = installed_vllm.version() if installed is True else installed
     if here and OLDEST_KNOWN <= here <= NEWEST_KNOWN:
         return Release(here, "installed here", True)
     if here:  # a release whose rule was not read: padded as the most any known one pads
-        return Release(here, f"installed here, outside the releases read ({OLDEST_KNOWN[0]}."
-                       f"{OLDEST_KNOWN[1]}-{NEWEST_KNOWN[0]}.{NEWEST_KNOWN[1]})", False)
+        return Release(here, f"installed here, outside the releases read ({known_range()})",
+                       False)
     return Release(NEWEST_KNOWN, "none here: the newest known; --vllm-version X.Y for "
                    "another", False)
 
