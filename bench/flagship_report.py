@@ -319,11 +319,48 @@ def goals(run: dict) -> list[str]:
             lines.append(f"{c} GiB: cache {x:.2f}x the offload floor "
                          f"({'met' if x >= FLOOR_GOAL else 'NOT met'}: at least "
                          f"{FLOOR_GOAL:g}x)")
+        mem = memory_line(c, run)
+        if mem:
+            lines.append(mem)
         for other, name in ((floor, "floor"), (arms.get("resident"), "resident")):
             g = _greedy(other, cache)
             if g is not None:
                 lines.append(f"{c} GiB greedy, cache vs {name}: {describe(g)}")
     return lines
+
+
+def memory_line(c: int, run: dict) -> str | None:
+    """What the card's floor and cache servers held at healthy, against the plan's budget.
+
+    nvidia-smi counts the ballast too, so a server's share is its reading less what the
+    ballast left in use (``ballastN.json``: the free memory it measured once it held its
+    part); the cache's share less the floor's is then what the slots cost in VRAM, beside
+    the slots' own size. None where the card lacks the ballast record or both readings."""
+    ballast = _read(run["dir"] / f"ballast{c}.json")
+    size = run["size"].get(c) or {}
+    arms = run["arms"]
+    if not ballast or ballast.get("smi_free_gib") is None:
+        return None
+
+    def held(rec: dict | None) -> float | None:
+        smi = (rec or {}).get("smi_healthy") or {}
+        if smi.get("used_mib") is None or smi.get("total_mib") is None:
+            return None
+        return smi["used_mib"] / 1024 - (smi["total_mib"] / 1024 - ballast["smi_free_gib"])
+
+    floor, cache = held(arms.get(f"floor{c}")), held(arms.get(f"cache{c}"))
+    if cache is None:
+        return None
+    line = f"{c} GiB memory at healthy: the cache server {cache:.2f} GiB of the card's " \
+           f"{ballast['smi_free_gib']:.2f} free"
+    if size.get("budget_bytes"):
+        line += f" (the plan's budget {size['budget_bytes'] / 2**30:.2f} GiB)"
+    if floor is not None:
+        line += f"; the floor {floor:.2f} GiB, {cache - floor:.2f} GiB less"
+        plan_slots = ((run["plan"].get(c) or {}).get("recommended") or {}).get("slots")
+        if plan_slots and size.get("bytes_per_slot"):
+            line += f" (the slots: {plan_slots * size['bytes_per_slot'] / 2**30:.2f} GiB)"
+    return line
 
 
 def seeded(d: Path) -> list[str]:

@@ -164,3 +164,28 @@ def test_a_floor_and_cache_of_different_commands_are_said_to_differ(tmp_path):
     lines = [x for x in report.report(tmp_path) if "DIFFERENT commands" in x]
     assert len(lines) == 1 and lines[0].endswith("--plan /p | cache python3 -m "
                                                  "expertcache_cli serve /m --vram 32 --plan /q")
+
+
+def test_the_memory_line_takes_the_ballast_out_of_nvidia_smis_reading(tmp_path):
+    """nvidia-smi reads the ballast and the server together: the server's share is the
+    reading less what the ballast left in use, and the cache's share less the floor's is
+    set beside the slots `plan` chose (a per-layer split holds the same total)."""
+    mib = 1024
+    total = 140 * mib
+    (tmp_path / "ballast32.json").write_text(json.dumps({"smi_free_gib": 32.0}))
+    in_use = total - 32 * mib  # what the ballast holds, as nvidia-smi counts it
+    _write(tmp_path, "floor32", arm(20.0, smi_healthy={"used_mib": in_use + 6 * mib,
+                                                       "total_mib": total}))
+    _write(tmp_path, "cache32", arm(150.0, smi_healthy={"used_mib": in_use + 28.5 * mib,
+                                                        "total_mib": total}))
+    (tmp_path / "size32.json").write_text(json.dumps({"budget_bytes": 28.8 * 2**30,
+                                                      "bytes_per_slot": 2**29}))
+    (tmp_path / "plan32.json").write_text(json.dumps(plan(
+        "expertcache serve /m --vram 32 --plan /p.json", slots=44)))
+    run = report.load(tmp_path)
+    assert report.memory_line(32, run) == (
+        "32 GiB memory at healthy: the cache server 28.50 GiB of the card's 32.00 free (the "
+        "plan's budget 28.80 GiB); the floor 6.00 GiB, 22.50 GiB less (the slots: 22.00 GiB)")
+    assert report.memory_line(24, run) is None  # no ballast record for that card
+    (tmp_path / "cache32.json").write_text(json.dumps(arm(150.0)))  # no nvidia-smi reading
+    assert report.memory_line(32, report.load(tmp_path)) is None
