@@ -83,10 +83,14 @@ def test_bad_graph_flags_are_one_clear_error(args, words):
 
 
 def test_the_known_releases_are_the_plugins():
-    from expertcache_cli.plugin import compat
+    """The capture rule's releases are exactly those the plugin's version check accepts."""
+    from expertcache_cli.vllm_facts.releases import version_refusal
 
-    assert (capture.OLDEST_KNOWN, capture.NEWEST_KNOWN) == (compat.SUPPORTED_MIN,
-                                                            compat.SUPPORTED_MAX)
+    (lo_major, lo), (hi_major, hi) = capture.OLDEST_KNOWN, capture.NEWEST_KNOWN
+    assert version_refusal(f"{lo_major}.{lo}.0") is None
+    assert version_refusal(f"{hi_major}.{hi}.9") is None
+    assert version_refusal(f"{lo_major}.{lo - 1}.0") is not None
+    assert version_refusal(f"{hi_major}.{hi + 1}.0") is not None
 
 
 def test_the_release_a_batch_is_padded_for():

@@ -43,13 +43,6 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
-from ..vllm_facts.releases import NEWEST_KNOWN, OLDEST_KNOWN
-
-#: inclusive (major, minor) range of vLLM releases whose layout was read and is handled
-#: (`vllm_facts.releases`, the one range the tool's sizing pads by too)
-SUPPORTED_MIN = OLDEST_KNOWN
-SUPPORTED_MAX = NEWEST_KNOWN
-
 #: experts kernels known to index the weight tensors by the routing ids and nothing else
 #: (every per-expert tensor a parameter of the layer or an alias of one): safe to feed
 #: slot buffers. The Triton ones take slot-space ids; Marlin takes expert-space ids with
