@@ -25,12 +25,14 @@ around a stock call that only copies its input (the experts' GEMMs left out on p
                  --thrash-mib says: what probe-link's cold step writes), as a served step's
                  other layers do: the cache state is cold, as served; over "stock, cold"
     marlin       armed+count on NVFP4-shaped Marlin layers (`plugin.marlin`): what vLLM's
-                 Marlin experts add, the block remap (the cache's remap kernel on the block
-                 list of a stand-in ``moe_align_block_size`` that launches nothing) and the
-                 unpack of the packed side row of the two 4-byte global scales
-    ... torch    the same with the remap in torch ops (`binding.block_slots`: the table's
-                 slots, the block ids clamped, one gather), what a cache without the
-                 kernel runs: the ratio of the two is the kernel's gain
+                 Marlin experts add, the block list rewritten to slots (by the manager's
+                 own launch, on the list of a stand-in ``moe_align_block_size`` that
+                 launches nothing) and the unpack of the packed side row of the two 4-byte
+                 global scales
+    ... torch    the same with the list rewritten in torch ops after the step
+                 (`binding.block_slots`: the table's slots, the block ids clamped, one
+                 gather), what a cache without the fused rule runs: the ratio of the two
+                 is the fusion's gain
 
 Each printed with its cost over ``stock`` per layer and the ratio of the armed path to the
 step alone. The layers are fp8-block-shaped (Qwen3-30B-A3B-FP8: fp8 w13/w2 and fp32 block
@@ -190,7 +192,7 @@ def main() -> None:
             - cold_stock + t["stock"])
         kernels.set_pdl(pdl_default)
     for label, kernel_remap in (("marlin (armed+count on Marlin)", True),
-                                ("marlin, remap in torch ops", False)):
+                                ("marlin, block list in torch ops", False)):
         marlin_fns, marlin_armed = marlin_layers(torch, args, token_count, x, w, ids,
                                                  kernel_remap)
         t[label] = run(lambda fns=marlin_fns: [f(x, w, ids) for f in fns])
@@ -215,7 +217,8 @@ def marlin_layers(torch, args, token_count, x, w, ids, kernel_remap=True):
     """``args.layers`` NVFP4-shaped layers on a stand-in of vLLM's Marlin experts (0.33
     layout), armed as the plugin arms them: expert-order blocks through the patched
     ``moe_align_block_size`` of a stand-in module (whose own work is none: preallocated
-    outputs), remapped by the cache's kernel or (``kernel_remap=False``) by the torch ops,
+    outputs), rewritten by the manager's launch or (``kernel_remap=False``) by torch ops
+    after it,
     the packed side row of the global scales; warmed to the all-hit steady state.
     Returns the layers' forward calls and their `ArmedLayer` objects."""
     import os
@@ -227,6 +230,7 @@ def marlin_layers(torch, args, token_count, x, w, ids, kernel_remap=True):
     os.environ[MARLIN] = "1"
 
     from expertcache_cli.config import CacheConfig
+    from expertcache_cli.device.binding import block_slots
     from expertcache_cli.device.slotcache import SlotCache
     from expertcache_cli.plugin import session
     from expertcache_cli.plugin.arming import ARM, plan_layer
@@ -234,6 +238,15 @@ def marlin_layers(torch, args, token_count, x, w, ids, kernel_remap=True):
     from expertcache_cli.plugin.padding import mask_reader
     from expertcache_cli.plugin.runtime import ArmedLayer
     from expertcache_cli.plugin.small import SMALL_ROW
+
+    class TorchBlocksCache(SlotCache):
+        """The step without the block list, then the list rewritten in torch ops."""
+
+        def step(self, *a, blocks=None, **k):
+            out = super().step(*a, **k)
+            if blocks is not None:
+                blocks.copy_(block_slots(blocks, self.table))
+            return out
 
     L, E, S, K = args.layers, args.experts, args.slots, args.top_k
     blocks = ids.numel()
@@ -301,12 +314,12 @@ def marlin_layers(torch, args, token_count, x, w, ids, kernel_remap=True):
         assert d.action == ARM and d.marlin and d.small, d.reason
         device = torch.device("cuda", torch.cuda.current_device())
         small = session._small_for(layer, d, device)
-        cache = SlotCache(E, S, {**{s.name: (s.shape, s.dtype) for s in d.specs},
-                                 SMALL_ROW: ((small.row_bytes,), torch.uint8)},
-                          policy="lru", device="cuda", name=d.layer_name)
+        cache = (SlotCache if kernel_remap else TorchBlocksCache)(
+            E, S, {**{s.name: (s.shape, s.dtype) for s in d.specs},
+                   SMALL_ROW: ((small.row_bytes,), torch.uint8)},
+            policy="lru", device="cuda", name=d.layer_name)
         a = ArmedLayer(layer, d, cache, index=i, padding=mask_reader(token_count, 64),
-                       small=small, block_order=BlockOrder(
-                           E, cache if kernel_remap else SimpleNamespace(table=cache.table)))
+                       small=small, block_order=BlockOrder(E))
         a.install()
         layer.forward_modular(x, w, ids)  # eager: the first-call check, and the installs
         assert a.checked["slots"] == 0.0, "the Marlin first-call check did not pass"

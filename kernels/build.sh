@@ -26,11 +26,11 @@ gencode+=("-gencode=arch=compute_${last},code=compute_${last}")
     "${gencode[@]}" -o "$out" "$here/expert_cache.cu"
 
 missing=0
-for sym in expert_cache_manage expert_cache_gather expert_cache_block_remap expert_cache_set_pdl; do
+for sym in expert_cache_manage expert_cache_gather expert_cache_set_pdl; do
     if ! nm -D --defined-only "$out" | awk '{print $NF}' | grep -qx "$sym"; then
         echo "build.sh: export check FAILED: $sym is not exported by $out" >&2
         missing=1
     fi
 done
 [ "$missing" = 0 ] || exit 1
-echo "built $out (sm_${archs// /, sm_} + compute_${last} PTX); exports expert_cache_manage, expert_cache_gather, expert_cache_block_remap, expert_cache_set_pdl"
+echo "built $out (sm_${archs// /, sm_} + compute_${last} PTX); exports expert_cache_manage, expert_cache_gather, expert_cache_set_pdl"

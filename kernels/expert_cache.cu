@@ -1,7 +1,6 @@
 // expert_cache.cu: the device side of the expert slot cache (docs/design.md, The cache rules and The kernel contract).
 //
-// Two kernels run per MoE layer per forward (three on vLLM's Marlin experts), on the
-// caller's stream, with no host sync:
+// Two kernels run per MoE layer per forward, on the caller's stream, with no host sync:
 //
 //   expert_cache_manage_kernel  one block of EC_THREADS threads. Marks the step's distinct
 //       routed experts, refreshes the resident ones, lists the misses in ascending expert
@@ -11,32 +10,31 @@
 //       ec_compat.h's width, shared memory between warps) and plain stores: no atomics,
 //       so every rank that sees the same routing evolves the same state bit for bit (the
 //       tensor-parallel contract). A step with nothing to install skips the victim search
-//       and its barriers.
+//       and its barriers. For vLLM's Marlin experts, which keep the routing in expert
+//       space and build their block list from it, the same launch rewrites that list in
+//       place instead, each block's expert id replaced by its slot (an id outside 0..E-1,
+//       vLLM's filler, is clamped into it; an expert not resident reads slot 0: only
+//       padding rows route there and their output is dropped): the layer then launches
+//       no more kernels than on Triton's experts.
 //   expert_cache_gather_kernel  a fixed grid that copies every (expert, slot) of the miss
 //       list from host memory (UVA) into the slot buffers of up to EC_GATHER_MAX_TENSORS
 //       per-expert tensors, 16 bytes a lane. The miss count is read on the device, so the
 //       launch is the same whatever the misses are: CUDA-graph capturable. Blocks with no
 //       work return at once, which is what makes an all-hit step cheap.
-//   expert_cache_block_remap_kernel  for vLLM's Marlin experts, which keep the routing in
-//       expert space and build their block list from it: rewrites that list in place,
-//       each block's expert id replaced by its slot (an id outside 0..E-1, vLLM's filler,
-//       is clamped into it; an expert not resident reads slot 0: only padding rows route
-//       there and their output is dropped). One launch a layer, reading the table the
-//       manager wrote: no copy of the table per step.
 //
 // The file is compiled two ways: by NVRTC at first use (kernels only: the host wrappers
 // are kept out by EC_KERNELS_ONLY) and by nvcc into a shared library whose C entry points
-// expert_cache_manage / expert_cache_gather / expert_cache_block_remap validate their
+// expert_cache_manage / expert_cache_gather validate their
 // arguments, return a nonzero EC_ERR_* code instead of launching when something is wrong,
 // and otherwise return the launch error code. expertcache_cli/device/binding.py is the one
 // Python module that mirrors this ABI; change both together and bump EC_ABI_VERSION.
 #include "ec_compat.h"
 
-#define EC_ABI_VERSION 4
+#define EC_ABI_VERSION 5
 #define EC_THREADS 256              // manager block size; the gather uses the same
 #define EC_MAX_EXPERTS 16384        // bounded by the manager's shared memory (one byte each)
 #define EC_MAX_SLOTS 1024           // bounded by the manager's shared memory (24 bytes each)
-#define EC_GATHER_MAX_TENSORS 8     // per launch; the host wrapper splits wider calls
+#define EC_GATHER_MAX_TENSORS 16    // per launch (act-order GPTQ has 10); wider calls are split
 #define EC_GATHER_UNROLL 4          // independent 16-byte loads in flight per lane
 #define EC_TAB_REGS 4               // table entries per manager thread held in registers
 static_assert(EC_THREADS % EC_WARP == 0, "the manager's scan takes whole warps");
@@ -118,6 +116,8 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     const unsigned char* __restrict__ pad_rows,  // [rows] nonzero = a padding row, or null
                                         // (vLLM's V2 runner marks them): the same
     int row_width,                      // ids per row (top_k), for real_rows / pad_rows
+    int* __restrict__ blocks,           // [n_blocks] vLLM Marlin's block list (expert ids),
+    int n_blocks,                       // rewritten in place to slots; or null / 0
     int num_experts, int num_slots, int policy, int decay, int max_distinct, int max_inserts) {
     extern __shared__ __align__(16) unsigned char ec_smem[];
     const int E = num_experts;
@@ -351,6 +351,15 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
             ec_store_id(out_ids, i, ids_is64, (e >= 0 && e < E) ? (long long)ec_ld(table + e) : e);
         }
     }
+    // 8. The block list of vLLM's Marlin experts, built over expert ids, rewritten to the
+    //    slots through the same table (final here: written by this block before the last
+    //    barrier, or not written at all this step).
+    for (int i = tid; i < n_blocks; i += EC_THREADS) {
+        int e = blocks[i];
+        e = e < 0 ? 0 : (e >= E ? E - 1 : e);
+        const int slot = ec_ld(table + e);
+        blocks[i] = slot < 0 ? 0 : slot;
+    }
     if (tid == 0) {
         ec_st(step, now);
         miss_count[0] = installs;
@@ -401,17 +410,6 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_gather_ker
     }
 }
 
-extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_block_remap_kernel(
-    int* __restrict__ blocks, int n_blocks, const int* __restrict__ table, int num_experts) {
-    ec_grid_wait();  // PDL: the block list and the table are written by earlier kernels
-    const int i = blockIdx.x * EC_THREADS + threadIdx.x;
-    if (i >= n_blocks) return;
-    int e = blocks[i];
-    e = e < 0 ? 0 : (e >= num_experts ? num_experts - 1 : e);
-    const int slot = table[e];
-    blocks[i] = slot < 0 ? 0 : slot;
-}
-
 #ifndef EC_KERNELS_ONLY
 // ---------------------------------------------------------------------------------------
 // Host entry points of the shared library (C linkage; bound by name through ctypes).
@@ -437,8 +435,9 @@ extern "C" int expert_cache_manage(const void* ids, int n_ids, int ids_is64, int
                                    int* miss_expert, int* miss_slot, int* miss_count,
                                    void* out_ids, long long* stats, const int* real_rows,
                                    const unsigned char* pad_rows, int row_width,
-                                   int num_experts, int num_slots, int policy,
-                                   int decay, int max_distinct, int max_inserts,
+                                   int* blocks, int n_blocks, int num_experts,
+                                   int num_slots, int policy, int decay, int max_distinct,
+                                   int max_inserts,
                                    void* stream) {
     if (num_experts < 1 || num_experts > EC_MAX_EXPERTS || num_slots < 1 ||
         num_slots > EC_MAX_SLOTS || n_ids < 0 || max_distinct < 0 || max_inserts < 0)
@@ -449,12 +448,14 @@ extern "C" int expert_cache_manage(const void* ids, int n_ids, int ids_is64, int
         return EC_ERR_NULL;
     if (ids_is64 != 0 && ids_is64 != 1) return EC_ERR_SIZE;
     if ((real_rows != nullptr || pad_rows != nullptr) && row_width < 1) return EC_ERR_SIZE;
+    if (n_blocks < 0) return EC_ERR_SIZE;
+    if (n_blocks > 0 && blocks == nullptr) return EC_ERR_NULL;
     (void)ec_get_last_error();  // report this launch's error, not an older one
     EC_LAUNCH_PDL(ec_pdl, expert_cache_manage_kernel, 1, EC_THREADS,
                   (size_t)EC_MANAGE_SMEM(num_experts, num_slots), (ec_stream_t)stream, ids,
                   n_ids, ids_is64, table, slot_expert, prio, step, miss_expert, miss_slot,
-                  miss_count, out_ids, stats, real_rows, pad_rows, row_width, num_experts,
-                  num_slots, policy, decay, max_distinct, max_inserts);
+                  miss_count, out_ids, stats, real_rows, pad_rows, row_width, blocks, n_blocks,
+                  num_experts, num_slots, policy, decay, max_distinct, max_inserts);
     return ec_get_last_error();
 }
 
@@ -489,15 +490,5 @@ extern "C" int expert_cache_gather(const int* miss_expert, const int* miss_slot,
         if (err != 0) return err;
     }
     return 0;
-}
-extern "C" int expert_cache_block_remap(int* blocks, int n_blocks, const int* table,
-                                        int num_experts, void* stream) {
-    if (n_blocks < 0 || num_experts < 1 || num_experts > EC_MAX_EXPERTS) return EC_ERR_SIZE;
-    if (n_blocks == 0) return 0;
-    if (!blocks || !table) return EC_ERR_NULL;
-    (void)ec_get_last_error();
-    EC_LAUNCH_PDL(ec_pdl, expert_cache_block_remap_kernel, (n_blocks + EC_THREADS - 1) / EC_THREADS,
-                  EC_THREADS, 0, (ec_stream_t)stream, blocks, n_blocks, table, num_experts);
-    return ec_get_last_error();
 }
 #endif  // EC_KERNELS_ONLY

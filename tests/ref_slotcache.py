@@ -36,7 +36,8 @@ class RefSlotCache:
         self.ref = LayerCache(self.ref.num_experts, self.num_slots, self.ref.policy,
                               self.ref.decay)
 
-    def step(self, topk_ids, sources, real_rows=None, pad_rows=None, remap=True):
+    def step(self, topk_ids, sources, real_rows=None, pad_rows=None, remap=True,
+             blocks=None):
         ids = topk_ids.numpy()
         real = None if real_rows is None else int(real_rows.reshape(-1)[0])
         pad = None if pad_rows is None else pad_rows.numpy().astype(bool)
@@ -49,7 +50,12 @@ class RefSlotCache:
                 buf[s] = sources[n][e]
         self.stats += torch.tensor([r.distinct, r.miss_count])
         self.steps += 1
-        if not remap:  # installs only (vLLM's Marlin maps experts to slots itself)
+        if blocks is not None:  # vLLM Marlin's block list, to slots in place (the manager's)
+            from expertcache_cli.device.binding import block_slots
+
+            blocks.copy_(block_slots(blocks, self.table))
+            self.block_lists = getattr(self, "block_lists", 0) + 1
+        if not remap:  # no slot-space ids (vLLM's Marlin reads the routing in expert space)
             return None
         return torch.from_numpy(self.ref.remap(ids, real, pad)).to(topk_ids.dtype)
 

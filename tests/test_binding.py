@@ -35,12 +35,6 @@ class Recorder(binding.Kernels):
     def run_gather(self, call, srcs, stream):
         self.gather_calls.append((list(srcs), stream))
 
-    def run_remap(self, call, stream):
-        n = len(binding.REMAP_ARGS)
-        ptrs = (ctypes.c_void_p * n).from_address(call.params_addr)
-        vals = [type(v).from_address(ptrs[i]).value for i, v in enumerate(call.values)]
-        self.remap_calls = getattr(self, "remap_calls", []) + [(vals, call.grid, stream)]
-
 
 def test_a_backend_must_implement_both_launches():
     class Half(binding.Kernels):
@@ -96,59 +90,46 @@ def test_manage_refusals_launch_nothing():
     assert k.manage_calls == []
 
 
-def test_remap_call_carries_the_list_its_grid_and_the_fixed_table():
-    """The block list and its length change per call, the grid with them (one thread a
-    block id); the table and the expert count are the cache's."""
+def test_a_block_list_reaches_the_manager_only_on_the_call_that_gives_it():
+    """vLLM Marlin's block list rides on the manager's own launch (no remap launch of its
+    own): its address and length on the call that gives it, none on the next."""
     k = Recorder()
-    remap = binding.RemapLauncher(k, table=0x1000, num_experts=128)
-    remap(0xA000, 7, stream=3)
-    remap(0xB000, binding.THREADS + 1, stream=4)
-    remap(0xC000, 0, stream=5)  # an empty list launches nothing
-    names = [n for n, _ in binding.REMAP_ARGS]
-    (first, g1, s1), (second, g2, s2) = k.remap_calls
+    launch = k.manage_launcher(**STATE)
+    launch(0xA000, 12, False, 0, stream=3, blocks=0xF000, n_blocks=7)
+    launch(0xA000, 12, False, 0xB000, stream=3)
+    names = [n for n, _ in binding.MANAGE_ARGS]
+    (first, _, _), (second, _, _) = k.manage_calls
     a, b = dict(zip(names, first)), dict(zip(names, second))
-    assert (a["blocks"], a["n_blocks"], g1, s1) == (0xA000, 7, 1, 3)
-    assert (b["blocks"], b["n_blocks"], g2, s2) == (0xB000, binding.THREADS + 1, 2, 4)
-    assert a["table"] == b["table"] == 0x1000 and a["num_experts"] == 128
+    assert (a["blocks"], a["n_blocks"], a["out_ids"]) == (0xF000, 7, None)
+    assert (b["blocks"], b["n_blocks"], b["out_ids"]) == (None, 0, 0xB000)
     with pytest.raises(ValueError, match="bad block list"):
-        remap(0, 4, stream=0)
-    with pytest.raises(ValueError, match="table pointer is null"):
-        binding.RemapLauncher(k, table=0, num_experts=128)
-    with pytest.raises(ValueError, match="num_experts"):
-        binding.RemapLauncher(k, table=0x1000, num_experts=binding.MAX_EXPERTS + 1)
-    assert len(k.remap_calls) == 2
+        launch(0xA000, 12, False, 0, stream=3, blocks=0, n_blocks=4)
+    assert len(k.manage_calls) == 2
 
 
-def test_both_backends_launch_the_remap_with_its_arguments_and_the_library_codes_raise():
-    k = object.__new__(binding.NvrtcKernels)
-    k.remap_fn = "remap"
-    launched = []
-    k.launch = lambda fn, grid, smem, stream, addr: launched.append((fn, grid, smem, stream,
-                                                                     addr))
-    remap = binding.RemapLauncher(k, table=0x1000, num_experts=64)
-    remap(0xA000, 600, stream=9)
-    assert launched == [("remap", 3, 0, 9, remap.params_addr)]
-
+def test_the_library_takes_the_block_list_in_the_managers_argument_order():
     lib_k = object.__new__(binding.LibraryKernels)
     seen = []
 
     class Lib:
         code = 0
 
-        def expert_cache_block_remap(self, blocks, n, table, experts, stream):
-            seen.append((blocks.value, n.value, table.value, experts.value, stream))
+        def expert_cache_manage(self, *args):
+            seen.append(args)
             return self.code
 
     lib_k.lib = Lib()
-    remap = binding.RemapLauncher(lib_k, table=0x1000, num_experts=64)
-    remap(0xA000, 600, stream=9)
-    assert seen == [(0xA000, 600, 0x1000, 64, 9)]
+    launch = binding.ManageLauncher(lib_k, **STATE)
+    launch(0xA000, 12, False, 0, stream=9, blocks=0xF000, n_blocks=600)
+    names = [n for n, _ in binding.MANAGE_ARGS]
+    args = dict(zip(names, (getattr(v, "value", v) for v in seen[0][:-1])))
+    assert (args["blocks"], args["n_blocks"], seen[0][-1]) == (0xF000, 600, 9)
     lib_k.lib.code = 1003
     with pytest.raises(binding.KernelError, match="1003: null pointer"):
-        remap(0xA000, 600, stream=9)
+        launch(0xA000, 12, False, 0, stream=9, blocks=0xF000, n_blocks=600)
 
 
-def test_the_block_remap_rule_clamps_the_ids_and_reads_a_missing_expert_as_slot_0():
+def test_the_block_list_rule_clamps_the_ids_and_reads_a_missing_expert_as_slot_0():
     torch = pytest.importorskip("torch", reason="no torch: the rule's torch ops need it")
     table = torch.tensor([5, -1, 2, 7], dtype=torch.int32)
     blocks = torch.tensor([0, 2, 3, 1, -1, 4, 99], dtype=torch.int32)
@@ -165,8 +146,9 @@ def _gather(kernels, n: int) -> binding.GatherLauncher:
 
 
 def test_nvrtc_backend_splits_a_wide_gather_and_fills_each_launch():
-    """Ten tensors: two launches (8 + 2), each block holding its tensors' sources,
-    destinations and 16-byte vector counts; the grid is the launcher's."""
+    """Twenty tensors: two launches (16 + 4), each block holding its tensors' sources,
+    destinations and 16-byte vector counts; the grid is the launcher's. Act-order GPTQ's
+    ten tensors are one launch."""
     k = object.__new__(binding.NvrtcKernels)  # no driver: launch is replaced below
     k.gather_fn = "gather"
     launched = []
@@ -179,14 +161,17 @@ def test_nvrtc_backend_splits_a_wide_gather_and_fills_each_launch():
                          ctypes.c_void_p.from_address(arr[0]).value))
 
     k.launch = launch
-    g = _gather(k, 10)
-    srcs = [0x9000_0000 + 0x1000 * i for i in range(10)]
+    g = _gather(k, 20)
+    srcs = [0x9000_0000 + 0x1000 * i for i in range(20)]
     g(srcs, stream=5)
-    assert [x[4] for x in launched] == [8, 2]
+    assert [x[4] for x in launched] == [16, 4]
     assert launched[0][5] + launched[1][5] == srcs
-    assert launched[1][6] == [0x90_0000, 0xA0_0000]
-    assert launched[0][7] == list(range(1, 9)) and launched[0][8] == sum(range(1, 9))
+    assert launched[1][6] == [0x10_0000 * i for i in range(17, 21)]
+    assert launched[0][7] == list(range(1, 17)) and launched[0][8] == sum(range(1, 17))
     assert all(x[:4] == ("gather", 528, 0, 5) and x[9] == 0x100 for x in launched)
+    launched.clear()
+    _gather(k, 10)([0x9000_0000 + 0x1000 * i for i in range(10)], stream=5)
+    assert [x[4] for x in launched] == [10]
 
 
 def test_library_backend_gets_the_same_sources_as_plain_arrays_and_its_codes_raise():

@@ -148,12 +148,10 @@ def test_binding_constants_match_the_kernel_source():
     sig = re.sub(r"//[^\n]*", "", sig)
     names = re.findall(r"(\w+)\s*(?:,|$)", sig.replace("\n", " ").strip())
     assert names == [n for n, _ in binding.MANAGE_ARGS]
-    # the block remap's arguments likewise, and its C wrapper's before the stream
-    for fn in ("expert_cache_block_remap_kernel", "expert_cache_block_remap"):
-        sig = re.search(fn + r"\((.*?)\)\s*\{", src, re.S).group(1)
-        names = re.findall(r"(\w+)\s*(?:,|$)", sig.replace("\n", " ").strip())
-        want = [n for n, _ in binding.REMAP_ARGS]
-        assert names == (want if fn.endswith("_kernel") else want + ["stream"])
+    # and the C wrapper's, with the stream last
+    sig = re.search(r"int expert_cache_manage\((.*?)\)\s*\{", src, re.S).group(1)
+    names = re.findall(r"(\w+)\s*(?:,|$)", sig.replace("\n", " ").strip())
+    assert names == [n for n, _ in binding.MANAGE_ARGS] + ["stream"]
 
 
 def test_manager_shared_memory_is_the_kernels_formula():
@@ -236,10 +234,12 @@ def _host_library(tmp_path: Path, abi: int, exports: tuple[str, ...]) -> Path:
 
 
 def test_a_library_of_an_older_abi_is_refused_with_its_abi_and_how_to_rebuild(tmp_path):
-    """A library built before the block remap lacks its entry point; the user is told the
-    library's ABI against the package's and how to rebuild, not only a missing symbol."""
+    """A library built before the manager took vLLM Marlin's block list exports the same
+    names with other arguments; the user is told the library's ABI against the package's
+    and how to rebuild, never left to launch it."""
     old = _host_library(tmp_path, binding.ABI_VERSION - 1,
-                        ("expert_cache_manage", "expert_cache_gather", "expert_cache_set_pdl"))
+                        ("expert_cache_manage", "expert_cache_gather", "expert_cache_set_pdl",
+                         "expert_cache_block_remap"))
     with pytest.raises(kernel_build.KernelBuildError,
                        match=rf"kernel ABI {binding.ABI_VERSION - 1}, this package needs "
                              rf"{binding.ABI_VERSION}: rebuild it \(kernels/build.sh"):
@@ -248,7 +248,7 @@ def test_a_library_of_an_older_abi_is_refused_with_its_abi_and_how_to_rebuild(tm
 
 def test_a_library_of_this_abi_missing_an_entry_point_names_it(tmp_path):
     partial = _host_library(tmp_path, binding.ABI_VERSION,
-                            ("expert_cache_manage", "expert_cache_gather", "expert_cache_set_pdl"))
+                            ("expert_cache_manage", "expert_cache_set_pdl"))
     with pytest.raises(kernel_build.KernelBuildError,
-                       match="does not export expert_cache_block_remap: rebuild it"):
+                       match="does not export expert_cache_gather: rebuild it"):
         binding.LibraryKernels(partial)

@@ -8,8 +8,6 @@ torch is missing."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
@@ -87,7 +85,7 @@ def _arm(layer, slots=S, wide_inserts=None):
 
         scratch = Scratch(d.num_experts, {s.name: (s.shape, s.dtype) for s in d.specs},
                           "cpu", copier=torch_copiers)
-    order = marlin.BlockOrder(d.num_experts, cache) if d.marlin else None
+    order = marlin.BlockOrder(d.num_experts) if d.marlin else None
     armed = ArmedLayer(layer, d, cache, index=0, scratch=scratch, small=small,
                        block_order=order)
     armed.install()
@@ -234,21 +232,46 @@ def test_the_packed_scales_follow_a_weight_reload():
     assert armed.audit().ok
 
 
-def test_the_block_remap_acts_only_inside_a_slot_bound_call():
+def test_the_block_step_acts_only_inside_a_slot_bound_call():
+    """Bound, vLLM's block builder hands its list to the bound step once (which rewrites it
+    in place, as the manager does) and refuses a second list; unbound it is vLLM's own."""
+    from expertcache_cli.device.binding import block_slots
+
     ids = torch.tensor([[3, 9], [9, 0]], dtype=torch.int32)
     plain = ms.MODULE.moe_align_block_size(ids, 8, ms.E, None, ignore_invalid_experts=True)
     assert plain[1][:3].tolist() == [0, 3, 9]  # vLLM's own: expert ids, ascending
     table = torch.full((ms.E,), -1, dtype=torch.int32)
     table[[0, 3, 9]] = torch.tensor([4, 1, 2], dtype=torch.int32)
-    order = marlin.BlockOrder(ms.E, SimpleNamespace(table=table))  # a cache without the kernel
-    order.bind()
+    order = marlin.BlockOrder(ms.E)
+    seen = []
+    order.bind(lambda blocks: seen.append(blocks.copy_(block_slots(blocks, table))))
     try:
         sorted_ids, blocks, padded = ms.MODULE.moe_align_block_size(ids, 8, S)
+        assert order.ran and len(seen) == 1
+        with pytest.raises(RuntimeError, match="second block list"):
+            ms.MODULE.moe_align_block_size(ids, 8, S)
     finally:
         order.unbind()
     assert torch.equal(sorted_ids, plain[0]) and int(padded) == int(plain[2])
     assert blocks[:3].tolist() == [4, 1, 2]  # the same blocks, each on its expert's slot
     assert (blocks[3:] == 4).all()  # vLLM's filler (expert 0) stays a valid slot
+    again = ms.MODULE.moe_align_block_size(ids, 8, ms.E, None, ignore_invalid_experts=True)
+    assert torch.equal(again[1], plain[1])  # unbound: vLLM's own again
+
+
+def test_a_marlin_call_that_builds_no_block_list_goes_back_to_the_stock_path(monkeypatch):
+    """A slot-bound Marlin call whose kernel never asks for a block list would read slots
+    nothing filled: the layer is refused at that call, which the stock path serves."""
+    stock = ms.RoutedExperts("gptq", "0.26", seed=3)
+    cached = ms.RoutedExperts("gptq", "0.26", seed=3)
+    armed = _arm(cached)
+    monkeypatch.setattr(ms.MODULE, "moe_align_block_size",
+                        ms.MODULE.moe_align_block_size.__wrapped__)  # the wrapper bypassed
+    x, (ids, w) = _x(2), _routing(np.random.default_rng(3), 2)
+    torch.testing.assert_close(
+        cached.forward_modular(x=x, topk_weights=w, topk_ids=ids),
+        stock.forward_modular(x=x.clone(), topk_weights=w, topk_ids=ids), rtol=0, atol=0)
+    assert armed._failed
 
 
 def test_marlin_layers_are_declined_where_the_block_remap_cannot_be_installed(monkeypatch):
@@ -269,20 +292,18 @@ def test_marlin_layers_are_declined_where_the_block_remap_cannot_be_installed(mo
     assert "Marlin MoE module is not the one read" in sess.decisions[0].reason
 
 
-def test_arm_model_hands_the_marlin_block_list_to_the_caches_own_remap(monkeypatch):
-    """Armed through `arm_model`, a Marlin layer's block list is remapped by its cache
-    (`SlotCache.remap_blocks`: the kernel, on a GPU), once a slot-bound call, and the
-    output is the stock path's bit for bit."""
+def test_arm_model_hands_the_marlin_block_list_to_the_caches_step(monkeypatch):
+    """Armed through `arm_model`, a Marlin layer's cache step takes the block list its call
+    built (`SlotCache.step` with ``blocks``: one manager launch, on a GPU), once a
+    slot-bound call, and the output is the stock path's bit for bit."""
     import expertcache_cli.device.slotcache as slotcache_mod
-    from expertcache_cli.device.binding import block_slots
 
     class KernelCache(RefSlotCache):
         remaps = 0
 
-        def remap_blocks(self, blocks):
-            KernelCache.remaps += 1
-            blocks.copy_(block_slots(blocks, self.table))  # in place, as the kernel does
-            return blocks
+        def step(self, *args, blocks=None, **kwargs):
+            KernelCache.remaps += blocks is not None
+            return super().step(*args, blocks=blocks, **kwargs)
 
     monkeypatch.setattr(slotcache_mod, "SlotCache", KernelCache)
     # the remap is installed in the stand-in Marlin module (`_patched`), not vLLM's

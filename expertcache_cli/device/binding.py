@@ -1,10 +1,9 @@
 """The kernel ABI, in one place: argument order, C types, checks, policy codes.
 
-`kernels/expert_cache.cu` exports three kernels (``expert_cache_manage_kernel``,
-``expert_cache_gather_kernel``, and for vLLM's Marlin experts
-``expert_cache_block_remap_kernel``) and, when built as a shared library, three C entry
-points (``expert_cache_manage``, ``expert_cache_gather``, ``expert_cache_block_remap``)
-that validate and launch them. This
+`kernels/expert_cache.cu` exports two kernels (``expert_cache_manage_kernel``, which for
+vLLM's Marlin experts also rewrites their block list to slots, and
+``expert_cache_gather_kernel``) and, when built as a shared library, two C entry points
+(``expert_cache_manage``, ``expert_cache_gather``) that validate and launch them. This
 module is the only Python code that knows their signatures. It can drive either build:
 
 * ``NvrtcKernels`` (default): the source compiled by NVRTC for this GPU (see
@@ -20,11 +19,10 @@ choice, handed over with `select` (the plugin from its `CacheConfig`, the comman
 module reads no environment, so the device layer does not depend on the configuration
 above it.
 
-Launchers (`ManageLauncher`, `GatherLauncher`, `RemapLauncher`) check and prebuild their
-argument blocks once, so a call only rewrites the few values that change (ids, output,
-source pointers):
-the per-layer Python cost stays small, and nothing here ever synchronises with the device.
-They hand themselves to the backend (`Kernels.run_manage` / `run_gather` / `run_remap`),
+Launchers (`ManageLauncher`, `GatherLauncher`) check and prebuild their argument blocks
+once, so a call only rewrites the few values that change (ids, output, block list, source
+pointers): the per-layer Python cost stays small, and nothing here ever synchronises with
+the device. They hand themselves to the backend (`Kernels.run_manage` / `run_gather`),
 the only code that differs between the two builds.
 
 Both can launch with programmatic dependent launch (PDL) on sm_90 and newer
@@ -48,12 +46,12 @@ from pathlib import Path
 from ..rules.budget import MAX_EXPERTS, MAX_SLOTS, ONLINE_POLICIES, online_names
 from ..rules.policy import Policy
 
-ABI_VERSION = 4  # = EC_ABI_VERSION in expert_cache.cu
+ABI_VERSION = 5  # = EC_ABI_VERSION in expert_cache.cu
 THREADS = 256  # = EC_THREADS: manager block size and gather block size
 WARP = 32  # = EC_WARP on NVIDIA: the manager keeps one scan total a warp
 # MAX_EXPERTS (= EC_MAX_EXPERTS) and MAX_SLOTS (= EC_MAX_SLOTS) are rules of the slot
 # budget as well: `budget` defines them, below this module, and the checks here use them.
-GATHER_MAX_TENSORS = 8  # = EC_GATHER_MAX_TENSORS: wider gathers are split across launches
+GATHER_MAX_TENSORS = 16  # = EC_GATHER_MAX_TENSORS: wider gathers are split across launches
 VEC_BYTES = 16  # every gather lane moves 16 bytes; slabs must be multiples of it
 
 #: kernel policy codes (= EC_POLICY_*): exactly the `Policy` enum values
@@ -136,7 +134,7 @@ class GatherParams(ctypes.Structure):
     ]
 
 
-assert ctypes.sizeof(GatherParams) == 208
+assert ctypes.sizeof(GatherParams) == 400
 
 
 # The manager's arguments, in order, with their C types (kernel and C wrapper alike; the
@@ -157,6 +155,8 @@ MANAGE_ARGS: tuple[tuple[str, type], ...] = (
     ("real_rows", ctypes.c_void_p),
     ("pad_rows", ctypes.c_void_p),
     ("row_width", ctypes.c_int),
+    ("blocks", ctypes.c_void_p),
+    ("n_blocks", ctypes.c_int),
     ("num_experts", ctypes.c_int),
     ("num_slots", ctypes.c_int),
     ("policy", ctypes.c_int),
@@ -166,23 +166,12 @@ MANAGE_ARGS: tuple[tuple[str, type], ...] = (
 )
 
 
-# The block remap's arguments, in order (kernel and C wrapper alike; the wrapper adds the
-# stream last): rewrites an int32 block list of ``n_blocks`` expert ids in place, each to
-# ``max(table[clamp(id, 0, num_experts - 1)], 0)`` (`block_slots` is the same on the host).
-REMAP_ARGS: tuple[tuple[str, type], ...] = (
-    ("blocks", ctypes.c_void_p),
-    ("n_blocks", ctypes.c_int),
-    ("table", ctypes.c_void_p),
-    ("num_experts", ctypes.c_int),
-)
-
-
 def block_slots(blocks, table):
-    """The block remap's rule, with torch ops (any device): the slot of each block's expert,
-    its id clamped into ``0..E-1`` (vLLM's filler past the last block is 0 or -1) and a
-    non-resident expert's -1 read as slot 0 (only padding rows route there, and their
-    output is dropped). The reference the kernel is tested against, and the path of a
-    cache without the kernel."""
+    """The manager's block-list rule (its ``blocks`` argument), with torch ops (any
+    device): the slot of each block's expert, its id clamped into ``0..E-1`` (vLLM's filler
+    past the last block is 0 or -1) and a non-resident expert's -1 read as slot 0 (only
+    padding rows route there, and their output is dropped). The reference the kernel is
+    tested against, and the path of a cache without the kernel."""
     index = blocks.clamp(0, table.shape[0] - 1)
     return table.clamp(min=0).index_select(0, index.to(table.device)).to(blocks.dtype)
 
@@ -242,10 +231,6 @@ class Kernels(ABC):
     def run_gather(self, call: GatherLauncher, srcs: Sequence[int], stream: int) -> None:
         """Launch ``call``'s gather(s) from the checked source addresses ``srcs``."""
 
-    @abstractmethod
-    def run_remap(self, call: RemapLauncher, stream: int) -> None:
-        """Launch one block remap with ``call``'s current argument values."""
-
 
 class NvrtcKernels(Kernels):
     """The kernels compiled by NVRTC (cached per user) and launched via the driver API."""
@@ -292,10 +277,6 @@ class NvrtcKernels(Kernels):
                 self._module, b"expert_cache_gather_kernel"
             )
             self._check(err, "cuModuleGetFunction(expert_cache_gather_kernel)")
-            err, self.remap_fn = driver.cuModuleGetFunction(
-                self._module, b"expert_cache_block_remap_kernel"
-            )
-            self._check(err, "cuModuleGetFunction(expert_cache_block_remap_kernel)")
         self.set_pdl(pdl)
         self.description = (
             f"NVRTC {self.image.kind} for sm_{self.image.arch} ({self.image.path}"
@@ -351,9 +332,6 @@ class NvrtcKernels(Kernels):
                 p.src[t] = int(srcs[first + t])
             self.launch(self.gather_fn, call.grid, 0, stream, addr)
 
-    def run_remap(self, call: RemapLauncher, stream: int) -> None:
-        self.launch(self.remap_fn, call.grid, 0, stream, call.params_addr)
-
 
 class LibraryKernels(Kernels):
     """A shared library built by nvcc (``kernels/build.sh``), called through ctypes."""
@@ -394,8 +372,6 @@ class LibraryKernels(Kernels):
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
         ]
-        lib.expert_cache_block_remap.restype = ctypes.c_int
-        lib.expert_cache_block_remap.argtypes = [t for _, t in REMAP_ARGS] + [ctypes.c_void_p]
         self.lib = lib
         self.path = path
         if device_index is not None:
@@ -424,10 +400,6 @@ class LibraryKernels(Kernels):
                                          call.lib_bytes, call.grid, stream),
             "expert_cache_gather",
         )
-
-    def run_remap(self, call: RemapLauncher, stream: int) -> None:
-        raise_for_code(self.lib.expert_cache_block_remap(*call.values, stream),
-                       "expert_cache_block_remap")
 
 
 def raise_for_code(code: int, what: str) -> None:
@@ -491,30 +463,36 @@ class ManageLauncher:
         fixed = dict(
             ids=0, n_ids=0, ids_is64=0, table=table, slot_expert=slot_expert, prio=prio,
             step=step, miss_expert=miss_expert, miss_slot=miss_slot, miss_count=miss_count,
-            out_ids=0, stats=stats, real_rows=0, pad_rows=0, row_width=1,
-            num_experts=num_experts,
+            out_ids=0, stats=stats, real_rows=0, pad_rows=0, row_width=1, blocks=0,
+            n_blocks=0, num_experts=num_experts,
             num_slots=num_slots,
             policy=policy, decay=decay, max_distinct=max_distinct, max_inserts=max_inserts,
         )
         block = _ArgBlock(MANAGE_ARGS, fixed)
         self.values, self.params_addr, self._block = block.values, block.params_addr, block
-        self._ids, self._n, self._is64, self._out, self._real, self._pad, self._width = (
+        (self._ids, self._n, self._is64, self._out, self._real, self._pad, self._width,
+         self._blocks, self._n_blocks) = (
             block.value(k) for k in ("ids", "n_ids", "ids_is64", "out_ids", "real_rows",
-                                     "pad_rows", "row_width"))
+                                     "pad_rows", "row_width", "blocks", "n_blocks"))
         self.smem = manage_smem_bytes(num_experts, num_slots)
 
     def __call__(self, ids: int, n_ids: int, ids_is64: bool, out_ids: int, stream: int,
-                 real_rows: int = 0, row_width: int = 1, pad_rows: int = 0) -> None:
+                 real_rows: int = 0, row_width: int = 1, pad_rows: int = 0,
+                 blocks: int = 0, n_blocks: int = 0) -> None:
         """Launch one manager step on ``stream`` (raw pointers; `SlotCache` checks tensors).
 
         CUDA-graph padding rows, kept out of the step and remapped to slot 0 by the kernel
         itself (no mask launches), ``row_width`` ids a row: ``real_rows``, the device
         address of an int32 count of the rows that are real (0: all are), and/or
-        ``pad_rows``, of one byte a row, nonzero for a padding row (0: none marked)."""
+        ``pad_rows``, of one byte a row, nonzero for a padding row (0: none marked).
+        ``blocks``: the address of ``n_blocks`` int32 expert ids (vLLM Marlin's block
+        list), rewritten in place to slots by the same launch (`block_slots`' rule)."""
         if n_ids < 0 or n_ids >= 2**31 or (n_ids and not ids):
             raise ValueError(f"bad routing ids: n_ids={n_ids}, pointer={ids:#x}")
         if (real_rows or pad_rows) and not 1 <= row_width < 2**31:
             raise ValueError(f"bad row width {row_width} for the padding rows")
+        if n_blocks < 0 or n_blocks >= 2**31 or (n_blocks and not blocks):
+            raise ValueError(f"bad block list: n_blocks={n_blocks}, pointer={blocks:#x}")
         self._ids.value = ids or None
         self._n.value = n_ids
         self._is64.value = 1 if ids_is64 else 0
@@ -522,6 +500,8 @@ class ManageLauncher:
         self._real.value = real_rows or None
         self._pad.value = pad_rows or None
         self._width.value = row_width
+        self._blocks.value = blocks or None
+        self._n_blocks.value = n_blocks
         self.kernels.run_manage(self, stream)
 
 
@@ -581,34 +561,6 @@ class GatherLauncher:
                 raise ValueError(f"{name}: source pointer is null")
             check_aligned(f"{name} source", int(s))
         self.kernels.run_gather(self, srcs, stream)
-
-
-class RemapLauncher:
-    """One cache's block remap (vLLM's Marlin experts): the table fixed, the block list per
-    call. The grid follows the list's length, which a captured graph fixes."""
-
-    def __init__(self, kernels: Kernels, *, table: int, num_experts: int) -> None:
-        if not table:
-            raise ValueError("block remap: the table pointer is null")
-        if not 1 <= num_experts <= MAX_EXPERTS:
-            raise ValueError(f"num_experts={num_experts} outside 1..{MAX_EXPERTS}")
-        self.kernels = kernels
-        block = _ArgBlock(REMAP_ARGS, dict(blocks=0, n_blocks=0, table=table,
-                                           num_experts=num_experts))
-        self.values, self.params_addr, self._block = block.values, block.params_addr, block
-        self._blocks, self._n = block.value("blocks"), block.value("n_blocks")
-        self.grid = 1
-
-    def __call__(self, blocks: int, n_blocks: int, stream: int) -> None:
-        """Remap ``n_blocks`` int32 block ids at ``blocks`` in place, on ``stream``."""
-        if n_blocks < 0 or n_blocks >= 2**31 or (n_blocks and not blocks):
-            raise ValueError(f"bad block list: n_blocks={n_blocks}, pointer={blocks:#x}")
-        if n_blocks == 0:
-            return
-        self._blocks.value = blocks
-        self._n.value = n_blocks
-        self.grid = (n_blocks + THREADS - 1) // THREADS
-        self.kernels.run_remap(self, stream)
 
 
 def default_gather_grid(device_index: int) -> int:

@@ -27,11 +27,9 @@ from pathlib import Path
 from ..errors import UserError
 
 #: C entry points of the shared library (host wrappers that validate, then launch).
-LIBRARY_ENTRY_POINTS = ("expert_cache_manage", "expert_cache_gather", "expert_cache_block_remap",
-                        "expert_cache_set_pdl")
+LIBRARY_ENTRY_POINTS = ("expert_cache_manage", "expert_cache_gather", "expert_cache_set_pdl")
 #: ``__global__`` kernels looked up by name in the NVRTC image.
-KERNEL_ENTRY_POINTS = ("expert_cache_manage_kernel", "expert_cache_gather_kernel",
-                       "expert_cache_block_remap_kernel")
+KERNEL_ENTRY_POINTS = ("expert_cache_manage_kernel", "expert_cache_gather_kernel")
 #: nvcc ahead-of-time targets: SASS for each, plus PTX of the last for newer GPUs.
 AOT_ARCHS = (80, 86, 89, 90, 100, 120)
 SOURCE_FILES = ("expert_cache.cu", "ec_compat.h")

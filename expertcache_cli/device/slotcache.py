@@ -136,8 +136,6 @@ class SlotCache:
                 slab_bytes=slab_bytes, grid=binding.default_gather_grid(dev.index),
                 names=[f"{self._label()}{k}" for k in self.specs],
             )
-        self._remap = binding.RemapLauncher(kernels, table=self.table.data_ptr(),
-                                            num_experts=E)
         self._checked: dict[str, tuple] = {}  # name -> signature of the last source seen
 
     def reset(self) -> None:
@@ -209,7 +207,8 @@ class SlotCache:
     def step(self, topk_ids: torch.Tensor, sources: Mapping[str, torch.Tensor],
              real_rows: torch.Tensor | None = None,
              pad_rows: torch.Tensor | None = None,
-             remap: bool = True) -> torch.Tensor | None:
+             remap: bool = True,
+             blocks: torch.Tensor | None = None) -> torch.Tensor | None:
         """Manage + gather on torch's current stream; returns slot-space ids.
 
         The result has the shape and dtype of ``topk_ids``; padding (< 0 or >= E) passes
@@ -218,9 +217,11 @@ class SlotCache:
         (`policy.padding_rows`): ``real_rows``, a one-element int32 tensor on this device,
         the number of leading rows that are real (vLLM's V1 runner), and/or ``pad_rows``,
         a bool (or uint8) tensor with one flag a row (its V2 runner's marks). No host
-        synchronisation happens here. ``remap=False``: the installs only, no slot-space
-        ids written (None returned), for a caller that maps experts to slots after the
-        step (vLLM's Marlin: `remap_blocks`, `plugin.marlin`).
+        synchronisation happens here. ``remap=False``: no slot-space ids written (None
+        returned), for a caller whose kernel reads the routing in expert space: vLLM's
+        Marlin experts, whose block list (``blocks``, contiguous int32 expert ids) the same
+        manager launch rewrites in place to slots (`binding.block_slots`' rule) after its
+        installs (`plugin.marlin`).
         """
         import torch
 
@@ -230,15 +231,14 @@ class SlotCache:
         width = ids.numel() // rows if rows else 1
         real_ptr = 0 if real_rows is None else self._checked_real_rows(real_rows)
         pad_ptr = 0 if pad_rows is None else self._checked_pad_rows(pad_rows, rows)
+        blocks_ptr, n_blocks = (0, 0) if blocks is None else self._checked_blocks(blocks)
         self._run(self._manage, ids, out.data_ptr() if out is not None else 0, sources,
-                  real_ptr, width, pad_ptr)
+                  real_ptr, width, pad_ptr, blocks_ptr, n_blocks)
         return out
 
-    def remap_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        """vLLM's Marlin block list, rewritten in place from expert ids to this cache's
-        slots (`binding.block_slots`' rule), one kernel on the current stream, reading the
-        table as the last `step` left it; returns ``blocks``. No synchronisation: a CUDA
-        graph captures it."""
+    def _checked_blocks(self, blocks: torch.Tensor) -> tuple[int, int]:
+        """A block list's address and length: contiguous int32 on this device (else
+        ValueError)."""
         import torch
 
         if (blocks.device != self.device or blocks.dtype != torch.int32
@@ -247,9 +247,7 @@ class SlotCache:
                 f"{self._label()}the block list must be contiguous int32 on {self.device}, "
                 f"not {tuple(blocks.shape)} {blocks.dtype} on {blocks.device}"
             )
-        self._remap(blocks.data_ptr(), blocks.numel(),
-                    torch.cuda.current_stream(self.device).cuda_stream)
-        return blocks
+        return blocks.data_ptr(), blocks.numel()
 
     def _checked_real_rows(self, real_rows: torch.Tensor) -> int:
         """The count's address: one int32 on this cache's device (else ValueError)."""
@@ -302,7 +300,8 @@ class SlotCache:
 
     def _run(self, manage: binding.ManageLauncher, ids: torch.Tensor, out_ptr: int,
              sources: Mapping[str, torch.Tensor], real_rows: int = 0,
-             row_width: int = 1, pad_rows: int = 0) -> None:
+             row_width: int = 1, pad_rows: int = 0, blocks: int = 0,
+             n_blocks: int = 0) -> None:
         """One manager launch, then the gather of its installs, on the current stream
         (sources checked first: a bad one refuses before anything is launched)."""
         import torch
@@ -310,7 +309,7 @@ class SlotCache:
         srcs = [self._source_ptr(key, sources) for key in self.specs]
         stream = torch.cuda.current_stream(self.device).cuda_stream
         manage(ids.data_ptr(), ids.numel(), ids.dtype == torch.int64, out_ptr, stream,
-               real_rows, row_width, pad_rows)
+               real_rows, row_width, pad_rows, blocks, n_blocks)
         if self._gather is not None:
             self._gather(srcs, stream)
 

@@ -18,18 +18,20 @@ the routed (token, expert) pairs into blocks by id (`moe_align_block_size`), and
 spreads each GEMM's K reduction over thread blocks by the position of each block in that
 order (its "stripes"): with slot ids the blocks sort by slot, the reduction of a row may be
 split at other points, and fp32 partial sums round differently. So for Marlin the stock
-call gets the routing ids in expert space, and the block list is remapped to slots right
-after vLLM built it (`expert_order_blocks`): the blocks, their order, the block size and
-the padding are the stock path's, only the weights each block reads are the slot's. The
-remap is one kernel of the cache's (`SlotCache.remap_blocks`, in place on the block list,
-reading the table the step's manager wrote), captured in CUDA graphs like the rest of the
-step (the same rule in torch ops, `binding.block_slots`, costs 4.7 us a layer more in a
-graph: `bench/bench_armed_layer.py`). While bound to slots the
-layer reports ``S`` experts (``global_num_experts``), the experts its weights hold, as an
-``S``-expert layer would (vLLM then estimates no expert-parallel share of the tokens);
-the block list is still built over the real ``E`` by the remap. The block size vLLM picks
-from those counts is its smallest (8) on every step served from slots (tokens x top_k <=
-S), as on the stock path, so the blocks match the stock call's one for one.
+call gets the routing ids in expert space, and the layer's cache step runs right after
+vLLM built the block list (`expert_order_blocks`), in the same manager launch that rewrites
+that list to slots: the blocks, their order, the block size and the padding are the stock
+path's, only the weights each block reads are the slot's, and the layer launches what it
+launches on Triton's experts, the manager and the gather (`SlotCache.step` with
+``blocks``; a separate remap kernel cost 2.5 us a layer more in a graph, the same rule in
+torch ops 4.7 us more: `bench/bench_armed_layer.py`). A slot-bound call that builds no
+block list, or two, is refused (the layer goes back to the stock path): its slots would
+not hold what it reads. While bound to slots the layer reports ``S`` experts
+(``global_num_experts``), the experts its weights hold, as an ``S``-expert layer would
+(vLLM then estimates no expert-parallel share of the tokens); the block list is still
+built over the real ``E``. The block size vLLM picks from those counts is its smallest (8)
+on every step served from slots (tokens x top_k <= S), as on the stock path, so the
+blocks match the stock call's one for one.
 """
 
 from __future__ import annotations
@@ -129,26 +131,35 @@ def patch_block_order(module: Any) -> bool:
 
 
 class BlockOrder:
-    """One armed Marlin layer's block remap: its real expert count, and the cache's way of
-    turning a block list of expert ids into slots (`SlotCache.remap_blocks`: in place, one
-    kernel; a cache without it: `binding.block_slots`' torch ops over its table)."""
+    """One armed Marlin layer's slot step, deferred to the point where vLLM's Marlin call
+    has built its block list (`expert_order_blocks`): the layer's real expert count, and
+    for the call it is bound to, the step to run on that list (the cache's manager and
+    gather, the list rewritten to slots in place)."""
 
-    def __init__(self, num_experts: int, cache: Any) -> None:
+    def __init__(self, num_experts: int) -> None:
         self.num_experts = int(num_experts)
-        self._remap = getattr(cache, "remap_blocks", None)
-        self._cache = cache
+        self._step: Callable[[Any], None] | None = None
+        #: whether the bound call's step ran (once: a call that builds no block list, or a
+        #: second one, is refused by the caller and the one who raised)
+        self.ran = False
 
     def remap(self, blocks: Any) -> Any:
-        """The block list with each block's expert replaced by its slot."""
-        if self._remap is not None:
-            return self._remap(blocks)
-        from ..device.binding import block_slots
+        """Run the bound call's step on ``blocks`` (rewritten to slots in place); returns
+        them."""
+        step = self._step
+        if step is None:
+            raise RuntimeError("vLLM's Marlin call built a second block list in one call "
+                               "(unknown Marlin layout)")
+        self._step = None
+        step(blocks)
+        self.ran = True
+        return blocks
 
-        return block_slots(blocks, self._cache.table)
-
-    def bind(self) -> None:
+    def bind(self, step: Callable[[Any], None]) -> None:
+        """Bind the next slot-bound Marlin call on this thread to ``step``."""
+        self._step, self.ran = step, False
         _BLOCK_SLOTS.value = self
 
-    @staticmethod
-    def unbind() -> None:
+    def unbind(self) -> None:
+        self._step = None
         _BLOCK_SLOTS.value = None

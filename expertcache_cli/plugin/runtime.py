@@ -19,8 +19,8 @@ For every armed `RoutedExperts` the plugin replaces the instance's ``forward_mod
   them (so scales, zero points and biases follow the weights), then everything is put
   back. Per-expert tensors too small for the gather's slabs come from the layer's packed
   side row (`small`), unpacked after the step. vLLM's Marlin experts get the ids in
-  expert space instead, with their block list remapped to slots (`marlin`): the stock
-  reduction order, so the stock bits.
+  expert space instead, and the step runs on the block list their call builds, rewriting
+  it to slots (`marlin`): the stock reduction order, so the stock bits.
 
 Nothing here reads a device value on the host, and every pointer handed to the kernels
 is fixed when the layer is armed, so vLLM's CUDA graphs capture the whole thing. Python
@@ -349,8 +349,8 @@ class ArmedLayer:
         self.small_names = list(small.names) if small is not None else []
         #: everything rebound for a slot-bound call
         self.bound_names = self.names + self.small_names
-        #: Marlin: the block list's expert -> slot remap (`marlin.BlockOrder`); None: the
-        #: kernel takes slot-space ids
+        #: Marlin: the slot step deferred to the built block list (`marlin.BlockOrder`);
+        #: None: the kernel takes slot-space ids
         self.block_order = block_order
         #: every name a mirrored Parameter is registered under, its own first: vLLM's WNA16
         #: methods (0.33's moe_wna16 on Triton too) set ``layer.w13_weight =
@@ -765,22 +765,33 @@ class ArmedLayer:
         (``rows``: the padded rows for the manager to read, `PaddingReader.rows`)."""
         import torch
 
+        if self.block_order is not None:
+            # Marlin: the call keeps the expert ids (every row, padded ones too, as the
+            # stock call sees them); the step runs where it has built its block list, and
+            # rewrites that list to slots (`marlin`). The sources are read now: bound, the
+            # layer's parameters are the slots
+            try:
+                sources = self._sources()
+            except Exception as exc:  # refuse at the first call, never break serving
+                return self._disarm("cache step", exc, stock, topk_ids)
+
+            def step(blocks: Any) -> None:
+                self.cache.step(ids, sources, remap=False, blocks=blocks, **(rows or {}))
+                self._unpack_small()
+
+            return self._bound_call(stock, topk_ids, self.slot_params,
+                                    self.slot_quant_config, self.decision.num_experts,
+                                    topk_ids, "cache step and experts call on slots",
+                                    slot_step=step)
         try:
-            if self.block_order is not None:
-                # Marlin: installs only; the call keeps the expert ids (every row, padded
-                # ones too, as the stock call sees them) and the block list is remapped
-                self.cache.step(ids, self._sources(), remap=False, **(rows or {}))
-                call_ids = topk_ids
-            else:
-                call_ids = self.cache.step(ids, self._sources(), **(rows or {}))
-                if pad is not None:  # padded rows pass any valid slot; vLLM drops them
-                    call_ids = torch.where(pad.unsqueeze(1), 0, call_ids)
+            call_ids = self.cache.step(ids, self._sources(), **(rows or {}))
+            if pad is not None:  # padded rows pass any valid slot; vLLM drops them
+                call_ids = torch.where(pad.unsqueeze(1), 0, call_ids)
             self._unpack_small()
         except Exception as exc:  # refuse at the first call, never break serving
             return self._disarm("cache step", exc, stock, topk_ids)
         return self._bound_call(stock, call_ids, self.slot_params, self.slot_quant_config,
-                                self.decision.num_experts, topk_ids, "experts call on slots",
-                                slots=True)
+                                self.decision.num_experts, topk_ids, "experts call on slots")
 
     def _checked_call(self, path: str, stock: Callable[..., Any], x: Any, topk_ids: Any,
                       pad: Any, run: Callable[[], Any]) -> Any:
@@ -847,16 +858,16 @@ class ArmedLayer:
 
     def _bound_call(self, stock: Callable[[Any], Any], ids: Any, bound: dict[str, Any],
                     quant_config: Any, tile_experts: int | None, topk_ids: Any,
-                    what: str, slots: bool = False) -> Any:
+                    what: str, slot_step: Callable[[Any], None] | None = None) -> Any:
         """The stock call with the layer's per-expert tensors and quant config bound to
         ``bound`` for exactly its duration; if it raises, the layer is disarmed and the
-        call served from the stock path on ``topk_ids``. ``slots``: bound to the slot
-        buffers, where Marlin also gets its block remap and the slot count as the layer's
-        expert count (`marlin`)."""
+        call served from the stock path on ``topk_ids``. ``slot_step``: Marlin bound to
+        the slot buffers, the cache step to run on the block list the call builds, with
+        the slot count as the layer's expert count (`marlin`)."""
         qm = self.layer.quant_method
         experts = self._experts()
         old_qc, old_mqc = experts.quant_config, qm.moe_quant_config
-        order = self.block_order if slots else None
+        order = self.block_order if slot_step is not None else None
         old_global = getattr(self.layer, "global_num_experts", None)
         try:
             saved = self._swap_in(bound)
@@ -869,8 +880,12 @@ class ArmedLayer:
                 qm.moe_quant_config = quant_config
             if order is not None:
                 self.layer.global_num_experts = self.decision.num_slots
-                order.bind()
-            return stock(ids)
+                order.bind(slot_step)
+            out = stock(ids)
+            if order is not None and not order.ran:
+                raise RuntimeError("vLLM's Marlin call built no block list (unknown Marlin "
+                                   "layout): its slots were not filled")
+            return out
         except Exception as exc:  # never break serving: back to the stock path
             failed = exc
         finally:

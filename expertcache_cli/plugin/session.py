@@ -571,7 +571,7 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
     if decision.marlin:
         from .marlin import BlockOrder
 
-        block_order = BlockOrder(decision.num_experts, cache)
+        block_order = BlockOrder(decision.num_experts)
     armed = ArmedLayer(module, decision, cache, index=index, decode_tokens=decode_tokens,
                        scratch=scratch, padding=padding, small=small,
                        block_order=block_order)

@@ -243,34 +243,41 @@ def test_library_backend(cuda, tmp_path, monkeypatch, pdl):
         out = cache.step(torch.from_numpy(row).cuda(), sources)
         res = ref.step(row)
         assert_same_state(cache, ref, f"library step {t}", row, out, res)
-        if t % 50 == 49:  # the block remap through the library, against its rule
+        if t % 50 == 49:  # a block list through the library's manager, against its rule
             blocks = torch.arange(-3, E + 5, dtype=torch.int32, device="cuda")
-            want = binding.block_slots(blocks, cache.table)
-            assert torch.equal(cache.remap_blocks(blocks), want), f"library remap {t}"
+            row = torch.from_numpy(row).cuda()
+            cache.step(row, sources, remap=False, blocks=blocks)  # all hits: state unchanged
+            ref.step(row.cpu().numpy())
+            assert torch.equal(blocks, binding.block_slots(
+                torch.arange(-3, E + 5, dtype=torch.int32, device="cuda"), cache.table)), (
+                f"library block list {t}")
     st = cache.state()
     for name, buf in cache.slots.items():
         for s, e in enumerate(st["slot_expert"]):
             assert torch.equal(buf[s].cpu().view(torch.uint8), sources[name][e].view(torch.uint8))
     # argument checks return a code, no launch
     lib_h = kernels.lib
-    assert lib_h.expert_cache_block_remap(None, 4, p_table := cache.table.data_ptr(), E,
-                                          None) == 1003
-    assert lib_h.expert_cache_block_remap(None, 4, p_table, 0, None) == 1001
     i32 = torch.zeros(4, dtype=torch.int32, device="cuda")
     p = i32.data_ptr()
     # (ids, n, is64, table, slot_expert, prio, step, miss e/s/count, out, stats, real_rows,
-    #  pad_rows, row_width, E, S, policy, decay, max_distinct, max_inserts, stream)
-    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 0, 0, 1, 64, 0, 0, 0,
-                                     0, 0, 0)
+    #  pad_rows, row_width, blocks, n_blocks, E, S, policy, decay, max_distinct,
+    #  max_inserts, stream)
+    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 0, 0, 1, 0, 0, 64, 0,
+                                     0, 0, 0, 0, 0)
     assert code == 1001
-    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 0, 0, 1, 64, 8, 7, 0,
-                                     8, 8, 0)
+    code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 0, 0, 1, 0, 0, 64, 8,
+                                     7, 0, 8, 8, 0)
     assert code == 1002
     # a real-rows count or a row mask needs a row width
     for real, pad in ((p, 0), (0, p)):
-        code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, real, pad, 0, 64,
-                                         8, 0, 0, 8, 8, 0)
+        code = lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, real, pad, 0, 0,
+                                         0, 64, 8, 0, 0, 8, 8, 0)
         assert code == 1001
+    # a block list: a length without an address, or a negative length
+    assert lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 0, 0, 1, 0, 4, 64, 8,
+                                     0, 0, 8, 8, 0) == 1003
+    assert lib_h.expert_cache_manage(p, 4, 0, p, p, p, p, p, p, p, 0, 0, 0, 0, 1, p, -1, 64, 8,
+                                     0, 0, 8, 8, 0) == 1001
     srcs = (binding.ctypes.c_void_p * 1)(p)
     dsts = (binding.ctypes.c_void_p * 1)(p)
     bad = (binding.ctypes.c_longlong * 1)(24)

@@ -73,11 +73,12 @@ def test_the_side_row_follows_every_install_eager_and_in_a_graph(cuda):
 
 
 @pytest.mark.device
-def test_the_block_remap_gives_each_block_its_experts_slot_in_a_graph(cuda):
-    """The cache's remap kernel, captured with the manager step before it as a Marlin layer
-    runs them: on every replay each block of vLLM's list (fillers -1 and 0 past the real
-    blocks, ids out of range too) holds what `binding.block_slots` gives over the table the
-    step just wrote, and every resident expert's block its own slot."""
+def test_the_block_list_gives_each_block_its_experts_slot_in_a_graph(cuda):
+    """The manager step run on vLLM's block list, captured as a Marlin layer runs it (the
+    list built, then the step that rewrites it): on every replay each block of the list
+    (fillers -1 and 0 past the real blocks, ids out of range too) holds what
+    `binding.block_slots` gives over the table the step just wrote, and every resident
+    expert's block its own slot."""
     torch = cuda
     from expertcache_cli.device.binding import block_slots
     from expertcache_cli.device.slotcache import SlotCache
@@ -97,15 +98,15 @@ def test_the_block_remap_gives_each_block_its_experts_slot_in_a_graph(cuda):
         return topk_ids, static_list.clone(), static_list[:1]
 
     wrapped = marlin.expert_order_blocks(align)
-    order = marlin.BlockOrder(E, cache)
+    order = marlin.BlockOrder(E)
     g = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
-        cache.step(static_ids, sources, remap=False)
-        order.bind()
+        order.bind(lambda blocks: cache.step(static_ids, sources, remap=False, blocks=blocks))
         try:
             _, out, _ = wrapped(static_ids, 8, S)
+            assert order.ran
         finally:
             order.unbind()
     torch.cuda.current_stream().wait_stream(side)
