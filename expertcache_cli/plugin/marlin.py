@@ -23,8 +23,8 @@ vLLM built the block list (`expert_order_blocks`), in the same manager launch th
 that list to slots: the blocks, their order, the block size and the padding are the stock
 path's, only the weights each block reads are the slot's, and the layer launches what it
 launches on Triton's experts, the manager and the gather (`SlotCache.step` with
-``blocks``; a separate remap kernel cost 2.5 us a layer more in a graph, the same rule in
-torch ops 4.7 us more: `bench/bench_armed_layer.py`). A slot-bound call that builds no
+``blocks``; the same rule in torch ops after the step costs 6.8 us a layer more in a
+graph: `bench/bench_armed_layer.py`). A slot-bound call that builds no
 block list, or two, is refused (the layer goes back to the stock path): its slots would
 not hold what it reads. While bound to slots the layer reports ``S`` experts
 (``global_num_experts``), the experts its weights hold, as an ``S``-expert layer would
