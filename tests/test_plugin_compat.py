@@ -17,6 +17,19 @@ def test_parse_version(text, want):
     assert parse_version(text) == want
 
 
+@pytest.mark.parametrize("text, want", [("0.33.1", (0, 33)), ("0.34rc1", (0, 34)),
+                                        ("0.33.1rc2.dev5+gabc", (0, 33)), ("dev", None)])
+def test_the_installed_release_is_read_as_the_release_check_reads_it(monkeypatch, text, want):
+    """The sizing's padding rule (`installed_vllm.version`) and the release check read one
+    version string one way: a pre-release of an unknown minor is that minor to both (the
+    sizing pads it as an unknown release, serve refuses it), not unreadable to one."""
+    from expertcache_cli.vllm_facts import installed_vllm
+
+    monkeypatch.setattr(installed_vllm, "text", lambda: text)
+    assert installed_vllm.version() == want
+    assert installed_vllm.release() == (None if want is None else f"{want[0]}.{want[1]}")
+
+
 @pytest.mark.parametrize("text", ["0.26.0", "0.27.1", "0.32.0", "0.33.0", "0.33.4.dev1"])
 def test_known_versions_are_accepted(text):
     assert version_refusal(text) is None

@@ -5,8 +5,22 @@ where the tool reads what a release does (`vllm_runner`, `vllm_experts`, `captur
 from __future__ import annotations
 
 import importlib.util
+import re
 from importlib import metadata
 from pathlib import Path
+
+_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def parse_version(text: str | None) -> tuple[int, int, int] | None:
+    """'0.26.0', '0.33.1rc2.dev5+gabc', '0.34rc1' -> (0, 26, 0) / (0, 33, 1) / (0, 34, 0);
+    None if unreadable. The one reader of a vLLM version string: the release checks
+    (`releases`) and the sizing's padding rule (`version`) must read a pre-release or a
+    local build the same way."""
+    m = _VERSION_RE.match(text or "")
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 
 def text() -> str | None:
@@ -21,14 +35,8 @@ def text() -> str | None:
 
 def version() -> tuple[int, int] | None:
     """(major, minor) of the vLLM installed here, read from package metadata."""
-    full = text()
-    if full is None:
-        return None
-    parts = full.split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
+    v = parse_version(text())
+    return v[:2] if v else None
 
 
 def release() -> str | None:

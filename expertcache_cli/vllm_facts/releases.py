@@ -10,23 +10,12 @@ the server (where the plugin would decline every layer).
 
 from __future__ import annotations
 
-import re
-
 from . import installed_vllm
+from .installed_vllm import parse_version
 
 #: inclusive (major, minor) range of the vLLM releases whose source was read
 OLDEST_KNOWN = (0, 26)
 NEWEST_KNOWN = (0, 33)
-
-_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
-
-
-def parse_version(text: str) -> tuple[int, int, int] | None:
-    """'0.26.0', '0.33.1rc2.dev5+gabc' -> (0, 26, 0) / (0, 33, 1); None if unreadable."""
-    m = _VERSION_RE.match(text or "")
-    if not m:
-        return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 
 def known_range() -> str:
