@@ -24,12 +24,12 @@ def _marlin_armed(monkeypatch):
     monkeypatch.setenv("EXPERT_CACHE_MARLIN", "1")
 
 
-@pytest.mark.parametrize("quant", ["w4a16", "nvfp4"])
+@pytest.mark.parametrize("quant", ["nvfp4"])
 def test_marlin_formats_not_yet_served_are_declined_unless_asked_for(quant, monkeypatch):
     monkeypatch.delenv("EXPERT_CACHE_MARLIN")
     why = vllm_experts.declined_kernel(quant, None)
     assert why and "EXPERT_CACHE_MARLIN=1 arms it" in why and "served from its slots" in why
-    assert f"(mxfp4; {quant} not yet)" in why
+    assert f"(mxfp4, w4a16; {quant} not yet)" in why
     assert vllm_experts.declined_kernel(quant, None, marlin=True) is None
     monkeypatch.setenv("EXPERT_CACHE_MARLIN", "1")
     assert vllm_experts.declined_kernel(quant, None) is None
@@ -235,7 +235,7 @@ def test_triton_for_4_bit_experts_on_a_vllm_without_it_is_refused_before_launch(
                   v2_runner_offloads=lambda: True, wna16_triton=lambda: False)
 
 
-@pytest.mark.parametrize("quant", ["w4a16", "nvfp4"])
+@pytest.mark.parametrize("quant", ["nvfp4"])
 def test_a_cache_forced_on_marlin_not_opted_in_is_told_why_not_a_traceback(quant, monkeypatch):
     """`size --slots N` on a 4-bit model on vLLM's default kernel, its format's Marlin not
     armed by default and not asked for: the note says why every layer will be declined (no
