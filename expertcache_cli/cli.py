@@ -105,6 +105,12 @@ def _interrupted(line: str = INTERRUPTED) -> None:
     threads finishing their job) ends the process at once, without a traceback."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     print(f"expertcache: {line}", file=sys.stderr)
+    # A Ctrl-C (or SIGTERM) that landed while exec() ran a string (dataclasses and
+    # namedtuple build their methods so, when a module loads) leaves CPython's mark of an
+    # unhandled KeyboardInterrupt set although it was handled here, and under `python -m`
+    # CPython then ends the process by SIGINT after this exit instead of with 130. Any
+    # string run through exec() clears the mark.
+    exec("")
     sys.exit(130)
 
 

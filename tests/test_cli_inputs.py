@@ -5,8 +5,10 @@ Each input below is run as a user would, with what the user must see.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from terminal import sigint_default
@@ -165,6 +167,37 @@ elif where == "explained":
 sys.argv = ["expertcache", "replay"]
 cli.main()
 """
+
+
+#: `python -m` of a package whose __main__ has a Ctrl-C land while exec() runs a string
+_EXEC_CTRL_C = """
+import sys
+import expertcache_cli.cli as cli
+import expertcache_cli.commands.replay as replay
+
+def ctrl_c_in_exec(*args, **kwargs):
+    exec("raise KeyboardInterrupt")  # as when it lands while a dataclass builds its methods
+
+replay.load = ctrl_c_in_exec
+sys.argv = ["expertcache", "replay"]
+cli.main()
+"""
+
+
+def test_ctrl_c_inside_exec_still_exits_130_under_python_m(tmp_path):
+    """CPython marks a KeyboardInterrupt that leaves exec()'d code as unhandled even when it
+    is handled later, and under `python -m` ends such a process by SIGINT (-2) whatever
+    exit code it asked for: the CLI clears the mark, so the exit is 130 either way."""
+    pkg = tmp_path / "ctrlc_in_exec"
+    pkg.mkdir()
+    (pkg / "__main__.py").write_text(_EXEC_CTRL_C)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), str(Path(__file__).resolve().parents[1]),
+         os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "ctrlc_in_exec"], capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL, env=env, cwd=tmp_path)
+    assert r.returncode == 130, (r.returncode, r.stderr[-800:])
+    assert r.stderr.strip().splitlines() == ["expertcache: interrupted"], r.stderr
 
 
 @pytest.mark.parametrize("where, line", [
