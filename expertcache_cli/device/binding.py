@@ -171,7 +171,8 @@ def block_slots(blocks, table):
     device): the slot of each block's expert, its id clamped into ``0..E-1`` (vLLM's filler
     past the last block is 0 or -1) and a non-resident expert's -1 read as slot 0 (only
     padding rows route there, and their output is dropped). The reference the kernel is
-    tested against, and the path of a cache without the kernel."""
+    tested against, and what the tests' reference cache and the benches' torch-ops arm
+    run in its place (the plugin has no path without the kernel)."""
     index = blocks.clamp(0, table.shape[0] - 1)
     return table.clamp(min=0).index_select(0, index.to(table.device)).to(blocks.dtype)
 
