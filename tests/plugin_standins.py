@@ -52,6 +52,10 @@ class TrtLlmBf16ExpertsModular(TritonExperts):
     """An experts kernel the planner does not know (name not in its list)."""
 
 
+class HummingIndexedExperts(TritonExperts):
+    """vLLM 0.33+'s Humming experts, its default for 4-bit formats on Hopper."""
+
+
 class UnquantizedFusedMoEMethod:
     def __init__(self, experts: Any = None, monolithic: bool = False) -> None:
         self.is_monolithic = monolithic

@@ -8,6 +8,7 @@ import pytest
 from plugin_standins import (
     FakeModel,
     FakeTensor,
+    HummingIndexedExperts,
     RoutedExperts,
     SubstitutedRoutedExperts,
     TritonExperts,
@@ -84,6 +85,8 @@ def test_resident_layer_is_not_armed():
          "no modular kernel"),
         (RoutedExperts(quant_method=UnquantizedFusedMoEMethod(TrtLlmBf16ExpertsModular())),
          "TrtLlmBf16ExpertsModular is not known"),
+        (RoutedExperts(quant_method=UnquantizedFusedMoEMethod(HummingIndexedExperts())),
+         "runs 4-bit experts on Humming on Hopper unless told --moe-backend marlin"),
         (RoutedExperts(device="cpu", uva=False), "without UVA"),
         (RoutedExperts(extra_params={"w13_g": FakeTensor((128, 75), "float32", uva=True)}),
          "w13_g (300 B): 300 bytes per expert in slabs that are not multiples of 16"),

@@ -245,3 +245,61 @@ def test_a_cache_forced_on_marlin_not_opted_in_is_told_why_not_a_traceback(quant
     assert note.startswith("vLLM runs these 4-bit experts on Marlin, which the cache arms "
                            "by default only in the formats served from its slots on a GPU")
     assert note.endswith("every layer will be declined (the offload floor)")
+
+
+HUMMING_033 = "# Compute capabilities where Humming outranks Marlin.\n" \
+              "_HUMMING_PREFERRED_CAPABILITIES = frozenset({90})\n"
+
+
+def test_the_humming_ranking_is_read_from_its_file():
+    assert vllm_experts.humming_ranked_first(HUMMING_033) is True
+    assert vllm_experts.humming_ranked_first("def prioritize_humming(k): return k") is False
+
+
+@pytest.mark.parametrize("quant", ["w4a16", "nvfp4"])
+def test_4bit_experts_get_marlin_where_vllm_ranks_humming_first(quant):
+    flags, note = vllm_experts.offload_backend_args(quant, [], None, "0.33", humming=True)
+    assert flags == ["--moe-backend", "marlin"]
+    assert "vLLM 0.33 runs them on Humming" in note
+    # a vLLM without the ranking (0.26), or none read: vLLM's default is Marlin already
+    assert vllm_experts.offload_backend_args(quant, [], None, "0.26", humming=None) == ([], None)
+    assert vllm_experts.offload_backend_args(quant, [], None, humming=False) == ([], None)
+    # the user's own backend is theirs: no flag, and a declined one is said by kernel_note
+    assert vllm_experts.offload_backend_args(
+        quant, ["--moe-backend", "humming"], None, humming=True) == ([], None)
+
+
+def test_a_typed_moe_backend_auto_is_declined_where_it_means_humming():
+    why = vllm_experts.declined_kernel("w4a16", "auto", marlin=True, humming=True)
+    assert why is not None and "on Humming on Hopper" in why
+    assert vllm_experts.declined_kernel("w4a16", "auto", marlin=True, humming=False) is None
+    # left out, serve passes marlin: armed
+    assert vllm_experts.declined_kernel("w4a16", None, marlin=True, humming=True) is None
+    assert vllm_experts.declined_kernel("mxfp4", "auto", marlin=True, humming=True) is None
+
+
+def test_serve_passes_marlin_for_gptq_where_vllm_ranks_humming_first(tmp_path, monkeypatch):
+    import json
+
+    from tiny_moe import qwen3_moe_config
+
+    gptq = tmp_path / "gptq.json"
+    gptq.write_text(json.dumps(qwen3_moe_config(quantization_config={
+        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True})))
+
+    def plan(humming, args=("--max-num-seqs", "1")):
+        return make_plan("org/model", 24, slots=4, size_from=str(gptq), launcher=["vllm"],
+                         environ={}, vllm_args=list(args), v2_runner_offloads=lambda: True,
+                         wna16_triton=lambda: True, humming=lambda: humming)
+
+    ranked = plan(True)
+    assert ranked.argv[ranked.argv.index("--moe-backend") + 1] == "marlin"
+    assert any("runs them on Humming" in n for n in ranked.notes)
+    assert not any("declined" in n for n in ranked.notes)
+    assert "--moe-backend" not in plan(None).argv
+    # the user's own auto, which on such a vLLM means Humming: kept, and said
+    monkeypatch.setattr(vllm_experts, "humming_ranked_first", lambda source=None: True)
+    own = plan(True, ("--max-num-seqs", "1", "--moe-backend", "auto"))
+    assert own.argv.count("--moe-backend") == 1
+    assert any("--moe-backend auto" in n and "every layer will be declined" in n
+               for n in own.notes)

@@ -143,5 +143,6 @@ def offload_checks(model: str, vllm_args: list[str],
     if why:
         raise UserError(why)
     flags, note = vllm_experts.offload_backend_args(
-        m.quant, vllm_args, vllm_experts.mxfp4_marlin_available(), installed_vllm.release())
+        m.quant, vllm_args, vllm_experts.mxfp4_marlin_available(), installed_vllm.release(),
+        humming=vllm_experts.humming_ranked_first())
     return flags, note

@@ -98,6 +98,7 @@ def make_plan(
     v2_runner_offloads: Callable[[], bool | None] = vllm_runner.v2_runner_offloads,
     wna16_triton: Callable[[], bool | None] = vllm_experts.wna16_triton_available,
     mxfp4_marlin: Callable[[], bool | None] = vllm_experts.mxfp4_marlin_available,
+    humming: Callable[[], bool | None] = vllm_experts.humming_ranked_first,
 ) -> ServePlan:
     """Size the cache for ``model`` on ``vram_gb`` GiB and compose the `vllm serve` call.
 
@@ -106,7 +107,8 @@ def make_plan(
     ``v2_runner_offloads``: whether the vLLM that will run offloads on its V2 model runner
     (`vllm_runner`; tests pass their own); ``wna16_triton``: whether it can run 4-bit
     experts on Triton, ``mxfp4_marlin`` whether it can keep offloaded MXFP4 experts on
-    the host with Marlin (`vllm_experts`).
+    the host with Marlin, ``humming`` whether it ranks Humming ahead of Marlin for 4-bit
+    experts on Hopper (`vllm_experts`).
     ``plan_file``: a plan from `expertcache plan --save`; its per-layer budgets and policy
     are served, checked against this card (one per MoE layer, each below E, all of them
     within the bytes of the uniform budget that fits), with the wide-step mode it was
@@ -201,7 +203,8 @@ def make_plan(
         notes += [note] if note else []
         # the installed vLLM asked, and the why; the flags are the plan's own unless the
         # offload is the user's (a model that fits, offloaded anyway)
-        flags, note = vllm_experts.offload_backend_args(size.quant, args, mxfp4_marlin(), vtext)
+        flags, note = vllm_experts.offload_backend_args(size.quant, args, mxfp4_marlin(), vtext,
+                                                        humming=humming())
         if flags and flag_value(own, flags[0]) is None:
             own += flags
         notes += [note] if note else []

@@ -253,9 +253,12 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
     experts = getattr(kernel, "fused_experts", None)
     experts_name = type(experts).__name__
     if experts is None or experts_name not in KNOWN_EXPERTS:
+        hint = ("; vLLM 0.33+ runs 4-bit experts on Humming on Hopper unless told "
+                "--moe-backend marlin, which the cache arms (expertcache serve passes it)"
+                if experts_name.startswith("Humming") else "")
         return decline(
             f"experts kernel {experts_name} is not known to index weights by id only "
-            f"(known: {', '.join(sorted(KNOWN_EXPERTS))})"
+            f"(known: {', '.join(sorted(KNOWN_EXPERTS))}){hint}"
         )
     if not hasattr(experts, "quant_config"):
         return decline(f"{experts_name} has no quant_config attribute (unknown layout)")

@@ -230,7 +230,8 @@ class SizePlan:
     #: decoded tokens a prompt below which the scratch pays for itself (`scratch_break_even`;
     #: None: no scratch, or full batches wider than the slots, which it serves anyway)
     scratch_break_even_tokens: int | None = None
-    #: flags the format needs to stay offloaded (MXFP4: --moe-backend marlin;
+    #: flags the format needs to stay offloaded on a kernel the cache arms (MXFP4, and
+    #: 4-bit on a vLLM that prefers Humming on Hopper: --moe-backend marlin;
     #: `vllm_experts.offload_backend_args`), passed with the offload
     offload_args: list[str] = field(default_factory=list)
     #: the KV cache bytes vLLM is handed (``--kv-cache-memory-bytes``) where experts are
@@ -591,8 +592,8 @@ def _plan_for(
                            given=kv_cache_memory_bytes is not None)
     # (a --moe-backend that cannot offload this format is refused here, in one line)
     offload_args = vllm_experts.offload_backend_args(
-        model.quant, ["--moe-backend", moe_backend] if moe_backend else [], None)[0] if (
-        offload) else []
+        model.quant, ["--moe-backend", moe_backend] if moe_backend else [], None,
+        humming=vllm_experts.humming_ranked_first())[0] if offload else []
     return SizePlan(
         speculative_tokens=step.q - 1,
         model=model.name,

@@ -2,9 +2,10 @@
 
 The plugin arms the experts kernels it knows (`plugin.compat.KNOWN_EXPERTS`): vLLM's
 Triton experts, and its Marlin experts, which run every 4-bit format on NVIDIA GPUs up to
-Hopper by default (0.26 to 0.33: GPTQ, AWQ, compressed-tensors W4A16, NVFP4 weight-only,
-MXFP4 offloaded). Asked for another backend (``--moe-backend flashinfer_trtllm``,
-``humming``, ``emulation``, ...), vLLM runs them on a kernel the plugin declines, and a
+Hopper (GPTQ, AWQ, compressed-tensors W4A16, NVFP4 weight-only, MXFP4 offloaded; vLLM's
+default up to Ada, and on Hopper the kernel `serve` asks for, below). Asked for another
+backend (``--moe-backend flashinfer_trtllm``, ``humming``, ``emulation``, ...), vLLM runs
+them on a kernel the plugin declines, and a
 cached `serve` of such a checkpoint would silently run at the offload floor, every layer
 declined: this module says so before launch. Read from the installed vLLM's source,
 importing nothing.
@@ -17,6 +18,13 @@ parameters: 3.16" GB and still 5.8 GiB of weights in VRAM, the whole model. Offl
 MXFP4 experts therefore needs ``--moe-backend marlin`` (its repacked weights replace the
 Parameters by name, so vLLM moves them back to host memory, and the plugin arms Marlin);
 `offload_backend_args` adds it, or refuses the backends that keep the experts in VRAM.
+
+From 0.33 vLLM ranks its Humming kernel ahead of Marlin for GPTQ, AWQ, compressed-tensors
+W4A16 and NVFP4 on Hopper (``quantization/utils/humming/priority.py``, sm_90): served as
+they come, those experts run on a kernel the plugin declines, every layer at the offload
+floor. `offload_backend_args` passes ``--moe-backend marlin`` for them where the installed
+vLLM has that ranking (elsewhere Marlin is what vLLM picks anyway, or a kernel the cache
+cannot arm either), unless the user named a backend.
 """
 
 from __future__ import annotations
@@ -43,11 +51,46 @@ def mxfp4_marlin_available(source: str | None = None) -> bool | None:
     return installed_vllm.source_says(MXFP4_MARLIN, MXFP4_ORACLE, source)
 
 
+HUMMING_PRIORITY = ("model_executor", "layers", "quantization", "utils", "humming",
+                    "priority.py")
+#: the ranking's marker: the compute capabilities on which Humming outranks Marlin
+HUMMING_PREFERRED = "_HUMMING_PREFERRED_CAPABILITIES"
+#: formats whose oracle (int_wna16, nvfp4) applies that ranking to its default backends
+HUMMING_FIRST = ("w4a16", "nvfp4")
+
+
+def humming_ranked_first(source: str | None = None) -> bool | None:
+    """Whether the installed vLLM ranks Humming ahead of Marlin for 4-bit experts on some
+    GPUs (0.33+: Hopper); None without vLLM here, or without that ranking (0.26).
+    ``source``: the ranking file's text (tests)."""
+    return installed_vllm.source_says(HUMMING_PREFERRED, HUMMING_PRIORITY, source)
+
+
+def marlin_over_humming_args(quant: str, args: list[str], humming: bool | None,
+                             version: str | None = None) -> tuple[list[str], str | None]:
+    """``--moe-backend marlin`` for ``quant`` experts that the installed vLLM would run on
+    Humming (``humming``: `humming_ranked_first`), with the note that says why; nothing
+    where the user named a backend (their choice is judged by `declined_kernel`)."""
+    if quant not in HUMMING_FIRST or not humming:
+        return [], None
+    if vllm_flags.vllm_flag_value(args, "--moe-backend") is not None:
+        return [], None
+    which = f"vLLM {version}" if version else "this vLLM"
+    return ["--moe-backend", "marlin"], (
+        f"{quant} experts: --moe-backend marlin is passed, because on Hopper {which} runs "
+        "them on Humming by default, a kernel the cache does not arm")
+
+
 def offload_backend_args(quant: str, args: list[str], marlin: bool | None,
-                         version: str | None = None) -> tuple[list[str], str | None]:
-    """The vLLM flags that keep offloaded ``quant`` experts in host memory, with the note
-    that says why; raises `UserError` when the user's own ``--moe-backend`` (or the
-    installed vLLM) cannot. Only MXFP4 needs any (see the module's docstring)."""
+                         version: str | None = None, *,
+                         humming: bool | None = None) -> tuple[list[str], str | None]:
+    """The vLLM flags that keep offloaded ``quant`` experts in host memory and on a kernel
+    the cache arms, with the note that says why; raises `UserError` when the user's own
+    ``--moe-backend`` (or the installed vLLM) cannot keep them offloaded. MXFP4 needs
+    Marlin to stay offloaded; GPTQ/AWQ/W4A16 and NVFP4 need it where vLLM would pick
+    Humming (``humming``: `humming_ranked_first`; see the module's docstring)."""
+    if quant in HUMMING_FIRST:
+        return marlin_over_humming_args(quant, args, humming, version)
     if quant != "mxfp4":
         return [], None
     which = f"vLLM {version}" if version else "vLLM"
@@ -82,24 +125,31 @@ def wna16_triton_available(source: str | None = None) -> bool | None:
 
 
 #: ``--moe-backend`` values under which vLLM runs 4-bit experts on its Marlin experts
-#: (auto: its default on NVIDIA up to Hopper; offloaded MXFP4 gets marlin from `serve`) or,
+#: (auto: its default on NVIDIA up to Ada, and up to Hopper before 0.33; offloaded
+#: MXFP4, and on 0.33+ GPTQ/AWQ/W4A16/NVFP4, get marlin from `serve`) or,
 #: for the integer formats from 0.32, on its Triton WNA16 experts: kernels the plugin arms
 ARMED_4BIT_BACKENDS = {"w4a16": ("auto", "marlin", "triton"), "nvfp4": ("auto", "marlin"),
                        "mxfp4": ("auto", "marlin")}
 
 
 def declined_kernel(quant: str, moe_backend: str | None,
-                    marlin: bool | None = None) -> str | None:
+                    marlin: bool | None = None, *, humming: bool | None = None) -> str | None:
     """Why the plugin would decline every MoE layer of a ``quant`` checkpoint that vLLM
     runs with ``--moe-backend moe_backend`` (None: vLLM's default), or None where it can
-    arm them. 4-bit experts on vLLM's default kernel (Marlin on NVIDIA up to Hopper, 0.26
-    to 0.33) are armed where ``marlin`` (default: `config.marlin_from_env`,
+    arm them. 4-bit experts on Marlin (vLLM's default up to Ada; on Hopper, where 0.33+
+    prefers Humming, what `offload_backend_args` asks for) are armed where ``marlin``
+    (default: `config.marlin_from_env`,
     ``EXPERT_CACHE_MARLIN=1``) allows; another backend named is not. Offloaded MXFP4 runs
     on Marlin (`offload_backend_args` passes it; a backend that keeps the experts in VRAM
-    is refused there)."""
+    is refused there). ``humming`` (`humming_ranked_first`): a ``--moe-backend auto`` the
+    user typed runs these formats on Humming on Hopper, which is declined."""
     if quant not in ARMED_4BIT_BACKENDS:
         return None
     backend = (moe_backend or "auto").strip().lower()
+    if moe_backend is not None and backend == "auto" and humming and quant in HUMMING_FIRST:
+        return ("vLLM runs these 4-bit experts under --moe-backend auto on Humming on Hopper, "
+                "a kernel the cache does not arm (Marlin, which serve asks for when the flag "
+                "is left out, it arms)")
     if backend not in ARMED_4BIT_BACKENDS[quant]:
         return (f"vLLM runs these 4-bit experts on --moe-backend {backend}, a kernel the "
                 "cache does not arm (vLLM's default, Marlin, it arms)")
@@ -144,7 +194,7 @@ def kernel_note(quant: str, args: list[str], version: str | None = None) -> str 
     kernel vLLM will pick: a backend the plugin declines on every layer; None where it
     arms that kernel (`declined_kernel` decides)."""
     backend = vllm_flags.vllm_flag_value(args, "--moe-backend")
-    why = declined_kernel(quant, backend)
+    why = declined_kernel(quant, backend, humming=humming_ranked_first())
     if why is None:
         return None
     if backend is None:  # vLLM's default kernel, which the cache arms only when asked
