@@ -28,7 +28,7 @@ from typing import Any
 from ..config import FRACTION, SLOTS, CacheConfig, ConfigError, from_env
 from ..vllm_facts.releases import version_refusal
 from ..vllm_facts.vllm_runner import runner_ignores_offload
-from . import memory
+from . import memory, reoffload
 from .compat import layout_refusal
 
 log = logging.getLogger("vllm.expertcache")
@@ -130,8 +130,7 @@ def register() -> None:
     _config = cfg
     if cfg.disabled:
         log.warning("expertcache: EXPERT_CACHE_DISABLE=1: no layer will be armed (stock path)")
-        return
-    if not cfg.asked:  # opt-in: installed is not asked
+    elif not cfg.asked:  # opt-in: installed is not asked
         log.info("expertcache: installed but not asked for (no %s or %s, which `expertcache "
                  "serve` sets): nothing is armed, vLLM serves on its stock path", SLOTS,
                  FRACTION)
@@ -144,10 +143,30 @@ def register() -> None:
         return
     why = version_refusal(version)
     if why:
-        log.warning("expertcache: %s; the cache is NOT armed, serving on the stock path", why)
+        if not cfg.disabled:
+            log.warning("expertcache: %s; the cache is NOT armed, serving on the stock path",
+                        why)
+        return
+    # the control run too (EXPERT_CACHE_DISABLE=1): the floor offloads what the cache does
+    when_imported(reoffload.LOADER_UTILS_MODULE, _patch_reoffload)
+    if cfg.disabled:
         return
     when_imported(WORKER_MODULE, lambda m: _patch_worker(m, cfg, version))
     when_imported(ENGINE_CORE_MODULE, _patch_engine_loop)
+
+
+#: what `reoffload` moved back in this process (its line joins the arming summary)
+REOFFLOADED = reoffload.Tally(lambda: log.warning(
+    "expertcache: vLLM's weight processing left offloaded weights in VRAM under their "
+    "offload mark (its repack rebinds them in place); moving them back to host memory, "
+    "layer by layer"))
+
+
+def _patch_reoffload(module: ModuleType) -> None:
+    """Complete `device_loading_context`'s exit (`reoffload`); a module without it is said."""
+    why = reoffload.patch_loader_utils(module, REOFFLOADED)
+    if why:
+        log.warning("expertcache: %s", why)
 
 
 def _patch_engine_loop(module: ModuleType) -> None:
@@ -205,6 +224,9 @@ def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
         if why:  # vLLM's own failure follows (OOM) or the card is overshot: say why first
             log.error("expertcache: %s", why)
         out = orig_load(self, *args, **kwargs)
+        moved = REOFFLOADED.line()
+        if moved:
+            log.info("expertcache: %s", moved)
         self._expertcache_session = _arm_worker(self, cfg, version)
         return out
 
