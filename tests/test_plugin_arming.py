@@ -74,6 +74,16 @@ def test_resident_layer_is_not_armed():
     assert d.action == SKIP and "resident" in d.reason
 
 
+def test_a_parameter_vllm_retired_is_not_mirrored():
+    """vLLM 0.34 keeps some loaded parameters that no kernel reads (``retire_parameter``):
+    one of odd slabs, which would decline the layer if mirrored, is left out."""
+    odd = FakeTensor((128, 75), "float32", uva=True)
+    odd.retired = True
+    d = plan_layer(RoutedExperts(extra_params={"w13_input_global": odd}), CFG)
+    assert d.action == ARM, d.reason
+    assert "w13_input_global" not in [s.name for s in d.specs]
+
+
 @pytest.mark.parametrize(
     "layer, needle",
     [

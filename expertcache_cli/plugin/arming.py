@@ -279,7 +279,8 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
     # Rule 4: the per-expert tensors, and nothing per-expert we could not rebind.
     specs_src: list[tuple[str, Any]] = []
     for pname, p in params.items():
-        if pname in NON_EXPERT_TENSORS or pname in LOAD_ONLY_TENSORS or p is None:
+        if (pname in NON_EXPERT_TENSORS or pname in LOAD_ONLY_TENSORS or p is None
+                or getattr(p, "retired", False)):  # 0.34: kept as loaded, read by no kernel
             continue
         if _leading(p) == num_experts and not is_empty(p):
             specs_src.append((pname, p))
