@@ -229,8 +229,8 @@ def test_reloaded_or_woken_weights_empty_the_slots(fresh):
     w.wake_up(tags=["kv_cache"])  # the weights still asleep: nothing to empty yet
     w.wake_up(tags=["weights"])
     assert seen == ["reload -> vLLM reloaded the weights",
-                    "wake:['weights'] -> vLLM woke its weights from sleep (discarded at "
-                    "level 2, maybe replaced)"]
+                    "wake:['weights'] -> vLLM woke its weights from sleep (which may have "
+                    "discarded the slots and replaced the weights)"]
     assert worker_cls.wake_up.__name__ == "wake_up"
 
 
@@ -311,3 +311,146 @@ def test_serve_and_baseline_environments_ask_for_the_cache():
     assert from_env(CacheConfig(slots_per_layer=(4, 5)).to_env()).asked
     assert from_env(CacheConfig(fraction=0.3).to_env()).asked
     assert not from_env({}).asked
+
+
+# -- vLLM 0.34 ----------------------------------------------------------------------------
+
+class _Backend034:
+    """0.34's `CuMemBackend` as the worker calls it: ``suspend(discardable)``."""
+
+    def __init__(self):
+        self.seen: list[set[int]] = []
+
+    def suspend(self, discardable=()):
+        self.seen.append(set(discardable))
+
+
+class _Backend033:
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def suspend(self, level=1):
+        self.seen.append(level)
+
+
+def _worker_034(fresh, backend):
+    worker_cls = _fake_worker_module(fresh)
+
+    def sleep(self, level=1):  # 0.34 gpu_worker.py:320-337, the parameters at level 2
+        self.calls.append(f"sleep:{level}")
+        self.sleep_mode_backend.suspend({0xA0} if level == 2 else set())
+
+    def extend_kv_cache(self, num_blocks):
+        self.calls.append(f"extend:{num_blocks}")
+        self.model_runner.extensible_kv_cache.physical_bytes = 9 * 2**30
+
+    worker_cls.sleep, worker_cls.extend_kv_cache = sleep, extend_kv_cache
+    worker_cls.sleep_mode_backend = backend
+    return worker_cls
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_034_sleep_names_the_slots_discardable(fresh, pooled):
+    """0.34 backs up every weights-pool allocation that is not all parameters, at every
+    level, and keeps the host copy after the wake; the slots are emptied after each wake
+    anyway, so the plugin names them discardable to vLLM's sleep backend (both levels)."""
+    _fake_vllm(fresh, "0.33.0")  # (the gate: 0.34 is not accepted yet)
+    backend = _Backend034()
+    worker_cls = _worker_034(fresh, backend)
+
+    class Session:
+        def sleep_storage(self):
+            return {0xB0, 0xB1}
+
+    Session.pooled = pooled
+    fresh.setattr(plugin, "_arm_worker", lambda worker, cfg, version: Session())
+    plugin.register()
+    w = worker_cls()
+    w.load_model()
+    w.sleep(level=2)
+    w.sleep(level=1)
+    slots = {0xB0, 0xB1} if pooled else set()
+    assert backend.seen == [{0xA0} | slots, slots]
+    assert worker_cls.sleep.__name__ == "sleep"
+
+
+def test_033_sleep_backend_is_left_alone(fresh):
+    _fake_vllm(fresh, "0.33.0")
+    backend = _Backend033()
+    worker_cls = _worker_034(fresh, backend)
+    worker_cls.sleep = lambda self, level=1: self.sleep_mode_backend.suspend(level)
+    Session = type("Session", (), {"pooled": True, "sleep_storage": lambda self: {1}})
+    fresh.setattr(plugin, "_arm_worker", lambda worker, cfg, version: Session())
+    plugin.register()
+    w = worker_cls()
+    w.load_model()
+    w.sleep(2)
+    assert backend.seen == [2] and "_expertcache_wrapped" not in vars(backend)
+
+
+def test_034_extensible_kv_is_judged_once_committed(fresh, caplog):
+    """0.34's extensible KV cache (its default unless --kv-cache-memory-bytes): the size
+    ``determine_available_memory`` returns is an estimate, so no line (and no shortfall
+    error) then; the committed size is logged after ``extend_kv_cache``."""
+    _fake_vllm(fresh, "0.33.0")
+    worker_cls = _worker_034(fresh, _Backend034())
+
+    class Session:
+        armed = ["a layer"]
+        slot_bytes = 5 * 2**30
+        weights_bytes = 6 * 2**30
+        scratch_bytes = 0
+        memory_mechanism = "measured"
+
+    fresh.setattr(plugin, "_arm_worker", lambda worker, cfg, version: Session())
+    plugin.register()
+    w = worker_cls()
+    w.cache_config = types.SimpleNamespace(kv_cache_memory_bytes=None,
+                                           enable_extensible_kv_cache=True)
+    w.model_runner = types.SimpleNamespace(extensible_kv_cache=types.SimpleNamespace())
+    with caplog.at_level("INFO", logger="vllm.expertcache"):
+        w.load_model()
+        w.determine_available_memory()
+        assert "memory plan" not in caplog.text
+        w.extend_kv_cache(1234)
+    assert w.calls[-1] == "extend:1234"
+    assert "vLLM chose 9.00 GiB of KV cache" in caplog.text
+
+
+def test_a_weight_update_failing_part_way_empties_the_slots(fresh):
+    """0.34: "Starting may already move weights; only a successful finish restores them".
+    A start, chunk or finish that raises leaves the slots emptied (no sweep) and vLLM's
+    exception goes on; a successful finish invalidates as before."""
+    _fake_vllm(fresh, "0.33.0")
+    worker_cls = _fake_worker_module(fresh)
+    seen: list[str] = []
+
+    def update_weights(self, info):
+        if info == "bad":
+            raise RuntimeError("trainer hung up")
+
+    def finish_weight_update(self):
+        pass
+
+    worker_cls.update_weights, worker_cls.finish_weight_update = (update_weights,
+                                                                  finish_weight_update)
+
+    class Session:
+        def empty_slots(self, why):
+            seen.append(f"empty: {why}")
+
+        def invalidate(self, why):
+            seen.append(f"invalidate: {why}")
+
+    fresh.setattr(plugin, "_arm_worker", lambda worker, cfg, version: Session())
+    plugin.register()
+    w = worker_cls()
+    w.load_model()
+    w.update_weights("ok")
+    with pytest.raises(RuntimeError, match="trainer hung up"):
+        w.update_weights("bad")
+    w.finish_weight_update()
+    assert seen == ["empty: a weight update failed part-way (vLLM's update_weights): the "
+                    "weights may be part new",
+                    "invalidate: vLLM finished a weight update (weight transfer)"]
+    assert worker_cls.update_weights.__name__ == "update_weights"

@@ -119,3 +119,49 @@ def test_baseline_forced_v2_is_refused_before_anything_is_written(monkeypatch, t
     with pytest.raises(UserError, match="unset it"):
         run_baseline(cfg)
     assert not cfg.out.exists()
+
+
+# -- vLLM 0.34: one model runner (the V2 one, which offloads); the V1 pin is an error -----
+
+V034_LIKE = V033_LIKE  # gpu/model_runner.py:379 of 0.34.0, in GPUModelRunner.__init__
+
+
+def test_034_has_no_v1_runner_to_pin(tmp_path, monkeypatch):
+    pkg = tmp_path / "vllm"
+    (pkg / "v1" / "worker" / "gpu").mkdir(parents=True)
+    (pkg / "v1" / "worker" / "gpu" / "model_runner.py").write_text(V034_LIKE)
+    spec = types.SimpleNamespace(submodule_search_locations=[str(pkg)])
+    monkeypatch.setattr(installed_vllm.importlib.util, "find_spec", lambda name: spec)
+    assert vllm_runner.v1_runner_present() is False and vllm_runner.v2_runner_offloads()
+    (pkg / "v1" / "worker" / "gpu_model_runner.py").write_text("class GPUModelRunner: ...")
+    assert vllm_runner.v1_runner_present() is True  # 0.26-0.33
+    monkeypatch.setattr(installed_vllm.importlib.util, "find_spec", lambda name: None)
+    assert vllm_runner.v1_runner_present() is None
+
+
+@pytest.mark.parametrize("value", ["0", "true", "", "false"])
+def test_034_refuses_any_runner_env_but_1(value):
+    with pytest.raises(UserError, match=f"{ENV}={value} in your environment: vLLM 0.34.0 "
+                                        "has no V1 model runner.*unset it"):
+        vllm_runner.offload_runner_env({ENV: value}, True, "0.34.0", v1_present=False)
+    assert vllm_runner.offload_runner_env({ENV: "1"}, True, "0.34.0", False) == ({}, None)
+    assert vllm_runner.offload_runner_env({}, True, "0.34.0", False) == ({}, None)
+    # 0.33 with V1 still there: a 0 is the user's V1, nothing to refuse
+    assert vllm_runner.offload_runner_env({ENV: "0"}, True, "0.33.0", True) == ({}, None)
+
+
+def test_034_never_gets_the_v1_pin():
+    with pytest.raises(UserError, match="no V1 model runner to serve the offload on"):
+        vllm_runner.offload_runner_env({}, False, "0.34.0", v1_present=False)
+
+
+def test_serve_on_034_refuses_a_stale_v1_pin_before_launch():
+    def plan(environ, vram=24):
+        return make_plan("Qwen/Qwen3-30B-A3B", vram, launcher=["vllm"], environ=environ,
+                         v2_runner_offloads=lambda: True, v1_runner_present=lambda: False,
+                         vllm_args=["--max-num-seqs", "4", "--max-model-len", "8192"])
+    assert ENV not in plan({}).env
+    with pytest.raises(UserError, match="has no V1 model runner"):
+        plan({ENV: "0"})
+    with pytest.raises(UserError, match="has no V1 model runner"):
+        plan({ENV: "0"}, vram=141)  # nothing offloaded: vLLM would still stop at start

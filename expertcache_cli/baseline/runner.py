@@ -292,7 +292,7 @@ def _offload_env(cfg: BaselineConfig, say: Callable[[str], None]) -> dict[str, s
         return {}  # another program, maybe another vLLM: nothing here to read it by
     env, note = vllm_runner.offload_runner_env(
         os.environ, vllm_runner.v2_runner_offloads(),
-        installed_vllm.release())
+        installed_vllm.release(), vllm_runner.v1_runner_present())
     if note:
         say(f"note: {note}")
     return env

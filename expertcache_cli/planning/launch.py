@@ -96,6 +96,7 @@ def make_plan(
     plan_file: str | None = None,
     wide: Wide | str | None = None,
     v2_runner_offloads: Callable[[], bool | None] = vllm_runner.v2_runner_offloads,
+    v1_runner_present: Callable[[], bool | None] = vllm_runner.v1_runner_present,
     wna16_triton: Callable[[], bool | None] = vllm_experts.wna16_triton_available,
     mxfp4_marlin: Callable[[], bool | None] = vllm_experts.mxfp4_marlin_available,
     humming: Callable[[], bool | None] = vllm_experts.humming_ranked_first,
@@ -108,7 +109,8 @@ def make_plan(
     (`vllm_runner`; tests pass their own); ``wna16_triton``: whether it can run 4-bit
     experts on Triton, ``mxfp4_marlin`` whether it can keep offloaded MXFP4 experts on
     the host with Marlin, ``humming`` whether it ranks Humming ahead of Marlin for 4-bit
-    experts on Hopper (`vllm_experts`).
+    experts on Hopper (`vllm_experts`); ``v1_runner_present`` whether it still has a V1
+    model runner (`vllm_runner`).
     ``plan_file``: a plan from `expertcache plan --save`; its per-layer budgets and policy
     are served, checked against this card (one per MoE layer, each below E, all of them
     within the bytes of the uniform budget that fits), with the wide-step mode it was
@@ -197,8 +199,12 @@ def make_plan(
         notes.append(f"{config.DISABLE}=1 in your environment: the cache will not arm "
                      "(the control run)")
     vtext = installed_vllm.release()
+    v1 = v1_runner_present()
+    why = vllm_runner.runner_env_refusal(environ, v1, vtext)
+    if why:  # vLLM would stop at start whatever is offloaded
+        raise UserError(why)
     if flag_value([*own, *args], "--cpu-offload-gb") not in (None, "0"):
-        extra, note = vllm_runner.offload_runner_env(environ, v2_runner_offloads(), vtext)
+        extra, note = vllm_runner.offload_runner_env(environ, v2_runner_offloads(), vtext, v1)
         env.update(extra)
         notes += [note] if note else []
         # the installed vLLM asked, and the why; the flags are the plan's own unless the

@@ -51,7 +51,15 @@ WEIGHT_CHANGES: tuple[tuple[str, str], ...] = (
     ("finish_weight_update", "vLLM finished a weight update (weight transfer)"),
     ("reset_weights", "vLLM reset the weights"),
 )
-WAKE_WHY = "vLLM woke its weights from sleep (discarded at level 2, maybe replaced)"
+WAKE_WHY = ("vLLM woke its weights from sleep (which may have discarded the slots and "
+            "replaced the weights)")
+#: `Worker` methods of the weight-transfer API whose failure may leave the weights part
+#: new, part old (0.34: "Starting may already move weights; only a successful finish
+#: restores them"): the slots are emptied (no sweep: the layer may be mid-update) and the
+#: exception goes on to vLLM
+WEIGHT_UPDATE_STEPS = ("start_weight_update", "start_draft_weight_update", "update_weights",
+                       "finish_weight_update")
+FAILED_UPDATE_WHY = "a weight update failed part-way (vLLM's {}): the weights may be part new"
 
 _registered = False
 _config: CacheConfig | None = None
@@ -247,7 +255,23 @@ def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
     for name, why in WEIGHT_CHANGES:
         orig_fn = getattr(worker_cls, name, None)
         if callable(orig_fn):
-            pairs.append((_invalidating(orig_fn, why), orig_fn))
+            inner = (_emptied_on_failure(orig_fn, FAILED_UPDATE_WHY.format(name))
+                     if name in WEIGHT_UPDATE_STEPS else orig_fn)
+            pairs.append((_invalidating(inner, why), orig_fn))
+    for name in WEIGHT_UPDATE_STEPS:
+        if name in dict(WEIGHT_CHANGES):
+            continue  # (wrapped with the weight changes, above)
+        orig_fn = getattr(worker_cls, name, None)
+        if callable(orig_fn):
+            pairs.append((_emptied_on_failure(orig_fn, FAILED_UPDATE_WHY.format(name)),
+                          orig_fn))
+    orig_sleep = getattr(worker_cls, "sleep", None)
+    if callable(orig_sleep):
+        pairs.append((_discarding_slots(orig_sleep), orig_sleep))
+    orig_extend = getattr(worker_cls, "extend_kv_cache", None)
+    if callable(orig_extend):  # 0.34's extensible KV cache: its size is final only here
+        pairs.append((_then(orig_extend, _log_extended_kv, "no memory-plan line ({})"),
+                      orig_extend))
     orig_wake = getattr(worker_cls, "wake_up", None)
     if callable(orig_wake):
         pairs.append((_invalidating(orig_wake, WAKE_WHY, _wakes_weights), orig_wake))
@@ -267,6 +291,84 @@ def _patch_worker(module: ModuleType, cfg: CacheConfig, version: str) -> None:
         fn.__name__, fn.__qualname__, fn.__doc__ = orig.__name__, orig.__qualname__, orig.__doc__
         setattr(worker_cls, orig.__name__, fn)
     worker_cls._expertcache_patched = True
+
+
+def _emptied_on_failure(orig: Callable[..., Any], why: str) -> Callable[..., Any]:
+    """``orig``; where it raises, every slot of the worker's session emptied (the table
+    only: nothing rebuilt, nothing swept, since the layer may hold part of an update) before
+    the exception goes on. The next successful finish or reload invalidates as usual."""
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return orig(self, *args, **kwargs)
+        except BaseException:
+            session = getattr(self, "_expertcache_session", None)
+            if session is not None:
+                try:
+                    session.empty_slots(why)
+                except Exception as exc:  # never hide vLLM's own exception
+                    log.error("expertcache: %s; emptying the slots failed too (%s)", why, exc)
+            raise
+
+    return wrapper
+
+
+def _discarding_slots(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``Worker.sleep``, with the slots and the scratch named discardable to vLLM's sleep
+    backend, where it takes such a list (0.34: ``SleepModeBackend.suspend(discardable)``,
+    "the storage addresses of the tensors the caller rewrites after resume, so they need no
+    backup"). Without it 0.34 backs them up to host memory at every level and keeps that
+    copy for the process's life; the plugin empties them after every wake of the weights
+    anyway. On 0.26-0.33 (``suspend(level)``) nothing changes."""
+
+    def sleep(self: Any, *args: Any, **kwargs: Any) -> Any:
+        session = getattr(self, "_expertcache_session", None)
+        if session is not None and getattr(session, "pooled", False):
+            try:
+                _name_discardable(self.sleep_mode_backend, session.sleep_storage)
+            except Exception as exc:
+                log.warning("expertcache: the slots are backed up to host memory by this "
+                            "sleep (%s: %s)", exc.__class__.__name__, exc)
+        return orig(self, *args, **kwargs)
+
+    return sleep
+
+
+def _name_discardable(backend: Any, storage: Callable[[], set[int]]) -> None:
+    """Wrap ``backend.suspend`` (this worker's instance only) to add ``storage()`` to the
+    addresses it may discard; once; nothing where it takes no ``discardable``."""
+    import inspect
+
+    suspend = getattr(backend, "suspend", None)
+    if suspend is None or getattr(suspend, "_expertcache_wrapped", False):
+        return
+    if "discardable" not in inspect.signature(suspend).parameters:
+        return  # 0.26-0.33: suspend(level); level 2 discards the whole pool anyway
+
+    def wrapped(discardable: Any = (), *args: Any, **kwargs: Any) -> Any:
+        return suspend(set(discardable) | storage(), *args, **kwargs)
+
+    wrapped._expertcache_wrapped = True  # type: ignore[attr-defined]
+    backend.suspend = wrapped
+
+
+def extensible_kv(worker: Any) -> bool:
+    """vLLM 0.34's extensible KV cache is on: ``determine_available_memory`` returns an
+    estimate; the size is measured after warm-up and committed in ``extend_kv_cache``."""
+    return getattr(getattr(worker, "cache_config", None), "enable_extensible_kv_cache",
+                   False) is True
+
+
+def _log_extended_kv(worker: Any, session: Any, out: Any) -> None:
+    """The KV size an extensible KV cache committed (its final one), beside the slots."""
+    if not session.armed:
+        return
+    kv = getattr(getattr(worker.model_runner, "extensible_kv_cache", None),
+                 "physical_bytes", None)
+    log.info("%s", memory.kv_line(session.slot_bytes, session.weights_bytes,
+                                  kv if isinstance(kv, int) else None, False,
+                                  session.scratch_bytes,
+                                  getattr(session, "memory_mechanism", memory.WEIGHTS)))
 
 
 def _then(orig: Callable[..., Any], act: Callable[[Any, Any, Any], None],
@@ -408,8 +510,8 @@ def _capture_sizes(vc: Any) -> list[int]:
 
 def _log_memory_plan(worker: Any, session: Any, kv_bytes: Any) -> None:
     """Once vLLM sized its KV cache: the slot GiB it planned around and the KV it chose."""
-    if not session.armed:
-        return
+    if not session.armed or extensible_kv(worker):
+        return  # 0.34's extensible KV cache: said in `_log_extended_kv`, once it is final
     explicit = memory.explicit_kv_bytes(worker)
     kv = kv_bytes if isinstance(kv_bytes, int) and not isinstance(kv_bytes, bool) else None
     if kv is None:

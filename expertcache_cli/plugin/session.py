@@ -72,6 +72,8 @@ class Session:
         #: the sweeps' summary line: when it is about, and whether it was logged
         self._sweep_when = "startup"
         self._sweep_logged = False
+        #: the slots and the scratch were allocated in vLLM's sleep-mode pool (`memory`)
+        self.pooled = False
         for a in armed:
             a.on_swept = self._swept
 
@@ -243,6 +245,29 @@ class Session:
             for a in self.armed:
                 if not a._failed:
                     a.sweep()
+
+    def sleep_storage(self) -> set[int]:
+        """Storage addresses of the slot buffers and wide-step scratch buffers, which the
+        cache allocated in vLLM's sleep pool and empties after every wake of the weights:
+        a sleep may discard them (0.34's ``SleepModeBackend.suspend(discardable)``).
+        vLLM discards a pool allocation only where every live block in it is named."""
+        out: set[int] = set()
+        for a in self.armed:
+            tensors = list(a.cache.slots.values())
+            if a.scratch is not None:
+                tensors += list(a.scratch.buffers.values())
+            out.update(t.untyped_storage().data_ptr() for t in tensors)
+        return out
+
+    def empty_slots(self, why: str) -> None:
+        """Empty every armed layer's table (device work only: no quant config rebuilt, no
+        sweep), for a weight update that failed part-way: whatever the layer now holds, a
+        step installs it afresh. The next successful update invalidates as usual."""
+        for a in self.armed:
+            a.cache.reset()
+        if self.armed:
+            log.warning("expertcache: %s: the slots of %d layer(s) emptied", why,
+                        len(self.armed))
 
     def serving_starts(self) -> None:
         """vLLM finished its warm-up (compile sizes, graph capture, the sampler's dummy
@@ -437,6 +462,7 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
         if d.action == DECLINE:
             log.warning("expertcache: %s not armed: %s", d.layer_name, d.reason)
     session = Session(cfg, decisions, armed, recorder)
+    session.pooled = pool is not None and bool(armed)
     log.info("%s", summary_line(decisions, cfg, vllm_version, max_num_seqs, capture_sizes,
                                 session.scratch_bytes, spec_tokens))
     return session

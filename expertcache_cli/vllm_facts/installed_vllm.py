@@ -59,6 +59,19 @@ def source(*parts: str) -> str | None:
     return None
 
 
+def has_file(*parts: str) -> bool | None:
+    """Whether the installed vLLM package has this file (``parts`` below ``vllm/``); None
+    when there is no vLLM here. Reads nothing but the directory."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    if not roots:
+        return None
+    return any(Path(root).joinpath(*parts).is_file() for root in roots)
+
+
 def source_says(marker: str, parts: tuple[str, ...], text: str | None = None) -> bool | None:
     """Whether one file of the installed vLLM (``parts`` below ``vllm/``) contains
     ``marker``: how the tool reads what a release does without importing it; None when

@@ -28,6 +28,8 @@ from . import installed_vllm
 
 ENV = "VLLM_USE_V2_MODEL_RUNNER"
 V2_RUNNER_FILE = ("v1", "worker", "gpu", "model_runner.py")
+#: the V1 runner's file: in 0.26-0.33, gone from 0.34 (its one runner is the V2 one)
+V1_RUNNER_FILE = ("v1", "worker", "gpu_model_runner.py")
 #: the call that makes a runner offload: the V1 runner and the newer V2 runners make it
 INSTALLS_OFFLOADER = "set_offloader("
 
@@ -46,16 +48,42 @@ def v2_runner_offloads(source: str | None = None) -> bool | None:
     return installed_vllm.source_says(INSTALLS_OFFLOADER, V2_RUNNER_FILE, source)
 
 
+def v1_runner_present() -> bool | None:
+    """Whether the installed vLLM still has a V1 model runner to pick (0.26-0.33: yes;
+    0.34 removed it); None without vLLM here."""
+    return installed_vllm.has_file(*V1_RUNNER_FILE)
+
+
+def runner_env_refusal(environ: Mapping[str, str], v1_present: bool | None,
+                       version: str | None = None) -> str | None:
+    """Why the environment stops a vLLM without a V1 runner at start, or None. From 0.34
+    ``VLLM_USE_V2_MODEL_RUNNER`` set to anything but ``1`` (``0``, ``true``, empty) is a
+    ValueError in vLLM's own environment check, before any model loads."""
+    raw = environ.get(ENV)
+    if v1_present is not False or raw is None or raw == "1":
+        return None
+    which = f"vLLM {version}" if version else "this vLLM"
+    return (f"{ENV}={raw} in your environment: {which} has no V1 model runner and refuses "
+            f"to start with {ENV} set to anything but 1; unset it")
+
+
 def offload_runner_env(environ: Mapping[str, str], offloads: bool | None,
-                       version: str | None = None) -> tuple[dict[str, str], str | None]:
+                       version: str | None = None, v1_present: bool | None = None,
+                       ) -> tuple[dict[str, str], str | None]:
     """The environment a server that offloads experts needs, and a note saying why.
 
     ``offloads``: `v2_runner_offloads` of the vLLM that will run. When its V2 runner
     cannot offload: ``{ENV: "0"}``, or `UserError` when ``environ`` forces V2 on (the
     server would die at load or overshoot the card). Otherwise nothing.
     """
+    why = runner_env_refusal(environ, v1_present, version)
+    if why:
+        raise UserError(why)
     if offloads is not False:
         return {}, None
+    if v1_present is False:  # no V1 to pin: the offload cannot happen on this vLLM
+        raise UserError(f"{why_no_offload(version)}, and it has no V1 model runner to serve "
+                        "the offload on instead")
     raw = environ.get(ENV, "").strip().lower()
     if raw in TRUE_WORDS:
         raise UserError(f"{ENV}={environ.get(ENV)} in your environment: {why_no_offload(version)}"
