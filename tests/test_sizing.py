@@ -682,6 +682,8 @@ def test_size_counts_speculative_draft_tokens_in_the_trap():
     assert spec.speculative_tokens == 3 and spec.safe_max_num_seqs * 4 * 8 <= spec.slots
     assert any("8 seqs x (1 + 3 draft tokens" in n for n in spec.notes)
     assert vllm_flags.speculative_tokens('{"method": "mtp"}') == 1  # left to the model
+    short = vllm_flags.plan_kwargs_from_vllm_args(["-sc", '{"num_speculative_tokens": 2}'])
+    assert short["speculative_tokens"] == 2  # vLLM's short spelling of the flag
 
 
 def test_the_verdict_is_one_enum_whose_names_the_json_keeps():

@@ -303,3 +303,10 @@ def test_serve_passes_marlin_for_gptq_where_vllm_ranks_humming_first(tmp_path, m
     assert own.argv.count("--moe-backend") == 1
     assert any("--moe-backend auto" in n and "every layer will be declined" in n
                for n in own.notes)
+
+
+def test_a_backend_spelled_with_dashes_is_read_as_vllm_reads_it():
+    from expertcache_cli.errors import UserError
+
+    with pytest.raises(UserError, match="--moe-backend triton_unfused cannot offload MXFP4"):
+        vllm_experts.offload_backend_args("mxfp4", ["--moe-backend", "Triton-Unfused"], True)

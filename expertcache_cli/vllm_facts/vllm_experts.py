@@ -45,6 +45,12 @@ MXFP4_MARLIN = '"marlin": [Mxfp4MoeBackend.MARLIN]'
 MXFP4_VRAM_BACKENDS = ("triton", "triton_unfused")
 
 
+def backend_name(raw: str) -> str:
+    """A ``--moe-backend`` value as vLLM reads it: lower case, dashes as underscores
+    (``Triton-Unfused`` is ``triton_unfused``)."""
+    return raw.strip().lower().replace("-", "_")
+
+
 def mxfp4_marlin_available(source: str | None = None) -> bool | None:
     """Whether the installed vLLM can run MXFP4 experts on Marlin (``--moe-backend marlin``);
     None without vLLM here. ``source``: the oracle's text (tests)."""
@@ -98,7 +104,7 @@ def offload_backend_args(quant: str, args: list[str], marlin: bool | None,
              "vLLM's offloader cannot move it, so every expert stays in VRAM whatever "
              "--cpu-offload-gb says (measured with vLLM 0.26)")
     chosen = vllm_flags.vllm_flag_value(args, "--moe-backend")
-    chosen = chosen.strip().lower() if chosen is not None else None
+    chosen = backend_name(chosen) if chosen is not None else None
     if chosen in (*MXFP4_VRAM_BACKENDS, "auto"):
         picks = " (on NVIDIA it picks triton_kernels)" if chosen == "auto" else ""
         raise UserError(
@@ -145,7 +151,7 @@ def declined_kernel(quant: str, moe_backend: str | None,
     user typed runs these formats on Humming on Hopper, which is declined."""
     if quant not in ARMED_4BIT_BACKENDS:
         return None
-    backend = (moe_backend or "auto").strip().lower()
+    backend = backend_name(moe_backend or "auto")
     if moe_backend is not None and backend == "auto" and humming and quant in HUMMING_FIRST:
         return ("vLLM runs these 4-bit experts under --moe-backend auto on Humming on Hopper, "
                 "a kernel the cache does not arm (Marlin, which serve asks for when the flag "
@@ -181,7 +187,7 @@ def triton_refusal(quant: str, args: list[str], triton: bool | None,
     its WNA16 oracle maps marlin, humming, flashinfer_trtllm, emulation): vLLM would stop
     at load with a ValueError; this says it before launch, or None."""
     backend = vllm_flags.vllm_flag_value(args, "--moe-backend")
-    if quant != "w4a16" or (backend or "").strip().lower() != "triton" or triton is not False:
+    if quant != "w4a16" or backend_name(backend or "") != "triton" or triton is not False:
         return None
     which = f"vLLM {version}" if version else "the vLLM installed here"
     return (f"--moe-backend triton: {which} has no Triton kernel for 4-bit experts (it runs "
@@ -200,6 +206,6 @@ def kernel_note(quant: str, args: list[str], version: str | None = None) -> str 
     if backend is None:  # vLLM's default kernel, which the cache arms only when asked
         return f"{why}: every layer will be declined (the offload floor)"
     which = f"vLLM {version}" if version else "vLLM"
-    return (f"4-bit experts on --moe-backend {backend.strip().lower()}: {which} runs them on a "
+    return (f"4-bit experts on --moe-backend {backend_name(backend)}: {which} runs them on a "
             "kernel the cache does not arm, so every layer will be declined (the offload "
             "floor); leave the flag out to run them on Marlin, which it arms")

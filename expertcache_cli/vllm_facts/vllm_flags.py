@@ -77,7 +77,8 @@ def vllm_flag_value(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
-_SHORT = {"-tp": "--tensor-parallel-size", "-q": "--quantization"}
+_SHORT = {"-tp": "--tensor-parallel-size", "-q": "--quantization",
+          "-sc": "--speculative-config"}
 
 
 def _aliases(args: Sequence[str]) -> list[str]:
