@@ -9,6 +9,9 @@ holds a copy. Stand-ins: tests/armed_standins.py. Skipped (with the reason) with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -305,3 +308,118 @@ def test_a_kernel_attribute_that_is_a_copy_is_declined():
     d = plan_layer(layer, CacheConfig(slots=6))
     assert d.action == "decline"
     assert "holds per-expert tensor(s) w13_g_idx outside the layer" in d.reason
+
+
+class _WritingMethod(Method):
+    """vLLM 0.34's FlashInfer/HPC FP8 and NVFP4 config builders write derived tensors into
+    the layer while they build (oracle/fp8.py: ``replace_parameter(layer, "g1_alphas",
+    ...)``, ``refill_derived(layer, "_a1_gscale", ...)``): on the slots, the layer's own
+    tensor would become the slots' S rows."""
+
+    def get_fused_moe_quant_config(self, layer):
+        layer._a1_gscale = layer.w13_bias[:, :1].clone()  # refill_derived: shape differs
+        return QuantConfig(layer.w13_bias, layer.w2_bias)
+
+
+def test_a_quant_config_builder_that_writes_into_the_layer_is_refused():
+    layer = Experts(seed=9)
+    layer.quant_method = _WritingMethod()
+    layer.quant_method.moe_kernel.fused_experts.quant_config = (
+        layer.quant_method.get_fused_moe_quant_config(layer))
+    with pytest.raises(ArmError, match=r"changed the layer's own tensors \(_a1_gscale\)"):
+        arm(layer)
+
+
+@dataclass
+class _PerTensorConfig(QuantConfig):
+    """A quant config with a dynamic per-tensor INT8 activation scale for the second GEMM
+    (the fields TritonExperts reads: vLLM 0.34 ``act_scale_is_tensor_wide``)."""
+
+    a2_scale: torch.Tensor | None = None
+    is_per_tensor: bool = True
+    use_int8_w8a8: bool = True
+    use_fp8_w8a8: bool = False
+
+    def act_scale_is_tensor_wide(self, scale):  # vLLM 0.34's config.py:324-344
+        return scale is None and self.is_per_tensor and (self.use_fp8_w8a8
+                                                         or self.use_int8_w8a8)
+
+
+class _PerTensorMethod(Method):
+    def get_fused_moe_quant_config(self, layer):
+        return _PerTensorConfig(layer.w13_bias, layer.w2_bias)
+
+
+class _PerTensorExperts(Experts):
+    """Stock experts as vLLM 0.34's TritonExperts runs them for a dynamic per-tensor
+    activation scale: rows whose id is -1 (what its router writes for padding rows) are
+    skipped, and the second GEMM's input is quantized with one scale reduced over the
+    routed rows only (``masked_amax_scale(row_valid=topk_ids >= 0)``)."""
+
+    def __init__(self, seed=0):
+        super().__init__(seed=seed)
+        self.quant_method = _PerTensorMethod()
+        self.quant_method.moe_kernel.fused_experts.quant_config = (
+            self.quant_method.get_fused_moe_quant_config(self))
+
+    def forward_modular(self, x, topk_weights, topk_ids, shared_experts=None,
+                        shared_experts_input=None):
+        qc = self.quant_method.moe_kernel.fused_experts.quant_config
+        acts = {}
+        for t in range(x.shape[0]):
+            for k in range(topk_ids.shape[1]):
+                e = int(topk_ids[t, k])
+                if e < 0:
+                    continue
+                h = self.w13_weight[e] @ x[t] + qc.w13_bias[e]
+                acts[t, k] = torch.nn.functional.silu(h[:INTER]) * h[INTER:]
+        scale = max(float(a.abs().max()) for a in acts.values()) / 127
+        out = torch.zeros_like(x)
+        for (t, k), a in acts.items():
+            e = int(topk_ids[t, k])
+            q = torch.round(a / scale) * scale
+            out[t] += topk_weights[t, k] * (self.w2_weight[e] @ q + qc.w2_bias[e])
+        return out
+
+
+def test_rows_the_router_left_unrouted_stay_out_of_a_tensor_wide_activation_scale(
+        monkeypatch):
+    """vLLM marks CUDA-graph padding rows and its routers write -1 ids (and 0 weights) for
+    them; a stock kernel with a dynamic per-tensor activation scale reduces it over routed
+    rows only. On the slot path those rows must stay -1 (the manager gives padded rows
+    slot 0): computed on slot 0, a padded row's garbage would set every real row's
+    scale."""
+    import sys
+    import types
+
+    mask = torch.tensor([False, False, True])
+    fc = types.ModuleType("vllm.forward_context")
+    fc.is_forward_context_available = lambda: True
+    fc.get_forward_context = lambda: SimpleNamespace(is_padding=mask)
+    for name in ("vllm", "vllm.forward_context"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["vllm.forward_context"] = fc
+
+    stock, cached = _PerTensorExperts(seed=12), _PerTensorExperts(seed=12)
+    armed = mark_swept(arm(cached, slots=6))
+    assert armed.keep_unrouted
+    ids = torch.tensor([[1, 2], [2, 3], [-1, -1]], dtype=torch.int32)  # row 2: padding
+    w = torch.tensor([[0.5, 0.5], [0.7, 0.3], [0.0, 0.0]])
+    x = torch.randn(3, H)
+    x[2] *= 100  # garbage in the padding row, as a replayed graph may hold
+    got = cached.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    want = stock.forward_modular(x=x, topk_weights=w, topk_ids=ids)
+    torch.testing.assert_close(got[:2], want[:2], rtol=0, atol=0)
+    assert armed.checked["slots"] == 0.0
+
+
+def test_only_a_release_that_masks_unrouted_rows_keeps_them_apart():
+    """0.26-0.33 reduce a per-tensor scale over every row on the stock path too (no
+    ``act_scale_is_tensor_wide``): the slot path leaves their ids as the manager wrote."""
+    from expertcache_cli.plugin.runtime import tensor_wide_act_scale
+
+    assert tensor_wide_act_scale(_PerTensorConfig(None, None)) is True
+    assert tensor_wide_act_scale(_PerTensorConfig(None, None, a2_scale=torch.ones(1))) is False
+    older = SimpleNamespace(a2_scale=None, is_per_tensor=True, use_int8_w8a8=True)
+    assert tensor_wide_act_scale(older) is False
+    assert tensor_wide_act_scale(None) is False

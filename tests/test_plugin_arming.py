@@ -255,3 +255,21 @@ def test_speculative_decoding_draft_tokens_count_in_the_trap():
     assert speculative_tokens(vc) == 3
     assert speculative_tokens(SimpleNamespace(speculative_config=None)) == 0
     assert speculative_tokens(SimpleNamespace()) == 0
+
+
+def test_experts_handed_to_the_kernel_as_triton_views_are_declined():
+    """vLLM 0.34's triton_kernels paths (MXFP4, online MXFP4, Quark) no longer replace the
+    expert Parameters by swizzled wrappers (0.33: the "outside the layer's parameters"
+    rule); they store the swizzled bytes in the Parameters and hand the kernel
+    ``layer.w13_weight_triton`` (oracle/mxfp4.py ``triton_weight``), which rebinding the
+    Parameters to slots would never reach. Declined by that name, whatever the kernel."""
+    class TritonTensor:  # triton_kernels' Tensor wrapper: not a torch tensor
+        pass
+
+    layer = RoutedExperts()
+    layer.w13_weight_triton, layer.w2_weight_triton = TritonTensor(), TritonTensor()
+    d = plan_layer(layer, CFG)
+    assert d.action == DECLINE
+    assert "w13_weight_triton, w2_weight_triton" in d.reason
+    assert "--moe-backend marlin" in d.reason
+    assert plan_layer(RoutedExperts(), CFG).action == ARM

@@ -79,3 +79,42 @@ def test_layout_of_the_installed_vllm_is_recognised():
 
     assert version_refusal(vllm.__version__) is None
     assert layout_refusal(RoutedExperts, FusedMoEKernel) is None
+
+
+def test_the_tile_patch_reaches_the_down_projection_lookup_of_0_34():
+    """vLLM 0.34's TritonExperts also calls ``get_moe_configs(E, N, ...,
+    down_moe=True)`` by name (block FP8 on Hopper: the ``_down.json`` tiles and its sorted-A
+    TMA path), keyed by the weights' leading dimension, S on slots. That function is an
+    ``functools.lru_cache``, which carries ``__wrapped__``: the patch must not read that as
+    "already wrapped". 0.26 and 0.33 (no such name in the module) patch as before."""
+    import functools
+    from types import SimpleNamespace
+
+    from expertcache_cli.plugin import runtime
+
+    asked: list[tuple] = []
+
+    @functools.lru_cache
+    def get_moe_configs(E, N, dtype, block_n=None, block_k=None, down_moe=False):
+        asked.append((E, N, down_moe))
+        return {1: {"BLOCK_SIZE_M": 16}} if E == 256 else None
+
+    def try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, M, block_shape=None):
+        asked.append((w2_shape[0], "tiles"))
+        return {}
+
+    v34 = SimpleNamespace(get_moe_configs=get_moe_configs,
+                          try_get_optimal_moe_config=try_get_optimal_moe_config)
+    assert runtime.patch_tile_lookup(v34) and runtime.patch_tile_lookup(v34)  # idempotent
+    assert v34.get_moe_configs is not get_moe_configs  # wrapped despite its __wrapped__
+    assert v34.get_moe_configs.__wrapped__ is get_moe_configs
+    assert v34.get_moe_configs(64, 512, "fp8_w8a8", 128, 128, down_moe=True) is None
+    runtime._TILE_EXPERTS.value = 256  # inside a slot-bound call of a 256-expert layer
+    try:
+        assert v34.get_moe_configs(64, 512, "fp8_w8a8", 128, 128, down_moe=True)
+        v34.try_get_optimal_moe_config((64, 8, 4), (64, 4, 4), 8, None, 1)
+    finally:
+        runtime._TILE_EXPERTS.value = None
+    assert asked == [(64, 512, True), (256, 512, True), (256, "tiles")]
+    v33 = SimpleNamespace(try_get_optimal_moe_config=try_get_optimal_moe_config)
+    assert runtime.patch_tile_lookup(v33) and not hasattr(v33, "get_moe_configs")

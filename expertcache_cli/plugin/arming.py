@@ -38,7 +38,7 @@ from typing import Any
 from ..config import CacheConfig
 from ..sizing.formats import SIDE_ROW_LIMIT, side_row_bytes
 from . import marlin
-from .compat import KNOWN_EXPERTS, LOAD_ONLY_TENSORS, NON_EXPERT_TENSORS
+from .compat import KNOWN_EXPERTS, LOAD_ONLY_TENSORS, NON_EXPERT_TENSORS, TRITON_WEIGHT_VIEWS
 
 ARM, SKIP, DECLINE = "arm", "skip", "decline"
 
@@ -245,6 +245,15 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
             "parameters, where vLLM's offloader cannot move them: they are in VRAM whatever "
             "--cpu-offload-gb says (MXFP4 on triton_kernels; --moe-backend marlin keeps "
             "them on the host)")
+    # vLLM 0.34's triton_kernels paths (MXFP4, online MXFP4, Quark) keep the swizzled
+    # experts in the Parameters' storage but hand the kernel ``layer.w13_weight_triton``
+    # (``oracle.mxfp4.triton_weight``): a view that rebinding the Parameters never reaches
+    views = [n for n in TRITON_WEIGHT_VIEWS if getattr(layer, n, None) is not None]
+    if views:
+        return decline(
+            f"{qm_name} hands its experts kernel {', '.join(views)} (triton_kernels views "
+            "of the weights) instead of the layer's parameters: slot buffers would not "
+            "reach it (MXFP4 on triton_kernels; --moe-backend marlin is armed)")
     if getattr(qm, "is_monolithic", False):
         return decline(f"{qm_name} routes inside the kernel (monolithic): no ids to remap")
     kernel = getattr(qm, "moe_kernel", None)

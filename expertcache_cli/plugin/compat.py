@@ -76,7 +76,12 @@ NON_EXPERT_TENSORS = frozenset(
 #: 0.26 or 0.33): not mirrored
 LOAD_ONLY_TENSORS = frozenset({"w13_weight_shape", "w2_weight_shape"})
 
-#: the keyword arguments of `RoutedExperts.forward_modular` in 0.26 .. 0.33, after self
+#: layer attributes through which vLLM 0.34 hands a kernel its experts instead of the
+#: Parameters (``getattr(layer, f"{name}_triton", ...)``, oracle/mxfp4.py
+#: ``triton_weight``): a layer holding one is declined (`arming`)
+TRITON_WEIGHT_VIEWS = ("w13_weight_triton", "w2_weight_triton")
+
+#: the keyword arguments of `RoutedExperts.forward_modular` in 0.26 .. 0.34, after self
 FORWARD_MODULAR_ARGS = ("x", "topk_weights", "topk_ids", "shared_experts", "shared_experts_input")
 
 def layout_refusal(routed_experts_cls: Any, kernel_cls: Any | None = None) -> str | None:
@@ -104,15 +109,23 @@ def layout_refusal(routed_experts_cls: Any, kernel_cls: Any | None = None) -> st
     return None
 
 
+#: set on every function `wrap_once` installed. Not ``__wrapped__``: vLLM's own
+#: ``functools.lru_cache`` functions carry that too (0.34's ``get_moe_configs``), and
+#: reading it as "already wrapped" would leave them unwrapped, silently
+WRAPPED_MARK = "_expertcache_wrapped"
+
+
 def wrap_once(module: Any, name: str, wrap: Any) -> bool:
-    """Replace ``module.name`` by ``wrap(original)``, once: a function already wrapped
-    (its ``__wrapped__`` set) is left as it is, since plugins run more than once a
+    """Replace ``module.name`` by ``wrap(original)``, once: a function this plugin already
+    wrapped (`WRAPPED_MARK`) is left as it is, since plugins run more than once a
     process. False when ``module`` has no callable of that name (an unknown layout)."""
     orig = getattr(module, name, None)
     if not callable(orig):
         return False
-    if getattr(orig, "__wrapped__", None) is None:
-        setattr(module, name, wrap(orig))
+    if not getattr(orig, WRAPPED_MARK, False):
+        wrapped = wrap(orig)
+        setattr(wrapped, WRAPPED_MARK, True)
+        setattr(module, name, wrapped)
     return True
 
 

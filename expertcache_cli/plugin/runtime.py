@@ -65,7 +65,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .arming import Decision, is_empty
+from .arming import Decision, is_empty, is_tensor
 from .compat import wrap_once
 from .padding import capturing as _capturing
 from .padding import mask_reader
@@ -256,9 +256,42 @@ def full_expert_tiles(orig: Callable[..., Any]) -> Callable[..., Any]:
     return try_get_optimal_moe_config
 
 
+def full_expert_configs(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap vLLM's tuned-file lookup ``get_moe_configs(E, N, ...)`` as `full_expert_tiles`
+    wraps the tile lookup: inside a slot-bound call it is asked for ``E``, not ``S``.
+
+    Why: vLLM 0.34's `TritonExperts.apply` (block FP8 [128, 128], Hopper) also calls it
+    by name for the down projection's ``..._down.json`` (``USE_TMA``: the sorted-A TMA
+    path); keyed by ``w1.size(0)``, a slot-bound call would find none and take the other
+    down-projection kernel."""
+
+    def get_moe_configs(E: int, *args: Any, **kwargs: Any) -> Any:
+        e = getattr(_TILE_EXPERTS, "value", None)
+        return orig(E if e is None else e, *args, **kwargs)
+
+    get_moe_configs.__wrapped__ = orig  # type: ignore[attr-defined]
+    return get_moe_configs
+
+
 def patch_tile_lookup(module: Any) -> bool:
-    """Install `full_expert_tiles` on ``module`` once; False when it has no such lookup."""
-    return wrap_once(module, "try_get_optimal_moe_config", full_expert_tiles)
+    """Install `full_expert_tiles` on ``module`` once, and `full_expert_configs` where the
+    module calls ``get_moe_configs`` itself (0.34); False when it has no tile lookup."""
+    if not wrap_once(module, "try_get_optimal_moe_config", full_expert_tiles):
+        return False
+    wrap_once(module, "get_moe_configs", full_expert_configs)  # absent before 0.34
+    return True
+
+
+def tensor_wide_act_scale(quant_config: Any) -> bool:
+    """Whether the experts kernel derives its second GEMM's activation scale at run time
+    from the whole step (dynamic per-tensor FP8 or INT8): vLLM 0.34 reduces it over the
+    rows whose ids are >= 0 (`FusedMoEQuantConfig.act_scale_is_tensor_wide`, TritonExperts'
+    ``masked_amax_scale``). Releases without that method (0.26-0.33) reduce over every row,
+    padding included, on the stock path as on the slots: nothing to keep apart there."""
+    method = getattr(quant_config, "act_scale_is_tensor_wide", None)
+    if quant_config is None or not callable(method):
+        return False
+    return bool(method(getattr(quant_config, "a2_scale", None)))
 
 
 class ArmError(RuntimeError):
@@ -376,6 +409,12 @@ class ArmedLayer:
         self.read_through_decode = torch.zeros(1, dtype=torch.int64, device=dev)
         self._stock: Callable[..., Any] = layer.forward_modular
         self.slot_quant_config = self._build_quant_config(self.slot_params, "slot buffers")
+        #: ids < 0 (rows vLLM's router left unrouted: its padding marks) stay < 0 on the
+        #: slot path where the kernel reduces a dynamic per-tensor activation scale over
+        #: the routed rows only (`tensor_wide_act_scale`): the stock call skips those rows,
+        #: and a padded row computed on slot 0 would move every real row's scale
+        self.keep_unrouted = (block_order is None
+                              and tensor_wide_act_scale(self.slot_quant_config))
         #: wide steps staged through a scratch shared with other layers (None: in place)
         self.scratch = scratch
         self.scratch_params: dict[str, Any] = {}
@@ -448,6 +487,18 @@ class ArmedLayer:
     def _experts(self) -> Any:
         return self.layer.quant_method.moe_kernel.fused_experts
 
+    def _layer_tensors(self) -> dict[str, tuple[int, int, tuple[int, ...]]]:
+        """(object, pointer, shape) of every Parameter and plain tensor attribute of the
+        layer: what a quant-config rebuild must leave as it found it."""
+        out = {}
+        for n, p in self.layer._parameters.items():
+            if p is not None:
+                out[n] = (id(p), p.data_ptr(), tuple(p.shape))
+        for n, v in vars(self.layer).items():
+            if is_tensor(v):
+                out[n] = (id(v), v.data_ptr(), tuple(v.shape))
+        return out
+
     def _build_quant_config(self, bound: dict[str, Any], what: str) -> Any:
         """The quant method's own config, rebuilt while the layer holds ``bound`` (the slot
         buffers, or the scratch).
@@ -459,6 +510,7 @@ class ArmedLayer:
         qm = self.layer.quant_method
         full_ptrs = {self.layer._parameters[n].data_ptr() for n in self.bound_names}
         slot_ptrs = {p.data_ptr() for p in bound.values()}
+        before = self._layer_tensors()
         saved = self._swap_in(bound)
         try:
             qc = qm.get_fused_moe_quant_config(self.layer)
@@ -469,6 +521,16 @@ class ArmedLayer:
             ) from exc
         finally:
             self._swap_out(saved)
+        # vLLM 0.34's config builders may write into the layer (oracle/fp8.py and
+        # oracle/nvfp4.py: replace_parameter of g1_alphas, refill_derived of _a1_gscale):
+        # built on the slots, that would leave the stock path S-row tensors
+        after = self._layer_tensors()
+        changed = sorted(k for k in before.keys() | after.keys()
+                         if before.get(k) != after.get(k))
+        if changed:
+            raise ArmError(
+                f"{type(qm).__name__}.get_fused_moe_quant_config changed the layer's own "
+                f"tensors ({', '.join(changed)}) while it held {what}")
         if qc is None:
             old = getattr(self._experts(), "quant_config", None)
             if old is not None:
@@ -787,6 +849,8 @@ class ArmedLayer:
             call_ids = self.cache.step(ids, self._sources(), **(rows or {}))
             if pad is not None:  # padded rows pass any valid slot; vLLM drops them
                 call_ids = torch.where(pad.unsqueeze(1), 0, call_ids)
+            if self.keep_unrouted:
+                call_ids = torch.where(topk_ids < 0, topk_ids, call_ids)
             self._unpack_small()
         except Exception as exc:  # refuse at the first call, never break serving
             return self._disarm("cache step", exc, stock, topk_ids)
