@@ -386,7 +386,7 @@ def test_serve_and_baseline_refuse_to_run_the_cache_without_the_plugin(tmp_path,
     monkeypatch.setattr(launch, "plugin_installed", lambda: True)
     monkeypatch.setattr(installed_vllm, "text", lambda: "0.99.0")
     assert plugin_refusals(arms("offload,cache:8"), None) == [
-        "vLLM 0.99.0 is outside the releases whose MoE layout is known (0.26-0.33.x): the "
+        "vLLM 0.99.0 is outside the releases whose MoE layout is known (0.26-0.34.x): the "
         "plugin would decline every layer and cache arms would run uncached"]
     assert plugin_refusals(arms("offload,resident"), None) == []
     monkeypatch.setattr(installed_vllm, "text", lambda: "0.33.0")
@@ -427,8 +427,8 @@ def test_serve_refuses_a_cache_on_a_vllm_release_the_plugin_does_not_know(monkey
     monkeypatch.setattr(installed_vllm, "text", lambda: "0.99.0")
     why = launch.start_refusal(cached)
     assert why is not None and why.startswith("vLLM 0.99.0 is outside the releases whose MoE "
-                                              "layout is known (0.26-0.33.x)")
-    assert "pip install 'vllm>=0.26,<0.34'" in why and "EXPERT_CACHE_DISABLE=1" in why
+                                              "layout is known (0.26-0.34.x)")
+    assert "pip install 'vllm>=0.26,<0.35'" in why and "EXPERT_CACHE_DISABLE=1" in why
     assert launch.start_refusal(off) is None
     for known in ("0.26.0", "0.33.1"):
         monkeypatch.setattr(installed_vllm, "text", lambda v=known: v)

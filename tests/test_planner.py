@@ -383,8 +383,8 @@ def test_plan_batch_pads_as_the_server_will_and_serves_that_batch():
     server = run("--vllm-version", "0.33", vllm=("--max-num-seqs", "256"))
     assert server["trace"]["batch_tokens"] == 16  # 10 is not a graph of a 256 server
     assumed = run()
-    assert assumed["recommended"]["vllm"] == "0.33"
-    assert any(n.startswith("planned as vLLM 0.33 pads a batch") and "vLLM 0.26-0.30 pad a "
+    assert assumed["recommended"]["vllm"] == "0.34"
+    assert any(n.startswith("planned as vLLM 0.34 pads a batch") and "vLLM 0.26-0.30 pad a "
                "full batch of --max-num-seqs 10 to 128 ids" in n for n in assumed["notes"])
     staged = run("--wide", "staged-install", "--vllm-version", "0.33")["recommended"]
     assert staged["serve_command"].endswith("-- --max-model-len 8192 --max-num-seqs 10")

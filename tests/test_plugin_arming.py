@@ -273,3 +273,25 @@ def test_experts_handed_to_the_kernel_as_triton_views_are_declined():
     assert "w13_weight_triton, w2_weight_triton" in d.reason
     assert "--moe-backend marlin" in d.reason
     assert plan_layer(RoutedExperts(), CFG).action == ARM
+
+
+def test_the_trap_counts_vllm_034s_request_keyed_decode_graphs():
+    """On 0.34 the plugin hands the decode width in as requests -> rows (`_decode_rows`):
+    gpt-oss at max_num_seqs 10 runs a full batch as 10 rows (0.33's 1024-token grid: 16),
+    and the safe batch is the largest whose rows fit, 8 (9 requests run as 10)."""
+    from expertcache_cli.vllm_facts import capture
+
+    oss = capture.for_model(capture.settings_from_vllm_args([], version=(0, 34)),
+                            ("GptOssForCausalLM",))
+    d = plan_layer(RoutedExperts(), CacheConfig(slots=72))
+    rows = [capture.decode_rows(n, 10, 2048, oss) for n in range(1, 11)]
+    line = summary_line([d], CacheConfig(slots=72), "0.34.0", max_num_seqs=10,
+                        capture_sizes=[1, 2, 4, 8, 16], decode_rows=lambda n: rows[n - 1])
+    assert ("TRAP: a full batch of 10 seqs x top_k 8 = 80 ids > 72 slots" in line
+            and "--max-num-seqs 8 keeps" in line)
+    at80 = CacheConfig(slots=80)
+    d80 = plan_layer(RoutedExperts(), at80)
+    assert "TRAP" not in summary_line([d80], at80, "0.34.0", max_num_seqs=10,
+                                      decode_rows=lambda n: rows[n - 1])
+    assert "runs as 16" in summary_line([d80], at80, "0.33.0", max_num_seqs=10,
+                                        capture_sizes=[1, 2, 4, 8, 16])

@@ -30,12 +30,12 @@ def test_the_installed_release_is_read_as_the_release_check_reads_it(monkeypatch
     assert installed_vllm.release() == (None if want is None else f"{want[0]}.{want[1]}")
 
 
-@pytest.mark.parametrize("text", ["0.26.0", "0.27.1", "0.32.0", "0.33.0", "0.33.4.dev1"])
+@pytest.mark.parametrize("text", ["0.26.0", "0.27.1", "0.32.0", "0.33.0", "0.33.4.dev1", "0.34.0"])
 def test_known_versions_are_accepted(text):
     assert version_refusal(text) is None
 
 
-@pytest.mark.parametrize("text", ["0.25.1", "0.34.0", "1.0.0", "0.8.5", "dev"])
+@pytest.mark.parametrize("text", ["0.25.1", "0.35.0", "1.0.0", "0.8.5", "dev"])
 def test_unknown_versions_are_refused(text):
     why = version_refusal(text)
     assert why is not None and ("outside" in why or "cannot read" in why)

@@ -454,3 +454,47 @@ def test_a_weight_update_failing_part_way_empties_the_slots(fresh):
                     "weights may be part new",
                     "invalidate: vLLM finished a weight update (weight transfer)"]
     assert worker_cls.update_weights.__name__ == "update_weights"
+
+
+def test_the_decode_width_is_read_from_vllms_resolved_grids():
+    """0.34 keys decode graphs by request count, and its cudagraph_capture_sizes is the
+    union of the decode and prefill grids: gpt-oss (S=256, T=8192) runs 130 requests as
+    144 rows (the request grid's next count), where the union's next size is 136. Before
+    0.34 the capture sizes pad n x (1 + draft tokens); eager pads nothing."""
+    from types import SimpleNamespace as NS
+
+    from expertcache_cli.vllm_facts import capture
+
+    def vc(mode="FULL_AND_PIECEWISE", spec=0, eager=False, **cc):
+        return NS(model_config=NS(enforce_eager=eager),
+                  compilation_config=NS(cudagraph_mode=NS(name=mode), **cc),
+                  scheduler_config=NS(max_num_seqs=256),
+                  speculative_config=NS(num_speculative_tokens=spec) if spec else None)
+
+    old = plugin._decode_rows(vc(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24, 32]))
+    assert (old(3), old(10), old(40)) == (4, 16, 40)
+    assert plugin._decode_rows(vc(spec=3, cudagraph_capture_sizes=[1, 8, 16]))(3) == 16
+    assert plugin._decode_rows(vc(eager=True, cudagraph_capture_sizes=[16]))(3) == 3
+    assert plugin._decode_rows(vc(mode="NONE", cudagraph_capture_sizes=[16]))(3) == 3
+    oss = capture.for_model(capture.settings_from_vllm_args([], version=(0, 34)),
+                            ("GptOssForCausalLM",))
+    prefill, requests, _ = capture.graph_grids(256, 8192, oss)
+    union = capture.graph_sizes(256, 8192, oss)
+    resolved = dict(cudagraph_capture_sizes=union, max_cudagraph_capture_size=max(union),
+                    decode_cudagraph_capture_request_sizes=requests,
+                    prefill_cudagraph_capture_token_sizes=prefill,
+                    max_decode_cudagraph_capture_tokens=None)
+    rows = plugin._decode_rows(vc(**resolved))
+    assert rows(130) == 144 == capture.decode_rows(130, 256, 8192, oss)
+    assert capture.padded(130, union) == 136  # what reading the union alone said
+    # without a decode routine decode pads on the prefill sizes (the 1024 grid: 136)
+    assert plugin._decode_rows(vc(mode="PIECEWISE", **resolved))(130) == 136
+    # dynamic speculative decoding: each tier's rows; the most over the tiers bounds a batch
+    tiered = vc(**resolved)
+    tiered.uniform_decode_query_len = 3
+    tiered.get_decode_cudagraph_query_lens = lambda q: {3: 8, 2: 256}
+    assert plugin._decode_rows(tiered)(8) == max(
+        capture.rows_from_resolved(8, 3, 256, requests, prefill, max(union), None,
+                                   "FULL_AND_PIECEWISE", 8),
+        capture.rows_from_resolved(8, 2, 256, requests, prefill, max(union), None,
+                                   "FULL_AND_PIECEWISE", 256)) == 24

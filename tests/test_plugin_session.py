@@ -365,3 +365,19 @@ def test_periodic_reports_never_wait_for_the_device(monkeypatch, caplog):
     monkeypatch.undo()
     sess.close()
     assert parse_stats_line(caplog.text.splitlines()[-2])["final"]
+
+
+def test_arm_model_takes_the_decode_width_from_vllms_rows(monkeypatch):
+    """vLLM 0.34 hands the decode width in as requests -> rows (`plugin._decode_rows`):
+    each armed layer's decode-width counter gets the full batch's rows; without it the
+    capture sizes pad max_num_seqs x (1 + draft tokens), as before."""
+    import expertcache_cli.device.slotcache as slotcache_mod
+    from expertcache_cli.plugin.session import arm_model
+
+    monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
+    sess = arm_model(ThreeLayers(), CacheConfig(slots=6), "0.34.0", max_num_seqs=5,
+                     capture_sizes=[1, 2, 4, 8], decode_rows=lambda n: 6 * n)
+    assert sess.armed and {a.decode_tokens for a in sess.armed} == {30}
+    old = arm_model(ThreeLayers(), CacheConfig(slots=6), "0.33.0", max_num_seqs=3,
+                    capture_sizes=[1, 2, 4, 8], spec_tokens=1)
+    assert {a.decode_tokens for a in old.armed} == {8}

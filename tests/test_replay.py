@@ -314,7 +314,7 @@ def test_a_batch_is_padded_as_the_server_pads_it():
     (["--vllm-version", "0.31"], "give --batch"),
     (["--", "--max-num-seqs", "8"], "give --batch"),
     (["--batch", "16", "--max-num-seqs", "8"], "--batch 16 is more than --max-num-seqs 8"),
-    (["--batch", "16", "--vllm-version", "0.40"], "plugin runs on vLLM 0.26-0.33"),
+    (["--batch", "16", "--vllm-version", "0.40"], "plugin runs on vLLM 0.26-0.34"),
     (["--batch", "16", "--", "--max-num-seqs", "x"], "--max-num-seqs 'x'"),
     ([str(TRACES / DEMO_TRACE), "stray", "--batch", "4"], "unknown option or argument 'stray'"),
 ])

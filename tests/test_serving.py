@@ -43,7 +43,7 @@ def test_a_batch_is_described_with_what_it_rests_on():
     line = s.describe_batch(10)
     assert line.startswith("a batch of 10 runs as 10 tokens a step (unpadded): "
                            "--max-num-seqs 10 (the batch")
-    assert "vLLM 0.33 (none here: the newest known" in line
+    assert "vLLM 0.34 (none here: the newest known" in line
     old = serving.server([], batch=10, vllm_version="0.26")
     assert "runs as 16 tokens a step (padded to a CUDA graph)" in old.describe_batch(10)
     assert "vLLM 0.26 (given (--vllm-version))" in old.describe_batch(10)

@@ -109,9 +109,9 @@ BATCH_HELP = ("re-batch the trace's decode steps into N interleaved streams (wha
               "vLLM flags after --, --vllm-version); default: the trace as recorded")
 MAX_NUM_SEQS_HELP = ("the server's --max-num-seqs, which decides how --batch is padded (wins "
                      "over the flag after --); default: the flag after --, else the batch")
-VLLM_VERSION_HELP = ("the vLLM release the server runs (X.Y, 0.26-0.33): 0.31+ capture a "
-                     "full batch of --max-num-seqs unpadded; default: the installed one, "
-                     "else the newest known")
+VLLM_VERSION_HELP = ("the vLLM release the server runs (X.Y, 0.26-0.34): 0.31+ capture a "
+                     "full batch of --max-num-seqs unpadded, 0.34 pads decode steps by "
+                     "request count; default: the installed one, else the newest known")
 
 
 def wide_option(text: str):

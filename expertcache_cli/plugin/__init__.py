@@ -33,7 +33,7 @@ from .compat import layout_refusal
 
 log = logging.getLogger("vllm.expertcache")
 
-#: the module whose `Worker` class is wrapped (same path in vLLM 0.26 .. 0.33)
+#: the module whose `Worker` class is wrapped (same path in vLLM 0.26 .. 0.34)
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 #: Where vLLM's engine-core process runs its loop (the final counters are logged as it ends).
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
@@ -417,7 +417,7 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
             model, cfg, version,
             max_num_seqs=getattr(vc.scheduler_config, "max_num_seqs", None),
             model_name=str(getattr(vc.model_config, "model", "")) or None,
-            capture_sizes=_capture_sizes(vc),
+            decode_rows=_decode_rows(vc),
             spec_tokens=speculative_tokens(vc),
             refusal=(sleep_refusal or pipeline_refusal(cfg, vc)
                      or memory.accounting_refusal(worker, mechanism)),
@@ -498,14 +498,53 @@ def speculative_tokens(vc: Any) -> int:
     return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
-def _capture_sizes(vc: Any) -> list[int]:
-    """The decode batch sizes vLLM captured graphs for; [] when it runs eagerly."""
-    if getattr(getattr(vc, "model_config", None), "enforce_eager", False):
-        return []
+def _decode_rows(vc: Any) -> Callable[[int], int]:
+    """Rows (tokens) a decode step of ``n`` requests runs at, from vLLM's resolved config:
+    what the shape gate sees, so what the TRAP and the decode-width counter count.
+
+    0.34 keys decode graphs by request count (``decode_cudagraph_capture_request_sizes``,
+    `capture.rows_from_resolved`), and its ``cudagraph_capture_sizes`` is then the union of
+    the decode and prefill grids, which under-states the padding (gpt-oss: 130 of 256
+    requests run as 144, the union's next size is 136). Before 0.34: ``n x (1 + draft
+    tokens)`` padded to the next capture size; eager: unpadded. The mode read is the one
+    resolved at load time (the runner may still downgrade it when it builds its graphs).
+    """
+    from ..vllm_facts import capture
+
+    q = 1 + speculative_tokens(vc)
     cc = getattr(vc, "compilation_config", None)
-    if str(getattr(getattr(cc, "cudagraph_mode", None), "name", "")).upper() == "NONE":
-        return []
-    return [int(s) for s in (getattr(cc, "cudagraph_capture_sizes", None) or [])]
+    mode = str(getattr(getattr(cc, "cudagraph_mode", None), "name", "")).upper()
+    if getattr(getattr(vc, "model_config", None), "enforce_eager", False) or mode == "NONE":
+        return lambda n: n * q
+    requests = getattr(cc, "decode_cudagraph_capture_request_sizes", None)
+    if requests is None:  # before 0.34
+        return capture.rows_for_sizes(
+            [int(s) for s in (getattr(cc, "cudagraph_capture_sizes", None) or [])], q)
+    q_len = getattr(vc, "uniform_decode_query_len", q)
+    q = q_len if isinstance(q_len, int) and not isinstance(q_len, bool) else q
+    seqs = int(vc.scheduler_config.max_num_seqs)
+    tiers = _decode_tiers(vc, q, seqs)
+    fields = (seqs, [int(s) for s in requests],
+              [int(s) for s in (getattr(cc, "prefill_cudagraph_capture_token_sizes", None) or [])],
+              getattr(cc, "max_cudagraph_capture_size", None),
+              getattr(cc, "max_decode_cudagraph_capture_tokens", None), mode)
+    return lambda n: max(capture.rows_from_resolved(min(n, most), tier_q, *fields, most)
+                         for tier_q, most in tiers.items())
+
+
+def _decode_tiers(vc: Any, q: int, max_num_seqs: int) -> dict[int, int]:
+    """{query length: most requests a decode batch of it has}: one entry, except under
+    0.34's dynamic speculative decoding, whose draft width follows the batch size
+    (`VllmConfig.get_decode_cudagraph_query_lens`); a batch runs at the rows of its own
+    tier, so the most over the tiers bounds it."""
+    lens = getattr(vc, "get_decode_cudagraph_query_lens", None)
+    try:
+        tiers = lens(q) if callable(lens) else None
+    except ValueError:  # an invalid schedule: vLLM keeps the one static width too
+        tiers = None
+    if not isinstance(tiers, dict) or not tiers:
+        return {q: max_num_seqs}
+    return {int(k): min(int(v), max_num_seqs) for k, v in tiers.items()}
 
 
 def _log_memory_plan(worker: Any, session: Any, kv_bytes: Any) -> None:

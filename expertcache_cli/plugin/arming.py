@@ -30,7 +30,7 @@ The rules, in order (the first that applies decides):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
@@ -364,12 +364,14 @@ def summary_line(
     capture_sizes: list[int] | None = None,
     scratch_bytes: int = 0,
     spec_tokens: int = 0,
+    decode_rows: Callable[[int], int] | None = None,
 ) -> str:
     """The one startup line: what is armed, on how many layers, budget, policy, tensors.
 
     ``capture_sizes`` are the batch sizes vLLM captured CUDA graphs for (empty: eager):
     a full decode batch runs padded to the next one, and that padded width is what the
-    shape gate compares with the slots, so the TRAP counts it.
+    shape gate compares with the slots, so the TRAP counts it. ``decode_rows`` (requests
+    -> rows, vLLM 0.34's request-keyed decode graphs) replaces that rule where given.
     """
     armed = [d for d in decisions if d.armed]
     skipped = [d for d in decisions if d.action == SKIP]
@@ -414,17 +416,17 @@ def summary_line(
         parts.append(f"{len(declined)} declined (see warnings)")
     if max_num_seqs is not None and first.top_k:
         from ..rules.budget import trap_text
-        from ..vllm_facts.capture import padded, safe_for_sizes
+        from ..vllm_facts.capture import rows_for_sizes, safe_for_rows
 
-        sizes = list(capture_sizes or [])
-        k, slots = first.top_k, min(counts)  # the narrowest layer reads through first
         # speculative decoding: each sequence's verify step carries its draft tokens
-        widest = padded(max_num_seqs * (1 + spec_tokens), sizes)
+        rows = decode_rows or rows_for_sizes(capture_sizes or [], 1 + spec_tokens)
+        k, slots = first.top_k, min(counts)  # the narrowest layer reads through first
+        widest = rows(max_num_seqs)
         if widest * k > slots and staged:
             parts.append(f"full batches ({widest} x {k} ids > {slots} slots) are staged "
                          "through the scratch")
         elif widest * k > slots:
-            safe = safe_for_sizes(slots, k, sizes, 1 + spec_tokens)
+            safe = safe_for_rows(slots, k, rows)
             parts.append("TRAP: " + trap_text(max_num_seqs, widest, k, slots, safe,
                                               "vLLM's capture sizes", spec_tokens).removeprefix(
                                                   "sizing trap: "))

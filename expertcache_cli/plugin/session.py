@@ -408,7 +408,8 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
               max_num_seqs: int | None = None, model_name: str | None = None,
               capture_sizes: list[int] | None = None, refusal: str | None = None,
               padding: Callable[[int], Any] | None = None,
-              pool: Callable[[], Any] | None = None, spec_tokens: int = 0) -> Session:
+              pool: Callable[[], Any] | None = None, spec_tokens: int = 0,
+              decode_rows: Callable[[int], int] | None = None) -> Session:
     """Plan, build and install the caches of one loaded model; never raises.
 
     ``refusal``: why no slot could be accounted for in vLLM's memory plan (`memory`);
@@ -416,11 +417,14 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     ``padding``: how the armed layers read a step's padded rows (`padding.mask_reader`).
     ``spec_tokens``: speculative decoding's draft tokens per sequence (a decode step
     carries ``max_num_seqs x (1 + spec_tokens)`` tokens).
+    ``decode_rows``: requests -> the rows vLLM runs a decode step of them at (the plugin's
+    `_decode_rows`, read from vLLM's resolved grids); without it, ``capture_sizes``
+    pad ``n x (1 + spec_tokens)`` tokens (0.26-0.33's rule).
     ``pool``: the allocation context of vLLM's sleep-mode pool (`memory.sleep_pool`): the
     slot buffers and the scratch are allocated inside it, so they sleep with the weights.
     """
     from ..device import binding
-    from ..vllm_facts.capture import padded
+    from ..vllm_facts.capture import rows_for_sizes
 
     binding.select(cfg.lib, cfg.pdl)  # the kernels this process loads: the configuration's
     layers = find_moe_layers(model)
@@ -436,8 +440,8 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     for d in decisions:
         if marlin_refusal and d.armed and d.marlin:
             d.action, d.reason = DECLINE, marlin_refusal
-    decode_tokens = (padded(max_num_seqs * (1 + spec_tokens), capture_sizes or [])
-                     if max_num_seqs else None)
+    rows = decode_rows or rows_for_sizes(capture_sizes or [], 1 + spec_tokens)
+    decode_tokens = rows(max_num_seqs) if max_num_seqs else None
     armed: list[ArmedLayer] = []
     scratches: dict[tuple, Any] = {}
     for decision, module in ((d, m) for d, (_, m) in zip(decisions, layers) if d.action == ARM):
@@ -464,7 +468,7 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     session = Session(cfg, decisions, armed, recorder)
     session.pooled = pool is not None and bool(armed)
     log.info("%s", summary_line(decisions, cfg, vllm_version, max_num_seqs, capture_sizes,
-                                session.scratch_bytes, spec_tokens))
+                                session.scratch_bytes, spec_tokens, rows))
     return session
 
 

@@ -701,7 +701,8 @@ def _runtime_reserve(model: ModelSize, wide: Wide, *, max_num_seqs: int,
                    and max_num_batched_tokens > STAGED_PEAK_FREE_TOKENS else 0)
     if overhead_gb is not None:
         return int(overhead_gb * GiB), staged_peak
-    sizes = len(capture.capture_sizes(max_num_seqs, max_num_batched_tokens, graphs))
+    # the sizes vLLM records as captured (from 0.34: prefill and decode graphs together)
+    sizes = len(capture.graph_sizes(max_num_seqs, max_num_batched_tokens, graphs))
     return (runtime_overhead_bytes(model, max_num_seqs, max_num_batched_tokens, sizes)
             + staged_peak, staged_peak)
 

@@ -15,16 +15,16 @@ from .installed_vllm import parse_version
 
 #: inclusive (major, minor) range of the vLLM releases whose source was read
 OLDEST_KNOWN = (0, 26)
-NEWEST_KNOWN = (0, 33)
+NEWEST_KNOWN = (0, 34)
 
 
 def known_range() -> str:
-    """``"0.26-0.33"``: the range, as messages name it."""
+    """``"0.26-0.34"``: the range, as messages name it."""
     return f"{OLDEST_KNOWN[0]}.{OLDEST_KNOWN[1]}-{NEWEST_KNOWN[0]}.{NEWEST_KNOWN[1]}"
 
 
 def pip_pin() -> str:
-    """The pip requirement that installs a known release (``vllm>=0.26,<0.34``)."""
+    """The pip requirement that installs a known release (``vllm>=0.26,<0.35``)."""
     return (f"vllm>={OLDEST_KNOWN[0]}.{OLDEST_KNOWN[1]},"
             f"<{NEWEST_KNOWN[0]}.{NEWEST_KNOWN[1] + 1}")
 
