@@ -588,3 +588,15 @@ def test_cli_serve_on_an_unknown_vllm_release_is_one_line_and_exit_2_and_size_sa
     notes = json.loads(size.stdout)["notes"]
     assert any(n.startswith("vLLM 0.99.0 is outside") and "`serve` refuses" in n
                for n in notes), notes
+
+
+def test_an_extensible_kv_cache_beside_the_planned_kv_bytes_is_refused_before_launch():
+    """vLLM 0.34 raises at start on --enable-extensible-kv-cache with
+    --kv-cache-memory-bytes (config/vllm.py: "which kv_cache_memory_bytes overrides"), which
+    an offloaded plan passes: serve says it in one line instead."""
+    args = ["--max-num-seqs", "4", "--max-model-len", "8192"]
+    with pytest.raises(UserError, match="--enable-extensible-kv-cache: vLLM refuses it"):
+        _plan(vllm_args=[*args, "--enable-extensible-kv-cache"], launcher=[sys.executable])
+    fits = _plan(vllm_args=[*args, "--enable-extensible-kv-cache"], launcher=[sys.executable],
+                 vram=141)  # nothing offloaded, no KV bytes handed: vLLM's own choice
+    assert "--kv-cache-memory-bytes" not in fits.argv

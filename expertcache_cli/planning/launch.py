@@ -192,6 +192,7 @@ def make_plan(
                 notes.append(f"{flag} {given} given by you replaces the planned {value}")
             continue
         own += [flag, value]
+    _refuse_extensible_kv(args, own)
     if config.SLOTS in env and environ.get(config.FRACTION, "").strip():
         env[config.FRACTION] = ""  # one budget only: the plan's slots win
         notes.append(f"{config.FRACTION} from your environment is replaced by the planned slots")
@@ -240,6 +241,24 @@ def _check_per_layer(per_layer: list[int], size: sizing.SizePlan, source: str) -
         room = size.max_slots * size.bytes_per_slot / 2**30
         raise UserError(f"--plan {source}: its slots need {need:.2f} GiB; this card has room "
                         f"for {room:.2f} GiB ({size.max_slots} a layer)")
+
+
+#: vLLM 0.34's switch for its extensible KV cache, which it refuses beside
+#: ``--kv-cache-memory-bytes`` ("it sizes the KV cache from measured memory")
+EXTENSIBLE_KV_FLAG = "--enable-extensible-kv-cache"
+
+
+def _refuse_extensible_kv(args: Sequence[str], own: Sequence[str]) -> None:
+    """One line before launch, not vLLM's ValueError at start: the plan hands vLLM its KV
+    bytes (so that a cold compile cannot shrink them), and vLLM 0.34 will not size an
+    extensible KV cache from measured memory with them given."""
+    asked = any(a == EXTENSIBLE_KV_FLAG or a.startswith(EXTENSIBLE_KV_FLAG + "=")
+                for a in args)
+    if asked and "--kv-cache-memory-bytes" in own:
+        raise UserError(
+            f"{EXTENSIBLE_KV_FLAG}: vLLM refuses it beside --kv-cache-memory-bytes, which "
+            "serve passes with an offload so that a first start's compile cannot shrink the "
+            "KV cache; leave the flag out (or give your own --kv-cache-memory-bytes)")
 
 
 def _refuse_online_quantization(args: Sequence[str], spec: str) -> None:
