@@ -118,3 +118,16 @@ def test_the_tile_patch_reaches_the_down_projection_lookup_of_0_34():
     assert asked == [(64, 512, True), (256, 512, True), (256, "tiles")]
     v33 = SimpleNamespace(try_get_optimal_moe_config=try_get_optimal_moe_config)
     assert runtime.patch_tile_lookup(v33) and not hasattr(v33, "get_moe_configs")
+
+
+def test_the_vllm_extra_installs_only_the_releases_read():
+    """``pip install 'expertcache[vllm]'`` must not bring a vLLM the plugin refuses: the
+    extra's pin is `releases.pip_pin`."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib", reason="python 3.11+ reads TOML")
+
+    from expertcache_cli.vllm_facts import releases
+
+    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert meta["project"]["optional-dependencies"]["vllm"] == [releases.pip_pin()]
