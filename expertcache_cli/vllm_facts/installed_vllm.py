@@ -45,15 +45,21 @@ def release() -> str | None:
     return ".".join(map(str, v)) if v else None
 
 
-def source(*parts: str) -> str | None:
-    """The text of one file of the installed vLLM package (``parts`` below ``vllm/``), or
-    None when there is no vLLM here or no such file in it."""
+def _package_roots() -> list[Path]:
+    """The installed vLLM package's directories, found without importing it; [] without
+    vLLM here."""
     try:
         spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError):
-        return None
-    for root in list(spec.submodule_search_locations or []) if spec else []:
-        path = Path(root).joinpath(*parts)
+        return []
+    return [Path(root) for root in (spec.submodule_search_locations or [])] if spec else []
+
+
+def source(*parts: str) -> str | None:
+    """The text of one file of the installed vLLM package (``parts`` below ``vllm/``), or
+    None when there is no vLLM here or no such file in it."""
+    for root in _package_roots():
+        path = root.joinpath(*parts)
         if path.is_file():
             return path.read_text(errors="replace")
     return None
@@ -62,14 +68,8 @@ def source(*parts: str) -> str | None:
 def has_file(*parts: str) -> bool | None:
     """Whether the installed vLLM package has this file (``parts`` below ``vllm/``); None
     when there is no vLLM here. Reads nothing but the directory."""
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return None
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    if not roots:
-        return None
-    return any(Path(root).joinpath(*parts).is_file() for root in roots)
+    roots = _package_roots()
+    return any(root.joinpath(*parts).is_file() for root in roots) if roots else None
 
 
 def source_says(marker: str, parts: tuple[str, ...], text: str | None = None) -> bool | None:
