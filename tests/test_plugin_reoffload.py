@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch", reason="the re-offload moves torch tensors"
 
 import expertcache_cli.plugin as plugin  # noqa: E402
 from expertcache_cli.plugin import reoffload  # noqa: E402
+from expertcache_cli.plugin.compat import WRAPPED_MARK  # noqa: E402
 
 CUDA = torch.device("cuda")  # only its type is read; nothing is allocated on it
 
@@ -150,4 +151,4 @@ def test_register_wraps_the_loaders_exit_where_the_cache_or_its_control_runs(
         plugin.register()
     finally:
         sys.meta_path[:] = before
-    assert getattr(mod.device_loading_context, "_expertcache_reoffload", False) == wrapped
+    assert getattr(mod.device_loading_context, WRAPPED_MARK, False) == wrapped

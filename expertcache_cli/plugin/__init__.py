@@ -336,20 +336,23 @@ def _discarding_slots(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def _name_discardable(backend: Any, storage: Callable[[], set[int]]) -> None:
     """Wrap ``backend.suspend`` (this worker's instance only) to add ``storage()`` to the
-    addresses it may discard; once; nothing where it takes no ``discardable``."""
+    addresses it may discard; once (`compat.wrap_once`); nothing where it takes no
+    ``discardable``."""
     import inspect
 
+    from .compat import wrap_once
+
     suspend = getattr(backend, "suspend", None)
-    if suspend is None or getattr(suspend, "_expertcache_wrapped", False):
-        return
-    if "discardable" not in inspect.signature(suspend).parameters:
+    if suspend is None or "discardable" not in inspect.signature(suspend).parameters:
         return  # 0.26-0.33: suspend(level); level 2 discards the whole pool anyway
 
-    def wrapped(discardable: Any = (), *args: Any, **kwargs: Any) -> Any:
-        return suspend(set(discardable) | storage(), *args, **kwargs)
+    def adding(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(discardable: Any = (), *args: Any, **kwargs: Any) -> Any:
+            return orig(set(discardable) | storage(), *args, **kwargs)
 
-    wrapped._expertcache_wrapped = True  # type: ignore[attr-defined]
-    backend.suspend = wrapped
+        return wrapped
+
+    wrap_once(backend, "suspend", adding)
 
 
 def extensible_kv(worker: Any) -> bool:

@@ -89,22 +89,17 @@ def reoffloading(context: Callable[..., Any], to_device_view: Callable[[Any], An
             tally.add(host.numel() * host.element_size())
 
     wrapped.__wrapped__ = context  # type: ignore[attr-defined]
-    wrapped._expertcache_reoffload = True  # type: ignore[attr-defined]
     wrapped.__name__ = getattr(context, "__name__", CONTEXT_NAME)
     wrapped.__doc__ = getattr(context, "__doc__", None)
     return wrapped
 
 
 def patch_loader_utils(module: Any, tally: Tally) -> str | None:
-    """Wrap ``module``'s `device_loading_context` once; why not, or None when wrapped.
-    ``module`` is vLLM's loader utilities (`LOADER_UTILS_MODULE`)."""
-    context = getattr(module, CONTEXT_NAME, None)
+    """Wrap ``module``'s `device_loading_context` once (`compat.wrap_once`); why not, or
+    None when wrapped. ``module`` is vLLM's loader utilities (`LOADER_UTILS_MODULE`)."""
+    from .compat import wrap_once
+
     view = getattr(module, VIEW_NAME, None)
-    if not callable(context) or not callable(view):
-        return (f"{LOADER_UTILS_MODULE} has no {CONTEXT_NAME} or {VIEW_NAME}: offloaded "
-                "weights that vLLM's weight processing moves to VRAM stay there")
-    if getattr(context, "_expertcache_reoffload", False):  # (a contextmanager has __wrapped__)
-        return None
 
     def pin() -> bool:  # the exit's own rule, from the names its module holds
         available = getattr(module, "is_pin_memory_available", None)
@@ -112,5 +107,8 @@ def patch_loader_utils(module: Any, tally: Tally) -> str | None:
         return bool((available() if callable(available) else True)
                     and not getattr(envs, "VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY", False))
 
-    setattr(module, CONTEXT_NAME, reoffloading(context, view, pin, tally))
+    if not callable(view) or not wrap_once(
+            module, CONTEXT_NAME, lambda context: reoffloading(context, view, pin, tally)):
+        return (f"{LOADER_UTILS_MODULE} has no {CONTEXT_NAME} or {VIEW_NAME}: offloaded "
+                "weights that vLLM's weight processing moves to VRAM stay there")
     return None
