@@ -198,3 +198,18 @@ def vllm_worker(model, weights=1000, runner_attr=True, kv_cache_memory_bytes=Non
     return SimpleNamespace(model_runner=runner, vllm_config=vc,
                            cache_config=SimpleNamespace(
                                kv_cache_memory_bytes=kv_cache_memory_bytes))
+
+
+def vllm_padding_marks(monkeypatch, marks):
+    """vLLM's forward context as the plugin's padding reader finds it (the V2 runner's
+    ``is_padding``): ``marks()`` is read at each step, so a test may change it between
+    steps."""
+    import sys
+    import types
+
+    fc = types.ModuleType("vllm.forward_context")
+    fc.is_forward_context_available = lambda: True
+    fc.get_forward_context = lambda: SimpleNamespace(is_padding=marks())
+    for name in ("vllm", "vllm.forward_context"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["vllm.forward_context"] = fc

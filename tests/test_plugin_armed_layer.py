@@ -30,6 +30,7 @@ from armed_standins import (  # noqa: E402
     arm,
     mark_swept,
     routing,
+    vllm_padding_marks,
 )
 
 from expertcache_cli.config import CacheConfig  # noqa: E402
@@ -389,16 +390,8 @@ def test_rows_the_router_left_unrouted_stay_out_of_a_tensor_wide_activation_scal
     rows only. On the slot path those rows must stay -1 (the manager gives padded rows
     slot 0): computed on slot 0, a padded row's garbage would set every real row's
     scale."""
-    import sys
-    import types
-
     mask = torch.tensor([False, False, True])
-    fc = types.ModuleType("vllm.forward_context")
-    fc.is_forward_context_available = lambda: True
-    fc.get_forward_context = lambda: SimpleNamespace(is_padding=mask)
-    for name in ("vllm", "vllm.forward_context"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    sys.modules["vllm.forward_context"] = fc
+    vllm_padding_marks(monkeypatch, lambda: mask)
 
     stock, cached = _PerTensorExperts(seed=12), _PerTensorExperts(seed=12)
     armed = mark_swept(arm(cached, slots=6))

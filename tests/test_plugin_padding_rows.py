@@ -16,6 +16,7 @@ from armed_standins import (  # noqa: E402
     TOPK,
     Experts,
     H,
+    vllm_padding_marks,
 )
 from ref_slotcache import RefSlotCache  # noqa: E402
 
@@ -37,16 +38,8 @@ def test_rows_vllm_marks_as_padding_install_nothing_and_count_nothing(monkeypatc
     forward_context.is_padding; their ids must not reach the manager (no installs, no
     requests), the real rows' outputs stay those of the stock path, and the rows the kernel
     sees for padding are valid slots."""
-    import sys
-    import types
-
     mask = torch.tensor([False, False, True])
-    fc = types.ModuleType("vllm.forward_context")
-    fc.is_forward_context_available = lambda: True
-    fc.get_forward_context = lambda: SimpleNamespace(is_padding=mask)
-    for name in ("vllm", "vllm.forward_context"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    sys.modules["vllm.forward_context"] = fc
+    vllm_padding_marks(monkeypatch, lambda: mask)
 
     layer = Experts(seed=4)
     d = plan_layer(layer, CacheConfig(slots=6))
@@ -199,16 +192,8 @@ def test_a_captured_v1_step_launches_no_torch_kernel_besides_the_cache_step(
     buf = torch.tensor([0, 1, 1], dtype=torch.int32)
     reader = padding.mask_reader(buf[-1:], max_tokens=8)
     if route == "marks":  # vLLM's V2 runner: its marks in the forward context
-        import sys
-        import types
-
-        fc = types.ModuleType("vllm.forward_context")
-        fc.is_forward_context_available = lambda: True
         marks = torch.tensor([False, True])  # vLLM's buffer, made before the step
-        fc.get_forward_context = lambda: SimpleNamespace(is_padding=marks)
-        for name in ("vllm", "vllm.forward_context"):
-            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-        sys.modules["vllm.forward_context"] = fc
+        vllm_padding_marks(monkeypatch, lambda: marks)
         reader = padding.mask_reader()
     armed = ArmedLayer(layer, d, cache, index=0,
                        padding=reader.__call__ if route == "mask" else reader)

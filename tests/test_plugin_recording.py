@@ -5,8 +5,6 @@ Stand-ins: tests/armed_standins.py. Skipped (with the reason) without torch.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
@@ -19,6 +17,7 @@ from armed_standins import (  # noqa: E402
     H,
     arm,
     routing,
+    vllm_padding_marks,
 )
 
 from expertcache_cli.rules.policy import Policy, Wide  # noqa: E402
@@ -132,20 +131,13 @@ def test_a_trace_with_masked_padding_replays_to_the_live_counters(tmp_path, monk
     """One gate for live and replay: padded rows vLLM masks still count toward the live
     shape gate (the step is as wide as vLLM ran it), and the replay of the recorded trace
     uses the recorded tokens x top_k, not the valid ids, so both read through alike."""
-    import sys
-    import types
 
     from expertcache_cli.plugin.recorder import TraceRecorder
     from expertcache_cli.rules import engine
     from expertcache_cli.rules.trace import load
 
     state = {"mask": None}
-    fc = types.ModuleType("vllm.forward_context")
-    fc.is_forward_context_available = lambda: True
-    fc.get_forward_context = lambda: SimpleNamespace(is_padding=state["mask"])
-    for name in ("vllm", "vllm.forward_context"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    sys.modules["vllm.forward_context"] = fc
+    vllm_padding_marks(monkeypatch, lambda: state["mask"])
 
     layer = Experts(seed=8)
     rec = TraceRecorder(1, E, TOPK, torch.device("cpu"), capacity=64)
