@@ -18,6 +18,17 @@ V026_LIKE = "from vllm.model_executor.offloader import get_offloader\nclass GPUM
 V033_LIKE = "        set_offloader(create_offloader(self.vllm_config.offload_config))\n"
 
 
+def installed_runner(tmp_path, monkeypatch, text: str):
+    """A vLLM package in ``tmp_path`` whose V2 runner's source is ``text``, found as the
+    installed one; returns its directory."""
+    pkg = tmp_path / "vllm"
+    (pkg / "v1" / "worker" / "gpu").mkdir(parents=True)
+    (pkg / "v1" / "worker" / "gpu" / "model_runner.py").write_text(text)
+    spec = types.SimpleNamespace(submodule_search_locations=[str(pkg)])
+    monkeypatch.setattr(installed_vllm.importlib.util, "find_spec", lambda name: spec)
+    return pkg
+
+
 def test_the_runner_source_decides():
     assert vllm_runner.v2_runner_offloads(V033_LIKE) is True
     assert vllm_runner.v2_runner_offloads(V026_LIKE) is False
@@ -29,11 +40,7 @@ def test_no_vllm_here_decides_nothing(monkeypatch):
 
 
 def test_the_installed_file_is_read_without_importing_vllm(tmp_path, monkeypatch):
-    pkg = tmp_path / "vllm"
-    (pkg / "v1" / "worker" / "gpu").mkdir(parents=True)
-    (pkg / "v1" / "worker" / "gpu" / "model_runner.py").write_text(V026_LIKE)
-    spec = types.SimpleNamespace(submodule_search_locations=[str(pkg)])
-    monkeypatch.setattr(installed_vllm.importlib.util, "find_spec", lambda name: spec)
+    pkg = installed_runner(tmp_path, monkeypatch, V026_LIKE)
     assert vllm_runner.v2_runner_offloads() is False
     (pkg / "v1" / "worker" / "gpu" / "model_runner.py").write_text(V033_LIKE)
     assert vllm_runner.v2_runner_offloads() is True
@@ -127,11 +134,7 @@ V034_LIKE = V033_LIKE  # gpu/model_runner.py:379 of 0.34.0, in GPUModelRunner.__
 
 
 def test_034_has_no_v1_runner_to_pin(tmp_path, monkeypatch):
-    pkg = tmp_path / "vllm"
-    (pkg / "v1" / "worker" / "gpu").mkdir(parents=True)
-    (pkg / "v1" / "worker" / "gpu" / "model_runner.py").write_text(V034_LIKE)
-    spec = types.SimpleNamespace(submodule_search_locations=[str(pkg)])
-    monkeypatch.setattr(installed_vllm.importlib.util, "find_spec", lambda name: spec)
+    pkg = installed_runner(tmp_path, monkeypatch, V034_LIKE)
     assert vllm_runner.v1_runner_present() is False and vllm_runner.v2_runner_offloads()
     (pkg / "v1" / "worker" / "gpu_model_runner.py").write_text("class GPUModelRunner: ...")
     assert vllm_runner.v1_runner_present() is True  # 0.26-0.33
