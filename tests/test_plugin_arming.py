@@ -19,6 +19,7 @@ from plugin_standins import (
 from expertcache_cli.config import CacheConfig, from_env
 from expertcache_cli.plugin.arming import ARM, DECLINE, SKIP, plan_layer, summary_line
 from expertcache_cli.plugin.session import find_moe_layers, layer_index
+from expertcache_cli.vllm_facts.capture import rows_for_sizes
 
 CFG = CacheConfig(slots=32)
 
@@ -197,8 +198,9 @@ def test_summary_line_states_layers_budget_policy_tensors_and_the_trap():
     assert "TRAP" not in summary_line(ds, CFG, "0.26.0", max_num_seqs=4)
     # CUDA graphs pad a full batch of 3 to the 4-graph: 4 x 8 = 32 ids still fit 32 slots,
     # but with graphs of 1, 2 and 8 the batch runs as 8: 64 ids read through
-    assert "TRAP" not in summary_line(ds, CFG, "0.26.0", 3, capture_sizes=[1, 2, 4, 8])
-    padded = summary_line(ds, CFG, "0.26.0", 3, capture_sizes=[1, 2, 8])
+    fits = summary_line(ds, CFG, "0.26.0", 3, decode_rows=rows_for_sizes([1, 2, 4, 8]))
+    assert "TRAP" not in fits
+    padded = summary_line(ds, CFG, "0.26.0", 3, decode_rows=rows_for_sizes([1, 2, 8]))
     assert "TRAP: a full batch of 3 seqs runs as 8 (CUDA-graph padding" in padded
     assert "64 ids > 32 slots" in padded and "--max-num-seqs 2" in padded
 
@@ -244,10 +246,10 @@ def test_speculative_decoding_draft_tokens_count_in_the_trap():
     d = plan_layer(RoutedExperts(), CacheConfig(slots=80))
     sizes = [1, 2, 4, 8, 16, 24, 32]
     plain = summary_line([d], CacheConfig(slots=80), "0.33.0", max_num_seqs=8,
-                         capture_sizes=sizes)
+                         decode_rows=rows_for_sizes(sizes))
     assert "TRAP" not in plain  # 8 x 8 = 64 ids fit 80 slots
     spec = summary_line([d], CacheConfig(slots=80), "0.33.0", max_num_seqs=8,
-                        capture_sizes=sizes, spec_tokens=3)
+                        decode_rows=rows_for_sizes(sizes, 1 + 3), spec_tokens=3)
     assert ("TRAP: a full batch of 8 seqs x (1 + 3 draft tokens, speculative decoding) x "
             "top_k 8 = 256 ids > 80 slots") in spec
     assert "--max-num-seqs 2 keeps every decode step on it" in spec
@@ -286,7 +288,7 @@ def test_the_trap_counts_vllm_034s_request_keyed_decode_graphs():
     d = plan_layer(RoutedExperts(), CacheConfig(slots=72))
     rows = [capture.decode_rows(n, 10, 2048, oss) for n in range(1, 11)]
     line = summary_line([d], CacheConfig(slots=72), "0.34.0", max_num_seqs=10,
-                        capture_sizes=[1, 2, 4, 8, 16], decode_rows=lambda n: rows[n - 1])
+                        decode_rows=lambda n: rows[n - 1])
     assert ("TRAP: a full batch of 10 seqs x top_k 8 = 80 ids > 72 slots" in line
             and "--max-num-seqs 8 keeps" in line)
     at80 = CacheConfig(slots=80)
@@ -294,4 +296,4 @@ def test_the_trap_counts_vllm_034s_request_keyed_decode_graphs():
     assert "TRAP" not in summary_line([d80], at80, "0.34.0", max_num_seqs=10,
                                       decode_rows=lambda n: rows[n - 1])
     assert "runs as 16" in summary_line([d80], at80, "0.33.0", max_num_seqs=10,
-                                        capture_sizes=[1, 2, 4, 8, 16])
+                                        decode_rows=rows_for_sizes([1, 2, 4, 8, 16]))

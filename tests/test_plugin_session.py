@@ -29,6 +29,7 @@ from ref_slotcache import RefSlotCache  # noqa: E402
 from expertcache_cli.config import CacheConfig  # noqa: E402
 from expertcache_cli.plugin.arming import plan_layer  # noqa: E402
 from expertcache_cli.plugin.runtime import ArmedLayer  # noqa: E402
+from expertcache_cli.vllm_facts.capture import rows_for_sizes  # noqa: E402
 
 
 def test_arm_model_arms_declines_and_records_a_trace(tmp_path, monkeypatch, caplog):
@@ -369,15 +370,19 @@ def test_periodic_reports_never_wait_for_the_device(monkeypatch, caplog):
 
 def test_arm_model_takes_the_decode_width_from_vllms_rows(monkeypatch):
     """vLLM 0.34 hands the decode width in as requests -> rows (`plugin._decode_rows`):
-    each armed layer's decode-width counter gets the full batch's rows; without it the
-    capture sizes pad max_num_seqs x (1 + draft tokens), as before."""
+    each armed layer's decode-width counter gets the full batch's rows: 0.26-0.33's
+    capture sizes pad max_num_seqs x (1 + draft tokens); without it (eager) that
+    product is the width."""
     import expertcache_cli.device.slotcache as slotcache_mod
     from expertcache_cli.plugin.session import arm_model
 
     monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
     sess = arm_model(ThreeLayers(), CacheConfig(slots=6), "0.34.0", max_num_seqs=5,
-                     capture_sizes=[1, 2, 4, 8], decode_rows=lambda n: 6 * n)
+                     decode_rows=lambda n: 6 * n)
     assert sess.armed and {a.decode_tokens for a in sess.armed} == {30}
     old = arm_model(ThreeLayers(), CacheConfig(slots=6), "0.33.0", max_num_seqs=3,
-                    capture_sizes=[1, 2, 4, 8], spec_tokens=1)
+                    decode_rows=rows_for_sizes([1, 2, 4, 8], 1 + 1), spec_tokens=1)
     assert {a.decode_tokens for a in old.armed} == {8}
+    eager = arm_model(ThreeLayers(), CacheConfig(slots=6), "0.33.0", max_num_seqs=3,
+                      spec_tokens=1)
+    assert {a.decode_tokens for a in eager.armed} == {6}

@@ -26,6 +26,7 @@ from ref_slotcache import RefSlotCache  # noqa: E402
 
 from expertcache_cli.config import CacheConfig  # noqa: E402
 from expertcache_cli.rules.policy import LayerCache, Policy, Wide  # noqa: E402
+from expertcache_cli.vllm_facts.capture import rows_for_sizes  # noqa: E402
 
 
 @pytest.mark.parametrize("wide", [Wide.STAGED, Wide.STAGED_INSTALL])
@@ -110,10 +111,11 @@ def test_the_wide_step_scratch_is_shared_planned_and_announced(monkeypatch, capl
     assert "wide steps staged-install through a 0.00 GiB scratch" in caplog.text
     plugin._log_memory_plan(worker, sess, 2**30)
     assert "GiB of slots and 0.00 GiB of wide-step scratch counted as weights" in caplog.text
-    line = summary_line(sess.decisions, cfg, "0.26.0", max_num_seqs=8, capture_sizes=[1, 2, 4, 8])
+    line = summary_line(sess.decisions, cfg, "0.26.0", max_num_seqs=8,
+                        decode_rows=rows_for_sizes([1, 2, 4, 8]))
     assert "TRAP" not in line and "full batches (8 x 2 ids > 6 slots) are staged" in line
     in_place = summary_line(sess.decisions, CacheConfig(slots=6), "0.26.0", max_num_seqs=8,
-                            capture_sizes=[1, 2, 4, 8])
+                            decode_rows=rows_for_sizes([1, 2, 4, 8]))
     assert "TRAP" in in_place
     # a wide step through the shared scratch, then the counters line says what it fetched
     rng = np.random.default_rng(2)

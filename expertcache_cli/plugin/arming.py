@@ -361,17 +361,16 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
 
 def summary_line(
     decisions: list[Decision], cfg: CacheConfig, vllm_version: str, max_num_seqs: int | None = None,
-    capture_sizes: list[int] | None = None,
     scratch_bytes: int = 0,
     spec_tokens: int = 0,
     decode_rows: Callable[[int], int] | None = None,
 ) -> str:
     """The one startup line: what is armed, on how many layers, budget, policy, tensors.
 
-    ``capture_sizes`` are the batch sizes vLLM captured CUDA graphs for (empty: eager):
-    a full decode batch runs padded to the next one, and that padded width is what the
-    shape gate compares with the slots, so the TRAP counts it. ``decode_rows`` (requests
-    -> rows, vLLM 0.34's request-keyed decode graphs) replaces that rule where given.
+    ``decode_rows``: requests -> the rows vLLM runs a decode step of them at (CUDA-graph
+    padding included: `plugin._decode_rows`, from vLLM's resolved grids); that padded
+    width is what the shape gate compares with the slots, so the TRAP counts it. None:
+    eager, ``n x (1 + spec_tokens)`` rows.
     """
     armed = [d for d in decisions if d.armed]
     skipped = [d for d in decisions if d.action == SKIP]
@@ -419,7 +418,7 @@ def summary_line(
         from ..vllm_facts.capture import rows_for_sizes, safe_for_rows
 
         # speculative decoding: each sequence's verify step carries its draft tokens
-        rows = decode_rows or rows_for_sizes(capture_sizes or [], 1 + spec_tokens)
+        rows = decode_rows or rows_for_sizes([], 1 + spec_tokens)
         k, slots = first.top_k, min(counts)  # the narrowest layer reads through first
         widest = rows(max_num_seqs)
         if widest * k > slots and staged:

@@ -406,7 +406,7 @@ def _vllm_ranks() -> dict[str, int]:
 
 def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
               max_num_seqs: int | None = None, model_name: str | None = None,
-              capture_sizes: list[int] | None = None, refusal: str | None = None,
+              refusal: str | None = None,
               padding: Callable[[int], Any] | None = None,
               pool: Callable[[], Any] | None = None, spec_tokens: int = 0,
               decode_rows: Callable[[int], int] | None = None) -> Session:
@@ -418,8 +418,8 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     ``spec_tokens``: speculative decoding's draft tokens per sequence (a decode step
     carries ``max_num_seqs x (1 + spec_tokens)`` tokens).
     ``decode_rows``: requests -> the rows vLLM runs a decode step of them at (the plugin's
-    `_decode_rows`, read from vLLM's resolved grids); without it, ``capture_sizes``
-    pad ``n x (1 + spec_tokens)`` tokens (0.26-0.33's rule).
+    `_decode_rows`, read from vLLM's resolved grids); None: eager, ``n x (1 +
+    spec_tokens)`` rows.
     ``pool``: the allocation context of vLLM's sleep-mode pool (`memory.sleep_pool`): the
     slot buffers and the scratch are allocated inside it, so they sleep with the weights.
     """
@@ -440,7 +440,7 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
     for d in decisions:
         if marlin_refusal and d.armed and d.marlin:
             d.action, d.reason = DECLINE, marlin_refusal
-    rows = decode_rows or rows_for_sizes(capture_sizes or [], 1 + spec_tokens)
+    rows = decode_rows or rows_for_sizes([], 1 + spec_tokens)
     decode_tokens = rows(max_num_seqs) if max_num_seqs else None
     armed: list[ArmedLayer] = []
     scratches: dict[tuple, Any] = {}
@@ -467,7 +467,7 @@ def arm_model(model: Any, cfg: CacheConfig, vllm_version: str,
             log.warning("expertcache: %s not armed: %s", d.layer_name, d.reason)
     session = Session(cfg, decisions, armed, recorder)
     session.pooled = pool is not None and bool(armed)
-    log.info("%s", summary_line(decisions, cfg, vllm_version, max_num_seqs, capture_sizes,
+    log.info("%s", summary_line(decisions, cfg, vllm_version, max_num_seqs,
                                 session.scratch_bytes, spec_tokens, rows))
     return session
 
