@@ -651,6 +651,21 @@ def test_offload_checks_run_for_offloaded_arms_only(monkeypatch):
     assert flags == [] and note is None  # w8a8 stays offloaded on its own kernel
 
 
+def test_offloaded_arms_beside_a_cache_arm_pin_the_triton_experts_on_a_gpu():
+    """bf16 experts beside a cache arm: floor and cache both get --moe-backend triton (the
+    kernel the cache arms; vLLM picks FlashInfer on Blackwell); without a cache arm, or
+    with vLLM's CPU build (no NVIDIA GPU here: it runs its own kernels and refuses the
+    flag), nothing."""
+    from expertcache_cli.baseline import sizing_bridge
+
+    arms = parse_arms("resident,offload,cache:8")
+    flags, note = sizing_bridge.offload_checks("qwen3-30b-a3b", [], arms)
+    assert flags == ["--moe-backend", "triton"] and "bf16 experts" in note
+    assert sizing_bridge.offload_checks("qwen3-30b-a3b", [], arms, cuda=False) == ([], None)
+    assert sizing_bridge.offload_checks("qwen3-30b-a3b", [], parse_arms("offload")) == (
+        [], None)
+
+
 def test_plugin_state_reads_how_much_of_the_model_the_cache_served(tmp_path):
     from expertcache_cli.baseline.counters import plugin_state
 

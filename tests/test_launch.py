@@ -341,8 +341,29 @@ def test_offloaded_mxfp4_experts_run_on_marlin_or_are_refused():
     assert mine.argv.count("--moe-backend") == 1 and "marlin" in mine.argv
     # `size` prints the same vLLM command
     assert p.size.vllm_args()[-2:] == ["--moe-backend", "marlin"]
-    # other formats: never touched
-    assert "--moe-backend" not in _plan(vllm_args=["--max-num-seqs", "4"]).argv
+
+
+def test_the_formats_on_triton_get_it_pinned_where_the_cache_is_asked():
+    """bf16, W8A8 and FP8 experts are armed on vLLM's Triton experts, which vLLM does not
+    pick on every GPU (FlashInfer for bf16 on Blackwell, CUTLASS for per-channel FP8 from
+    Hopper on: every layer declined). A cached serve pins --moe-backend triton and says
+    why; the user's own backend is theirs (one that the cache declines leaves the cache
+    off, as `size` says), and nothing is pinned where the cache is off."""
+    cached = _plan(vllm_args=["--max-num-seqs", "4"])
+    assert cached.env["EXPERT_CACHE_SLOTS"]
+    assert cached.argv.count("--moe-backend") == 1
+    assert cached.argv[cached.argv.index("--moe-backend") + 1] == "triton"
+    assert any("bf16 experts: --moe-backend triton is passed" in n for n in cached.notes)
+    assert cached.size.vllm_args()[-2:] == ["--moe-backend", "triton"]  # `size`'s command
+    mine = _plan(vllm_args=["--max-num-seqs", "4", "--moe-backend", "triton"])
+    assert mine.argv.count("--moe-backend") == 1
+    assert not any("--moe-backend triton is passed" in n for n in mine.notes)
+    other = _plan(vllm_args=["--max-num-seqs", "4", "--moe-backend", "flashinfer_cutlass"])
+    assert other.size.verdict == "offload_no_cache" and "EXPERT_CACHE_SLOTS" not in other.env
+    assert "flashinfer_cutlass, a kernel the cache does not arm" in other.size.verdict_text
+    assert other.argv.count("--moe-backend") == 1
+    fits = _plan(vram=141)
+    assert fits.size.verdict == "fits_outright" and "--moe-backend" not in fits.argv
 
 
 def test_baseline_gives_offloaded_mxfp4_arms_marlin_and_resident_the_stock_kernel():

@@ -91,11 +91,14 @@ def test_a_parameter_vllm_retired_is_not_mirrored():
         (RoutedExperts(use_ep=True), "expert parallelism"),
         (RoutedExperts(lora=True), "LoRA on the experts"),
         (RoutedExperts(expert_map=FakeTensor((128,), "int32")), "expert parallelism"),
-        (RoutedExperts(quant_method=UnquantizedFusedMoEMethod(monolithic=True)), "monolithic"),
+        (RoutedExperts(quant_method=UnquantizedFusedMoEMethod(monolithic=True)),
+         "monolithic): no ids to remap; --moe-backend triton runs it on a kernel the cache "
+         "arms"),
         (RoutedExperts(quant_method=SimpleNamespace(is_monolithic=False, moe_kernel=None)),
          "no modular kernel"),
         (RoutedExperts(quant_method=UnquantizedFusedMoEMethod(TrtLlmBf16ExpertsModular())),
-         "TrtLlmBf16ExpertsModular is not known"),
+         "TrtLlmBf16ExpertsModular is not known to index weights by id only (known: "
+         "MarlinExperts, TritonExperts, TritonWNA16Experts); --moe-backend triton runs it"),
         (RoutedExperts(quant_method=UnquantizedFusedMoEMethod(HummingIndexedExperts())),
          "runs 4-bit experts on Humming on Hopper unless told --moe-backend marlin"),
         (RoutedExperts(device="cpu", uva=False), "without UVA"),

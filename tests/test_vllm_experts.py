@@ -269,6 +269,41 @@ def test_4bit_experts_get_marlin_where_vllm_ranks_humming_first(quant):
         quant, ["--moe-backend", "humming"], None, humming=True) == ([], None)
 
 
+@pytest.mark.parametrize("quant", ["bf16", "fp16", "fp8", "fp8-block"])
+def test_the_formats_vllm_may_run_elsewhere_get_triton_pinned_where_cached(quant):
+    """bf16 runs on FlashInfer on Blackwell, per-channel FP8 on CUTLASS from Hopper on, block
+    FP8 on DeepGEMM/FlashInfer on Blackwell (vLLM 0.26-0.34's oracles): declined kernels.
+    A cached plan pins the Triton experts; nothing without the cache or with the user's own
+    backend."""
+    flags, note = vllm_experts.offload_backend_args(quant, [], None, "0.34", cached=True)
+    assert flags == ["--moe-backend", "triton"]
+    assert note.startswith(f"{quant} experts: --moe-backend triton is passed, the kernel the "
+                           "cache arms (vLLM picks ")
+    assert vllm_experts.offload_backend_args(quant, [], None, cached=False) == ([], None)
+    for own in ("triton", "flashinfer_cutlass"):
+        assert vllm_experts.offload_backend_args(
+            quant, ["--moe-backend", own], None, cached=True) == ([], None)
+    # INT8 W8A8 runs on Triton on every NVIDIA GPU: nothing to pin
+    assert vllm_experts.offload_backend_args("w8a8", [], None, cached=True) == ([], None)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "w8a8", "fp8", "fp8-block"])
+def test_a_named_backend_other_than_triton_declines_the_formats_armed_on_triton(quant):
+    for armed in (None, "auto", "triton", "Triton"):
+        assert vllm_experts.declined_kernel(quant, armed) is None
+    others = ["flashinfer_cutlass", "cutlass", "deep_gemm"]
+    if quant == "bf16":  # an unquantised layer reads humming and marlin as auto
+        assert vllm_experts.declined_kernel(quant, "humming") is None
+    else:
+        others += ["humming", "marlin"]
+    for other in others:
+        why = vllm_experts.declined_kernel(quant, other)
+        assert why is not None and f"--moe-backend {other}, a kernel the cache" in why
+    note = vllm_experts.kernel_note(quant, ["--moe-backend", "cutlass"], "0.34")
+    assert note.startswith("experts on --moe-backend cutlass: vLLM 0.34 runs them on a kernel")
+    assert note.endswith("leave the flag out to run them on Triton, which it arms")
+
+
 def test_a_typed_moe_backend_auto_is_declined_where_it_means_humming():
     why = vllm_experts.declined_kernel("w4a16", "auto", marlin=True, humming=True)
     assert why is not None and "on Humming on Hopper" in why

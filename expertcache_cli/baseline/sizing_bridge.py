@@ -114,17 +114,20 @@ def _share_args(p: sizing.SizePlan, vllm_args: list[str]) -> list[str]:
     return out
 
 
-def offload_checks(model: str, vllm_args: list[str],
-                   arms: list[Arm]) -> tuple[list[str], str | None]:
+def offload_checks(model: str, vllm_args: list[str], arms: list[Arm],
+                   cuda: bool = True) -> tuple[list[str], str | None]:
     """What the offloaded arms need, checked before any server: the flags only they get,
     and the note that says why (None: nothing to say).
 
     ``--quantization`` on an unquantised model is refused (vLLM cannot offload experts it
     quantises while loading), as a 4-bit format vLLM would run on a Triton kernel it does
     not have; a format that needs a flag to stay offloaded gets it (MXFP4: ``--moe-backend
-    marlin``), for the offloaded arms only: the resident arm stays stock. No offloaded
-    arm, or a model sizing cannot read (an HF id it does not know): nothing to check here,
-    vLLM says what it refuses.
+    marlin``), for the offloaded arms only: the resident arm stays stock. With a cache arm,
+    the formats the cache arms on Triton get ``--moe-backend triton`` pinned (floor and
+    cache then run one kernel), where vLLM runs on an NVIDIA GPU (``cuda``; vLLM's CPU
+    build runs its own kernels and refuses that flag). No offloaded arm, or a model sizing
+    cannot read (an HF id it does not know): nothing to check here, vLLM says what it
+    refuses.
     """
     from ..sizing.model_size import load_model
     from ..vllm_facts import installed_vllm, vllm_experts
@@ -144,5 +147,6 @@ def offload_checks(model: str, vllm_args: list[str],
         raise UserError(why)
     flags, note = vllm_experts.offload_backend_args(
         m.quant, vllm_args, vllm_experts.mxfp4_marlin_available(), installed_vllm.release(),
-        humming=vllm_experts.humming_ranked_first())
+        humming=vllm_experts.humming_ranked_first(),
+        cached=cuda and any(a.kind == "cache" for a in arms))
     return flags, note

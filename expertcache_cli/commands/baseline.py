@@ -150,7 +150,11 @@ def run_cmd(
     if vram is not None:
         cpu_offload_gb, share = _vram_offload(model, vram, vllm_args, arm_list, concurrency)
         vllm_args += share
-    offload_args, note = offload_checks(model, vllm_args, arm_list)
+    from ..device.gpu_info import device_total_gib
+
+    # (no NVIDIA GPU here: vLLM's CPU build, whose own kernels run whatever is pinned)
+    offload_args, note = offload_checks(model, vllm_args, arm_list,
+                                        cuda=device_total_gib() is not None)
     if note:
         err.print(f"note: {note} (offload and cache arms; resident stays stock)")
     cfg = BaselineConfig(

@@ -211,10 +211,11 @@ def make_plan(
         # the installed vLLM asked, and the why; the flags are the plan's own unless the
         # offload is the user's (a model that fits, offloaded anyway)
         flags, note = vllm_experts.offload_backend_args(size.quant, args, mxfp4_marlin(), vtext,
-                                                        humming=humming())
+                                                        humming=humming(),
+                                                        cached=config.SLOTS in env)
         if flags and flag_value(own, flags[0]) is None:
             own += flags
-        notes += [note] if note else []
+        notes += [note] if note and note not in notes else []  # (sizing may have said it)
     if config.SLOTS in env:
         note = vllm_experts.kernel_note(size.quant, args, vtext)
         notes += [note] if note else []

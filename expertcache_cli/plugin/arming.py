@@ -255,19 +255,17 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
             "of the weights) instead of the layer's parameters: slot buffers would not "
             "reach it (MXFP4 on triton_kernels; --moe-backend marlin is armed)")
     if getattr(qm, "is_monolithic", False):
-        return decline(f"{qm_name} routes inside the kernel (monolithic): no ids to remap")
+        return decline(f"{qm_name} routes inside the kernel (monolithic): no ids to remap"
+                       f"{_backend_hint(qm_name, '')}")
     kernel = getattr(qm, "moe_kernel", None)
     if kernel is None:
         return decline(f"{qm_name} has no modular kernel (moe_kernel is None)")
     experts = getattr(kernel, "fused_experts", None)
     experts_name = type(experts).__name__
     if experts is None or experts_name not in KNOWN_EXPERTS:
-        hint = ("; vLLM 0.33+ runs 4-bit experts on Humming on Hopper unless told "
-                "--moe-backend marlin, which the cache arms (expertcache serve passes it)"
-                if experts_name.startswith("Humming") else "")
         return decline(
             f"experts kernel {experts_name} is not known to index weights by id only "
-            f"(known: {', '.join(sorted(KNOWN_EXPERTS))}){hint}"
+            f"(known: {', '.join(sorted(KNOWN_EXPERTS))}){_backend_hint(qm_name, experts_name)}"
         )
     if not hasattr(experts, "quant_config"):
         return decline(f"{experts_name} has no quant_config attribute (unknown layout)")
@@ -357,6 +355,17 @@ def _plan(layer: Any, cfg: CacheConfig, lname: str, index: int | None = None) ->
         return decline("every per-expert tensor is a ragged slab (unknown layout)")
     return Decision(lname, ARM, "", num_experts, slots, top_k, specs, aliases, small,
                     experts_name, layout)
+
+
+def _backend_hint(qm_name: str, experts_name: str) -> str:
+    """How to run a declined layer on a kernel the cache arms: the ``--moe-backend`` that
+    `serve` passes (vLLM picks others on some GPUs: `vllm_experts`' module docstring)."""
+    if experts_name.startswith("Humming"):
+        return ("; vLLM 0.32+ runs 4-bit experts on Humming on Hopper unless told "
+                "--moe-backend marlin, which the cache arms (expertcache serve passes it)")
+    backend = "marlin" if marlin.format_of(qm_name) else "triton"
+    return (f"; --moe-backend {backend} runs it on a kernel the cache arms (expertcache "
+            "serve passes it)")
 
 
 def summary_line(

@@ -501,8 +501,9 @@ def _plan_for(
     wider than the slots is staged rather than a trap.
     ``moe_backend``: vLLM's ``--moe-backend``; where the experts kernel it leads to is one
     the plugin declines on every layer (`vllm_experts.declined_kernel`: 4-bit formats on
-    FlashInfer, Humming or the emulation backends), the verdict is offload without the
-    cache, unless ``slots``/``fraction`` force one (a kernel trial).
+    FlashInfer, Humming or the emulation backends, the others on any but Triton), the
+    verdict is offload without the cache, unless ``slots``/``fraction`` force one (a kernel
+    trial).
     ``narrowest``: a per-layer plan's smallest budget (`serve --plan`): its layer reads
     through first, so the trap and the safe batch are judged against it.
     ``kv_cache_memory_bytes``: the user's ``--kv-cache-memory-bytes``; the plan then sizes
@@ -591,9 +592,12 @@ def _plan_for(
                            planned=planned, per_slot=model.bytes_per_slot, scratch=scratch,
                            given=kv_cache_memory_bytes is not None)
     # (a --moe-backend that cannot offload this format is refused here, in one line)
-    offload_args = vllm_experts.offload_backend_args(
+    offload_args, backend_note = vllm_experts.offload_backend_args(
         model.quant, ["--moe-backend", moe_backend] if moe_backend else [], None,
-        humming=vllm_experts.humming_ranked_first())[0] if offload else []
+        humming=vllm_experts.humming_ranked_first(),
+        cached=verdict is Verdict.CACHE) if offload else ([], None)
+    if backend_note and model.quant in vllm_experts.PINNED_TRITON:
+        notes.append(backend_note)
     return SizePlan(
         speculative_tokens=step.q - 1,
         model=model.name,

@@ -19,12 +19,23 @@ MXFP4 experts therefore needs ``--moe-backend marlin`` (its repacked weights rep
 Parameters by name, so vLLM moves them back to host memory, and the plugin arms Marlin);
 `offload_backend_args` adds it, or refuses the backends that keep the experts in VRAM.
 
-From 0.33 vLLM ranks its Humming kernel ahead of Marlin for GPTQ, AWQ, compressed-tensors
+From 0.32 vLLM ranks its Humming kernel ahead of Marlin for GPTQ, AWQ, compressed-tensors
 W4A16 and NVFP4 on Hopper (``quantization/utils/humming/priority.py``, sm_90): served as
 they come, those experts run on a kernel the plugin declines, every layer at the offload
 floor. `offload_backend_args` passes ``--moe-backend marlin`` for them where the installed
 vLLM has that ranking (elsewhere Marlin is what vLLM picks anyway, or a kernel the cache
 cannot arm either), unless the user named a backend.
+
+The other formats the cache arms run on vLLM's Triton experts, but vLLM (0.26 to 0.34)
+picks them only on some GPUs: unquantised experts run on FlashInfer's kernels on Blackwell
+(``oracle/unquantized.py``: FlashInfer first on CUDA, moved back on Hopper only), FP8 with
+per-channel or per-tensor scales on CUTLASS or FlashInfer from Hopper on (``oracle/fp8.py``:
+both ahead of Triton), block FP8 on DeepGEMM or FlashInfer on Blackwell (Triton is moved to
+the front on Hopper only). Each of those is declined, every layer at the offload floor.
+So where the cache is asked for, `offload_backend_args` pins ``--moe-backend triton`` for
+them (every release maps it, for each of these formats, to the Triton experts; on the GPUs
+where vLLM picks Triton anyway it changes nothing), unless the user named a backend. INT8
+W8A8 runs on Triton on every NVIDIA GPU and is left as it comes.
 """
 
 from __future__ import annotations
@@ -63,11 +74,23 @@ HUMMING_PRIORITY = ("model_executor", "layers", "quantization", "utils", "hummin
 HUMMING_PREFERRED = "_HUMMING_PREFERRED_CAPABILITIES"
 #: formats whose oracle (int_wna16, nvfp4) applies that ranking to its default backends
 HUMMING_FIRST = ("w4a16", "nvfp4")
+#: formats the cache arms on vLLM's Triton experts (``--moe-backend triton`` in the
+#: unquantized, int8 and fp8 oracles of 0.26-0.34)
+TRITON_FORMATS = ("bf16", "fp16", "w8a8", "fp8", "fp8-block")
+UNQUANTISED = ("bf16", "fp16")
+#: those of them that vLLM runs on another kernel on some NVIDIA GPUs, and which kernel
+#: (INT8 W8A8 has no other there: Triton leads ``oracle/int8.py`` in 0.26-0.34)
+PINNED_TRITON = {
+    "bf16": "FlashInfer for unquantised experts on Blackwell GPUs",
+    "fp16": "FlashInfer for unquantised experts on Blackwell GPUs",
+    "fp8": "CUTLASS or FlashInfer for per-channel and per-tensor FP8 experts from Hopper on",
+    "fp8-block": "DeepGEMM or FlashInfer for block FP8 experts on Blackwell GPUs",
+}
 
 
 def humming_ranked_first(source: str | None = None) -> bool | None:
     """Whether the installed vLLM ranks Humming ahead of Marlin for 4-bit experts on some
-    GPUs (0.33+: Hopper); None without vLLM here, or without that ranking (0.26).
+    GPUs (0.32+: Hopper); None without vLLM here, or without that ranking (0.26-0.31).
     ``source``: the ranking file's text (tests)."""
     return installed_vllm.source_says(HUMMING_PREFERRED, HUMMING_PRIORITY, source)
 
@@ -87,16 +110,33 @@ def marlin_over_humming_args(quant: str, args: list[str], humming: bool | None,
         "them on Humming by default, a kernel the cache does not arm")
 
 
+def triton_pin_args(quant: str, args: list[str]) -> tuple[list[str], str | None]:
+    """``--moe-backend triton`` for ``quant`` experts that the cache arms on vLLM's Triton
+    experts and vLLM runs on another kernel on some GPUs (`PINNED_TRITON`), with the note
+    that says why; nothing where the user named a backend (their choice is judged by
+    `declined_kernel`) or for another format."""
+    why = PINNED_TRITON.get(quant)
+    if why is None or vllm_flags.vllm_flag_value(args, "--moe-backend") is not None:
+        return [], None
+    return ["--moe-backend", "triton"], (
+        f"{quant} experts: --moe-backend triton is passed, the kernel the cache arms (vLLM "
+        f"picks {why}, which it does not)")
+
+
 def offload_backend_args(quant: str, args: list[str], marlin: bool | None,
                          version: str | None = None, *,
-                         humming: bool | None = None) -> tuple[list[str], str | None]:
+                         humming: bool | None = None,
+                         cached: bool = False) -> tuple[list[str], str | None]:
     """The vLLM flags that keep offloaded ``quant`` experts in host memory and on a kernel
     the cache arms, with the note that says why; raises `UserError` when the user's own
     ``--moe-backend`` (or the installed vLLM) cannot keep them offloaded. MXFP4 needs
     Marlin to stay offloaded; GPTQ/AWQ/W4A16 and NVFP4 need it where vLLM would pick
-    Humming (``humming``: `humming_ranked_first`; see the module's docstring)."""
+    Humming (``humming``: `humming_ranked_first`); the formats on Triton get it pinned
+    where the cache is asked for (``cached``: see the module's docstring)."""
     if quant in HUMMING_FIRST:
         return marlin_over_humming_args(quant, args, humming, version)
+    if quant in PINNED_TRITON:
+        return triton_pin_args(quant, args) if cached else ([], None)
     if quant != "mxfp4":
         return [], None
     which = f"vLLM {version}" if version else "vLLM"
@@ -132,7 +172,7 @@ def wna16_triton_available(source: str | None = None) -> bool | None:
 
 #: ``--moe-backend`` values under which vLLM runs 4-bit experts on its Marlin experts
 #: (auto: its default on NVIDIA up to Ada, and up to Hopper before 0.33; offloaded
-#: MXFP4, and on 0.33+ GPTQ/AWQ/W4A16/NVFP4, get marlin from `serve`) or,
+#: MXFP4, and on 0.32+ GPTQ/AWQ/W4A16/NVFP4, get marlin from `serve`) or,
 #: for the integer formats from 0.32, on its Triton WNA16 experts: kernels the plugin arms
 ARMED_4BIT_BACKENDS = {"w4a16": ("auto", "marlin", "triton"), "nvfp4": ("auto", "marlin"),
                        "mxfp4": ("auto", "marlin")}
@@ -142,13 +182,22 @@ def declined_kernel(quant: str, moe_backend: str | None,
                     marlin: bool | None = None, *, humming: bool | None = None) -> str | None:
     """Why the plugin would decline every MoE layer of a ``quant`` checkpoint that vLLM
     runs with ``--moe-backend moe_backend`` (None: vLLM's default), or None where it can
-    arm them. 4-bit experts on Marlin (vLLM's default up to Ada; on Hopper, where 0.33+
+    arm them. 4-bit experts on Marlin (vLLM's default up to Ada; on Hopper, where 0.32+
     prefers Humming, what `offload_backend_args` asks for) are armed where ``marlin``
     (default: `config.marlin_from_env`,
     ``EXPERT_CACHE_MARLIN=1``) allows; another backend named is not. Offloaded MXFP4 runs
     on Marlin (`offload_backend_args` passes it; a backend that keeps the experts in VRAM
     is refused there). ``humming`` (`humming_ranked_first`): a ``--moe-backend auto`` the
     user typed runs these formats on Humming on Hopper, which is declined."""
+    if quant in TRITON_FORMATS:
+        backend = backend_name(moe_backend or "auto")
+        # (unquantised layers read humming and marlin as auto: 0.26-0.34's oracle)
+        if backend in ("auto", "triton") or (quant in UNQUANTISED and backend in
+                                             ("humming", "marlin")):
+            return None
+        return (f"vLLM runs these experts on --moe-backend {backend}, a kernel the cache "
+                "does not arm (vLLM's Triton experts, which serve pins when the flag is left "
+                "out, it arms)")
     if quant not in ARMED_4BIT_BACKENDS:
         return None
     backend = backend_name(moe_backend or "auto")
@@ -206,6 +255,8 @@ def kernel_note(quant: str, args: list[str], version: str | None = None) -> str 
     if backend is None:  # vLLM's default kernel, which the cache arms only when asked
         return f"{why}: every layer will be declined (the offload floor)"
     which = f"vLLM {version}" if version else "vLLM"
-    return (f"4-bit experts on --moe-backend {backend_name(backend)}: {which} runs them on a "
+    kind, armed = ("experts", "Triton") if quant in TRITON_FORMATS else ("4-bit experts",
+                                                                          "Marlin")
+    return (f"{kind} on --moe-backend {backend_name(backend)}: {which} runs them on a "
             "kernel the cache does not arm, so every layer will be declined (the offload "
-            "floor); leave the flag out to run them on Marlin, which it arms")
+            f"floor); leave the flag out to run them on {armed}, which it arms")
