@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from real_vllm import vllm_python
 
+from expertcache_cli.plugin import marlin
 from expertcache_cli.vllm_facts.installed_vllm import parse_version
 
 pytestmark = pytest.mark.integration
@@ -85,6 +86,14 @@ out = {
                     else "discardable" in inspect.signature(suspend).parameters),
     "is_padding": "is_padding" in getattr(fc, "__dataclass_fields__", {}),
 }
+from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+mm = importlib.import_module(marlin.MARLIN_MODULE)
+fields = getattr(FusedMoEQuantConfig, "__dataclass_fields__", {})
+out["quant_config_reads"] = [a for a in marlin.QUANT_CONFIG_READS
+                             if not (hasattr(FusedMoEQuantConfig, a) or a in fields)]
+text = inspect.getsource(mm.MarlinExperts)
+out["marlin_layout_names"] = [a for a in (*marlin.ACT_ORDER_ATTRS, "is_k_full",
+                                          "activation_config") if a in text]
 session._patch_tiles()
 out["tiles"] = [getattr(getattr(triton, n, None), compat.WRAPPED_MARK, None)
                 for n in ("try_get_optimal_moe_config", "get_moe_configs")]
@@ -111,6 +120,11 @@ def test_the_plugins_hooks_land_on_the_installed_vllms_classes():
     tiles, configs = res["tiles"]
     assert tiles is True and configs in (True, None)  # get_moe_configs: 0.34's, wrapped
     assert res["mechanism"] is not None, "the slots' place in vLLM's memory plan unknown"
+    # `marlin.layout` reads what MarlinExperts' quant config carries, and tells the two
+    # layouts apart by act order's attributes (0.26) or an activation_config (0.32 on)
+    assert res["quant_config_reads"] == []
+    names = set(res["marlin_layout_names"])
+    assert names in ({"activation_config"}, {*marlin.ACT_ORDER_ATTRS, "is_k_full"}), names
     # what the tool reads from the release's source is what importing it shows
     assert res["v1_runner_file"] == res["v1_runner_module"]
     assert bool(res["humming_source"]) == bool(res["humming_import"])
