@@ -77,6 +77,8 @@ HUMMING_FIRST = ("w4a16", "nvfp4")
 #: formats the cache arms on vLLM's Triton experts (``--moe-backend triton`` in the
 #: unquantized, int8 and fp8 oracles of 0.26-0.34)
 TRITON_FORMATS = ("bf16", "fp16", "w8a8", "fp8", "fp8-block")
+#: of them, the unquantised ones, whose oracle reads ``humming`` (and from 0.33 ``marlin``)
+#: as auto: quantisation-only backends (0.26-0.32 refuse ``marlin`` for them at load)
 UNQUANTISED = ("bf16", "fp16")
 #: those of them that vLLM runs on another kernel on some NVIDIA GPUs, and which kernel
 #: (INT8 W8A8 has no other there: Triton leads ``oracle/int8.py`` in 0.26-0.34)
@@ -171,7 +173,7 @@ def wna16_triton_available(source: str | None = None) -> bool | None:
 
 
 #: ``--moe-backend`` values under which vLLM runs 4-bit experts on its Marlin experts
-#: (auto: its default on NVIDIA up to Ada, and up to Hopper before 0.33; offloaded
+#: (auto: its default on NVIDIA up to Ada, and up to Hopper before 0.32; offloaded
 #: MXFP4, and on 0.32+ GPTQ/AWQ/W4A16/NVFP4, get marlin from `serve`) or,
 #: for the integer formats from 0.32, on its Triton WNA16 experts: kernels the plugin arms
 ARMED_4BIT_BACKENDS = {"w4a16": ("auto", "marlin", "triton"), "nvfp4": ("auto", "marlin"),
@@ -191,13 +193,13 @@ def declined_kernel(quant: str, moe_backend: str | None,
     user typed runs these formats on Humming on Hopper, which is declined."""
     if quant in TRITON_FORMATS:
         backend = backend_name(moe_backend or "auto")
-        # (unquantised layers read humming and marlin as auto: 0.26-0.34's oracle)
+        # (unquantised layers read humming, and from 0.33 marlin, as auto: `UNQUANTISED`)
         if backend in ("auto", "triton") or (quant in UNQUANTISED and backend in
                                              ("humming", "marlin")):
             return None
         return (f"vLLM runs these experts on --moe-backend {backend}, a kernel the cache "
-                "does not arm (vLLM's Triton experts, which serve pins when the flag is left "
-                "out, it arms)")
+                "does not arm (it arms vLLM's Triton experts: leave the flag out, and serve "
+                "pins triton where vLLM would pick another)")
     if quant not in ARMED_4BIT_BACKENDS:
         return None
     backend = backend_name(moe_backend or "auto")
