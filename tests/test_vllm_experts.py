@@ -304,6 +304,24 @@ def test_a_named_backend_other_than_triton_declines_the_formats_armed_on_triton(
     assert note.endswith("leave the flag out to run them on Triton, which it arms")
 
 
+def test_cached_nvfp4_experts_get_marlin_on_any_vllm():
+    """NVFP4 runs on vLLM's FlashInfer/CUTLASS FP4 kernels on Blackwell (0.26-0.34, Marlin
+    after them): a cache pins Marlin whether or not the release ranks Humming; without a
+    cache nothing changes, and the user's backend is theirs."""
+    for humming in (None, False):
+        flags, note = vllm_experts.offload_backend_args("nvfp4", [], None, humming=humming,
+                                                        cached=True)
+        assert flags == ["--moe-backend", "marlin"] and "on Blackwell GPUs" in note
+        assert vllm_experts.offload_backend_args("nvfp4", [], None, humming=humming) == (
+            [], None)
+    assert "on Humming" in vllm_experts.offload_backend_args(
+        "nvfp4", [], None, humming=True, cached=True)[1]
+    assert vllm_experts.offload_backend_args(
+        "nvfp4", ["--moe-backend", "flashinfer_cutlass"], None, cached=True) == ([], None)
+    # GPTQ/AWQ/W4A16 run on Marlin wherever Humming does not lead: left as they come
+    assert vllm_experts.offload_backend_args("w4a16", [], None, cached=True) == ([], None)
+
+
 def test_a_typed_moe_backend_auto_is_declined_where_it_means_humming():
     why = vllm_experts.declined_kernel("w4a16", "auto", marlin=True, humming=True)
     assert why is not None and "on Humming on Hopper" in why

@@ -596,7 +596,7 @@ def _plan_for(
         model.quant, ["--moe-backend", moe_backend] if moe_backend else [], None,
         humming=vllm_experts.humming_ranked_first(),
         cached=verdict is Verdict.CACHE) if offload else ([], None)
-    if backend_note and model.quant in vllm_experts.PINNED_TRITON:
+    if backend_note:
         notes.append(backend_note)
     return SizePlan(
         speculative_tokens=step.q - 1,

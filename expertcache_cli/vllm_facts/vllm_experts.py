@@ -112,6 +112,17 @@ def marlin_over_humming_args(quant: str, args: list[str], humming: bool | None,
         "them on Humming by default, a kernel the cache does not arm")
 
 
+def nvfp4_marlin_args(args: list[str]) -> tuple[list[str], str | None]:
+    """``--moe-backend marlin`` for NVFP4 experts the cache is asked to serve: vLLM (0.26 to
+    0.34, ``oracle/nvfp4.py``) runs them on its FlashInfer or CUTLASS FP4 kernels wherever
+    those run (Blackwell), Marlin only after them; nothing where the user named a backend."""
+    if vllm_flags.vllm_flag_value(args, "--moe-backend") is not None:
+        return [], None
+    return ["--moe-backend", "marlin"], (
+        "nvfp4 experts: --moe-backend marlin is passed, the kernel the cache arms (vLLM picks "
+        "its FlashInfer or CUTLASS FP4 kernels for them on Blackwell GPUs, which it does not)")
+
+
 def triton_pin_args(quant: str, args: list[str]) -> tuple[list[str], str | None]:
     """``--moe-backend triton`` for ``quant`` experts that the cache arms on vLLM's Triton
     experts and vLLM runs on another kernel on some GPUs (`PINNED_TRITON`), with the note
@@ -133,10 +144,14 @@ def offload_backend_args(quant: str, args: list[str], marlin: bool | None,
     the cache arms, with the note that says why; raises `UserError` when the user's own
     ``--moe-backend`` (or the installed vLLM) cannot keep them offloaded. MXFP4 needs
     Marlin to stay offloaded; GPTQ/AWQ/W4A16 and NVFP4 need it where vLLM would pick
-    Humming (``humming``: `humming_ranked_first`); the formats on Triton get it pinned
-    where the cache is asked for (``cached``: see the module's docstring)."""
+    Humming (``humming``: `humming_ranked_first`), and NVFP4 where the cache is asked for
+    (``cached``: vLLM's native FP4 kernels lead on Blackwell); the formats on Triton get
+    it pinned where the cache is asked for (see the module's docstring)."""
     if quant in HUMMING_FIRST:
-        return marlin_over_humming_args(quant, args, humming, version)
+        flags, note = marlin_over_humming_args(quant, args, humming, version)
+        if not flags and quant == "nvfp4" and cached:
+            flags, note = nvfp4_marlin_args(args)
+        return flags, note
     if quant in PINNED_TRITON:
         return triton_pin_args(quant, args) if cached else ([], None)
     if quant != "mxfp4":
