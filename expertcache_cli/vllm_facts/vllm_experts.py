@@ -97,43 +97,12 @@ def humming_ranked_first(source: str | None = None) -> bool | None:
     return installed_vllm.source_says(HUMMING_PREFERRED, HUMMING_PRIORITY, source)
 
 
-def marlin_over_humming_args(quant: str, args: list[str], humming: bool | None,
-                             version: str | None = None) -> tuple[list[str], str | None]:
-    """``--moe-backend marlin`` for ``quant`` experts that the installed vLLM would run on
-    Humming (``humming``: `humming_ranked_first`), with the note that says why; nothing
-    where the user named a backend (their choice is judged by `declined_kernel`)."""
-    if quant not in HUMMING_FIRST or not humming:
-        return [], None
+def _pinned(args: list[str], backend: str, note: str) -> tuple[list[str], str | None]:
+    """``--moe-backend backend`` with the note that says why; nothing where the user named
+    a backend (their choice is judged by `declined_kernel`)."""
     if vllm_flags.vllm_flag_value(args, "--moe-backend") is not None:
         return [], None
-    which = f"vLLM {version}" if version else "this vLLM"
-    return ["--moe-backend", "marlin"], (
-        f"{quant} experts: --moe-backend marlin is passed, because on Hopper {which} runs "
-        "them on Humming by default, a kernel the cache does not arm")
-
-
-def nvfp4_marlin_args(args: list[str]) -> tuple[list[str], str | None]:
-    """``--moe-backend marlin`` for NVFP4 experts the cache is asked to serve: vLLM (0.26 to
-    0.34, ``oracle/nvfp4.py``) runs them on its FlashInfer or CUTLASS FP4 kernels wherever
-    those run (Blackwell), Marlin only after them; nothing where the user named a backend."""
-    if vllm_flags.vllm_flag_value(args, "--moe-backend") is not None:
-        return [], None
-    return ["--moe-backend", "marlin"], (
-        "nvfp4 experts: --moe-backend marlin is passed, the kernel the cache arms (vLLM picks "
-        "its FlashInfer or CUTLASS FP4 kernels for them on Blackwell GPUs, which it does not)")
-
-
-def triton_pin_args(quant: str, args: list[str]) -> tuple[list[str], str | None]:
-    """``--moe-backend triton`` for ``quant`` experts that the cache arms on vLLM's Triton
-    experts and vLLM runs on another kernel on some GPUs (`PINNED_TRITON`), with the note
-    that says why; nothing where the user named a backend (their choice is judged by
-    `declined_kernel`) or for another format."""
-    why = PINNED_TRITON.get(quant)
-    if why is None or vllm_flags.vllm_flag_value(args, "--moe-backend") is not None:
-        return [], None
-    return ["--moe-backend", "triton"], (
-        f"{quant} experts: --moe-backend triton is passed, the kernel the cache arms (vLLM "
-        f"picks {why}, which it does not)")
+    return ["--moe-backend", backend], note
 
 
 def offload_backend_args(quant: str, args: list[str], marlin: bool | None,
@@ -147,13 +116,20 @@ def offload_backend_args(quant: str, args: list[str], marlin: bool | None,
     Humming (``humming``: `humming_ranked_first`), and NVFP4 where the cache is asked for
     (``cached``: vLLM's native FP4 kernels lead on Blackwell); the formats on Triton get
     it pinned where the cache is asked for (see the module's docstring)."""
-    if quant in HUMMING_FIRST:
-        flags, note = marlin_over_humming_args(quant, args, humming, version)
-        if not flags and quant == "nvfp4" and cached:
-            flags, note = nvfp4_marlin_args(args)
-        return flags, note
-    if quant in PINNED_TRITON:
-        return triton_pin_args(quant, args) if cached else ([], None)
+    if quant in HUMMING_FIRST and humming:
+        which = f"vLLM {version}" if version else "this vLLM"
+        return _pinned(args, "marlin", (
+            f"{quant} experts: --moe-backend marlin is passed, because on Hopper {which} runs "
+            "them on Humming by default, a kernel the cache does not arm"))
+    if quant == "nvfp4" and cached:
+        return _pinned(args, "marlin", (
+            "nvfp4 experts: --moe-backend marlin is passed, the kernel the cache arms (vLLM "
+            "picks its FlashInfer or CUTLASS FP4 kernels for them on Blackwell GPUs, which it "
+            "does not)"))
+    if quant in PINNED_TRITON and cached:
+        return _pinned(args, "triton", (
+            f"{quant} experts: --moe-backend triton is passed, the kernel the cache arms (vLLM "
+            f"picks {PINNED_TRITON[quant]}, which it does not)"))
     if quant != "mxfp4":
         return [], None
     which = f"vLLM {version}" if version else "vLLM"
