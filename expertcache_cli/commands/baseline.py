@@ -42,13 +42,14 @@ baseline_app = typer.Typer(
 )
 
 
-def _vram_offload(model: str, vram: str, vllm_args: list[str], arms: list, concurrency: int):
+def _vram_offload(model: str, vram: str, vllm_args: list[str], arms: list, concurrency: int,
+                  device_gib: float | None):
     """--cpu-offload-gb from the sizing library, warnings on the sizing trap, and (on a GPU
-    bigger than the card) the flags that make every arm's server budget as the card."""
+    of ``device_gib`` bigger than the card) the flags that make every arm's server budget
+    as the card."""
     from ..baseline.sizing_bridge import offload_from_vram
-    from ..device.gpu_info import device_total_gib
 
-    p = offload_from_vram(model, vram, vllm_args, device_total_gib())
+    p = offload_from_vram(model, vram, vllm_args, device_gib)
     err.print(f"--vram {vram} ({p.where}): {p.text}; offload arms get --cpu-offload-gb "
               f"{p.cpu_offload_gb:g}")
     if p.batch_choice:
@@ -147,14 +148,15 @@ def run_cmd(
     arm_list = parse_arms(arms)
     if cpu_offload_gb is not None and vram is not None:
         raise UserError("give --cpu-offload-gb or --vram, not both")
-    if vram is not None:
-        cpu_offload_gb, share = _vram_offload(model, vram, vllm_args, arm_list, concurrency)
-        vllm_args += share
     from ..device.gpu_info import device_total_gib
 
-    # (no NVIDIA GPU here: vLLM's CPU build, whose own kernels run whatever is pinned)
+    device_gib = device_total_gib()  # None: no NVIDIA GPU here (vLLM's CPU build)
+    if vram is not None:
+        cpu_offload_gb, share = _vram_offload(model, vram, vllm_args, arm_list, concurrency,
+                                              device_gib)
+        vllm_args += share
     offload_args, note = offload_checks(model, vllm_args, arm_list,
-                                        cuda=device_total_gib() is not None)
+                                        cuda=device_gib is not None)
     if note:
         err.print(f"note: {note} (offload and cache arms; resident stays stock)")
     cfg = BaselineConfig(

@@ -208,14 +208,14 @@ def make_plan(
         extra, note = vllm_runner.offload_runner_env(environ, v2_runner_offloads(), vtext, v1)
         env.update(extra)
         notes += [note] if note else []
-        # the installed vLLM asked, and the why; the flags are the plan's own unless the
-        # offload is the user's (a model that fits, offloaded anyway)
+        # the installed vLLM asked, and the why; the flags (and their note) are the plan's
+        # own unless the offload is the user's (a model that fits, offloaded anyway)
         flags, note = vllm_experts.offload_backend_args(size.quant, args, mxfp4_marlin(), vtext,
                                                         humming=humming(),
                                                         cached=config.SLOTS in env)
         if flags and flag_value(own, flags[0]) is None:
             own += flags
-        notes += [note] if note and note not in notes else []  # (sizing may have said it)
+            notes += [note] if note else []
     if config.SLOTS in env:
         note = vllm_experts.kernel_note(size.quant, args, vtext)
         notes += [note] if note else []
