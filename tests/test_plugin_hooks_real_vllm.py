@@ -74,8 +74,6 @@ out = {
     "loader": bool(getattr(loader_utils.device_loading_context, compat.WRAPPED_MARK, False)),
     "layout_refusal": plugin.layout_refusal(RoutedExperts, FusedMoEKernel),
     "marlin_refusal": session._patch_marlin(),
-    "tiles": [getattr(getattr(triton, n, None), compat.WRAPPED_MARK, None)
-              for n in ("try_get_optimal_moe_config", "get_moe_configs")],
     "mechanism": memory.plan_mechanism(),
     "v1_runner_file": vllm_runner.v1_runner_present(),
     "v1_runner_module": importable(padding.V1_RUNNER_MODULE) is not None,
