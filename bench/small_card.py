@@ -7,6 +7,7 @@ serve` for the resident ceiling). Per arm, in one server:
 1. healthy: seconds to start, and nvidia-smi's used/total memory of the GPU;
 2. a discarded warm-up, then ``--runs`` single-stream greedy runs of ``--max-tokens``
    (the library's own streaming client, `expertcache_cli.baseline.client`): decode tok/s;
+   every request its own prompt (`run_prompt`), the same sequence in every server;
 3. the cache counters before and after the measured runs (the plugin's stats lines, with
    ``EXPERT_CACHE_STATS`` set by the caller): installs per decoded token in the runs;
 4. the greedy tokens of one fixed prompt (temperature 0), twice, with each position's
@@ -14,8 +15,8 @@ serve` for the resident ceiling). Per arm, in one server:
    servers part, `compare_greedy` says whether it was at a near-tie;
 5. optionally ``--profile DIR``: one request's decode steps under vLLM's torch profiler
    (the server started with `profiler_args`; `bench/profile_report.py` reads the traces);
-6. optionally ``--streams N`` concurrent streams (the padding check: with the
-   recommended ``--max-num-seqs`` no decode-width step may read through), with the
+6. optionally ``--streams N`` concurrent streams, each its own prompt (the padding check:
+   with the recommended ``--max-num-seqs`` no decode-width step may read through), with the
    counters before and after them (what padded rows cost: requests and installs);
 7. stop (SIGINT, drain), then from the log: the plugin's startup line (layers armed,
    slots), its memory-plan line, vLLM's "Available KV cache memory", and the final
@@ -64,11 +65,31 @@ from expertcache_cli.baseline.runner import failure_cause  # noqa: E402
 from expertcache_cli.baseline.server import Server, ServerFailed, free_port, server_env  # noqa: E402
 
 PROMPT = "w17 w923 w4410 w88 w5120 w3 w777 w2048 w60 w1999 w4096 w31 w8000 w12 w640 w5"
+#: the words `run_prompt` draws from: w3 .. w7999, in every bench checkpoint's vocabulary
+PROMPT_WORDS = 7997
+#: every prompt's length in words (one word a token): one KV block (`run_prompt`)
+PROMPT_TOKENS = len(PROMPT.split())
 KV_RE = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 #: vLLM's line when it was handed the KV size (--kv-cache-memory-bytes): no profile sizing
 KV_GIVEN_RE = re.compile(r"reserved ([\d.]+) GiB memory for KV Cache")
 KV_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 WEIGHTS_RE = re.compile(r"Model loading took ([\d.]+) GiB")
+
+
+def run_prompt(i: int) -> str:
+    """The prompt of a server's ``i``-th measured request (0: the discarded warm-up).
+
+    Why each request its own: a user's next request is not their last one, and a
+    random-weight model's own routers route a repeated prompt as they did before. Every
+    server takes the same sequence, so arms compare. Why 16 words (one token each), as
+    PROMPT: a prompt of one KV block is never served from vLLM's prefix cache (it computes
+    a fully cached prompt's last token again, so no block of it is reused), so every
+    prefill is the 16 tokens that `bench/trace_routing.py` restarts a routing trace at and
+    that the runners' fitted traces give `plan` (``trace_fit --decode-only``). No two
+    share a first word (977 is coprime to `PROMPT_WORDS`)."""
+    first = 3 + (977 * (i + 1)) % PROMPT_WORDS
+    words = [first] + [3 + (first + 131 * j) % PROMPT_WORDS for j in range(1, PROMPT_TOKENS)]
+    return " ".join(f"w{w}" for w in words)
 
 
 def smi_memory() -> dict | None:
@@ -334,10 +355,12 @@ def run_arm(a: argparse.Namespace) -> dict:
 
     def measure(server: Server, log: Path, rec: dict, save: Callable[[], None]) -> None:
         mid = server.model_id or "model"
-        measure_run(server.base_url, mid, PROMPT, a.max_tokens)  # warm-up, discarded
+        measure_run(server.base_url, mid, run_prompt(0), a.max_tokens)  # warm-up, discarded
         before = counters_now(log)
-        runs = [measure_run(server.base_url, mid, PROMPT, a.max_tokens) for _ in range(a.runs)]
+        runs = [measure_run(server.base_url, mid, run_prompt(i), a.max_tokens)
+                for i in range(1, a.runs + 1)]
         after = counters_now(log)
+        rec["prompt_tokens"] = [len(run_prompt(i).split()) for i in range(1, a.runs + 1)]
         rec["tok_s"] = [r.tok_s for r in runs]
         rec["decode_tokens"] = sum(r.tokens - 1 for r in runs)
         rec["counters_before"], rec["counters_after"] = before, after
@@ -349,7 +372,10 @@ def run_arm(a: argparse.Namespace) -> dict:
             save()
         if a.streams:
             s_before = counters_now(log)
-            res = measure_run(server.base_url, mid, PROMPT, a.max_tokens // 2, a.streams)
+            first = a.runs + 1
+            res = measure_run(server.base_url, mid,
+                              [run_prompt(first + i) for i in range(a.streams)],
+                              a.max_tokens // 2, a.streams)
             rec["streams"] = {"n": a.streams, "tok_s": res.tok_s, "tokens": res.tokens,
                               "counters_before": s_before,
                               "counters_after": counters_now(log)}

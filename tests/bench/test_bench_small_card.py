@@ -173,3 +173,55 @@ def test_a_failed_warm_up_is_still_marked_a_warm_up(tmp_path, monkeypatch):
     assert small_card.main() == 1
     rec = json.loads((tmp_path / "w-warm.json").read_text())
     assert rec["status"] == "failed" and rec["warm_only"] is True
+
+
+def test_every_measured_request_gets_its_own_prompt_and_the_greedy_check_the_fixed_one(
+        tmp_path, monkeypatch):
+    """The warm-up, each run and each concurrent stream send a prompt no other request of
+    the server sent (a repeat would prefill from vLLM's prefix cache), in the same order
+    in every server; the greedy check sends PROMPT, which no measured prompt shares a
+    first word with."""
+    sent: list[tuple[list[str], int]] = []
+    greedy: list[int] = []
+
+    def measure_run(base_url, model_id, prompt, max_tokens, concurrency=1):
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        sent.append((prompts, concurrency))
+        return type("Run", (), {"tokens": max_tokens * concurrency, "tok_s": 1.0})()
+
+    monkeypatch.setattr(small_card, "Server", _Server)
+    monkeypatch.setattr(small_card, "free_port", lambda: 8123)
+    monkeypatch.setattr(small_card, "smi_memory", lambda: None)
+    monkeypatch.setattr(small_card, "measure_run", measure_run)
+    monkeypatch.setattr(small_card, "counters_now", lambda log: None)
+    monkeypatch.setattr(small_card, "greedy_ids",
+                        lambda url, mid, n: greedy.append(n) or {"tokens": ["w3"] * n})
+
+    def one_server(name):
+        sent.clear()
+        monkeypatch.setattr(sys, "argv", [
+            "small_card.py", name, "--out", str(tmp_path), "--runs", "5", "--streams", "3",
+            "--", "vllm", "serve", "/m", "--port", "{port}"])
+        assert small_card.main() == 0
+        return [p for prompts, _ in sent for p in prompts], json.loads(
+            (tmp_path / f"{name}.json").read_text())
+
+    prompts, rec = one_server("a")
+    assert len(prompts) == 1 + 5 + 3 and len(set(prompts)) == len(prompts)
+    assert small_card.PROMPT not in prompts and greedy == [64, 64]
+    assert [c for _, c in sent] == [1, 1, 1, 1, 1, 1, 3]
+    firsts = {p.split()[0] for p in prompts}
+    assert len(firsts) == len(prompts) and small_card.PROMPT.split()[0] not in firsts
+    assert rec["prompt_tokens"] == [len(p.split()) for p in prompts[1:6]]
+    again, _ = one_server("b")
+    assert again == prompts  # the same sequence in every server: arms compare
+
+
+def test_the_run_prompts_are_one_kv_block_of_words_the_checkpoints_know():
+    """Every prompt is 16 tokens, the prefill the runners' fitted traces give `plan`, and
+    its words are in every bench checkpoint's vocabulary (w3 .. w8000)."""
+    prompts = [small_card.run_prompt(i) for i in range(500)]
+    assert {len(p.split()) for p in prompts} == {16} == {len(small_card.PROMPT.split())}
+    assert len({p.split()[0] for p in prompts}) == 500
+    words = [int(w[1:]) for p in prompts for w in p.split()]
+    assert 3 <= min(words) and max(words) <= 8000
