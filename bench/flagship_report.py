@@ -27,7 +27,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from small_card import compare_greedy, describe, live_hit_rate, seeded_line  # noqa: E402
+from small_card import (  # noqa: E402
+    compare_greedy,
+    describe,
+    live_hit_rate,
+    prompts_line,
+    seeded_line,
+)
 from synth_weights import DONE_LINE  # noqa: E402
 from trace_routing import IN_FORCE_LINE as ROUTING_LINE  # noqa: E402
 
@@ -282,7 +288,8 @@ def card_row(c: int, run: dict) -> str:
 def goals(run: dict) -> list[str]:
     """Each of issue 29's flagship goals, met or not, with the numbers behind it."""
     arms = run["arms"]
-    lines = [f"routing of every server: {routing_source(run)}"]
+    lines = [f"routing of every server: {routing_source(run)}",
+             f"prompts: {prompts_line(arms)}"]
     bad = hook_problems(run["dir"], arms)
     lines.append("bench hooks: weights synthesized and routing replayed in every server"
                  if not bad else "bench hooks NOT in force, these numbers do not count: "

@@ -33,7 +33,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from small_card import compare_greedy, describe, live_hit_rate, seeded_line  # noqa: E402
+from small_card import (  # noqa: E402
+    compare_greedy,
+    describe,
+    live_hit_rate,
+    prompts_line,
+    seeded_line,
+)
 
 from expertcache_cli.baseline.counters import ARMED_RE  # noqa: E402
 
@@ -350,6 +356,12 @@ def routing_lines(runs: dict[str, tuple]) -> list[str]:
     return [f"- {fmt}: {routing_of(run[0].get('cache'), run[5])}" for fmt, run in runs.items()]
 
 
+def prompt_lines(runs: dict[str, tuple]) -> list[str]:
+    """Under the table: what each format's measured requests sent (`prompts_line`)."""
+    return ["Prompts of the measured runs:",
+            *(f"- {fmt}: {prompts_line(run[0])}" for fmt, run in runs.items())]
+
+
 def seeded_lines(d: Path, formats: list[str]) -> list[str]:
     """The records of these formats that an earlier session measured (the runner's SEED),
     said under the report: the arms of one row then come from two starts of the machine."""
@@ -424,6 +436,7 @@ def main(argv: list[str]) -> int:
         runs = {f: load_run(f, d) for f in argv[2:]}
         print("\n".join([TABLE_HEAD, *(table_row(f, *run) for f, run in runs.items()), "",
                          "Routing of the floor and cache arms:", *routing_lines(runs),
+                         *prompt_lines(runs),
                          *seeded_lines(d, list(runs))]))
         return 0
     if len(argv) != 2:
@@ -433,7 +446,9 @@ def main(argv: list[str]) -> int:
     fmt, d = argv[0], Path(argv[1])
     if not d.is_dir():
         return not_a_folder(d, "", "FORMAT DIR: the format first")
-    print("\n".join([*summarize(fmt, *load_run(fmt, d)), *seeded_lines(d, [fmt])]))
+    run = load_run(fmt, d)
+    print("\n".join([*summarize(fmt, *run), f"{fmt} prompts: {prompts_line(run[0])}",
+                     *seeded_lines(d, [fmt])]))
     return 0
 
 

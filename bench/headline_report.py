@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from flagship_report import _greedy, _status, live_hit_rate, median, seeded  # noqa: E402
-from small_card import describe  # noqa: E402
+from small_card import describe, prompts_line  # noqa: E402
 from trace_routing import IN_FORCE_LINE  # noqa: E402
 
 CARDS = (24, 16)
@@ -87,7 +87,7 @@ def routing_lines(run: dict) -> list[str]:
                      "Trace routing NOT in force, these numbers do not count: " + ", ".join(bad))
     else:
         lines.append(f"Width: top-{k or '?'} of 128, the checkpoint's own routers.")
-    return lines
+    return [*lines, f"Prompts: {prompts_line(run['arms'])}."]
 
 
 def _runs(rec: dict | None) -> str:

@@ -92,6 +92,23 @@ def run_prompt(i: int) -> str:
     return " ".join(f"w{w}" for w in words)
 
 
+def prompts_line(recs: dict[str, dict | None]) -> str:
+    """What the measured requests of these arms (by name) sent: a report says it beside
+    the routing, since records from before `run_prompt` sent one fixed prompt throughout."""
+    measured = {n: r for n, r in recs.items() if r and r.get("tok_s")}
+    own = sorted(n for n, r in measured.items() if r.get("prompt_tokens"))
+    fixed = sorted(n for n in measured if n not in own)
+    if not measured:
+        return "no measured runs"
+    if not fixed:
+        return ("every request its own 16-word prompt (the warm-up, each run, each stream), "
+                "the same sequence in every server; the greedy check one fixed prompt")
+    if not own:
+        return "one fixed 16-word prompt for every request"
+    return (f"its own 16-word prompt a request in {', '.join(own)}; one fixed prompt for "
+            f"every request in {', '.join(fixed)}")
+
+
 def smi_memory() -> dict | None:
     try:
         out = subprocess.run(

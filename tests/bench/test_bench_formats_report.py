@@ -253,8 +253,16 @@ def test_the_table_says_what_routing_each_format_had(tmp_path, capsys):
     (tmp_path / "w8a8-plan.json").write_text(json.dumps(PLAN))
     assert report.main(["--table", str(tmp_path), "w8a8"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[-2:] == ["Routing of the floor and cache arms:",
-                        "- w8a8: recorded: gpt-oss-120b, 4 chat tasks"]
+    assert out[-4:] == ["Routing of the floor and cache arms:",
+                        "- w8a8: recorded: gpt-oss-120b, 4 chat tasks",
+                        "Prompts of the measured runs:",
+                        "- w8a8: one fixed 16-word prompt for every request"]
+    cache["prompt_tokens"] = [16]  # a record of `run_prompt`'s requests
+    (tmp_path / "w8a8-cache.json").write_text(json.dumps(cache))
+    assert report.main(["--table", str(tmp_path), "w8a8"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "- w8a8: its own 16-word prompt a request in cache; one fixed prompt for every "
+        "request in floor")
 
 
 def test_a_floor_that_does_not_repeat_itself_is_said():
