@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ..plugin.small import SMALL_ROW
+from ..sizing.formats import gather_slabs
 from .report import FALLBACK, LinkReport, MiB, Rate
 from .timing import _iters_for, _rate, _time_per_call, device_view
 
@@ -415,7 +417,7 @@ class Gather(ModelMeasurement):
 
     def run(self, torch, s: Settings, rep: LinkReport) -> None:
         m = s.model
-        tensors = [(t.name, t.nbytes) for t in m.expert_tensors]
+        tensors = gather_slabs(list(m.expert_tensors), SMALL_ROW)
         rep.gather, rep.gather_impl, errs = measure_gather(torch, s.device, tensors,
                                                            m.num_experts, s.repeats, s.warmup)
         rep.errors.extend(errs)
@@ -429,7 +431,8 @@ class Step(ModelMeasurement):
 
     def run(self, torch, s: Settings, rep: LinkReport) -> None:
         m = s.model
-        args = (torch, s.device, len(m.expert_tensors), m.num_experts, m.top_k, s.repeats)
+        slabs = len(gather_slabs(list(m.expert_tensors), SMALL_ROW))
+        args = (torch, s.device, slabs, m.num_experts, m.top_k, s.repeats)
         rep.step_us = measure_step(*args)
         rep.step_cold_us = measure_step(*args, cold=True)
 

@@ -57,6 +57,18 @@ def side_row_bytes(sizes: list[int]) -> int:
     return round_up(sum(int(s) for s in sizes), SLAB_ALIGN) if sizes else 0
 
 
+def gather_slabs(tensors: list[Tensor], side_row: str) -> list[tuple[str, int]]:
+    """(name, bytes an expert) of each slab the gather moves for these tensors, as the plugin
+    lays them out: every aligned tensor its own slab, the ragged ones packed into one side
+    row named ``side_row`` (so that a probe times the step the plugin runs, not one the
+    gather refuses)."""
+    slabs = [(t.name, t.nbytes) for t in tensors if t.aligned]
+    ragged = [t.nbytes for t in tensors if not t.aligned]
+    if ragged:
+        slabs.append((side_row, side_row_bytes(ragged)))
+    return slabs
+
+
 def slot_bytes(tensors: list[Tensor]) -> int:
     """VRAM one expert's slot takes for these tensors, as the plugin lays it out: every
     aligned slab, and the ragged ones twice (their packed side row and the compact copy
