@@ -75,8 +75,8 @@ MXFP4_EXPERTS="${MXFP4_EXPERTS:-128}"
 mkdir -p "$OUT" "$FM"
 source bench/_device_vllm.sh
 # the 4-bit formats run on Marlin, which the plugin arms by default in the formats served
-# from slots (config.MARLIN_SERVED) and in NVFP4 only when asked for (until this table's
-# row proves it); EXPERT_CACHE_MARLIN=0 reruns them with Marlin declined
+# from slots (config.MARLIN_SERVED: every 4-bit format, each by its row in formats.md);
+# EXPERT_CACHE_MARLIN=0 reruns them with Marlin declined
 export EXPERT_CACHE_MARLIN="${EXPERT_CACHE_MARLIN:-1}"
 PY="${PY:-python3}"
 # --max-cudagraph-capture-size 8: vLLM's own ceiling at --max-num-seqs 4 (2 x 4), said

@@ -77,9 +77,9 @@ ENV_VARS: dict[str, EnvVar] = {
                   "experts once)", "off", ("at shutdown", "occupied slot")),
     MARLIN: EnvVar("1 = arm vLLM's Marlin experts in every 4-bit format (GPTQ, AWQ, W4A16, "
                    "NVFP4, MXFP4), 0 = in none; unset, only the formats served from slots "
-                   "on a GPU (MXFP4; GPTQ, AWQ and W4A16), the others (NVFP4) declined and "
-                   "served on the stock path",
-                   "all but nvfp4", ("Marlin experts", "served from slots")),
+                   "on a GPU (MXFP4, NVFP4; GPTQ, AWQ and W4A16: today every one), a format "
+                   "added later declined until served",
+                   "every 4-bit format", ("Marlin experts", "served from slots")),
 }
 
 #: the variables that change what a server measures or writes: a launcher that states a
@@ -250,7 +250,7 @@ def kernel_source(env: Mapping[str, str] | None = None) -> tuple[str | None, boo
 #: the 4-bit formats whose Marlin experts have been served from slots against their floor
 #: on a GPU (armed on every layer, every check at difference 0, greedy tokens identical:
 #: bench/results/formats.md, bench/results/flagship.md): armed unless EXPERT_CACHE_MARLIN=0
-MARLIN_SERVED = frozenset({"mxfp4", "w4a16"})
+MARLIN_SERVED = frozenset({"mxfp4", "nvfp4", "w4a16"})
 
 
 def marlin_from_env(env: Mapping[str, str] | None = None, quant: str | None = None) -> bool:

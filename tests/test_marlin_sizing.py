@@ -126,18 +126,16 @@ def test_nvfp4_weights_fp8_scales_and_the_4_byte_global_scales():
 def test_the_probe_gathers_nvfp4s_slabs_as_the_plugin_lays_them_out():
     """`probe-link --model` times the step the plugin runs: the 4-byte global scales travel
     in one packed side row, not as slabs the gather refuses."""
-    from expertcache_cli.plugin.small import SMALL_ROW
-
     m = model_size.model_from_config(_qwen3({"quant_method": "modelopt",
                                              "quant_algo": "NVFP4"}), "n")
-    slabs = formats.gather_slabs(list(m.expert_tensors), SMALL_ROW)
+    slabs = formats.gather_slabs(list(m.expert_tensors))
     assert all(n % formats.SLAB_ALIGN == 0 for _, n in slabs)
-    assert slabs[-1] == (SMALL_ROW, 16)
+    assert slabs[-1] == (formats.SIDE_ROW, 16)
     assert [n for n, _ in slabs[:-1]] == [t.name for t in m.expert_tensors if t.aligned]
     # a format with no ragged tensor gathers its tensors as they are
     w = model_size.model_from_config(_qwen3({"quant_method": "awq", "bits": 4,
                                              "group_size": 128, "zero_point": True}), "w")
-    assert formats.gather_slabs(list(w.expert_tensors), SMALL_ROW) == [
+    assert formats.gather_slabs(list(w.expert_tensors)) == [
         (t.name, t.nbytes) for t in w.expert_tensors]
 
 

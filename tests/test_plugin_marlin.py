@@ -42,12 +42,12 @@ FORMATS = [("gptq", "0.26", False), ("gptq", "0.26", True), ("awq", "0.26", Fals
     ("GptOssMxfp4MoEMethod", "mxfp4", True), ("Mxfp4MoEMethod", "mxfp4", True),
     ("AutoGPTQMoEMethod", "gptq", True), ("AutoAWQMoEMethod", "awq", True),
     ("CompressedTensorsWNA16MarlinMoEMethod", "w4a16", True),
-    ("ModelOptNvFp4FusedMoE", "nvfp4", False), ("MarlinMoEMethod", "mxfp4", False)])
+    ("ModelOptNvFp4FusedMoE", "nvfp4", True), ("MarlinMoEMethod", "mxfp4", False)])
 def test_unset_arms_the_formats_served_from_slots_and_declines_the_rest(method, fmt, armed,
                                                                         monkeypatch):
     """With EXPERT_CACHE_MARLIN unset the format is read from the quant method's class name:
-    MXFP4 and the W4A16 family (served from slots on a GPU) are armed, NVFP4 and any method
-    not known are declined with the reason and the switch that arms them; =0 declines the
+    MXFP4, NVFP4 and the W4A16 family (served from slots on a GPU) are armed, a method not
+    known is declined with the reason and the switch that arms them; =0 declines the
     served ones too."""
     monkeypatch.delenv("EXPERT_CACHE_MARLIN")
     layer = ms.RoutedExperts(fmt, "0.33" if fmt != "gptq" else "0.26")

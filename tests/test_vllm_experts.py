@@ -26,6 +26,11 @@ def _marlin_armed(monkeypatch):
 
 @pytest.mark.parametrize("quant", ["nvfp4"])
 def test_marlin_formats_not_yet_served_are_declined_unless_asked_for(quant, monkeypatch):
+    """A format not yet served from slots on a GPU (here one taken out of the served set)
+    is declined by default, with the switch that arms it."""
+    from expertcache_cli import config
+
+    monkeypatch.setattr(config, "MARLIN_SERVED", config.MARLIN_SERVED - {quant})
     monkeypatch.delenv("EXPERT_CACHE_MARLIN")
     why = vllm_experts.declined_kernel(quant, None)
     assert why and "EXPERT_CACHE_MARLIN=1 arms it" in why and "served from its slots" in why
@@ -36,6 +41,17 @@ def test_marlin_formats_not_yet_served_are_declined_unless_asked_for(quant, monk
     if quant == "w4a16":  # vLLM 0.32+'s Triton WNA16 kernel is armed either way
         monkeypatch.setenv("EXPERT_CACHE_MARLIN", "0")
         assert vllm_experts.declined_kernel(quant, "triton") is None
+
+
+def test_every_4bit_format_served_from_slots_is_armed_by_default(monkeypatch):
+    """MXFP4, NVFP4 and the W4A16 family have each been served from slots against their
+    floor on a GPU: nothing set arms them; =0 declines them."""
+    monkeypatch.delenv("EXPERT_CACHE_MARLIN")
+    for quant in ("mxfp4", "nvfp4", "w4a16"):
+        assert vllm_experts.declined_kernel(quant, None) is None, quant
+        monkeypatch.setenv("EXPERT_CACHE_MARLIN", "0")
+        assert vllm_experts.declined_kernel(quant, None), quant
+        monkeypatch.delenv("EXPERT_CACHE_MARLIN")
 
 
 def test_mxfp4_served_from_slots_is_armed_by_default_and_0_declines_it(monkeypatch):
@@ -240,6 +256,9 @@ def test_a_cache_forced_on_marlin_not_opted_in_is_told_why_not_a_traceback(quant
     """`size --slots N` on a 4-bit model on vLLM's default kernel, its format's Marlin not
     armed by default and not asked for: the note says why every layer will be declined (no
     backend flag to name)."""
+    from expertcache_cli import config
+
+    monkeypatch.setattr(config, "MARLIN_SERVED", config.MARLIN_SERVED - {quant})
     monkeypatch.delenv("EXPERT_CACHE_MARLIN", raising=False)
     note = vllm_experts.kernel_note(quant, [], "0.26")
     assert note.startswith("vLLM runs these 4-bit experts on Marlin, which the cache arms "

@@ -30,10 +30,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..sizing.formats import side_row_bytes
+from ..sizing.formats import SIDE_ROW, side_row_bytes
 
-#: the packed row's name among a layer's slot buffers (no vLLM parameter is named so)
-SMALL_ROW = "_expertcache_small_row"
+#: the packed row's name among a layer's slot buffers (`formats.SIDE_ROW`)
+SMALL_ROW = SIDE_ROW
 
 
 class SmallTensors:

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..plugin.small import SMALL_ROW
 from ..sizing.formats import gather_slabs
 from .report import FALLBACK, LinkReport, MiB, Rate
 from .timing import _iters_for, _rate, _time_per_call, device_view
@@ -417,7 +416,7 @@ class Gather(ModelMeasurement):
 
     def run(self, torch, s: Settings, rep: LinkReport) -> None:
         m = s.model
-        tensors = gather_slabs(list(m.expert_tensors), SMALL_ROW)
+        tensors = gather_slabs(list(m.expert_tensors))
         rep.gather, rep.gather_impl, errs = measure_gather(torch, s.device, tensors,
                                                            m.num_experts, s.repeats, s.warmup)
         rep.errors.extend(errs)
@@ -431,7 +430,7 @@ class Step(ModelMeasurement):
 
     def run(self, torch, s: Settings, rep: LinkReport) -> None:
         m = s.model
-        slabs = len(gather_slabs(list(m.expert_tensors), SMALL_ROW))
+        slabs = len(gather_slabs(list(m.expert_tensors)))
         args = (torch, s.device, slabs, m.num_experts, m.top_k, s.repeats)
         rep.step_us = measure_step(*args)
         rep.step_cold_us = measure_step(*args, cold=True)

@@ -43,6 +43,9 @@ SLAB_ALIGN = 16
 #: (`plugin.small`), gathered with the weights; more is declined (the path is for scales)
 SIDE_ROW_LIMIT = 256
 
+#: the packed side row's name among a layer's slot buffers (no vLLM parameter is named so)
+SIDE_ROW = "_expertcache_small_row"
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -57,15 +60,15 @@ def side_row_bytes(sizes: list[int]) -> int:
     return round_up(sum(int(s) for s in sizes), SLAB_ALIGN) if sizes else 0
 
 
-def gather_slabs(tensors: list[Tensor], side_row: str) -> list[tuple[str, int]]:
+def gather_slabs(tensors: list[Tensor]) -> list[tuple[str, int]]:
     """(name, bytes an expert) of each slab the gather moves for these tensors, as the plugin
     lays them out: every aligned tensor its own slab, the ragged ones packed into one side
-    row named ``side_row`` (so that a probe times the step the plugin runs, not one the
-    gather refuses)."""
+    row (`SIDE_ROW`), so that a probe times the step the plugin runs, not one the gather
+    refuses."""
     slabs = [(t.name, t.nbytes) for t in tensors if t.aligned]
     ragged = [t.nbytes for t in tensors if not t.aligned]
     if ragged:
-        slabs.append((side_row, side_row_bytes(ragged)))
+        slabs.append((SIDE_ROW, side_row_bytes(ragged)))
     return slabs
 
 
