@@ -416,6 +416,8 @@ class Gather(ModelMeasurement):
 
     def run(self, torch, s: Settings, rep: LinkReport) -> None:
         m = s.model
+        # the side row is read from device memory when served, from pinned host memory
+        # here like the other slabs: its 16 bytes an expert do not move the rate
         tensors = gather_slabs(list(m.expert_tensors))
         rep.gather, rep.gather_impl, errs = measure_gather(torch, s.device, tensors,
                                                            m.num_experts, s.repeats, s.warmup)

@@ -76,8 +76,8 @@ def slot_bytes(tensors: list[Tensor]) -> int:
     """VRAM one expert's slot takes for these tensors, as the plugin lays it out: every
     aligned slab, and the ragged ones twice (their packed side row and the compact copy
     the kernel reads)."""
-    ragged = [t.nbytes for t in tensors if not t.aligned]
-    return sum(t.nbytes for t in tensors if t.aligned) + side_row_bytes(ragged) + sum(ragged)
+    ragged = sum(t.nbytes for t in tensors if not t.aligned)
+    return sum(n for _, n in gather_slabs(tensors)) + ragged
 
 
 def ragged_refusal(tensors: list[Tensor]) -> str | None:
