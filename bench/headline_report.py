@@ -54,7 +54,7 @@ def load(d: Path) -> dict:
     cfg = _read(Path(model) / "config.json") if model else None
     return {"dir": d, "arms": arms, "routing": _text(d / "routing.txt"),
             "trace": _text(d / "trace.src"), "model": model,
-            "top_k": (cfg or {}).get("num_experts_per_tok"),
+            "top_k": (cfg or {}).get("num_experts_per_tok"), "gpu": _text(d / "gpu.txt"),
             "size": {c: s for c in CARDS if (s := _read(d / f"size{c}.json")) is not None}}
 
 
@@ -131,7 +131,7 @@ def table(run: dict) -> list[str]:
                 f"{'-' if live is None else f'{live:.2%}'} |")
     if arms.get("resident") is not None:
         rec = arms["resident"]
-        rows.append(f"| whole H200 | resident: every expert in VRAM | - | "
+        rows.append(f"| whole {run['gpu'] or 'GPU'} | resident: every expert in VRAM | - | "
                     f"{_status(rec) or _runs(rec)} | - | {'1.000' if res else '-'} | - |")
     return rows
 
@@ -171,7 +171,9 @@ def _shown(trace: str) -> str:
 def report(d: Path) -> list[str]:
     run = load(d)
     trace = _shown(run["trace"]) if routed(run) else "none"
-    return [*routing_lines(run), "",
+    gpu = (f"GPU: {run['gpu']}; the small cards emulated on it (bench/ballast.py holds the "
+           "rest of its memory), so their compute and host link are its own.")
+    return [gpu if run["gpu"] else "GPU: not recorded (no gpu.txt).", *routing_lines(run), "",
             f"Reproduce: `TRACE={trace} bash bench/run_headline_on_device.sh`", "",
             *table(run), "", *findings(run), *seeded(d)]
 

@@ -117,7 +117,10 @@ for step in $STEPS; do
   echo "== step $step ($SECONDS s)"
   case $step in
     setup)
-      device_vllm_setup || { echo "setup failed"; exit 1; } ;;
+      device_vllm_setup || { echo "setup failed"; exit 1; }
+      # the GPU every server of this run shares (the report names it in the resident row)
+      [ -f "$OUT/env.txt" ] && head -1 "$OUT/env.txt" | cut -d, -f1 > "$HL/gpu.txt"
+      true ;;
     model)
       K=8
       if [ "$TRACE" != none ]; then

@@ -142,7 +142,8 @@ def test_every_server_replays_the_recording_on_a_checkpoint_of_its_width(runner)
             < calls.index(floor) < calls.index(cache) < stop
     assert calls.index(resident) < calls.index("bench/ballast.py start --leave 24")
     report = (tmp / "out" / "headline.md").read_text()
-    lines = report.splitlines()
+    lines = report.splitlines()[1:]  # after the GPU line (none recorded by the stub)
+    assert report.splitlines()[0] == "GPU: not recorded (no gpu.txt)."
     assert lines[0].startswith("Routing of every server: recorded (real model, greedy decode, "
                                "one prompt)") and "--n-expert-used 6" in lines[0]
     assert lines[1] == ("Width: the checkpoint routes top-6 of 128 experts: the width the "
@@ -157,7 +158,7 @@ def test_every_server_replays_the_recording_on_a_checkpoint_of_its_width(runner)
     assert "| 24 GiB | floor: experts offloaded, no cache | - | 30.00 (29.00-31.00) | 1.00 | " \
            "0.100 | - |" in report
     assert "| 16 GiB | cache at the planned slots | 51 / 51 (48 of 48 layers armed) |" in report
-    assert "| whole H200 | resident: every expert in VRAM | - | 300.00 (299.00-301.00) |" \
+    assert "| whole GPU | resident: every expert in VRAM | - | 300.00 (299.00-301.00) |" \
         in report
     assert "- 24 GiB: cache 5.00x the offload floor; the gap to resident recovered: 44.4%" \
         in report
@@ -180,7 +181,7 @@ def test_no_trace_serves_the_checkpoints_own_routers_at_top_8(runner):
     assert not any(c.startswith("bench/trace_fit.py") for c in calls)
     assert _servers(calls) == ["resident", "warm24", "floor24", "cache24"]
     assert not any("EC_BENCH_TRACE_ROUTING" in c for c in calls)
-    report = (tmp / "out" / "headline.md").read_text().splitlines()
+    report = (tmp / "out" / "headline.md").read_text().splitlines()[1:]
     assert report[0] == ("Routing of every server: no trace: the checkpoint's own per-layer "
                          "seeded routers (synthetic routing)")
     assert report[1] == "Width: top-8 of 128, the checkpoint's own routers."
@@ -260,3 +261,18 @@ def test_a_seeded_resident_is_not_run_again_and_is_said(runner):
     text = (tmp / "out" / "headline.md").read_text()
     assert "from an earlier session, not measured in this one: resident.json, resident.log" \
         in text
+
+
+def test_the_report_names_the_gpu_the_setup_found(runner):
+    """Cards are emulated on whatever GPU the job gets: the table says which one, in its
+    header and in the resident row, from what the setup step recorded."""
+    run, tmp = runner
+    (tmp / "out").mkdir(exist_ok=True)
+    (tmp / "out" / "env.txt").write_text("NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB\n"
+                                         "vllm 0.26.0 torch 2.11.0+cu130\n")
+    run(STEPS="setup model resident card24 report")
+    assert (tmp / "hl" / "gpu.txt").read_text().strip() == "NVIDIA H100 80GB HBM3"
+    report = (tmp / "out" / "headline.md").read_text()
+    assert report.splitlines()[0].startswith("GPU: NVIDIA H100 80GB HBM3; the small cards "
+                                             "emulated on it")
+    assert "| whole NVIDIA H100 80GB HBM3 | resident: every expert in VRAM |" in report
