@@ -23,6 +23,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from flagship_report import _greedy, _status, live_hit_rate, median, seeded  # noqa: E402
+from formats_report import plan_row, plan_verdict, slots_of  # noqa: E402
 from small_card import describe, prompts_line  # noqa: E402
 from trace_routing import IN_FORCE_LINE  # noqa: E402
 
@@ -55,7 +56,18 @@ def load(d: Path) -> dict:
     return {"dir": d, "arms": arms, "routing": _text(d / "routing.txt"),
             "trace": _text(d / "trace.src"), "model": model,
             "top_k": (cfg or {}).get("num_experts_per_tok"), "gpu": _text(d / "gpu.txt"),
-            "size": {c: s for c in CARDS if (s := _read(d / f"size{c}.json")) is not None}}
+            "size": {c: s for c in CARDS if (s := _read(d / f"size{c}.json")) is not None},
+            "plan": {c: p for c in CARDS if (p := _read(d / f"plan{c}.json")) is not None},
+            "probe_gpu": (_read(d / "probe.json") or {}).get("device_name")}
+
+
+def probe_mismatch(run: dict) -> str | None:
+    """Why plan's predictions do not count, where its link probe ran on another GPU model
+    than the servers (a seeded probe): a prediction prices this GPU's link and kernels."""
+    gpu, probed = run.get("gpu"), run.get("probe_gpu")
+    if gpu and probed and gpu.strip() != probed.strip():
+        return f"plan's probe ran on {probed}, the servers on {gpu}: no prediction shown"
+    return None
 
 
 def routed(run: dict) -> bool:
@@ -99,8 +111,19 @@ def _runs(rec: dict | None) -> str:
 
 
 TABLE_HEAD = ("| card | arm | slots: size planned / armed | decode tok/s, median (runs) | "
-              "x floor | of resident | live hit rate over the runs |\n"
-              "| --- | --- | --- | --- | --- | --- | --- |")
+              "x floor | of resident | live hit rate over the runs | plan predicted "
+              "(measured / predicted) |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def _predicted(run: dict, card: int, rec: dict | None, tok: float | None) -> str:
+    """The plan column of a cache row: plan's tok/s at the slots the arm armed, and the
+    measured rate over it; '-' where no plan was made for the card."""
+    row = plan_row(run["plan"].get(card), slots_of(rec))
+    if row is None or probe_mismatch(run):
+        return "-"
+    want = float(row["predicted_tok_s"])
+    return f"{want:.1f} ({tok / want:.3f})" if tok else f"{want:.1f}"
 
 
 def table(run: dict) -> list[str]:
@@ -124,15 +147,16 @@ def table(run: dict) -> list[str]:
                          "not armed")
                 slots = f"{planned if planned is not None else '?'} / {armed}"
             live = live_hit_rate(rec) if name.startswith("cache") else None
+            plan = _predicted(run, c, rec, tok) if name.startswith("cache") else "-"
             rows.append(
                 f"| {c} GiB | {what} | {slots} | {_status(rec) or _runs(rec)} | "
                 f"{f'{tok / f_tok:.2f}' if tok and f_tok else '-'} | "
                 f"{f'{tok / res:.3f}' if tok and res else '-'} | "
-                f"{'-' if live is None else f'{live:.2%}'} |")
+                f"{'-' if live is None else f'{live:.2%}'} | {plan} |")
     if arms.get("resident") is not None:
         rec = arms["resident"]
         rows.append(f"| whole {run['gpu'] or 'GPU'} | resident: every expert in VRAM | - | "
-                    f"{_status(rec) or _runs(rec)} | - | {'1.000' if res else '-'} | - |")
+                    f"{_status(rec) or _runs(rec)} | - | {'1.000' if res else '-'} | - | - |")
     return rows
 
 
@@ -146,6 +170,14 @@ def findings(run: dict) -> list[str]:
             gap = (f"; the gap to resident recovered: {(c_tok - f_tok) / (res - f_tok):.1%}"
                    if res and res > f_tok else "")
             out.append(f"- {c} GiB: cache {c_tok / f_tok:.2f}x the offload floor{gap}")
+        said = plan_verdict(c_tok, run["plan"].get(c), cache)
+        if said and probe_mismatch(run):
+            out.append(f"- {c} GiB: {probe_mismatch(run)}")
+        elif said:
+            out.append(f"- {c} GiB: {said}")
+        elif c_tok:
+            out.append(f"- {c} GiB: no plan prediction (no plan{c}.json: the probe or plan "
+                       "step not run, or no trace routed the servers)")
         for other, name in ((floor, "floor"), (arms.get("resident"), "resident")):
             g = _greedy(other, cache)
             if g is not None:
@@ -178,9 +210,24 @@ def report(d: Path) -> list[str]:
             *table(run), "", *findings(run), *seeded(d)]
 
 
+def served(record: Path) -> str | None:
+    """'SLOTS RUNS' of a cache arm's record (the slots it armed, its measured runs): what
+    the runner's plan step replays; None where it armed nothing or measured nothing."""
+    rec = _read(record)
+    slots, runs = slots_of(rec), len((rec or {}).get("tok_s") or [])
+    return f"{slots} {runs}" if slots and runs else None
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--served":
+        got = served(Path(argv[1]))
+        if got is None:
+            print(f"{argv[1]}: no armed slots or no measured runs", file=sys.stderr)
+            return 1
+        print(got)
+        return 0
     if len(argv) != 1:
-        print("usage: headline_report.py DIR", file=sys.stderr)
+        print("usage: headline_report.py DIR | --served CACHE.json", file=sys.stderr)
         return 2
     print("\n".join(report(Path(argv[0]))))
     return 0

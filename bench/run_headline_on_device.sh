@@ -38,22 +38,27 @@
 #   setup     the vLLM bundle, this package (1-2)
 #   model     the trace's shape (its top-k), the 48-layer W8A8 checkpoint at that top-k
 #             (~0.7), the trace fitted to 48 layers
+#   probe     probe-link --only gather,step at the checkpoint's slab (1.5), for plan
 #   resident  every expert in VRAM (a 48-layer W8A8 first start 3.5-4.5, runs <0.5)
 #   card24    ballast leaves 24 GiB; `size --json` and `serve --dry-run` (what serve plans),
 #             then the warm-up, floor and cache (the warm-up's start compiles, 3-4.5; the
 #             floor's and the cache's load the compiled model, ~2 each; the floor's runs ~1)
 #             (10-12)
 #   card16    the same on 16 GiB (10-12)
-#   report    bench/headline_report.py: the table, the routing, the greedy tokens, to
-#             $OUT/headline.md
+#   plan      CPU only: `plan` on the ids each card's cache server was handed, at the
+#             slots it armed, with the probe and resident's rate (plan24.json, plan16.json)
+#   report    bench/headline_report.py: the table, the routing, the greedy tokens, each
+#             cache arm against plan's prediction, to $OUT/headline.md
 # ~24-30 device minutes in all: one detached job, polled every ~4.5 minutes (or split, below):
 #   bash bench/detach.sh headline env OUT=/tmp/ohl bash bench/run_headline_on_device.sh
 #   RESULTS=/tmp/ohl bash bench/detach.sh --poll headline 280
-# Split over two sessions (the box keeps nothing between them): STEPS="setup model resident
-# card24 report", then SEED=DIR STEPS="setup model resident card16 report", where DIR (a
-# folder in the carried tree) holds the first session's resident.json and resident.log
-# (from its results.tgz): copied into HL where HL lacks them, the resident server is not
-# run again (~4-5 min), and the report names what came from the earlier session.
+# Split over two sessions (the box keeps nothing between them): STEPS="setup model probe
+# resident card24 plan report", then SEED=DIR STEPS="setup model probe resident card16 plan
+# report", where DIR (a folder in the carried tree) holds the first session's records (from
+# its results.tgz: probe.json, resident.json and .log, and a card's floor, cache, size and
+# serve records): copied into HL where HL lacks them, a seeded step is not run again
+# (resident ~4-5 min, a card ~10), and the report names what came from the earlier session.
+# Seed only records of the same GPU model: the report names this run's GPU.
 # An unknown step or a TRACE that is not a file: one line, exit 2, before anything starts; a
 # trace of other than 128 experts: one line, exit 2, at the model step. HL (records:
 # /tmp/hl) holds one routing's run: another TRACE given to it is refused (exit 2).
@@ -62,15 +67,15 @@
 set -uo pipefail
 OUT="${OUT:-out}"
 HL="${HL:-/tmp/hl}"
-STEPS="${STEPS:-setup model resident card24 card16 report}"
+STEPS="${STEPS:-setup model probe resident card24 card16 plan report}"
 PY="${PY:-python3}"
 MD="${MODEL_DIR:-/tmp}"
 TRACE="${TRACE-traces/real-qwen3-30b-a3b-k6.npz}"
 LAYERS=48
 for step in $STEPS; do
   case $step in
-    setup|model|resident|card24|card16|report) ;;
-    *) echo "STEPS: unknown step $step (setup model resident card24 card16 report)" >&2
+    setup|model|probe|resident|card24|card16|plan|report) ;;
+    *) echo "STEPS: unknown step $step (setup model probe resident card24 card16 plan report)" >&2
        exit 2 ;;
   esac
 done
@@ -88,7 +93,9 @@ if [ -f "$HL/trace.src" ] && [ "$(cat "$HL/trace.src")" != "$TRACE" ]; then
 fi
 mkdir -p "$OUT" "$HL"
 source bench/_device_vllm.sh
-bench_seed "$HL" resident.json resident.log
+bench_seed "$HL" resident.json resident.log probe.json \
+  floor24.json floor24.log cache24.json cache24.log size24.json serve24.txt \
+  floor16.json floor16.log cache16.json cache16.log size16.json serve16.txt
 # what a user on a small card gives (a context that leaves room for slots), and the bench's
 # own (the bundle has no FlashAttention binaries; the seed; the port the runner picks)
 USER_FLAGS=(--max-model-len 8192)
@@ -147,6 +154,11 @@ for step in $STEPS; do
       echo "$M" > "$HL/model.path"
       echo "$TRACE" > "$HL/trace.src"
       df -h /tmp | tail -1 ;;
+    probe)
+      served || exit 1
+      [ -f "$HL/probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step \
+        --model "$MODEL" --save "$HL/probe.json" 2>&1 | tail -4 | tee "$OUT/probe.txt"
+      cp "$HL/probe.json" "$OUT/" 2>/dev/null ;;
     resident)
       served || exit 1
       arm resident --runs "${RUNS:-5}" --env EXPERT_CACHE_DISABLE=1 "${route[@]}" \
@@ -173,10 +185,35 @@ for step in $STEPS; do
       arm "cache$GIB" --runs "${RUNS:-5}" --env EXPERT_CACHE_STATS=480 "${route[@]}" \
         -- "${SERVE[@]}"
       ballast stop ;;
+    plan)
+      # plan's prediction for each card's cache arm, on the ids its server was handed: one
+      # stream, a warm-up and the arm's N runs of 200 tokens, each from the trace's row 0 (a
+      # recording shorter than a request cycled as the hook cycles it); CPU only
+      if [ "$TRACE" = none ]; then echo "plan: TRACE=none: plan predicts on a trace"; continue; fi
+      [ -f "$HL/probe.json" ] || { echo "plan: no probe.json (the probe step)"; continue; }
+      R=$($PY bench/flagship_report.py --median "$HL/resident.json") || {
+        echo "plan: no resident rate (the resident step)"; continue; }
+      for GIB in 24 16; do
+        arm_done "cache$GIB" && [ ! -s "$HL/plan$GIB.json" ] || continue
+        read -r S N < <($PY bench/headline_report.py --served "$HL/cache$GIB.json") && \
+          [ -n "${N:-}" ] || {
+          echo "card$GIB: the cache arm armed no slots: nothing to predict"; continue; }
+        $PY bench/trace_fit.py "$TRACE" "$HL/served$GIB.npz" --layers "$LAYERS" \
+          --size "$HL/size$GIB.json" --streams 1 --steps $(( (N + 1) * 200 )) \
+          --request-steps 200 --decode-only > /dev/null || {
+          echo "card$GIB: trace_fit failed"; continue; }
+        if $PY -m expertcache_cli plan "$HL/served$GIB.npz" --probe "$HL/probe.json" \
+            --resident-tok-s "$R" --slots "$S" --policy lru --json \
+            > "$HL/plan$GIB.json.part" 2> "$HL/plan$GIB.err"; then
+          mv "$HL/plan$GIB.json.part" "$HL/plan$GIB.json"
+        else
+          echo "card$GIB: plan failed: $(tail -1 "$HL/plan$GIB.err")"
+        fi
+      done ;;
     report)
       $PY bench/headline_report.py "$HL" | tee "$OUT/headline.md" ;;
   esac
 done
 save
-cp "$HL"/size*.json "$HL"/serve*.txt "$HL"/routing.txt "$OUT/" 2>/dev/null
+cp "$HL"/size*.json "$HL"/serve*.txt "$HL"/plan*.json "$HL"/routing.txt "$OUT/" 2>/dev/null
 echo "steps '$STEPS' done after $SECONDS s"

@@ -27,7 +27,8 @@ args = sys.argv[1:]
 with open(os.environ["STUB_LOG"], "a") as log:
     log.write(" ".join(args) + "\n")
 real = {**os.environ, "PYTHONPATH": os.environ["ROOT"]}  # this checkout's package
-if args[0].endswith("headline_report.py") or args[0].endswith("trace_fit.py"):
+if args[0].endswith("headline_report.py") or args[0].endswith("trace_fit.py") \
+        or args[0].endswith("flagship_report.py"):
     os.execve(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args], real)
 if args[0].endswith("write_checkpoint.py"):
     d = Path(args[1]); d.mkdir(parents=True)
@@ -38,7 +39,15 @@ elif args[0].endswith("ballast.py"):
     print(json.dumps({"leave_gib": args[-1]}) if args[1] == "start" else "stopped")
 elif args[:3] == ["-m", "expertcache_cli", "size"]:
     vram = args[args.index("--vram") + 1]
-    print(json.dumps({"slots": {"24": 85, "16": 51}[vram], "verdict_text": "cache"}))
+    print(json.dumps({"slots": {"24": 85, "16": 51}[vram], "verdict_text": "cache",
+                      "bytes_per_expert": 4732928}))
+elif args[:3] == ["-m", "expertcache_cli", "probe-link"]:
+    Path(args[args.index("--save") + 1]).write_text(json.dumps(
+        {"device_name": os.environ.get("STUB_PROBE_GPU", "NVIDIA H100 80GB HBM3")}))
+elif args[:3] == ["-m", "expertcache_cli", "plan"]:
+    slots = int(args[args.index("--slots") + 1])
+    print(json.dumps({"rows": [{"policy": "lru", "slots": slots, "miss_rate": 0.1,
+                                "predicted_tok_s": {85: 160.0, 51: 100.0}[slots]}]}))
 elif args[:3] == ["-m", "expertcache_cli", "serve"]:
     print("expertcache serve: dry run " + args[args.index("--vram") + 1])
 elif args[0].endswith("small_card.py"):
@@ -75,7 +84,8 @@ elif args[0].endswith("small_card.py"):
 @pytest.fixture()
 def runner(tmp_path):
     run = make_runner(tmp_path, "run_headline_on_device.sh",
-                      ("headline_report.py", "flagship_report.py", "small_card.py",
+                      ("headline_report.py", "flagship_report.py", "formats_report.py",
+                       "small_card.py",
                        "synth_weights.py", "trace_routing.py", "trace_fit.py"), STUB,
                       keep_bench_helpers=True, HL=str(tmp_path / "hl"),
                       MODEL_DIR=str(tmp_path / "models"))
@@ -101,7 +111,7 @@ def test_every_server_replays_the_recording_on_a_checkpoint_of_its_width(runner)
     write = next(c for c in calls if "write_checkpoint.py" in c)
     assert write == (f"bench/write_checkpoint.py {model} --layers 48 --format w8a8 --vocab "
                      "151936 --context 40960 --head-dim 128 --top-k 6")
-    fits = [c for c in calls if c.startswith("bench/trace_fit.py")]
+    fits = [c for c in calls if c.startswith("bench/trace_fit.py") and "/served" not in c]
     assert fits == [f"bench/trace_fit.py --shape {trace}",
                     f"bench/trace_fit.py {trace} {hl}/route-48.npz --layers 48",
                     f"bench/trace_fit.py --source {hl}/route-48.npz"]
@@ -154,12 +164,15 @@ def test_every_server_replays_the_recording_on_a_checkpoint_of_its_width(runner)
     assert f"Reproduce: `TRACE=traces/{QWEN}.npz bash bench/run_headline_on_device.sh`" \
         in report
     assert ("| 24 GiB | cache at the planned slots | 85 / 85 (48 of 48 layers armed) | "
-            "150.00 (149.00-151.00) | 5.00 | 0.500 | 90.00% |") in report
+            "150.00 (149.00-151.00) | 5.00 | 0.500 | 90.00% | 160.0 (0.938) |") in report
     assert "| 24 GiB | floor: experts offloaded, no cache | - | 30.00 (29.00-31.00) | 1.00 | " \
            "0.100 | - |" in report
     assert "| 16 GiB | cache at the planned slots | 51 / 51 (48 of 48 layers armed) |" in report
     assert "| whole GPU | resident: every expert in VRAM | - | 300.00 (299.00-301.00) |" \
         in report
+    assert "- 24 GiB: plan predicted 160.0 tok/s at 85 slots (replayed hit rate 0.900), " \
+           "measured 0.938 of it (met: 10%)" in report
+    assert "- 16 GiB: plan predicted 100.0 tok/s at 51 slots" in report
     assert "- 24 GiB: cache 5.00x the offload floor; the gap to resident recovered: 44.4%" \
         in report
     assert "- 16 GiB greedy tokens, cache vs resident: identical (2 tokens)" in report
@@ -202,7 +215,8 @@ def test_bad_input_is_one_line_and_exit_2_before_anything(runner):
              f"TRACE={tmp / 'absent.npz'}: no such file (a routing trace .npz, or none: the "
              "checkpoint's own routers)"),
             ({"STEPS": "setup card32"},
-             "STEPS: unknown step card32 (setup model resident card24 card16 report)")):
+             "STEPS: unknown step card32 (setup model probe resident card24 card16 plan "
+             "report)")):
         calls, out = run(expect_rc=2, **env)
         assert calls == [] and out.strip() == want
 
@@ -276,3 +290,36 @@ def test_the_report_names_the_gpu_the_setup_found(runner):
     assert report.splitlines()[0].startswith("GPU: NVIDIA H100 80GB HBM3; the small cards "
                                              "emulated on it")
     assert "| whole NVIDIA H100 80GB HBM3 | resident: every expert in VRAM |" in report
+
+
+def test_plan_replays_what_each_cache_server_was_handed(runner):
+    """The plan step predicts each card's cache arm on the ids its server replayed (a
+    warm-up and the arm's runs, 200 tokens each from row 0) at the slots it armed, with this
+    run's probe and resident rate; a probe of another GPU model shows no prediction."""
+    from expertcache_cli.rules import trace as tracefile
+
+    run, tmp = runner
+    hl = tmp / "hl"
+    calls, _ = run(STEPS="setup model probe resident card24 plan")
+    assert calls.index(next(c for c in calls if "probe-link" in c)) < \
+        calls.index(_arm(calls, "resident"))
+    fit = next(c for c in calls if c.startswith("bench/trace_fit.py") and "served24" in c)
+    assert fit.endswith(f"{hl}/served24.npz --layers 48 --size {hl}/size24.json --streams 1 "
+                        "--steps 800 --request-steps 200 --decode-only")
+    served = tracefile.load(hl / "served24.npz")
+    assert served.num_layers == 48 and served.steps == 4 * 199  # 4 requests, each prefill left out
+    plan = next(c for c in calls if c.startswith("-m expertcache_cli plan"))
+    assert plan == (f"-m expertcache_cli plan {hl}/served24.npz --probe {hl}/probe.json "
+                    "--resident-tok-s 300.000 --slots 85 --policy lru --json")
+    assert json.loads((hl / "plan24.json").read_text())["rows"][0]["slots"] == 85
+    assert not (hl / "plan16.json").exists()  # no cache16 arm: nothing to predict
+    # another GPU's probe: the column stays empty and the report says why
+    (hl / "plan24.json").unlink()
+    (hl / "probe.json").write_text(json.dumps({"device_name": "NVIDIA H200"}))
+    (hl / "gpu.txt").write_text("NVIDIA H100 80GB HBM3\n")
+    run(STEPS="plan report")
+    report = (tmp / "out" / "headline.md").read_text()
+    assert "- 24 GiB: plan's probe ran on NVIDIA H200, the servers on NVIDIA H100 80GB " \
+           "HBM3: no prediction shown" in report
+    assert "| 24 GiB | cache at the planned slots | 85 / 85 (48 of 48 layers armed) | " \
+           "150.00 (149.00-151.00) | 5.00 | 0.500 | 90.00% | - |" in report
