@@ -26,17 +26,22 @@ from expertcache_cli.rules.trace_import import (
 )
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
-REAL = {  # file -> (MoE layers, experts, top_k, decode steps, prefill steps, license)
-    "real-qwen3-30b-a3b-k6.npz": (48, 128, 6, 128, 1, "Apache-2.0"),
-    "real-gemma-4-26b-a4b-k6.npz": (30, 128, 6, 128, 1, "Apache-2.0"),
-    "real-gpt-oss-120b-k2.npz": (36, 128, 2, 64, 1, "Apache-2.0"),
+REAL = {  # file -> (MoE layers, experts, top_k, decode steps, prefill steps, license file)
+    "real-qwen3-30b-a3b-k6.npz": (48, 128, 6, 128, 1, "BigMoeOnEdge-LICENSE"),
+    "real-gemma-4-26b-a4b-k6.npz": (30, 128, 6, 128, 1, "BigMoeOnEdge-LICENSE"),
+    "real-gpt-oss-120b-k2.npz": (36, 128, 2, 64, 1, "BigMoeOnEdge-LICENSE"),
     # four prompts of 512 decode tokens each, one after another; their prefills unrecorded
-    "real-olmoe-1b-7b-k8.npz": (16, 64, 8, 4 * 512, 0, "MIT"),
-    "real-gpt-oss-20b-k4.npz": (24, 32, 4, 4 * 512, 0, "MIT"),
+    "real-olmoe-1b-7b-k8.npz": (16, 64, 8, 4 * 512, 0, "grouped-nf4-gemm-LICENSE"),
+    "real-gpt-oss-20b-k4.npz": (24, 32, 4, 4 * 512, 0, "grouped-nf4-gemm-LICENSE"),
+    # four prompts of 399, 399, 399 and 199 decode tokens; their prefills unrecorded
+    "real-gpt-oss-120b-k4.npz": (36, 128, 4, 1396, 0, "nvmoe-LICENSE"),
+    "real-deepseek-v2-lite-k6.npz": (26, 64, 6, 1396, 0, "nvmoe-LICENSE"),
 }
-#: the license file beside the bundled traces, for each license a trace's source names
-LICENSES = {"Apache-2.0": ("BigMoeOnEdge-LICENSE", ("Apache License", "Version 2.0")),
-            "MIT": ("grouped-nf4-gemm-LICENSE", ("MIT License", "Permission is hereby granted"))}
+#: each license file beside the bundled traces: the license a trace's source names, and
+#: words its text must hold
+LICENSES = {"BigMoeOnEdge-LICENSE": ("Apache-2.0", ("Apache License", "Version 2.0")),
+            "grouped-nf4-gemm-LICENSE": ("MIT", ("MIT License", "Permission is hereby granted")),
+            "nvmoe-LICENSE": ("MIT", ("MIT License", "Permission is hereby granted"))}
 
 HEAD = """# route_trace v1
 # model=/m/tiny.gguf arch=tinymoe n_layer=4 n_expert=8 n_expert_used=2
@@ -147,10 +152,11 @@ def test_cli_import_of_a_bad_file_is_one_line_and_exit_2(tmp_path, src):
 def test_the_bundled_real_traces_are_a_routers_output(name):
     """Real routing looks like a router's: each token's experts distinct and in range, many
     experts per layer over the decode, and consecutive tokens not routed alike every time."""
-    layers, experts, k, decode, prefills, license_name = REAL[name]
+    layers, experts, k, decode, prefills, license_file = REAL[name]
     tr = load(TRACES / name)
     assert (tr.num_layers, tr.num_experts, tr.top_k) == (layers, experts, k)
-    assert tr.source.startswith("recorded (real model") and license_name in tr.source
+    assert tr.source.startswith("recorded (real model")
+    assert LICENSES[license_file][0] in tr.source
     assert "synthetic" not in tr.source and tr.expert_bytes and tr.expert_bytes > 2**20
     single = tr.step_tokens == 1
     assert int(single.sum()) == decode and tr.steps == decode + prefills
@@ -171,9 +177,9 @@ def test_the_default_demo_trace_is_a_real_recording_with_its_license_beside_it()
     assert DEMO_TRACE in REAL and demo_trace_path().name == DEMO_TRACE
     assert "synthetic" not in load(demo_trace_path()).source
     readme = (TRACES / "README.md").read_text()
-    for name, (*_, license_name) in REAL.items():
+    for name, (*_, file) in REAL.items():
         assert name in readme
-        file, words = LICENSES[license_name]
+        _, words = LICENSES[file]
         text = (TRACES / "licenses" / file).read_text()
         assert all(w in text for w in words) and f"licenses/{file}" in readme
     for name in ("demo-qwen3-30b-a3b-tasks.npz", "demo-olmoe-1b-7b-zipf.npz",
@@ -297,3 +303,62 @@ def test_cli_import_of_a_malformed_jsonl_is_one_line_and_exit_2(tmp_path, text):
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.count("\n") == 1 and "bad.jsonl" in r.stderr
         assert not (tmp_path / "out.npz").exists()
+
+
+# nvmoe's token-pairs JSONL: one line a decode token, [layer, expert] pairs in layer order
+PAIRS = [[[1, 5], [1, 2], [3, 0], [3, 7]], [[1, 2], [1, 6], [3, 7], [3, 1]]]
+
+
+def _pairs(tmp_path: Path, rows: list | None = None, name: str = "t.tokens.jsonl",
+           text: str | None = None) -> Path:
+    p = tmp_path / name
+    p.write_text(text if text is not None else
+                 "".join(json.dumps(r) + "\n" for r in (PAIRS if rows is None else rows)))
+    return p
+
+
+def test_token_pairs_are_one_decode_step_a_line_in_the_routers_rank_order(tmp_path):
+    rec = read_recording(_pairs(tmp_path), num_experts=8)
+    assert isinstance(rec, RouteJsonl) and (rec.num_experts, rec.top_k) == (8, 2)
+    tr = recording_trace(rec)
+    assert tr.layers.tolist() == [1, 3] and tr.step_tokens.tolist() == [1, 1]
+    assert tr.topk_ids[:, 0].tolist() == [[5, 2], [2, 6]]  # as ranked, not sorted
+    assert tr.topk_ids[:, 1].tolist() == [[0, 7], [7, 1]]
+    assert default_source([rec], ["t.tokens.jsonl"]) == \
+        "recorded: t.tokens.jsonl (token-pairs JSONL, ?)"
+
+
+@pytest.mark.parametrize("rows, text, experts, message", [
+    (None, None, None, "does not say how many experts a layer has: give --experts N"),
+    (None, '[[1, 5], [1, 2]]\n{"a": 1}\n', 8, ":2: not a JSON array of [layer, expert] pairs"),
+    (None, "[[1, 5, 0]]\n", 8, ":1: not a JSON array of [layer, expert] pairs"),
+    (None, "[[1, true]]\n", 8, ":1: not a JSON array"),
+    (None, "[]\n", 8, ":1: not a JSON array"),
+    (None, "[[1, 2\n", 8, ":1: not a JSON line"),
+    ([[[3, 0], [3, 7], [1, 5], [1, 2]]], None, 8, ":1: layer 1 after layer 3"),
+    ([[[1, 5], [3, 0], [1, 2], [3, 7]]], None, 8, ":1: layer 1's pairs are not together"),
+    ([PAIRS[0], [[1, 2], [1, 6]]], None, 8, ":2: routes layers 1..1 (1), not the first "
+     "token's 1..3 (2)"),
+    ([PAIRS[0], [[1, 2], [1, 2], [3, 7], [3, 1]]], None, 8, ":2: layer 1 routes [2, 2], not 2 "
+     "distinct experts in 0..7"),
+    ([PAIRS[0], [[1, 2], [1, 6], [3, 7]]], None, 8, ":2: layer 3 routes [7], not 2"),
+    (None, None, 7, ":1: layer 3 routes [0, 7], not 2 distinct experts in 0..6"),
+    (None, "\n", 8, "not a route trace"),
+])
+def test_token_pairs_that_are_not_a_routers_output_are_one_clear_error(tmp_path, rows, text,
+                                                                       experts, message):
+    with pytest.raises(TraceError, match=re.escape(message)):
+        recording_trace(read_recording(_pairs(tmp_path, rows, text=text), experts))
+
+
+def test_cli_imports_token_pairs_in_turn_and_wants_the_expert_count(tmp_path):
+    a, b = _pairs(tmp_path, name="a.jsonl"), _pairs(tmp_path, PAIRS[:1], name="b.jsonl")
+    out = tmp_path / "out.npz"
+    r = _cli("import", str(a), str(b), str(out))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "give --experts N" in r.stderr
+    assert not out.exists()
+    r = _cli("import", str(a), str(b), str(out), "--experts", "8", "--expert-bytes", "4096")
+    assert r.returncode == 0, r.stderr
+    tr = load(out)
+    assert tr.steps == 3 and tr.request_starts().tolist() == [0, 2]
+    assert tr.source == "recorded: a.jsonl, b.jsonl (token-pairs JSONL, ?)"

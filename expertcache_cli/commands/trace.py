@@ -81,8 +81,9 @@ def synth_command(
 @trace_app.command("import")
 def import_command(
     src: list[Path] = typer.Argument(
-        ..., help="Recordings of one model: route_trace v1 CSVs (llama.cpp-based --route-trace) "
-        "or routing JSONL files (capture_routing.py); several are joined in the order given."),
+        ..., help="Recordings of one model: route_trace v1 CSVs (llama.cpp-based --route-trace), "
+        "routing JSONL files (capture_routing.py) or token-pairs JSONL files (nvmoe's "
+        "trace_post.py); several are joined in the order given."),
     out: Path = typer.Argument(..., help="Output .npz path."),
     decode_only: bool = typer.Option(
         False, "--decode-only", help="Drop the prefill steps (default: each prefill is one step "
@@ -90,6 +91,9 @@ def import_command(
     expert_bytes: int | None = typer.Option(
         None, "--expert-bytes", min=1, help="Bytes of one expert (default: the file's per-layer "
         "sizes, averaged; the JSONL format gives none)."),
+    experts: int | None = typer.Option(
+        None, "--experts", min=1, help="The model's experts a layer: required for token-pairs "
+        "JSONL, which does not say."),
     model: str | None = typer.Option(None, "--model", help="Model label (default: the file's)."),
     source: str | None = typer.Option(
         None, "--source", help="Where the recording comes from, stored in the trace (default: "
@@ -102,7 +106,7 @@ def import_command(
 
     out = check_output(out if out.expanduser().is_dir() else npz_path(out), "OUT",
                        make_parents=True)
-    recs = [read_recording(p) for p in src]
+    recs = [read_recording(p, experts) for p in src]
     names = [p.name for p in src]
     traces = []
     for p, rec in zip(src, recs):

@@ -23,6 +23,13 @@ Two formats are read, told apart by their first line:
   decode only (the prompt's prefill is run, not recorded) and each token's ids sorted, not
   in the router's rank order. Each line becomes one decode step of one token.
 
+- the token-pairs JSONL of nvmoe's llama.cpp collector (``llama-nvmoe-trace``, then
+  ``sim/trace_post.py --decode-only``; github.com/BrianBoitano/nvmoe, ``traces/``): one line
+  a decode token, a JSON array of ``[layer, expert]`` pairs, the layers in order and each
+  layer's ids in the router's rank order. The file names neither the model's expert count
+  (``--experts`` gives it) nor where one prompt's decode ends and the next begins (split the
+  file and import the parts in turn). Each line becomes one decode step of one token.
+
 Several recordings of one model (``trace import A B C OUT``) become one trace, one after
 another in the order given: requests served in turn by one stream.
 """
@@ -44,6 +51,8 @@ from .trace import Trace, TraceError
 MAGIC = "# route_trace v1"
 COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert")
 PREFILL, DECODE = 0, 1
+#: the formats `read_recording` tells apart, as `import`'s default source names them
+CSV_KIND, JSONL_KIND, PAIRS_KIND = "route_trace v1", "routing JSONL", "token-pairs JSONL"
 
 
 @dataclass
@@ -193,6 +202,8 @@ class RouteJsonl:
     layers: np.ndarray
     ids: np.ndarray
     top_k_native: int | None = None
+    #: which of the JSON formats it was read from (`default_source` names it)
+    kind: str = JSONL_KIND
 
 
 def _count(value: object) -> int | None:
@@ -295,13 +306,73 @@ def jsonl_to_trace(rj: RouteJsonl, *, expert_bytes: int | None = None,
                  source=source).validate()
 
 
-#: the formats `read_recording` tells apart, as `import`'s default source names them
-CSV_KIND, JSONL_KIND = "route_trace v1", "routing JSONL"
+def read_token_pairs(path: str | Path, num_experts: int | None) -> RouteJsonl:
+    """Parse a token-pairs JSONL file (see the module docstring) at ``num_experts`` experts
+    a layer, which the file does not say. Refused, naming the file and line: no
+    ``num_experts``, a line that is not ``[layer, expert]`` pairs, a token whose layers are
+    not the first token's in the same order, a layer whose ids are not the first layer's
+    count of distinct experts in range, an empty file."""
+    p = Path(path)
+    if num_experts is None:
+        raise TraceError(f"{p}: a token-pairs JSONL does not say how many experts a layer "
+                         "has: give --experts N")
+    if num_experts <= 0:
+        raise TraceError(f"{p}: --experts {num_experts} is not a router")
+    layers: list[int] | None = None
+    top_k = 0
+    rows: list[list[list[int]]] = []
+    try:
+        f = p.open(encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"{p}: not a readable text file ({exc.__class__.__name__})") from None
+    with f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                pairs = json.loads(line)
+            except (ValueError, RecursionError):
+                raise TraceError(f"{p}:{n}: not a JSON line") from None
+            if (not isinstance(pairs, list) or not pairs
+                    or any(not isinstance(q, list) or len(q) != 2
+                           or any(_count(v) is None for v in q) for q in pairs)):
+                raise TraceError(f"{p}:{n}: not a JSON array of [layer, expert] pairs")
+            step: dict[int, list[int]] = {}
+            order: list[int] = []
+            for layer, expert in pairs:
+                if layer not in step:
+                    if order and layer < order[-1]:
+                        raise TraceError(f"{p}:{n}: layer {layer} after layer {order[-1]}: "
+                                         "the layers are not in order")
+                    step[layer] = []
+                    order.append(layer)
+                elif order[-1] != layer:
+                    raise TraceError(f"{p}:{n}: layer {layer}'s pairs are not together")
+                step[layer].append(expert)
+            if layers is None:
+                layers, top_k = order, len(step[order[0]])
+            elif order != layers:
+                raise TraceError(f"{p}:{n}: routes layers {order[0]}..{order[-1]} "
+                                 f"({len(order)}), not the first token's {layers[0]}.."
+                                 f"{layers[-1]} ({len(layers)})")
+            for layer in order:
+                ids = step[layer]
+                if (len(ids) != top_k or len(set(ids)) != top_k
+                        or any(not 0 <= e < num_experts for e in ids)):
+                    raise TraceError(f"{p}:{n}: layer {layer} routes {ids[:8]}, not {top_k} "
+                                     f"distinct experts in 0..{num_experts - 1}")
+            rows.append([step[layer] for layer in order])
+    if not rows or layers is None:
+        raise TraceError(f"{p}: no tokens")
+    return RouteJsonl(model="", prompt="", num_experts=num_experts, top_k=top_k,
+                      layers=np.asarray(layers, dtype=np.int64),
+                      ids=np.asarray(rows, dtype=np.int32), kind=PAIRS_KIND)
 
 
-def read_recording(path: str | Path) -> RouteCsv | RouteJsonl:
-    """A recording in either format, told apart by its first line (``# route_trace v1``,
-    or a JSON object: the routing JSONL's meta line)."""
+def read_recording(path: str | Path, num_experts: int | None = None) -> RouteCsv | RouteJsonl:
+    """A recording in any of the three formats, told apart by its first line (``#
+    route_trace v1``; a JSON object: the routing JSONL's meta line; a JSON array: a
+    token-pairs line, read at ``num_experts``)."""
     p = Path(path)
     if not p.is_file():
         raise TraceError(f"{p}: no such file")
@@ -314,8 +385,10 @@ def read_recording(path: str | Path) -> RouteCsv | RouteJsonl:
         return read_route_csv(p)
     if first.lstrip().startswith("{"):
         return read_route_jsonl(p)
-    raise TraceError(f"{p}: not a route trace (its first line is neither {MAGIC!r} nor a "
-                     "routing JSONL meta line)")
+    if first.lstrip().startswith("["):
+        return read_token_pairs(p, num_experts)
+    raise TraceError(f"{p}: not a route trace (its first line is neither {MAGIC!r}, a "
+                     "routing JSONL meta line nor a token's [layer, expert] pairs)")
 
 
 def recording_trace(rec: RouteCsv | RouteJsonl, *, prefill: bool = True) -> Trace:
@@ -372,4 +445,4 @@ def default_source(recs: list[RouteCsv | RouteJsonl], names: list[str]) -> str:
     if rec.top_k_native is not None and rec.top_k_native != rec.top_k:
         note = (f"; ids read at top-{rec.top_k} of a router that routed "
                 f"{rec.top_k_native}: not what the model ran")
-    return f"recorded: {files} ({JSONL_KIND}, {rec.model or '?'}{note})"
+    return f"recorded: {files} ({rec.kind}, {rec.model or '?'}{note})"
