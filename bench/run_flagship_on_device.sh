@@ -20,8 +20,11 @@
 # tokens compare across servers; the report refuses a server whose log lacks the hook's line.
 #
 # Routing: every server replays TRACE (bench/trace_routing.py; default the recorded
-# traces/real-qwen3-30b-a3b-k6.npz, each token narrowed to its router's first 4 ids: no
-# bundled recording is routed at gpt-oss's top-4), each request from the trace's row 0.
+# traces/real-qwen3-30b-a3b-k6.npz, each token narrowed to its router's first 4 ids), each
+# request from the trace's row 0. TRACE=traces/real-gpt-oss-120b-k4.npz is gpt-oss-120b's
+# own routing at its own top-4 over four prompts: a trace of several recorded requests is
+# served prompts growing by 8 words a request (small_card.py --prompt-cycle), so that
+# consecutive requests replay different recorded conversations.
 # `plan` predicts on the ids the servers were handed (bench/trace_fit.py: the hook's layer
 # rule, its restart a request). The report prints the trace's source.
 #
@@ -78,15 +81,20 @@ USER_FLAGS=(--max-model-len 8192 --attention-backend TRITON_ATTN)
 BENCH_FLAGS=(--load-format dummy)
 SERVER_FLAGS=(--seed 0 --host 127.0.0.1 --port "{port}" --shutdown-timeout 10)
 FIT=$FS/route-36.npz
-hook_env=()
+hook_env=() cycle=()
 
 save() { bench_save "$FS"; }
 # every server: the weights synthesized, the routing replayed from the trace
 hooks() {
-  local t
+  local t n
   t=$(cat "$FS/trace.path" 2>/dev/null) || { echo "no trace: run the model step" >&2; return 1; }
   hook_env=(--env EC_BENCH_SYNTH_WEIGHTS=1 --env "EC_BENCH_TRACE_ROUTING=$t"
             --env "PYTHONPATH=$PWD/bench/trace_hook:${PYTHONPATH:-}")
+  # a recording of several requests: consecutive requests replay them in turn
+  read -r _ _ _ n <<< "$($PY bench/trace_fit.py --shape "$t")"
+  cycle=()
+  [ "${n:-1}" -gt 1 ] && cycle=(--prompt-cycle "$n")
+  return 0
 }
 arm_done() { [ -f "$FS/$1.json" ] && grep -q '"status": "ok"' "$FS/$1.json"; }
 arm() {  # arm NAME [small_card options] -- server command
@@ -95,7 +103,7 @@ arm() {  # arm NAME [small_card options] -- server command
   # 300-350 s alone, 435 s and more beside a second bench on a 2-GPU host; a warm-up start
   # ended at small_card's default 480 s leaves its compile to the floor's start
   bench_arm "$FS" bench/small_card.py "$name" --runs "${RUNS:-5}" \
-    --start-timeout "${START_TIMEOUT:-900}" "${hook_env[@]}" "$@"
+    --start-timeout "${START_TIMEOUT:-900}" "${hook_env[@]}" "${cycle[@]}" "$@"
 }
 ballast() {  # ballast GiB | ballast stop
   if [ "$1" = stop ]; then $PY bench/ballast.py stop; return; fi
@@ -120,9 +128,17 @@ for step in $STEPS; do
       $PY bench/trace_fit.py "$T" "$FS/route-top4.npz" --layers 36 --top-k 4 > /dev/null \
         || { echo "TRACE=$T does not fit top-4 of 128 experts"; exit 1; }
       echo "$FS/route-top4.npz" > "$FS/trace.path"
+      # several recorded requests: the servers' prompts grow by 8 words a request
+      # (small_card.py --prompt-cycle), so plan is told each request's prompt length
+      read -r _ _ _ NREQ <<< "$($PY bench/trace_fit.py --shape "$FS/route-top4.npz")"
+      served=()
+      if [ "${NREQ:-1}" -gt 1 ]; then
+        lengths=$(seq -s, 16 8 $(( 16 + 8 * (NREQ - 1) )))
+        served=(--prompt-tokens "$lengths")
+      fi
       $PY bench/trace_fit.py "$FS/route-top4.npz" "$FIT" --layers 36 --streams 1 \
         --steps $(( (${RUNS:-5} + 1) * 200 )) --request-steps 200 --decode-only \
-        | tee "$OUT/trace.txt" ;;
+        "${served[@]}" | tee "$OUT/trace.txt" ;;
     probe)
       [ -f "$FS/probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step \
         --model "$MODEL" --save "$FS/probe.json" 2>&1 | tail -4 | tee "$OUT/probe.txt"

@@ -16,6 +16,9 @@
 # the recording used --n-expert-used 6), so each token's experts are exactly the recorded
 # ones, not a narrowing of them (the hook replaces a router's ids only where the widths
 # agree). The resident server replays it too, so that every server's greedy tokens compare.
+# A trace of several recorded requests (traces/real-gpt-oss-120b-k4.npz: four prompts) is
+# served prompts growing by 8 words a request (small_card.py --prompt-cycle), so that
+# consecutive requests replay different recorded conversations, and plan is told so.
 # TRACE=none: no trace, the checkpoint's own per-layer seeded routers at top-8 (synthetic
 # routing: the earlier table's). The report prints the routing source and the width.
 #
@@ -118,6 +121,15 @@ served() {
   route=()
   [ "$TRACE" = none ] || route=(--env "EC_BENCH_TRACE_ROUTING=$FIT"
                                 --env "PYTHONPATH=$PWD/bench/trace_hook:${PYTHONPATH:-}")
+  # a recording of several requests: consecutive requests replay them in turn
+  # (small_card.py --prompt-cycle)
+  [ "$(requests)" -gt 1 ] && route+=(--prompt-cycle "$(requests)")
+  return 0
+}
+requests() {  # the recorded requests of the fitted trace (1 without a trace)
+  local n=1
+  [ "$TRACE" = none ] || read -r _ _ _ n <<< "$($PY bench/trace_fit.py --shape "$FIT")"
+  echo "${n:-1}"
 }
 
 for step in $STEPS; do
@@ -198,9 +210,11 @@ for step in $STEPS; do
         read -r S N < <($PY bench/headline_report.py --served "$HL/cache$GIB.json") && \
           [ -n "${N:-}" ] || {
           echo "card$GIB: the cache arm armed no slots: nothing to predict"; continue; }
+        NREQ=$(requests) prompts=()
+        [ "$NREQ" -gt 1 ] && prompts=(--prompt-tokens "$(seq -s, 16 8 $(( 16 + 8 * (NREQ - 1) )))")
         $PY bench/trace_fit.py "$TRACE" "$HL/served$GIB.npz" --layers "$LAYERS" \
           --size "$HL/size$GIB.json" --streams 1 --steps $(( (N + 1) * 200 )) \
-          --request-steps 200 --decode-only > /dev/null || {
+          --request-steps 200 --decode-only "${prompts[@]}" > /dev/null || {
           echo "card$GIB: trace_fit failed"; continue; }
         if $PY -m expertcache_cli plan "$HL/served$GIB.npz" --probe "$HL/probe.json" \
             --resident-tok-s "$R" --slots "$S" --policy lru --json \

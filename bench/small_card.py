@@ -55,6 +55,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from trace_routing import PROMPT_STEP  # noqa: E402
+
 from expertcache_cli.baseline.client import RequestFailed, measure_run  # noqa: E402
 from expertcache_cli.baseline.counters import (  # noqa: E402
     ARMED_RE,
@@ -76,7 +78,13 @@ KV_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 WEIGHTS_RE = re.compile(r"Model loading took ([\d.]+) GiB")
 
 
-def run_prompt(i: int) -> str:
+#: words a prompt grows by from one request to the next when a trace of several recorded
+#: requests routes the server (`run_prompt`): the hook's step, so that consecutive requests
+#: replay different recorded requests
+PROMPT_GROWTH = PROMPT_STEP
+
+
+def run_prompt(i: int, cycle: int = 1) -> str:
     """The prompt of a server's ``i``-th measured request (0: the discarded warm-up).
 
     Why each request its own: a user's next request is not their last one, and a
@@ -86,9 +94,16 @@ def run_prompt(i: int) -> str:
     a fully cached prompt's last token again, so no block of it is reused), so every
     prefill is the 16 tokens that `bench/trace_routing.py` restarts a routing trace at and
     that the runners' fitted traces give `plan` (``trace_fit --decode-only``). No two
-    share a first word (977 is coprime to `PROMPT_WORDS`)."""
+    share a first word (977 is coprime to `PROMPT_WORDS`), so no block of one is ever
+    another's cached prefix.
+
+    ``cycle`` R > 1 (a trace of R recorded requests routes the server): request ``i`` has
+    ``16 + 8 x (i mod R)`` words, and `bench/trace_routing.py` replays recorded request
+    ``(2 + i) mod R`` for it: R consecutive requests replay R different conversations, as
+    ``trace_fit --prompt-tokens`` tells `plan`."""
     first = 3 + (977 * (i + 1)) % PROMPT_WORDS
-    words = [first] + [3 + (first + 131 * j) % PROMPT_WORDS for j in range(1, PROMPT_TOKENS)]
+    n = PROMPT_TOKENS + PROMPT_GROWTH * (i % max(1, cycle))
+    words = [first] + [3 + (first + 131 * j) % PROMPT_WORDS for j in range(1, n)]
     return " ".join(f"w{w}" for w in words)
 
 
@@ -100,6 +115,15 @@ def prompts_line(recs: dict[str, dict | None]) -> str:
     fixed = sorted(n for n in measured if n not in own)
     if not measured:
         return "no measured runs"
+    cycles = {int(r.get("prompt_cycle") or 1) for r in measured.values()}
+    if not fixed and len(cycles) == 1 and max(cycles) > 1:
+        c = max(cycles)
+        return (f"every request its own prompt of {PROMPT_TOKENS}-"
+                f"{PROMPT_TOKENS + PROMPT_GROWTH * (c - 1)} words, growing by "
+                f"{PROMPT_GROWTH} a request over {c} lengths, so that consecutive requests "
+                f"replay the trace's {c} recorded requests in turn (the warm-up, each run, "
+                "each stream), the same sequence in every server; the greedy check one fixed "
+                "prompt")
     if not fixed:
         return ("every request its own 16-word prompt (the warm-up, each run, each stream), "
                 "the same sequence in every server; the greedy check one fixed prompt")
@@ -372,12 +396,14 @@ def run_arm(a: argparse.Namespace) -> dict:
 
     def measure(server: Server, log: Path, rec: dict, save: Callable[[], None]) -> None:
         mid = server.model_id or "model"
-        measure_run(server.base_url, mid, run_prompt(0), a.max_tokens)  # warm-up, discarded
+        cycle = a.prompt_cycle
+        measure_run(server.base_url, mid, run_prompt(0, cycle), a.max_tokens)  # warm-up
         before = counters_now(log)
-        runs = [measure_run(server.base_url, mid, run_prompt(i), a.max_tokens)
+        runs = [measure_run(server.base_url, mid, run_prompt(i, cycle), a.max_tokens)
                 for i in range(1, a.runs + 1)]
         after = counters_now(log)
-        rec["prompt_tokens"] = [len(run_prompt(i).split()) for i in range(1, a.runs + 1)]
+        rec["prompt_tokens"] = [len(run_prompt(i, cycle).split()) for i in range(1, a.runs + 1)]
+        rec["prompt_cycle"] = cycle
         rec["tok_s"] = [r.tok_s for r in runs]
         rec["decode_tokens"] = sum(r.tokens - 1 for r in runs)
         rec["counters_before"], rec["counters_after"] = before, after
@@ -391,7 +417,7 @@ def run_arm(a: argparse.Namespace) -> dict:
             s_before = counters_now(log)
             first = a.runs + 1
             res = measure_run(server.base_url, mid,
-                              [run_prompt(first + i) for i in range(a.streams)],
+                              [run_prompt(first + i, cycle) for i in range(a.streams)],
                               a.max_tokens // 2, a.streams)
             rec["streams"] = {"n": a.streams, "tok_s": res.tok_s, "tokens": res.tokens,
                               "counters_before": s_before,
@@ -455,6 +481,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--greedy-tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=0)
+    ap.add_argument("--prompt-cycle", type=int, default=1,
+                    help="R > 1: request i's prompt has 16 + 8 x (i mod R) words, so that a "
+                         "routing trace of R recorded requests replays them in turn")
     ap.add_argument("--warm-only", action="store_true",
                     help="a warm-up arm: start, one short greedy request, stop (no "
                          "measurements, no greedy tokens)")

@@ -24,6 +24,8 @@ if args[0].endswith("flagship_report.py"):
 if args[0].endswith("write_checkpoint.py"):
     d = Path(args[1]); d.mkdir(parents=True)
     (d / "config.json").write_text("{}")
+elif args[0].endswith("trace_fit.py") and args[1] == "--shape":
+    print(f"4 128 36 {os.environ.get('STUB_REQUESTS', '1')}")  # top-k experts layers requests
 elif args[0].endswith("trace_fit.py"):
     Path(args[2]).write_text("npz")
     print(f"{args[2]}: 36 layers; routing: synthetic, stub")
@@ -104,7 +106,7 @@ def test_every_step_as_a_new_user_runs_it_on_both_cards(runner):
     assert write.endswith("--config-only")
     # the bundled recording, narrowed to top-4 for the servers; plan's copy as they serve it
     assert not any("trace synth" in c for c in calls)
-    fits = [c for c in calls if c.startswith("bench/trace_fit.py")]
+    fits = [c for c in calls if c.startswith("bench/trace_fit.py") and "--shape" not in c]
     assert fits[0] == (f"bench/trace_fit.py {tmp / 'tree' / 'traces' / 'real-qwen3-30b-a3b-k6.npz'}"
                        f" {fs / 'route-top4.npz'} --layers 36 --top-k 4")
     assert fits[1] == (f"bench/trace_fit.py {fs / 'route-top4.npz'} {fs / 'route-36.npz'} "
@@ -120,6 +122,7 @@ def test_every_step_as_a_new_user_runs_it_on_both_cards(runner):
         assert "--env EC_BENCH_SYNTH_WEIGHTS=1" in call and "--load-format dummy" in call
         assert f"EC_BENCH_TRACE_ROUTING={fs / 'route-top4.npz'}" in call
         assert "bench/trace_hook" in call and "--runs 5" in call
+        assert "--prompt-cycle" not in call  # a one-request recording: one prompt length
     for gib in ("24", "32"):
         plan = next(c for c in calls if c.startswith("-m expertcache_cli plan")
                     and f"--vram {gib}" in c)
@@ -265,3 +268,16 @@ def test_a_seeded_floor_and_its_plan_leave_the_warm_up_and_the_cache_to_run(runn
     assert json.loads((fs / "floor24.json").read_text())["status"] == "ok"
     text = (tmp / "out" / "flagship.txt").read_text()
     assert "floor24.json, floor24.log, plan24.json, plan24.txt" in text
+
+
+def test_a_recording_of_several_requests_is_replayed_in_turn(runner):
+    """A trace of four recorded requests (gpt-oss-120b's own): every server's prompts grow by
+    8 words a request (small_card.py --prompt-cycle 4), and plan is told each request's
+    prompt length, so that it replays the recorded requests the servers replayed."""
+    run, tmp = runner
+    fs = tmp / "fs"
+    calls = run(STUB_REQUESTS="4")
+    fit = next(c for c in calls if c.startswith(f"bench/trace_fit.py {fs / 'route-top4.npz'} "))
+    assert fit.endswith("--decode-only --prompt-tokens 16,24,32,40")
+    for name in ("resident", "warm24", "floor24", "cache24"):
+        assert "--prompt-cycle 4" in _arm(calls, name)

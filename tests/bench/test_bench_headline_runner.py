@@ -111,7 +111,9 @@ def test_every_server_replays_the_recording_on_a_checkpoint_of_its_width(runner)
     write = next(c for c in calls if "write_checkpoint.py" in c)
     assert write == (f"bench/write_checkpoint.py {model} --layers 48 --format w8a8 --vocab "
                      "151936 --context 40960 --head-dim 128 --top-k 6")
-    fits = [c for c in calls if c.startswith("bench/trace_fit.py") and "/served" not in c]
+    fits = [c for c in calls if c.startswith("bench/trace_fit.py") and "/served" not in c
+            and c != f"bench/trace_fit.py --shape {hl}/route-48.npz"]  # its requests, asked
+    assert all("--prompt-cycle" not in c for c in calls)  # one recorded request
     assert fits == [f"bench/trace_fit.py --shape {trace}",
                     f"bench/trace_fit.py {trace} {hl}/route-48.npz --layers 48",
                     f"bench/trace_fit.py --source {hl}/route-48.npz"]
@@ -323,3 +325,19 @@ def test_plan_replays_what_each_cache_server_was_handed(runner):
            "HBM3: no prediction shown" in report
     assert "| 24 GiB | cache at the planned slots | 85 / 85 (48 of 48 layers armed) | " \
            "150.00 (149.00-151.00) | 5.00 | 0.500 | 90.00% | - |" in report
+
+
+def test_a_recording_of_several_requests_is_replayed_in_turn(runner):
+    """gpt-oss-120b's own recording (four prompts, top-4 of 128) on the headline shape: every
+    server cycles its prompts over the four recorded requests, and plan is told the prompt
+    lengths, so that it replays what they replayed."""
+    run, tmp = runner
+    hl = tmp / "hl"
+    trace = tmp / "tree" / "traces" / "real-gpt-oss-120b-k4.npz"
+    calls, _ = run(TRACE=str(trace), STEPS="setup model probe resident card24 plan report")
+    assert "--top-k 4" in next(c for c in calls if "write_checkpoint.py" in c)
+    for name in ("resident", "warm24", "floor24", "cache24"):
+        assert "--prompt-cycle 4" in _arm(calls, name)
+    fit = next(c for c in calls if c.startswith("bench/trace_fit.py") and "served24" in c)
+    assert fit.endswith("--decode-only --prompt-tokens 16,24,32,40")
+    assert (hl / "plan24.json").exists()

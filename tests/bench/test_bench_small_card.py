@@ -225,3 +225,22 @@ def test_the_run_prompts_are_one_kv_block_of_words_the_checkpoints_know():
     assert len({p.split()[0] for p in prompts}) == 500
     words = [int(w[1:]) for p in prompts for w in p.split()]
     assert 3 <= min(words) and max(words) <= 8000
+
+
+def test_prompts_cycle_over_a_traces_recorded_requests():
+    """With a trace of R recorded requests, R consecutive requests' prompts have R lengths 8
+    words apart, and the hook replays a different recorded request for each; the report
+    line says so. Without it, every prompt is one 16-word KV block."""
+    import small_card
+    from trace_routing import PROMPT_STEP
+
+    lengths = [len(small_card.run_prompt(i, 4).split()) for i in range(8)]
+    assert lengths == [16, 24, 32, 40] * 2
+    assert sorted((n // PROMPT_STEP) % 4 for n in lengths[:4]) == [0, 1, 2, 3]
+    assert {len(small_card.run_prompt(i).split()) for i in range(6)} == {16}
+    firsts = [small_card.run_prompt(i, 4).split()[0] for i in range(8)]
+    assert len(set(firsts)) == 8  # no prompt is another's cached prefix
+    line = small_card.prompts_line({"cache": {"tok_s": [1.0], "prompt_tokens": [24],
+                                              "prompt_cycle": 4}})
+    assert line.startswith("every request its own prompt of 16-40 words") and \
+        "replay the trace's 4 recorded requests in turn" in line
