@@ -46,8 +46,9 @@ elif args[1:3] == ["expertcache_cli", "serve"]:
 
 @pytest.fixture()
 def runner(tmp_path):
-    return make_runner(tmp_path, "run_first_start_on_device.sh", ("small_card.py",
-                       "first_start_report.py"), STUB, keep_bench_helpers=True,
+    return make_runner(tmp_path, "run_first_start_on_device.sh",
+                       ("small_card.py", "trace_routing.py", "first_start_report.py"), STUB,
+                       keep_bench_helpers=True,
                        FS=str(tmp_path / "fs"), MODEL_DIR=str(tmp_path / "models")), tmp_path
 
 

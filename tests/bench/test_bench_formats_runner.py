@@ -91,8 +91,8 @@ elif args[0].endswith("small_card.py"):
 def runner(tmp_path):
     """A function that runs the runner for FORMATS, and the folder it writes in."""
     run = make_runner(tmp_path, "run_formats_on_device.sh",
-                      ("formats_report.py", "small_card.py", "profile_report.py",
-                       "trace_fit.py"), STUB, keep_bench_helpers=True,
+                      ("formats_report.py", "small_card.py", "trace_routing.py",
+                       "profile_report.py", "trace_fit.py"), STUB, keep_bench_helpers=True,
                       STUB_ARMS=json.dumps(ARMS), FM=str(tmp_path / "fm"))
     return (lambda formats, **extra: run(FORMATS=formats, **extra)[0]), tmp_path
 

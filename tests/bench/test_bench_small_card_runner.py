@@ -55,7 +55,8 @@ def runner(tmp_path):
     smi = binp / "nvidia-smi"
     smi.write_text("#!/bin/sh\necho 'memory.used, memory.free, memory.total'\n")
     smi.chmod(0o755)
-    run = make_runner(tmp_path, "run_small_card_on_device.sh", ("small_card.py",), STUB,
+    run = make_runner(tmp_path, "run_small_card_on_device.sh",
+                      ("small_card.py", "trace_routing.py"), STUB,
                       keep_bench_helpers=True, SC=str(tmp_path / "sc"),
                       MODEL_DIR=str(tmp_path / "models"),
                       PATH=f"{binp}{os.pathsep}{os.environ['PATH']}")
