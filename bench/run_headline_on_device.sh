@@ -126,9 +126,9 @@ served() {
   [ "$(requests)" -gt 1 ] && route+=(--prompt-cycle "$(requests)")
   return 0
 }
-requests() {  # the recorded requests of the fitted trace (1 without a trace)
+requests() {  # the recorded requests of the trace (the fitted one keeps them; 1 without)
   local n=1
-  [ "$TRACE" = none ] || read -r _ _ _ n <<< "$($PY bench/trace_fit.py --shape "$FIT")"
+  [ "$TRACE" = none ] || read -r _ _ _ n <<< "$($PY bench/trace_fit.py --shape "$TRACE")"
   echo "${n:-1}"
 }
 
