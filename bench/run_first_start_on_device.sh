@@ -10,6 +10,10 @@
 #   STEPS   setup ckpt starts report (default: all four)
 #   STARTS  the starts, CARD:MODE:CONTEXT each, MODE in-place|staged-install, CONTEXT
 #           default|N (default: the 24 GiB card's four, then the 16 GiB card's four)
+#   FORMAT, LAYERS  the checkpoint (default w8a8 and 48: the Qwen3-30B-A3B shape); another
+#           format of bench/write_checkpoint.py starts the same way, e.g. the 4-bit NVFP4
+#           on Marlin on a card its 24 layers do not fit (7.6 GiB of experts):
+#             FORMAT=nvfp4 LAYERS=24 STARTS="8:in-place:8192 8:in-place:default" bash ...
 #
 # Cold means cold: each start gets its own empty vLLM cache root, Inductor and Triton
 # caches and expertcache kernel cache (XDG_CACHE_HOME), as on a machine that never served.
@@ -26,7 +30,10 @@ STARTS="${STARTS:-24:in-place:default 24:staged-install:8192 24:in-place:8192 \
 24:staged-install:default 16:in-place:default 16:staged-install:8192 16:in-place:8192 \
 16:staged-install:default}"
 MD="${MODEL_DIR:-/tmp}"
-MODEL=$MD/w8a8
+FORMAT="${FORMAT:-w8a8}"
+LAYERS="${LAYERS:-48}"
+MODEL=$MD/$FORMAT
+[ "$FORMAT-$LAYERS" = w8a8-48 ] || MODEL=$MD/$FORMAT-$LAYERS
 PY="${PY:-python3}"
 EXTRA=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}")
 
@@ -42,9 +49,10 @@ for step in $STEPS; do
     setup)
       device_vllm_setup || { echo "setup failed"; exit 1; } ;;
     ckpt)
-      [ -f $MODEL/model.safetensors.index.json ] || \
-        $PY bench/write_checkpoint.py $MODEL --layers 48 --format w8a8 --vocab 151936 \
-          --context 40960 --head-dim 128 2>&1 | tail -2 | tee "$OUT/checkpoint.txt" ;;
+      [ -f "$MODEL/model.safetensors.index.json" ] || \
+        $PY bench/write_checkpoint.py "$MODEL" --layers "$LAYERS" --format "$FORMAT" \
+          --vocab 151936 --context 40960 --head-dim 128 2>&1 | tail -2 \
+          | tee "$OUT/checkpoint.txt" ;;
     starts)
       for start in $STARTS; do
         IFS=: read -r card mode ctx <<< "$start"

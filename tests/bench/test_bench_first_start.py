@@ -71,6 +71,21 @@ def test_every_start_is_cold_and_serve_is_run_as_typed(runner):
     assert not list((tmp / "fs").glob("cache-*"))  # the cold caches are removed after
 
 
+def test_another_format_writes_and_starts_its_own_checkpoint(runner):
+    """FORMAT/LAYERS: the 4-bit NVFP4 checkpoint of 24 layers, written once, started as
+    typed on a card it does not fit; the default checkpoint keeps its folder."""
+    run, tmp = runner
+    model = tmp / "models" / "nvfp4-24"
+    calls, _ = run(STEPS="ckpt starts", STARTS="8:in-place:8192", FORMAT="nvfp4", LAYERS="24")
+    write = next(c for c in calls if "write_checkpoint.py" in c)
+    assert write.startswith(f"bench/write_checkpoint.py {model} --layers 24 --format nvfp4 ")
+    serve = next(c for c in calls if "small_card.py" in c).split(" -- ", 1)[1]
+    assert f"serve {model} --vram 8 -- --max-model-len 8192" in serve
+    calls, _ = run(STEPS="ckpt", STARTS="8:in-place:8192")
+    assert f"bench/write_checkpoint.py {tmp / 'models' / 'w8a8'} --layers 48 --format w8a8" \
+        in next(c for c in calls if "write_checkpoint.py" in c)
+
+
 def test_a_start_done_before_is_not_run_again(runner):
     run, _ = runner
     run(STEPS="starts", STARTS="24:in-place:8192")
