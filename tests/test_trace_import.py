@@ -362,3 +362,14 @@ def test_cli_imports_token_pairs_in_turn_and_wants_the_expert_count(tmp_path):
     tr = load(out)
     assert tr.steps == 3 and tr.request_starts().tolist() == [0, 2]
     assert tr.source == "recorded: a.jsonl, b.jsonl (token-pairs JSONL, ?)"
+
+
+def test_token_pairs_undecodable_past_the_first_buffer_is_one_line_and_exit_2(tmp_path):
+    """The bad bytes sit past the first line and past the text layer's first read, so the
+    reader meets them while parsing, not while the format is told apart."""
+    src = tmp_path / "bad.jsonl"
+    src.write_bytes(b"".join(json.dumps(PAIRS[0]).encode() + b"\n" for _ in range(2000))
+                    + b"\xff\xfe[[1, 2]]\n")
+    r = _cli("import", str(src), str(tmp_path / "out.npz"), "--experts", "8")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "bad.jsonl: not a readable text file" in r.stderr

@@ -227,11 +227,15 @@ def read_route_jsonl(path: str | Path) -> RouteJsonl:
         raise TraceError(f"{p}: not a readable text file ({exc.__class__.__name__})") from None
 
 
-def _json_line(p: Path, n: int, line: str) -> dict:
+def _json_value(p: Path, n: int, line: str) -> object:
     try:
-        obj = json.loads(line)
+        return json.loads(line)
     except (ValueError, RecursionError):  # RecursionError: arrays nested past the C stack
         raise TraceError(f"{p}:{n}: not a JSON line") from None
+
+
+def _json_line(p: Path, n: int, line: str) -> dict:
+    obj = _json_value(p, n, line)
     if not isinstance(obj, dict):
         raise TraceError(f"{p}:{n}: not a JSON object")
     return obj
@@ -318,50 +322,50 @@ def read_token_pairs(path: str | Path, num_experts: int | None) -> RouteJsonl:
                          "has: give --experts N")
     if num_experts <= 0:
         raise TraceError(f"{p}: --experts {num_experts} is not a router")
+    try:
+        with p.open(encoding="utf-8") as f:
+            return _parse_pairs(p, f, num_experts)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{p}: not a readable text file ({exc.__class__.__name__})") from None
+
+
+def _parse_pairs(p: Path, f: TextIO, num_experts: int) -> RouteJsonl:
     layers: list[int] | None = None
     top_k = 0
     rows: list[list[list[int]]] = []
-    try:
-        f = p.open(encoding="utf-8")
-    except OSError as exc:
-        raise TraceError(f"{p}: not a readable text file ({exc.__class__.__name__})") from None
-    with f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                pairs = json.loads(line)
-            except (ValueError, RecursionError):
-                raise TraceError(f"{p}:{n}: not a JSON line") from None
-            if (not isinstance(pairs, list) or not pairs
-                    or any(not isinstance(q, list) or len(q) != 2
-                           or any(_count(v) is None for v in q) for q in pairs)):
-                raise TraceError(f"{p}:{n}: not a JSON array of [layer, expert] pairs")
-            step: dict[int, list[int]] = {}
-            order: list[int] = []
-            for layer, expert in pairs:
-                if layer not in step:
-                    if order and layer < order[-1]:
-                        raise TraceError(f"{p}:{n}: layer {layer} after layer {order[-1]}: "
-                                         "the layers are not in order")
-                    step[layer] = []
-                    order.append(layer)
-                elif order[-1] != layer:
-                    raise TraceError(f"{p}:{n}: layer {layer}'s pairs are not together")
-                step[layer].append(expert)
-            if layers is None:
-                layers, top_k = order, len(step[order[0]])
-            elif order != layers:
-                raise TraceError(f"{p}:{n}: routes layers {order[0]}..{order[-1]} "
-                                 f"({len(order)}), not the first token's {layers[0]}.."
-                                 f"{layers[-1]} ({len(layers)})")
-            for layer in order:
-                ids = step[layer]
-                if (len(ids) != top_k or len(set(ids)) != top_k
-                        or any(not 0 <= e < num_experts for e in ids)):
-                    raise TraceError(f"{p}:{n}: layer {layer} routes {ids[:8]}, not {top_k} "
-                                     f"distinct experts in 0..{num_experts - 1}")
-            rows.append([step[layer] for layer in order])
+    for n, line in enumerate(f, start=1):
+        if not line.strip():
+            continue
+        pairs = _json_value(p, n, line)
+        if (not isinstance(pairs, list) or not pairs
+                or any(not isinstance(q, list) or len(q) != 2
+                       or any(_count(v) is None for v in q) for q in pairs)):
+            raise TraceError(f"{p}:{n}: not a JSON array of [layer, expert] pairs")
+        step: dict[int, list[int]] = {}
+        order: list[int] = []
+        for layer, expert in pairs:
+            if layer not in step:
+                if order and layer < order[-1]:
+                    raise TraceError(f"{p}:{n}: layer {layer} after layer {order[-1]}: "
+                                     "the layers are not in order")
+                step[layer] = []
+                order.append(layer)
+            elif order[-1] != layer:
+                raise TraceError(f"{p}:{n}: layer {layer}'s pairs are not together")
+            step[layer].append(expert)
+        if layers is None:
+            layers, top_k = order, len(step[order[0]])
+        elif order != layers:
+            raise TraceError(f"{p}:{n}: routes layers {order[0]}..{order[-1]} "
+                             f"({len(order)}), not the first token's {layers[0]}.."
+                             f"{layers[-1]} ({len(layers)})")
+        for layer in order:
+            ids = step[layer]
+            if (len(ids) != top_k or len(set(ids)) != top_k
+                    or any(not 0 <= e < num_experts for e in ids)):
+                raise TraceError(f"{p}:{n}: layer {layer} routes {ids[:8]}, not {top_k} "
+                                 f"distinct experts in 0..{num_experts - 1}")
+        rows.append([step[layer] for layer in order])
     if not rows or layers is None:
         raise TraceError(f"{p}: no tokens")
     return RouteJsonl(model="", prompt="", num_experts=num_experts, top_k=top_k,
