@@ -170,9 +170,9 @@ def findings(run: dict) -> list[str]:
             gap = (f"; the gap to resident recovered: {(c_tok - f_tok) / (res - f_tok):.1%}"
                    if res and res > f_tok else "")
             out.append(f"- {c} GiB: cache {c_tok / f_tok:.2f}x the offload floor{gap}")
-        said = plan_verdict(c_tok, run["plan"].get(c), cache)
-        if said and probe_mismatch(run):
-            out.append(f"- {c} GiB: {probe_mismatch(run)}")
+        said, mismatch = plan_verdict(c_tok, run["plan"].get(c), cache), probe_mismatch(run)
+        if said and mismatch:
+            out.append(f"- {c} GiB: {mismatch}")
         elif said:
             out.append(f"- {c} GiB: {said}")
         elif c_tok:

@@ -133,8 +133,7 @@ for step in $STEPS; do
       read -r _ _ _ NREQ <<< "$($PY bench/trace_fit.py --shape "$FS/route-top4.npz")"
       served=()
       if [ "${NREQ:-1}" -gt 1 ]; then
-        lengths=$(seq -s, 16 8 $(( 16 + 8 * (NREQ - 1) )))
-        served=(--prompt-tokens "$lengths")
+        served=(--prompt-tokens "$($PY bench/small_card.py --print-prompt-tokens "$NREQ")")
       fi
       $PY bench/trace_fit.py "$FS/route-top4.npz" "$FIT" --layers 36 --streams 1 \
         --steps $(( (${RUNS:-5} + 1) * 200 )) --request-steps 200 --decode-only \

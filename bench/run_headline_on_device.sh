@@ -123,7 +123,9 @@ served() {
                                 --env "PYTHONPATH=$PWD/bench/trace_hook:${PYTHONPATH:-}")
   # a recording of several requests: consecutive requests replay them in turn
   # (small_card.py --prompt-cycle)
-  [ "$(requests)" -gt 1 ] && route+=(--prompt-cycle "$(requests)")
+  local n
+  n=$(requests)
+  [ "$n" -gt 1 ] && route+=(--prompt-cycle "$n")
   return 0
 }
 requests() {  # the recorded requests of the trace (the fitted one keeps them; 1 without)
@@ -211,7 +213,8 @@ for step in $STEPS; do
           [ -n "${N:-}" ] || {
           echo "card$GIB: the cache arm armed no slots: nothing to predict"; continue; }
         NREQ=$(requests) prompts=()
-        [ "$NREQ" -gt 1 ] && prompts=(--prompt-tokens "$(seq -s, 16 8 $(( 16 + 8 * (NREQ - 1) )))")
+        [ "$NREQ" -gt 1 ] && \
+          prompts=(--prompt-tokens "$($PY bench/small_card.py --print-prompt-tokens "$NREQ")")
         $PY bench/trace_fit.py "$TRACE" "$HL/served$GIB.npz" --layers "$LAYERS" \
           --size "$HL/size$GIB.json" --streams 1 --steps $(( (N + 1) * 200 )) \
           --request-steps 200 --decode-only "${prompts[@]}" > /dev/null || {

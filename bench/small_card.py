@@ -84,6 +84,12 @@ WEIGHTS_RE = re.compile(r"Model loading took ([\d.]+) GiB")
 PROMPT_GROWTH = PROMPT_STEP
 
 
+def prompt_tokens(i: int, cycle: int = 1) -> int:
+    """Request ``i``'s prompt length in words (= tokens): `run_prompt`'s rule, which the
+    runners hand `trace_fit --prompt-tokens` (``--print-prompt-tokens R``)."""
+    return PROMPT_TOKENS + PROMPT_GROWTH * (i % max(1, cycle))
+
+
 def run_prompt(i: int, cycle: int = 1) -> str:
     """The prompt of a server's ``i``-th measured request (0: the discarded warm-up).
 
@@ -102,8 +108,8 @@ def run_prompt(i: int, cycle: int = 1) -> str:
     ``(2 + i) mod R`` for it: R consecutive requests replay R different conversations, as
     ``trace_fit --prompt-tokens`` tells `plan`."""
     first = 3 + (977 * (i + 1)) % PROMPT_WORDS
-    n = PROMPT_TOKENS + PROMPT_GROWTH * (i % max(1, cycle))
-    words = [first] + [3 + (first + 131 * j) % PROMPT_WORDS for j in range(1, n)]
+    words = [first] + [3 + (first + 131 * j) % PROMPT_WORDS
+                       for j in range(1, prompt_tokens(i, cycle))]
     return " ".join(f"w{w}" for w in words)
 
 
@@ -490,6 +496,10 @@ def main() -> int:
     ap.add_argument("--profile", default=None,
                     help="trace directory: profile one request's decode steps (the server "
                          "must carry `profiler_args(DIR)`; `--print-profiler-config DIR`)")
+    if sys.argv[1:2] == ["--print-prompt-tokens"]:  # for the runners: R requests' lengths
+        r = int(sys.argv[2])
+        print(",".join(str(prompt_tokens(q, r)) for q in range(r)))
+        return 0
     if sys.argv[1:2] == ["--print-profiler-config"]:  # for the runners: --profiler-config "$(...)"
         print(profiler_args(sys.argv[2])[1])
         return 0

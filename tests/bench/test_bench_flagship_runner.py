@@ -55,6 +55,9 @@ elif args[:3] == ["-m", "expertcache_cli", "plan"]:
         "rows": [{"policy": "lru", "slots": slots, "miss_rate": 0.26, "predicted_tok_s": 55.0}],
         "recommended": rec, "trace": {"source": "synthetic, stub tasks"}}))
     print(f"plan text {vram}")
+elif args[0].endswith("small_card.py") and args[1] == "--print-prompt-tokens":
+    os.execve(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args],
+              {**os.environ, "PYTHONPATH": os.environ["ROOT"]})
 elif args[0].endswith("small_card.py"):
     name, out = args[1], Path(args[args.index("--out") + 1])
     status = "failed" if name == os.environ.get("STUB_FAIL") else "ok"

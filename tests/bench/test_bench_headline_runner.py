@@ -50,6 +50,9 @@ elif args[:3] == ["-m", "expertcache_cli", "plan"]:
                                 "predicted_tok_s": {85: 160.0, 51: 100.0}[slots]}]}))
 elif args[:3] == ["-m", "expertcache_cli", "serve"]:
     print("expertcache serve: dry run " + args[args.index("--vram") + 1])
+elif args[0].endswith("small_card.py") and args[1] == "--print-prompt-tokens":
+    os.execve(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args],
+              {**os.environ, "PYTHONPATH": os.environ["ROOT"]})
 elif args[0].endswith("small_card.py"):
     name, out = args[1], Path(args[args.index("--out") + 1])
     env = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--env"]
