@@ -33,6 +33,7 @@ WIDE = "EXPERT_CACHE_WIDE"
 PDL = "EXPERT_CACHE_PDL"
 AUDIT = "EXPERT_CACHE_AUDIT"
 MARLIN = "EXPERT_CACHE_MARLIN"
+SPREAD = "EXPERT_CACHE_SPREAD"
 
 @dataclass(frozen=True)
 class EnvVar:
@@ -72,6 +73,10 @@ ENV_VARS: dict[str, EnvVar] = {
     PDL: EnvVar("0 = launch the cache's kernels without programmatic dependent launch (on by "
                 "default on sm_90 and newer with a 12.3+ driver: each starts while the kernel "
                 "before it ends)", "on", ("programmatic dependent launch", "sm_90", "12.3+")),
+    SPREAD: EnvVar("0 = fill the compact copies of per-expert tensors smaller than a gather "
+                   "slab (NVFP4's global scales) with one copy after every cache step, instead "
+                   "of by the gather as it installs them", "on",
+                   ("one copy after every cache step", "by the gather")),
     AUDIT: EnvVar("1 = at shutdown, compare every occupied slot with its expert's weights and "
                   "the table with the slots, and log what differs (syncs; copies the slots' "
                   "experts once)", "off", ("at shutdown", "occupied slot")),
@@ -85,7 +90,7 @@ ENV_VARS: dict[str, EnvVar] = {
 #: the variables that change what a server measures or writes: a launcher that states a
 #: configuration (`baseline`'s arms) clears every one it does not set. (LIB only picks
 #: where the same kernels come from, PDL only how they are launched,
-#: AUDIT only checks them at shutdown.)
+#: SPREAD only how the same bytes reach the slots, AUDIT only checks them at shutdown.)
 MEANING = (SLOTS, FRACTION, POLICY, DECAY, DISABLE, STATS, TRACE, WIDE)
 
 #: slots as a fraction of the experts when neither SLOTS nor FRACTION is given, for a
@@ -125,6 +130,8 @@ class CacheConfig:
     trace_path: str | None = None
     wide: Wide = Wide.IN_PLACE
     pdl: bool = True
+    #: the gather fills the small tensors' compact slot copies itself (`plugin.small`)
+    spread: bool = True
     #: at shutdown, check the slots against their experts' weights (`Session.audit`)
     audit: bool = False
 
@@ -196,6 +203,8 @@ class CacheConfig:
             env[WIDE] = self.wide.value
         if not self.pdl:
             env[PDL] = "0"
+        if not self.spread:
+            env[SPREAD] = "0"
         if self.audit:
             env[AUDIT] = "1"
         return env
@@ -348,5 +357,6 @@ def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
         trace_path=trace_path,
         wide=wide,
         pdl=pdl_from_env(env),
+        spread=env.get(SPREAD, "").strip() == "" or _bool(env, SPREAD),
         audit=_bool(env, AUDIT),
     )

@@ -20,7 +20,13 @@
 //       list from host memory (UVA) into the slot buffers of up to EC_GATHER_MAX_TENSORS
 //       per-expert tensors, 16 bytes a lane. The miss count is read on the device, so the
 //       launch is the same whatever the misses are: CUDA-graph capturable. Blocks with no
-//       work return at once, which is what makes an all-hit step cheap.
+//       work return at once, which is what makes an all-hit step cheap. One tensor of the
+//       launch may also be spread (ABI 6): every 4-byte word of its slab is written, as
+//       well, into compact per-expert arrays. That is the plugin's packed side row of
+//       small per-expert tensors (NVFP4's float32 global scales): the compact [S, ...]
+//       copies vLLM's kernel reads are filled by the same stores that install the row,
+//       instead of by a copy per run after every step (one graph node a layer fewer, and
+//       an all-hit step moves nothing for them at all).
 //
 // The file is compiled two ways: by NVRTC at first use (kernels only: the host wrappers
 // are kept out by EC_KERNELS_ONLY) and by nvcc into a shared library whose C entry points
@@ -30,12 +36,14 @@
 // Python module that mirrors this ABI; change both together and bump EC_ABI_VERSION.
 #include "ec_compat.h"
 
-#define EC_ABI_VERSION 5
+#define EC_ABI_VERSION 6
 #define EC_THREADS 256              // manager block size; the gather uses the same
 #define EC_MAX_EXPERTS 16384        // bounded by the manager's shared memory (one byte each)
 #define EC_MAX_SLOTS 1024           // bounded by the manager's shared memory (24 bytes each)
 #define EC_GATHER_MAX_TENSORS 16    // per launch (act-order GPTQ has 10); wider calls are split
 #define EC_GATHER_UNROLL 4          // independent 16-byte loads in flight per lane
+#define EC_SPREAD_MAX 8             // compact targets of the spread tensor (a side row of
+                                    // up to 8 small tensors; more: the plugin copies them)
 #define EC_TAB_REGS 4               // table entries per manager thread held in registers
 static_assert(EC_THREADS % EC_WARP == 0, "the manager's scan takes whole warps");
 
@@ -48,6 +56,8 @@ static_assert(EC_THREADS % EC_WARP == 0, "the manager's scan takes whole warps")
 #define EC_ERR_NULL 1003            // a required pointer is null
 #define EC_ERR_ALIGN 1004           // a gather pointer is not 16-byte aligned
 #define EC_ERR_SLAB 1005            // a per-expert slab is not a positive multiple of 16 bytes
+#define EC_ERR_SPREAD 1006          // bad spread: tensor index, target count, a target not
+                                    // 4-byte aligned or not inside the spread tensor's slab
 
 #define EC_KEY_NONE 0x7fffffffffffffffLL   // key of a slot that is not evictable this step
 #define EC_KEY_OCCUPIED (1LL << 62)        // occupied slots rank after every empty one
@@ -63,8 +73,18 @@ struct EcGatherParams {
     long long vecs[EC_GATHER_MAX_TENSORS];       // slab of one expert, in 16-byte units
     long long per_miss;                          // sum of vecs: 16-byte units per miss
     int n_tensors;
+    int spread_tensor;                           // index in this launch, -1 for none
+    // The spread: word w of the spread tensor's slab (4-byte units; w = 4 * vector + lane
+    // word) with spread_off[i] <= w < spread_off[i] + spread_words[i] is also stored at
+    // spread_dst[i][slot * spread_words[i] + w - spread_off[i]] (by every target that
+    // covers it); words past every target (the row's padding) go nowhere.
+    unsigned int* spread_dst[EC_SPREAD_MAX];     // [S, spread_words[i]] each, device
+    int spread_off[EC_SPREAD_MAX];               // first word of the target in the slab
+    int spread_words[EC_SPREAD_MAX];             // words of the target an expert
+    int n_spread;                                // targets in use (0 with spread_tensor -1)
     int reserved;
 };
+static_assert(sizeof(EcGatherParams) == 536, "binding.GatherParams mirrors this layout");
 
 __device__ __forceinline__ long long ec_load_id(const void* ids, int i, int ids_is64) {
     return ids_is64 ? ((const long long*)ids)[i] : (long long)((const int*)ids)[i];
@@ -370,6 +390,40 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_manage_ker
     }
 }
 
+// The spread of one gathered vector (EcGatherParams): its four words into the compact
+// targets they belong to; ``d`` is where the vector went in the spread tensor's slot
+// buffer, which gives its slot and its place in the slab. Off the hot path: only the
+// spread tensor's vectors come here (one a miss for NVFP4's 16-byte row), so that
+// buffer and its vector count are picked by a static walk rather than kept in registers
+// by every lane (a dynamic index into the kernel parameters could make the compiler copy
+// them to local memory).
+__device__ __forceinline__ void ec_spread(const EcGatherParams& p, const ec_vec16* d,
+                                          ec_vec16 v) {
+    const ec_vec16* base = p.dst[0];
+    long long n = p.vecs[0];
+#pragma unroll
+    for (int t = 1; t < EC_GATHER_MAX_TENSORS; ++t) {
+        if (t == p.spread_tensor) {
+            base = p.dst[t];
+            n = p.vecs[t];
+        }
+    }
+    const long long q = d - base;  // slot * n + vector
+    const long long slot = q / n;
+    const int w0 = (int)(q - slot * n) * 4;  // the vector's first word in the slab
+    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < EC_SPREAD_MAX; ++i) {
+        if (i >= p.n_spread) break;
+        const int off = p.spread_off[i], words = p.spread_words[i];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int k = w0 + j - off;
+            if (k >= 0 && k < words) p.spread_dst[i][slot * words + k] = w[j];
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_gather_kernel(
     const int* __restrict__ miss_expert, const int* __restrict__ miss_slot,
     const int* __restrict__ miss_count, EcGatherParams p) {
@@ -381,6 +435,9 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_gather_ker
     for (; idx < total; idx += stride * EC_GATHER_UNROLL) {
         ec_vec16 v[EC_GATHER_UNROLL];
         ec_vec16* d[EC_GATHER_UNROLL];
+        // bit u: load u is of the spread tensor (one register, not a slot and an offset
+        // kept per load: the spread recovers both from the destination, off the hot path)
+        unsigned spread = 0;
 #pragma unroll
         for (int u = 0; u < EC_GATHER_UNROLL; ++u) {
             const long long i = idx + u * stride;
@@ -391,6 +448,7 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_gather_ker
                 const ec_vec16* sp = p.src[0];
                 ec_vec16* dp = p.dst[0];
                 long long n = p.vecs[0];
+                int tensor = 0;
 #pragma unroll
                 for (int t = 1; t < EC_GATHER_MAX_TENSORS; ++t) {
                     if (r >= n) {  // past this tensor's slab: move to the next one
@@ -398,15 +456,21 @@ extern "C" __global__ void __launch_bounds__(EC_THREADS) expert_cache_gather_ker
                         sp = p.src[t];
                         dp = p.dst[t];
                         n = p.vecs[t];
+                        tensor = t;
                     }
                 }
                 v[u] = sp[(long long)miss_expert[k] * n + r];
                 d[u] = dp + (long long)miss_slot[k] * n + r;
+                if (tensor == p.spread_tensor) spread |= 1u << u;
             }
         }
 #pragma unroll
-        for (int u = 0; u < EC_GATHER_UNROLL; ++u)
+        for (int u = 0; u < EC_GATHER_UNROLL; ++u) {
             if (d[u] != nullptr) *d[u] = v[u];
+            // the packed slot row gets its vector as ever (the audit reads it); the spread
+            // adds the compact copies
+            if (spread & (1u << u)) ec_spread(p, d[u], v[u]);
+        }
     }
 }
 
@@ -459,10 +523,17 @@ extern "C" int expert_cache_manage(const void* ids, int n_ids, int ids_is64, int
     return ec_get_last_error();
 }
 
+// spread_tensor: the index (over all n_tensors) of the tensor whose slab is also spread
+// into n_spread compact targets (EcGatherParams: spread_dsts[i], spread_off[i] and
+// spread_words[i] in 4-byte words), or -1 with n_spread 0 for none; it reaches the one
+// launch that holds that tensor.
 extern "C" int expert_cache_gather(const int* miss_expert, const int* miss_slot,
                                    const int* miss_count, int n_tensors,
                                    const void* const* srcs, void* const* dsts,
-                                   const long long* slab_bytes, int grid, void* stream) {
+                                   const long long* slab_bytes, int spread_tensor,
+                                   int n_spread, void* const* spread_dsts,
+                                   const int* spread_off, const int* spread_words, int grid,
+                                   void* stream) {
     if (n_tensors < 1 || grid < 1) return EC_ERR_SIZE;
     if (!miss_expert || !miss_slot || !miss_count || !srcs || !dsts || !slab_bytes)
         return EC_ERR_NULL;
@@ -471,6 +542,18 @@ extern "C" int expert_cache_gather(const int* miss_expert, const int* miss_slot,
         if (slab_bytes[t] <= 0 || slab_bytes[t] % 16 != 0) return EC_ERR_SLAB;
         if (((unsigned long long)srcs[t] | (unsigned long long)dsts[t]) % 16 != 0)
             return EC_ERR_ALIGN;
+    }
+    if (spread_tensor < -1 || spread_tensor >= n_tensors) return EC_ERR_SPREAD;
+    if (spread_tensor == -1 ? n_spread != 0 : (n_spread < 1 || n_spread > EC_SPREAD_MAX))
+        return EC_ERR_SPREAD;
+    if (n_spread > 0 && (!spread_dsts || !spread_off || !spread_words)) return EC_ERR_NULL;
+    for (int i = 0; i < n_spread; ++i) {
+        if (!spread_dsts[i]) return EC_ERR_NULL;
+        // a target is whole words of the slab (the kernel stores 4-byte words), past none
+        if ((unsigned long long)spread_dsts[i] % 4 != 0 || spread_off[i] < 0 ||
+            spread_words[i] < 1 ||
+            (long long)spread_off[i] + spread_words[i] > slab_bytes[spread_tensor] / 4)
+            return EC_ERR_SPREAD;
     }
     (void)ec_get_last_error();
     for (int first = 0; first < n_tensors; first += EC_GATHER_MAX_TENSORS) {
@@ -484,6 +567,16 @@ extern "C" int expert_cache_gather(const int* miss_expert, const int* miss_slot,
             p.per_miss += p.vecs[t];
         }
         p.n_tensors = n;
+        p.spread_tensor = -1;
+        if (spread_tensor >= first && spread_tensor < first + n) {
+            p.spread_tensor = spread_tensor - first;
+            p.n_spread = n_spread;
+            for (int i = 0; i < n_spread; ++i) {
+                p.spread_dst[i] = (unsigned int*)spread_dsts[i];
+                p.spread_off[i] = spread_off[i];
+                p.spread_words[i] = spread_words[i];
+            }
+        }
         EC_LAUNCH_PDL(ec_pdl, expert_cache_gather_kernel, grid, EC_THREADS, 0,
                       (ec_stream_t)stream, miss_expert, miss_slot, miss_count, p);
         const int err = ec_get_last_error();

@@ -7,6 +7,8 @@ plugin's part is tested on CPU: the same state, installs and remapped ids.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from expertcache_cli.rules.policy import LayerCache, Policy
@@ -16,7 +18,7 @@ class RefSlotCache:
     """`SlotCache`'s contract on the host, driven by the reference rules."""
 
     def __init__(self, num_experts, num_slots, specs, *, policy="lru", decay=0,
-                 wide_inserts=None, pool=None, **_):
+                 wide_inserts=None, pool=None, spread=None, **_):
         import contextlib
 
         self.ref = LayerCache(num_experts, num_slots, Policy.parse(policy), decay)
@@ -28,6 +30,11 @@ class RefSlotCache:
             }
         self.stats = torch.zeros(2, dtype=torch.int64)
         self.steps = 0
+        #: as SlotCache's: name -> (address, first word, words) targets its installs spread
+        #: their words into (host addresses here: the plugin's CPU tests keep every
+        #: buffer on the CPU)
+        self.spread = {n: [tuple(int(v) for v in t) for t in targets]
+                       for n, targets in (spread or {}).items()}
 
     def fits(self, n):
         return n <= self.num_slots
@@ -45,9 +52,7 @@ class RefSlotCache:
         self.pad_rows_seen = getattr(self, "pad_rows_seen", []) + [
             None if pad is None else pad.tolist()]
         r = self.ref.step(ids, real_rows=real, pad_rows=pad)
-        for e, s in r.misses:
-            for n, buf in self.slots.items():
-                buf[s] = sources[n][e]
+        self._install(r.misses, sources)
         self.stats += torch.tensor([r.distinct, r.miss_count])
         self.steps += 1
         if blocks is not None:  # vLLM Marlin's block list, to slots in place (the manager's)
@@ -71,8 +76,16 @@ class RefSlotCache:
         """The kernel's wide manager: no max_distinct gate, at most wide_inserts installs."""
         r = self.ref.step(topk_ids.numpy(), max_distinct=self.ref.num_experts,
                           max_inserts=self.wide_inserts)
-        for e, s in r.misses:
-            for n, buf in self.slots.items():
-                buf[s] = sources[n][e]
+        self._install(r.misses, sources)
         self.stats += torch.tensor([r.distinct, r.miss_count])
         self.wide_steps = getattr(self, "wide_steps", 0) + 1
+
+    def _install(self, misses, sources):
+        """Each missed expert's rows into its slot, and the spread tensor's words into the
+        spread targets from the row just installed (the gather kernel's rule)."""
+        for e, s in misses:
+            for n, buf in self.slots.items():
+                buf[s] = sources[n][e]
+                for addr, off, words in self.spread.get(n, ()):
+                    row = buf[s].contiguous()
+                    ctypes.memmove(addr + 4 * s * words, row.data_ptr() + 4 * off, 4 * words)

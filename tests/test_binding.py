@@ -138,11 +138,16 @@ def test_the_block_list_rule_clamps_the_ids_and_reads_a_missing_expert_as_slot_0
     assert binding.block_slots(blocks, table).dtype == torch.int32
 
 
-def _gather(kernels, n: int) -> binding.GatherLauncher:
+def _gather(kernels, n: int, spread=None) -> binding.GatherLauncher:
     return binding.GatherLauncher(
         kernels, miss_expert=0x100, miss_slot=0x200, miss_count=0x300,
         dsts=[0x10_0000 * (i + 1) for i in range(n)], slab_bytes=[16 * (i + 1) for i in range(n)],
-        grid=528, names=[f"t{i}" for i in range(n)])
+        grid=528, names=[f"t{i}" for i in range(n)], spread=spread)
+
+
+#: three compact targets of a side row: a (2,) float32, then two scalars (tensor 17's slab
+#: is 288 bytes, 72 words: the words past 5 are padding)
+SPREAD = [(0x7000_0000, 0, 2), (0x7100_0004, 2, 1), (0x7200_0008, 4, 1)]
 
 
 def test_nvrtc_backend_splits_a_wide_gather_and_fills_each_launch():
@@ -176,13 +181,17 @@ def test_nvrtc_backend_splits_a_wide_gather_and_fills_each_launch():
 
 def test_library_backend_gets_the_same_sources_as_plain_arrays_and_its_codes_raise():
     k = object.__new__(binding.LibraryKernels)
-    seen = []
+    seen, spreads = [], []
 
     class Lib:
         code = 0
 
-        def expert_cache_gather(self, me, ms, mc, n, srcs, dsts, nbytes, grid, stream):
+        def expert_cache_gather(self, me, ms, mc, n, srcs, dsts, nbytes, spread_tensor,
+                                n_spread, spread_dsts, spread_off, spread_words, grid,
+                                stream):
             seen.append((me.value, n, list(srcs), list(dsts), list(nbytes), grid, stream))
+            spreads.append((spread_tensor, n_spread, list(spread_dsts)[:n_spread],
+                            list(spread_off)[:n_spread], list(spread_words)[:n_spread]))
             return self.code
 
     k.lib = Lib()
@@ -192,9 +201,95 @@ def test_library_backend_gets_the_same_sources_as_plain_arrays_and_its_codes_rai
     me, n, s, d, nb, grid, stream = seen[0]
     assert (me, n, s, grid, stream) == (0x100, 10, srcs, 528, 3)
     assert d[0] == 0x10_0000 and nb == [16 * (i + 1) for i in range(10)]
+    assert spreads[0] == (-1, 0, [], [], [])  # no spread
     k.lib.code = 1004
     with pytest.raises(binding.KernelError, match="1004: gather pointer not 16-byte aligned"):
         g(srcs, stream=3)
+    # a spread: its index over all tensors (the wrapper finds the launch), its targets
+    k.lib.code = 0
+    _gather(k, 20, spread=(17, SPREAD))(srcs * 2, stream=3)
+    assert spreads[-1] == (17, 3, [a for a, _, _ in SPREAD], [0, 2, 4], [2, 1, 1])
+    k.lib.code = 1006
+    with pytest.raises(binding.KernelError, match="1006: bad spread"):
+        g(srcs, stream=3)
+
+
+def test_the_spread_reaches_only_the_launch_that_holds_its_tensor():
+    """Tensor 17 of twenty is the spread one: the second launch (tensors 16..19) carries it
+    as its tensor 1, with every target; the first carries no spread (-1, none)."""
+    k = object.__new__(binding.NvrtcKernels)
+    k.gather_fn = "gather"
+    params = []
+
+    def launch(fn, grid, smem, stream, addr):
+        arr = (ctypes.c_void_p * 4).from_address(addr)
+        p = binding.GatherParams.from_address(arr[3])
+        params.append((p.spread_tensor, p.n_spread, list(p.spread_dst[: p.n_spread]),
+                       list(p.spread_off[: p.n_spread]), list(p.spread_words[: p.n_spread])))
+
+    k.launch = launch
+    _gather(k, 20, spread=(17, SPREAD))([0x9000_0000 + 0x1000 * i for i in range(20)], 5)
+    assert params == [(-1, 0, [], [], []),
+                      (1, 3, [a for a, _, _ in SPREAD], [0, 2, 4], [2, 1, 1])]
+    params.clear()
+    _gather(k, 20)([0x9000_0000 + 0x1000 * i for i in range(20)], 5)
+    assert params == [(-1, 0, [], [], [])] * 2
+
+
+def test_the_gather_params_mirror_the_kernels_struct():
+    """`GatherParams` has the kernel's fields in the kernel's order, at the offsets a 64-bit
+    C compiler gives them, and its size is the one the .cu asserts."""
+    import re
+    from pathlib import Path
+
+    src = (Path(binding.__file__).parents[1] / "kernels" / "expert_cache.cu").read_text()
+    body = re.search(r"struct EcGatherParams \{(.*?)\n\};", src, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    names = re.findall(r"(\w+)(?:\[\w+\])?;", body)
+    assert names == [n for n, _ in binding.GatherParams._fields_]
+    size = int(re.search(r"sizeof\(EcGatherParams\) == (\d+)", src).group(1))
+    assert ctypes.sizeof(binding.GatherParams) == size == 536
+    offsets = {n: getattr(binding.GatherParams, n).offset for n, _ in binding.GatherParams._fields_}
+    assert offsets == {"src": 0, "dst": 128, "vecs": 256, "per_miss": 384, "n_tensors": 392,
+                       "spread_tensor": 396, "spread_dst": 400, "spread_off": 464,
+                       "spread_words": 496, "n_spread": 528, "reserved": 532}
+
+
+@pytest.mark.parametrize(("spread", "needle"), [
+    ((2, SPREAD), r"spread tensor index 2 outside 0\.\.1"),
+    ((-1, SPREAD), r"spread tensor index -1 outside"),
+    ((1, []), r"t1: 0 spread targets, the kernel takes 1\.\.8"),
+    ((1, [(0x7000_0000 + 4 * i, i, 1) for i in range(9)]), r"t1: 9 spread targets"),
+    ((1, [(0x7000_0002, 0, 1)]), r"t1: spread target 0 address 0x70000002 is not 4-byte "
+                                 "aligned"),
+    ((1, [(0, 0, 1)]), r"t1: spread target 0 is a null pointer"),
+    ((1, [(0x7000_0000, 0, 4), (0x7100_0000, 6, 3)]),
+     r"t1: spread target 1 \(first word 6, 3 words\) is not inside the slab's 8 words"),
+    ((1, [(0x7000_0000, -1, 2)]), r"target 0 \(first word -1, 2 words\) is not inside"),
+    ((1, [(0x7000_0000, 0, 0)]), r"target 0 \(first word 0, 0 words\) is not inside"),
+])
+def test_spread_refusals_name_what_is_wrong_and_launch_nothing(spread, needle):
+    """The C wrapper's spread checks (EC_ERR_SPREAD, EC_ERR_NULL), made in Python first:
+    t1's slab is 32 bytes, 8 words."""
+    k = Recorder()
+    with pytest.raises(ValueError, match=needle):
+        _gather(k, 2, spread=spread)
+    assert k.gather_calls == []
+    _gather(k, 2, spread=(1, [(0x7000_0000, 0, 4), (0x7100_0000, 4, 4)]))  # the whole slab
+
+
+def test_a_cache_spreads_one_tensor_of_its_own():
+    """`SlotCache`'s ``spread``: at most one tensor (the kernel spreads one slab a gather),
+    named among the cache's tensors; the targets go to the launcher as they are."""
+    from expertcache_cli.device.slotcache import spread_of
+
+    specs = {"w": None, "row": None}
+    assert spread_of(specs, None) == {}
+    assert spread_of(specs, {"row": [(0x100, 0, 1)]}) == {"row": [(0x100, 0, 1)]}
+    with pytest.raises(ValueError, match=r"L3: the gather spreads one tensor, not 2 \(w, row\)"):
+        spread_of(specs, {"w": [(0x100, 0, 1)], "row": [(0x200, 0, 1)]}, "L3: ")
+    with pytest.raises(ValueError, match="spread tensor 'scale' is not one of the cache's"):
+        spread_of(specs, {"scale": [(0x100, 0, 1)]})
 
 
 def test_gather_refusals_launch_nothing():

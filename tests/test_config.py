@@ -196,3 +196,17 @@ def test_kernel_source_is_what_the_environment_hands_the_binding(env, want):
     from expertcache_cli.config import kernel_source
 
     assert kernel_source(env) == want
+
+
+@pytest.mark.parametrize(("value", "want"), [
+    (None, True), ("", True), ("1", True), ("on", True), ("0", False), ("off", False),
+])
+def test_the_spread_switch_defaults_on_and_round_trips(value, want):
+    env = {} if value is None else {"EXPERT_CACHE_SPREAD": value}
+    assert from_env(env).spread is want
+    assert from_env(from_env(env).to_env()).spread is want
+
+
+def test_a_bad_spread_value_is_one_clear_error():
+    with pytest.raises(ConfigError, match="EXPERT_CACHE_SPREAD='maybe': expected 1 or 0"):
+        from_env({"EXPERT_CACHE_SPREAD": "maybe"})

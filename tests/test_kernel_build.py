@@ -139,6 +139,7 @@ def test_binding_constants_match_the_kernel_source():
     assert int(defines["EC_MAX_EXPERTS"]) == binding.MAX_EXPERTS
     assert int(defines["EC_MAX_SLOTS"]) == binding.MAX_SLOTS
     assert int(defines["EC_GATHER_MAX_TENSORS"]) == binding.GATHER_MAX_TENSORS
+    assert int(defines["EC_SPREAD_MAX"]) == binding.SPREAD_MAX
     assert int(defines["EC_POLICY_LRU"]) == int(Policy.LRU)
     assert int(defines["EC_POLICY_LFU"]) == int(Policy.LFU)
     for code in binding.ERROR_CODES:
@@ -152,6 +153,10 @@ def test_binding_constants_match_the_kernel_source():
     sig = re.search(r"int expert_cache_manage\((.*?)\)\s*\{", src, re.S).group(1)
     names = re.findall(r"(\w+)\s*(?:,|$)", sig.replace("\n", " ").strip())
     assert names == [n for n, _ in binding.MANAGE_ARGS] + ["stream"]
+    # the gather's C wrapper: the arguments the library backend passes, in its order
+    sig = re.search(r"int expert_cache_gather\((.*?)\)\s*\{", src, re.S).group(1)
+    names = re.findall(r"(\w+)\s*(?:,|$)", sig.replace("\n", " ").strip())
+    assert names == [n for n, _ in binding.GATHER_ARGS] + ["stream"]
 
 
 def test_manager_shared_memory_is_the_kernels_formula():

@@ -50,9 +50,10 @@ def test_scales_zero_points_and_biases_are_mirrored_with_the_weights():
 
 def test_per_expert_scales_too_small_for_a_slab_travel_in_the_packed_row():
     """NVFP4's per-expert global scales are 4 bytes an expert: not a 16-byte slab, so not
-    gathered on their own, but packed into one side row that is (and unpacked for the
-    kernel): the layer is armed with them, not declined. A load-time-only shape record
-    (compressed-tensors' ``weight_shape``, 8 bytes) is not mirrored at all."""
+    gathered on their own, but packed into one side row that is (and spread by the gather
+    into the compact copies the kernel reads): the layer is armed with them, not declined.
+    A load-time-only shape record (compressed-tensors' ``weight_shape``, 8 bytes) is not
+    mirrored at all."""
     extra = {
         "w13_weight_scale_2": FakeTensor((128,), "float32", uva=True),
         "w2_weight_scale_2": FakeTensor((128,), "float32", uva=True),

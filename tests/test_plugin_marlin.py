@@ -72,14 +72,18 @@ def _patched():
     yield
 
 
-def _arm(layer, slots=S, wide_inserts=None):
+def _arm(layer, slots=S, wide_inserts=None, spread=False):
+    """``layer`` armed on the reference cache; ``spread``: the side row's compact copies
+    filled by the installs (`SmallTensors.spread_targets`, as `session` arms it), else
+    unpacked after each step."""
     d = plan_layer(layer, CacheConfig(slots=slots))
     assert d.action == ARM, d.reason
     small = session._small_for(layer, d, "cpu")
     specs = {s.name: (s.shape, s.dtype) for s in d.specs}
     if small is not None:
         specs[SMALL_ROW] = ((small.row_bytes,), torch.uint8)
-    cache = RefSlotCache(d.num_experts, d.num_slots, specs, wide_inserts=wide_inserts)
+    cache = RefSlotCache(d.num_experts, d.num_slots, specs, wide_inserts=wide_inserts,
+                         spread={SMALL_ROW: small.spread_targets()} if spread else None)
     scratch = None
     if wide_inserts is not None:
         from expertcache_cli.device.scratch import Scratch, torch_copiers
@@ -213,12 +217,15 @@ def test_wide_steps_staged_through_the_scratch_give_the_stock_bits(fmt):
     assert armed.audit().ok
 
 
-def test_the_packed_scales_follow_a_weight_reload():
+@pytest.mark.parametrize("spread", [False, True], ids=["unpacked", "spread"])
+def test_the_packed_scales_follow_a_weight_reload(spread):
     """vLLM reloading the weights (`Session.invalidate`): the slots empty and the packed
-    side row is rebuilt from the new tensors, so the next steps serve the new scales."""
+    side row is rebuilt from the new tensors, so the next steps serve the new scales
+    (spread: the installs after the reload rewrite the compact copies)."""
     stock, cached = ms.RoutedExperts("nvfp4", "0.33", seed=9), ms.RoutedExperts(
         "nvfp4", "0.33", seed=9)
-    armed = _arm(cached)
+    armed = _arm(cached, spread=spread)
+    assert armed.unpack_small is not spread
     rng = np.random.default_rng(9)
     x, (ids, w) = _x(1), _routing(rng, 1)
     cached.forward_modular(x=x, topk_weights=w, topk_ids=ids)
@@ -231,6 +238,33 @@ def test_the_packed_scales_follow_a_weight_reload():
             cached.forward_modular(x=x, topk_weights=w, topk_ids=ids),
             stock.forward_modular(x=x.clone(), topk_weights=w, topk_ids=ids), rtol=0, atol=0)
     assert armed.audit().ok
+    assert "forward_modular" in cached.__dict__  # served from the slots, never given up
+
+
+@pytest.mark.parametrize("layout", ["0.33", "0.26"])
+def test_spread_scales_need_no_unpack_and_give_the_stock_bits(layout, monkeypatch):
+    """NVFP4's two 4-byte global scales, spread by the installs into the compact copies
+    the kernel reads (kernel ABI 6): no copy after any step, the stock bits on slots and
+    through the scratch, and every compact copy its slot's expert's scale (the audit)."""
+    stock = ms.RoutedExperts("nvfp4", layout, seed=11)
+    cached = ms.RoutedExperts("nvfp4", layout, seed=11)
+    armed = _arm(cached, wide_inserts=S, spread=True)
+    assert not armed.unpack_small and not armed.small.needs_unpack
+
+    def unpack(packed):
+        raise AssertionError("unpack ran with the spread on")
+
+    monkeypatch.setattr(armed.small, "unpack", unpack)
+    rng = np.random.default_rng(11)
+    for step in range(30):
+        tokens = (1, 2, 3, 5)[step % 4]  # 5 tokens x top-2 > 6 slots: the scratch
+        x, (ids, w) = _x(tokens), _routing(rng, tokens)
+        torch.testing.assert_close(
+            cached.forward_modular(x=x, topk_weights=w, topk_ids=ids),
+            stock.forward_modular(x=x.clone(), topk_weights=w, topk_ids=ids), rtol=0, atol=0)
+    assert armed.checked == {"slots": 0.0, "scratch": 0.0}
+    audit = armed.audit()
+    assert audit.ok and audit.occupied == S, audit.problems
 
 
 def test_the_block_step_acts_only_inside_a_slot_bound_call():
@@ -313,6 +347,9 @@ def test_arm_model_hands_the_marlin_block_list_to_the_caches_step(monkeypatch):
     cached = ms.RoutedExperts("nvfp4", "0.33", seed=5)
     sess = session.arm_model(FakeModel([cached]), CacheConfig(slots=S), "0.33.0")
     assert len(sess.armed) == 1 and sess.armed[0].block_order is not None
+    # NVFP4's scales: the cache spreads the side row into the compact copies (no unpack)
+    assert sess.armed[0].cache.spread == {SMALL_ROW: sess.armed[0].small.spread_targets()}
+    assert not sess.armed[0].unpack_small
     rng = np.random.default_rng(5)
     before = KernelCache.remaps
     calls = 12
@@ -325,3 +362,24 @@ def test_arm_model_hands_the_marlin_block_list_to_the_caches_step(monkeypatch):
     # each call on the slots, and each step of the first call's sweep of every expert
     sweep_steps = sess.armed[0].sweep_result.paths[0].steps
     assert KernelCache.remaps - before == calls + sweep_steps
+
+
+def test_the_spread_switch_off_arms_the_unpack_with_the_same_bits(monkeypatch):
+    """``EXPERT_CACHE_SPREAD=0``: the cache is built without the spread, the layer unpacks
+    the side row after each step, and the output stays the stock path's bit for bit."""
+    import expertcache_cli.device.slotcache as slotcache_mod
+
+    monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
+    monkeypatch.setattr(session, "_patch_marlin", lambda: None)
+    stock = ms.RoutedExperts("nvfp4", "0.33", seed=6)
+    cached = ms.RoutedExperts("nvfp4", "0.33", seed=6)
+    sess = session.arm_model(FakeModel([cached]), CacheConfig(slots=S, spread=False), "0.33.0")
+    assert len(sess.armed) == 1
+    assert not sess.armed[0].cache.spread and sess.armed[0].unpack_small
+    rng = np.random.default_rng(6)
+    for step in range(9):
+        tokens = (1, 2, 3)[step % 3]
+        x, (ids, w) = _x(tokens), _routing(rng, tokens)
+        torch.testing.assert_close(
+            cached.forward_modular(x=x, topk_weights=w, topk_ids=ids),
+            stock.forward_modular(x=x.clone(), topk_weights=w, topk_ids=ids), rtol=0, atol=0)

@@ -46,13 +46,15 @@ from pathlib import Path
 from ..rules.budget import MAX_EXPERTS, MAX_SLOTS, ONLINE_POLICIES, online_names
 from ..rules.policy import Policy
 
-ABI_VERSION = 5  # = EC_ABI_VERSION in expert_cache.cu
+ABI_VERSION = 6  # = EC_ABI_VERSION in expert_cache.cu
 THREADS = 256  # = EC_THREADS: manager block size and gather block size
 WARP = 32  # = EC_WARP on NVIDIA: the manager keeps one scan total a warp
 # MAX_EXPERTS (= EC_MAX_EXPERTS) and MAX_SLOTS (= EC_MAX_SLOTS) are rules of the slot
 # budget as well: `budget` defines them, below this module, and the checks here use them.
 GATHER_MAX_TENSORS = 16  # = EC_GATHER_MAX_TENSORS: wider gathers are split across launches
 VEC_BYTES = 16  # every gather lane moves 16 bytes; slabs must be multiples of it
+SPREAD_MAX = 8  # = EC_SPREAD_MAX: compact targets of the one spread tensor (`GatherLauncher`)
+WORD_BYTES = 4  # the spread stores 4-byte words
 
 #: kernel policy codes (= EC_POLICY_*): exactly the `Policy` enum values
 POLICY_CODES = {Policy.LRU: 0, Policy.LFU: 1}
@@ -66,6 +68,8 @@ ERROR_CODES = {
     1003: "null pointer",
     1004: "gather pointer not 16-byte aligned",
     1005: "per-expert slab not a positive multiple of 16 bytes",
+    1006: "bad spread (tensor index, target count, a target not 4-byte aligned or outside "
+          "the spread tensor's slab)",
 }
 
 
@@ -130,11 +134,45 @@ class GatherParams(ctypes.Structure):
         ("vecs", ctypes.c_longlong * GATHER_MAX_TENSORS),
         ("per_miss", ctypes.c_longlong),
         ("n_tensors", ctypes.c_int),
+        ("spread_tensor", ctypes.c_int),
+        ("spread_dst", ctypes.c_void_p * SPREAD_MAX),
+        ("spread_off", ctypes.c_int * SPREAD_MAX),
+        ("spread_words", ctypes.c_int * SPREAD_MAX),
+        ("n_spread", ctypes.c_int),
         ("reserved", ctypes.c_int),
     ]
 
 
-assert ctypes.sizeof(GatherParams) == 400
+assert ctypes.sizeof(GatherParams) == 536
+
+
+def check_spread(spread: tuple[int, Sequence[tuple[int, int, int]]] | None,
+                 slab_bytes: Sequence[int], names: Sequence[str]
+                 ) -> tuple[int, list[tuple[int, int, int]]]:
+    """The spread of a gather (`GatherLauncher`), checked as the C wrapper checks it (what it
+    refuses with EC_ERR_SPREAD or EC_ERR_NULL): ``(tensor index, [(address, first word,
+    words), ...])`` or None; returns ``(-1, [])`` for none."""
+    if spread is None:
+        return -1, []
+    index, targets = spread
+    index, targets = int(index), [(int(a), int(o), int(w)) for a, o, w in targets]
+    if not 0 <= index < len(slab_bytes):
+        raise ValueError(f"spread tensor index {index} outside 0..{len(slab_bytes) - 1}")
+    name = names[index]
+    if not 1 <= len(targets) <= SPREAD_MAX:
+        raise ValueError(f"{name}: {len(targets)} spread targets, the kernel takes 1.."
+                         f"{SPREAD_MAX}")
+    slab_words = int(slab_bytes[index]) // WORD_BYTES
+    for i, (addr, off, words) in enumerate(targets):
+        if not addr:
+            raise ValueError(f"{name}: spread target {i} is a null pointer")
+        if addr % WORD_BYTES:
+            raise ValueError(f"{name}: spread target {i} address {addr:#x} is not 4-byte "
+                             "aligned")
+        if off < 0 or words < 1 or off + words > min(slab_words, 2**31 - 1):
+            raise ValueError(f"{name}: spread target {i} (first word {off}, {words} words) "
+                             f"is not inside the slab's {slab_words} words")
+    return index, targets
 
 
 # The manager's arguments, in order, with their C types (kernel and C wrapper alike; the
@@ -163,6 +201,25 @@ MANAGE_ARGS: tuple[tuple[str, type], ...] = (
     ("decay", ctypes.c_int),
     ("max_distinct", ctypes.c_int),
     ("max_inserts", ctypes.c_int),
+)
+
+
+# The C wrapper of the gather's arguments, in order, with their C types (the stream last,
+# added by the caller); its kernel takes a `GatherParams` instead.
+GATHER_ARGS: tuple[tuple[str, type], ...] = (
+    ("miss_expert", ctypes.c_void_p),
+    ("miss_slot", ctypes.c_void_p),
+    ("miss_count", ctypes.c_void_p),
+    ("n_tensors", ctypes.c_int),
+    ("srcs", ctypes.c_void_p),
+    ("dsts", ctypes.c_void_p),
+    ("slab_bytes", ctypes.c_void_p),
+    ("spread_tensor", ctypes.c_int),
+    ("n_spread", ctypes.c_int),
+    ("spread_dsts", ctypes.c_void_p),
+    ("spread_off", ctypes.c_void_p),
+    ("spread_words", ctypes.c_void_p),
+    ("grid", ctypes.c_int),
 )
 
 
@@ -369,10 +426,7 @@ class LibraryKernels(Kernels):
         lib.expert_cache_set_pdl.restype = ctypes.c_int
         lib.expert_cache_set_pdl.argtypes = [ctypes.c_int]
         lib.expert_cache_gather.restype = ctypes.c_int
-        lib.expert_cache_gather.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-        ]
+        lib.expert_cache_gather.argtypes = [t for _, t in GATHER_ARGS] + [ctypes.c_void_p]
         self.lib = lib
         self.path = path
         if device_index is not None:
@@ -398,7 +452,10 @@ class LibraryKernels(Kernels):
             call.lib_srcs[i] = int(s)
         raise_for_code(
             self.lib.expert_cache_gather(*call.miss, call.n, call.lib_srcs, call.lib_dsts,
-                                         call.lib_bytes, call.grid, stream),
+                                         call.lib_bytes, call.spread_tensor,
+                                         len(call.spread_targets), call.lib_spread_dsts,
+                                         call.lib_spread_off, call.lib_spread_words,
+                                         call.grid, stream),
             "expert_cache_gather",
         )
 
@@ -507,7 +564,14 @@ class ManageLauncher:
 
 
 class GatherLauncher:
-    """One cache's gather: miss list and slot buffers fixed, source pointers per call."""
+    """One cache's gather: miss list and slot buffers fixed, source pointers per call.
+
+    ``spread``: ``(tensor index, [(address, first word, words), ...])``, one tensor whose
+    gathered slab is also written, word by word, into up to `SPREAD_MAX` compact device
+    arrays of ``[S, words]`` 4-byte words each (the kernel's EcGatherParams says how): the
+    plugin's packed side row (`plugin.small`), whose compact copies are then filled by the
+    installs themselves. None: no spread.
+    """
 
     def __init__(
         self,
@@ -520,6 +584,7 @@ class GatherLauncher:
         slab_bytes: Sequence[int],
         grid: int,
         names: Sequence[str] | None = None,
+        spread: tuple[int, Sequence[tuple[int, int, int]]] | None = None,
     ) -> None:
         n = len(dsts)
         if n < 1 or len(slab_bytes) != n:
@@ -530,6 +595,8 @@ class GatherLauncher:
         for name, d, b in zip(self.names, dsts, slab_bytes):
             check_slab(name, int(b))
             check_aligned(f"{name} slots", int(d))
+        #: the spread tensor's index over all tensors (-1: none) and its targets
+        self.spread_tensor, self.spread_targets = check_spread(spread, slab_bytes, self.names)
         self.kernels = kernels
         self.grid = grid
         self.n = n
@@ -545,6 +612,12 @@ class GatherLauncher:
                 p.vecs[t] = int(slab_bytes[first + t]) // VEC_BYTES
             p.per_miss = sum(p.vecs[t] for t in range(cnt))
             p.n_tensors = cnt
+            p.spread_tensor = -1
+            if first <= self.spread_tensor < first + cnt:  # the launch that holds it
+                p.spread_tensor = self.spread_tensor - first
+                p.n_spread = len(self.spread_targets)
+                for i, (addr, off, words) in enumerate(self.spread_targets):
+                    p.spread_dst[i], p.spread_off[i], p.spread_words[i] = addr, off, words
             arr = (ctypes.c_void_p * 4)(*[ctypes.addressof(v) for v in self.miss],
                                         ctypes.addressof(p))
             self.groups.append((first, cnt, p, arr, ctypes.addressof(arr)))
@@ -552,6 +625,11 @@ class GatherLauncher:
         self.lib_srcs = (ctypes.c_void_p * n)()
         self.lib_dsts = (ctypes.c_void_p * n)(*[int(d) for d in dsts])
         self.lib_bytes = (ctypes.c_longlong * n)(*[int(b) for b in slab_bytes])
+        # (one unused entry where there is no spread: the wrapper reads none of it then)
+        addrs, offs, words = zip(*(self.spread_targets or [(0, 0, 0)]))
+        self.lib_spread_dsts = (ctypes.c_void_p * len(addrs))(*addrs)
+        self.lib_spread_off = (ctypes.c_int * len(offs))(*offs)
+        self.lib_spread_words = (ctypes.c_int * len(words))(*words)
 
     def __call__(self, srcs: Sequence[int], stream: int) -> None:
         """Launch the gather(s) on ``stream``; ``srcs`` are the [E, slab] source addresses."""

@@ -8,12 +8,15 @@ the manager and the gather on torch's current stream and returns the routing ids
 space; it never synchronises with the device, and its pointers are stable for the
 object's life, so a vLLM CUDA graph can capture it. Sources are read fresh on every
 call, because vLLM's offloader moves the expert tensors to host memory after loading.
+One tensor's slab may also be spread as it is gathered (``spread``): its 4-byte words
+written into compact per-slot arrays the caller owns, by the same kernel launch
+(`binding.GatherLauncher`); the plugin's packed side row fills its compact copies so.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..rules.policy import Policy
@@ -29,6 +32,9 @@ class SlotCache:
     ``specs`` maps a tensor name to its per-expert ``(shape, dtype)``; its slab must be a
     multiple of 16 bytes. ``max_inserts`` (default: all misses) caps installs per step.
     An empty ``specs`` gives a manager-only cache (no gather), used by replay.
+    ``spread``: at most one tensor name of ``specs`` and its compact targets, ``(device
+    address, first word, words)`` each (`binding.GatherLauncher`): every install writes
+    its expert's words there too, at ``slot * words``.
     """
 
     def __init__(
@@ -44,6 +50,7 @@ class SlotCache:
         name: str = "",
         wide_inserts: int | None = None,
         pool: Callable[[], Any] | None = None,
+        spread: Mapping[str, Sequence[tuple[int, int, int]]] | None = None,
     ) -> None:
         import contextlib
 
@@ -83,6 +90,8 @@ class SlotCache:
             self.specs[key] = (shape, dtype)
             slab_bytes.append(nbytes)
         self.slab_bytes = dict(zip(self.specs, slab_bytes))
+        #: name -> compact targets the gather spreads that tensor's slab into (`spread`)
+        self.spread = spread_of(self.specs, spread, self._label())
 
         E, S, dev = self.num_experts, self.num_slots, device
         self.table = torch.full((E,), -1, dtype=torch.int32, device=dev)
@@ -135,6 +144,8 @@ class SlotCache:
                 dsts=[t.data_ptr() for t in self.slots.values()],
                 slab_bytes=slab_bytes, grid=binding.default_gather_grid(dev.index),
                 names=[f"{self._label()}{k}" for k in self.specs],
+                spread=next(((list(self.specs).index(k), targets)
+                             for k, targets in self.spread.items()), None),
             )
         self._checked: dict[str, tuple] = {}  # name -> signature of the last source seen
 
@@ -144,7 +155,9 @@ class SlotCache:
         For when the experts behind the slots changed (vLLM reloaded weights, or woke
         from a sleep that discarded them): a slot would otherwise keep serving the old
         expert. Device work only, on torch's current stream; no pointer changes, so
-        captured CUDA graphs stay valid and the next steps gather the experts anew.
+        captured CUDA graphs stay valid and the next steps gather the experts anew (a
+        spread tensor's compact targets with them: a slot's words are rewritten whenever
+        an expert is installed there, as its slab is).
         """
         self.table.fill_(-1)
         self.slot_expert.fill_(-1)
@@ -327,3 +340,20 @@ class SlotCache:
             "miss_count": n,
             "stats": self.stats.cpu().tolist(),
         }
+
+
+def spread_of(specs: Mapping[str, Any],
+              spread: Mapping[str, Sequence[tuple[int, int, int]]] | None,
+              label: str = "") -> dict[str, list[tuple[int, int, int]]]:
+    """``spread`` checked against the cache's tensors: at most one (the kernel spreads one
+    slab a gather), named in ``specs``; the targets themselves are the launcher's to check
+    (`binding.check_spread`)."""
+    spread = dict(spread or {})
+    if len(spread) > 1:
+        raise ValueError(f"{label}the gather spreads one tensor, not {len(spread)} "
+                         f"({', '.join(spread)})")
+    for name in spread:
+        if name not in specs:
+            raise ValueError(f"{label}spread tensor {name!r} is not one of the cache's tensors")
+    return {name: [(int(a), int(o), int(w)) for a, o, w in targets]
+            for name, targets in spread.items()}

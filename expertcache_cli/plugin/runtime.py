@@ -18,9 +18,11 @@ For every armed `RoutedExperts` the plugin replaces the instance's ``forward_mod
   buffers and the kernel's quant config is the one the quant method itself built from
   them (so scales, zero points and biases follow the weights), then everything is put
   back. Per-expert tensors too small for the gather's slabs come from the layer's packed
-  side row (`small`), unpacked after the step. vLLM's Marlin experts get the ids in
-  expert space instead, and the step runs on the block list their call builds, rewriting
-  it to slots (`marlin`): the stock reduction order, so the stock bits.
+  side row (`small`): their compact copies written by the gather itself as it installs
+  the row (spread), or, where the cache does not spread it, unpacked after the step.
+  vLLM's Marlin experts get the ids in expert space instead, and the step runs on the
+  block list their call builds, rewriting it to slots (`marlin`): the stock reduction
+  order, so the stock bits.
 
 Nothing here reads a device value on the host, and every pointer handed to the kernels
 is fixed when the layer is armed, so vLLM's CUDA graphs capture the whole thing. Python
@@ -380,6 +382,11 @@ class ArmedLayer:
         self.names = [s.name for s in decision.specs]
         self.small = small
         self.small_names = list(small.names) if small is not None else []
+        #: the side row's compact copies need `small.unpack` after a step: the cache does
+        #: not spread the row into exactly them as it installs it (`SmallTensors.
+        #: spread_targets`; a cache built without, or a row whose words do not allow it)
+        self.unpack_small = small is not None and (
+            (getattr(cache, "spread", None) or {}).get(SMALL_ROW) != small.spread_targets())
         #: everything rebound for a slot-bound call
         self.bound_names = self.names + self.small_names
         #: Marlin: the slot step deferred to the built block list (`marlin.BlockOrder`);
@@ -397,7 +404,7 @@ class ArmedLayer:
         self.slot_params = {
             n: torch.nn.Parameter(cache.slots[n], requires_grad=False) for n in self.names
         }
-        for n in self.small_names:  # the compact copies unpacked after each step
+        for n in self.small_names:  # the compact copies, spread or unpacked (`small`)
             self.slot_params[n] = torch.nn.Parameter(small.slots[n], requires_grad=False)
         #: device counter of read-through steps (wide steps on the stock path)
         dev = cache.slots[self.names[0]].device
@@ -817,8 +824,9 @@ class ArmedLayer:
         return out
 
     def _unpack_small(self) -> None:
-        """The compact copies of the small tensors from their gathered slot rows."""
-        if self.small is not None:
+        """The compact copies of the small tensors from their gathered slot rows, where the
+        cache's gather did not write them itself (`unpack_small`)."""
+        if self.unpack_small:
             self.small.unpack(self.cache.slots[SMALL_ROW])
 
     def _slots(self, ids: Any, topk_ids: Any, pad: Any, stock: Callable[..., Any],

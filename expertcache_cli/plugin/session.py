@@ -579,12 +579,18 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
     device = module._parameters[decision.specs[0].name].device
     specs = {s.name: (s.shape, s.dtype) for s in decision.specs}
     small = _small_for(module, decision, device)
+    spread = None
     if small is not None:  # the packed side row is one more slab of the cache
         import torch
 
         from .small import SMALL_ROW
 
         specs[SMALL_ROW] = ((small.row_bytes,), torch.uint8)
+        # and its installs fill the compact copies the kernel reads (no copy per step),
+        # where the row's words allow it (`SmallTensors.spread_targets`)
+        targets = small.spread_targets() if cfg.spread else None
+        if targets is not None:
+            spread = {SMALL_ROW: targets}
     # a bare "cuda" device (no index) is resolved to the current one by SlotCache
     cache = SlotCache(
         decision.num_experts,
@@ -596,6 +602,7 @@ def _arm_one(module: Any, decision: Decision, cfg: CacheConfig, index: int,
         name=decision.layer_name,
         wide_inserts=wide_inserts,
         pool=pool,
+        spread=spread,
     )
     block_order = None
     if decision.marlin:

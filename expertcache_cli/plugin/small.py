@@ -13,15 +13,27 @@ built from the layer's own tensors when the layer is armed and again whenever vL
 changes the weights (`refresh`); its size and limit are `formats`' rule
 (`side_row_bytes`, `SIDE_ROW_LIMIT`), which sizing uses too. That row is one more slab of
 the layer's `SlotCache`: it is gathered with the weights, by the same kernel launch, into
-``[S, row_bytes]``. After each cache step one copy per run of equally sized tensors
-(`unpack`: one for NVFP4's two 4-byte scales) turns the packed slot rows into compact
-``[S, *shape]`` buffers of the tensors' own dtypes, which are what the kernel is handed.
+``[S, row_bytes]``. What vLLM's kernel is handed are compact ``[S, *shape]`` buffers of
+the tensors' own dtypes (`slots`), filled from those packed rows in one of two ways:
+
+* spread (kernel ABI 6; every tensor's size and offset in the row a multiple of 4 bytes,
+  NVFP4's and FP8's float32 scales alike, and at most `binding.SPREAD_MAX` of them): the
+  gather writes each installed row's 4-byte words into the compact buffers too, as it
+  installs it (`spread_targets`, handed to the `SlotCache`). Why: a copy after every
+  step is one more CUDA-graph node a layer on every decode step, a few microseconds of
+  an all-hit step that otherwise launches only the manager and an empty gather; spread,
+  an all-hit step moves nothing at all for the side row, and a miss moves its words with
+  its weights.
+* otherwise, after each cache step, one copy per run of equally sized tensors
+  (`unpack`) from the packed slot rows (`needs_unpack`).
+
 The wide-step scratch is indexed by expert id, so there the kernel gets `full`: compact
 ``[E, *shape]`` device copies made with the source, and no copy per step.
 
 The side row's bytes come from vLLM's tensors at arming (the values are final then:
 vLLM's offloader has moved them, and the plugin arms after the load), so "sources read
-fresh" holds for the values; a weight reload calls `refresh` (`Session.invalidate`).
+fresh" holds for the values; a weight reload calls `refresh` (`Session.invalidate`) and
+empties the slots, whose compact copies the next installs rewrite, spread or unpacked.
 Nothing here reads a device value on the host, so CUDA graphs capture `unpack`.
 """
 
@@ -30,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..device.binding import SPREAD_MAX, WORD_BYTES
 from ..sizing.formats import SIDE_ROW, side_row_bytes
 
 #: the packed row's name among a layer's slot buffers (`formats.SIDE_ROW`)
@@ -93,6 +106,24 @@ class SmallTensors:
                 views[name] = buf[i].view(dtype).view(rows, *shape)
         return views, bufs
 
+    def spread_targets(self) -> list[tuple[int, int, int]] | None:
+        """The compact slot buffers as the gather's spread targets of the side row, in
+        packing order: ``(address, first word in the row, words)`` each (`SlotCache`'s
+        ``spread``); None where the row cannot be spread (a tensor's bytes or offset not a
+        multiple of 4, or more tensors than the kernel takes), and `unpack` is needed."""
+        if len(self.specs) > SPREAD_MAX or any(
+                nbytes % WORD_BYTES or self.offsets[name] % WORD_BYTES
+                for name, _, _, nbytes in self.specs):
+            return None
+        return [(self.slots[name].data_ptr(), self.offsets[name] // WORD_BYTES,
+                 nbytes // WORD_BYTES) for name, _, _, nbytes in self.specs]
+
+    @property
+    def needs_unpack(self) -> bool:
+        """Whether the compact slot buffers must be copied from the gathered rows after a
+        step (`unpack`): the row cannot be spread (`spread_targets`)."""
+        return self.spread_targets() is None
+
     def refresh(self, tensors: Mapping[str, Any]) -> None:
         """(Re)build the source rows and the full copies from the layer's tensors (each
         ``[E, *shape]``, any device vLLM keeps them on): at arming, and after vLLM changed
@@ -112,7 +143,8 @@ class SmallTensors:
 
     def unpack(self, packed_slots: Any) -> None:
         """The compact slot buffers from the gathered ``[S, row_bytes]`` rows: one copy a
-        run, on the current stream, no host synchronisation."""
+        run, on the current stream, no host synchronisation. For a row the gather does not
+        spread (`needs_unpack`)."""
         self._unpack(packed_slots, self._slot_bytes)
 
     def _unpack(self, packed: Any, bufs: Sequence[Any]) -> None:

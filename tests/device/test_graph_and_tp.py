@@ -281,7 +281,11 @@ def test_library_backend(cuda, tmp_path, monkeypatch, pdl):
     srcs = (binding.ctypes.c_void_p * 1)(p)
     dsts = (binding.ctypes.c_void_p * 1)(p)
     bad = (binding.ctypes.c_longlong * 1)(24)
-    assert lib_h.expert_cache_gather(p, p, p, 1, srcs, dsts, bad, 4, 0) == 1005
+    # (miss e/s/count, n_tensors, srcs, dsts, slab_bytes, spread_tensor, n_spread,
+    #  spread_dsts, spread_off, spread_words, grid, stream): no spread
+    assert lib_h.expert_cache_gather(p, p, p, 1, srcs, dsts, bad, -1, 0, None, None, None, 4,
+                                     0) == 1005
     odd = (binding.ctypes.c_void_p * 1)(p + 4)
     ok = (binding.ctypes.c_longlong * 1)(16)
-    assert lib_h.expert_cache_gather(p, p, p, 1, odd, dsts, ok, 4, 0) == 1004
+    assert lib_h.expert_cache_gather(p, p, p, 1, odd, dsts, ok, -1, 0, None, None, None, 4,
+                                     0) == 1004
