@@ -27,12 +27,14 @@ around a stock call that only copies its input (the experts' GEMMs left out on p
     marlin       armed+count on NVFP4-shaped Marlin layers (`plugin.marlin`): what vLLM's
                  Marlin experts add, the block list rewritten to slots (by the manager's
                  own launch, on the list of a stand-in ``moe_align_block_size`` that
-                 launches nothing) and the unpack of the packed side row of the two 4-byte
-                 global scales
+                 launches nothing) and the packed side row of the two 4-byte global
+                 scales, spread into their compact copies by the gather's installs
     ... torch    the same with the list rewritten in torch ops after the step
                  (`binding.block_slots`: the table's slots, the block ids clamped, one
                  gather), what a cache without the fused rule runs: the ratio of the two
                  is the fusion's gain
+    ... unpacked the side row copied into the compact copies after every step instead
+                 (EXPERT_CACHE_SPREAD=0): the ratio is the spread's gain
 
 Each printed with its cost over ``stock`` per layer and the ratio of the armed path to the
 step alone. The layers are fp8-block-shaped (Qwen3-30B-A3B-FP8: fp8 w13/w2 and fp32 block
@@ -191,10 +193,12 @@ def main() -> None:
             graph_time(torch, lambda s: cold(counted_fns)(), 50) / L * 1e6
             - cold_stock + t["stock"])
         kernels.set_pdl(pdl_default)
-    for label, kernel_remap in (("marlin (armed+count on Marlin)", True),
-                                ("marlin, block list in torch ops", False)):
+    for label, kernel_remap, spread in (("marlin (armed+count on Marlin)", True, True),
+                                        ("marlin, block list in torch ops", False, True),
+                                        ("marlin, side row unpacked after the step", True,
+                                         False)):
         marlin_fns, marlin_armed = marlin_layers(torch, args, token_count, x, w, ids,
-                                                 kernel_remap)
+                                                 kernel_remap, spread)
         t[label] = run(lambda fns=marlin_fns: [f(x, w, ids) for f in fns])
         assert (sum(int(a.cache.stats[1].item()) for a in marlin_armed)
                 == marlin_armed[0].warm), "a timed Marlin step missed"
@@ -211,15 +215,20 @@ def main() -> None:
     for name in [n for n in t if n.startswith("armed")]:
         print(f"{name}: {t[name] - t['stock']:.2f} us/layer over stock = "
               f"{(t[name] - t['stock']) / step:.2f}x the step alone ({step:.2f} us)")
+    m, unpacked = t["marlin (armed+count on Marlin)"], t["marlin, side row unpacked after the step"]
+    print(f"marlin, side row spread by the gather / unpacked after the step, over stock: "
+          f"{(m - t['stock']) / (unpacked - t['stock']):.3f} ({m - unpacked:+.2f} us/layer)")
 
 
-def marlin_layers(torch, args, token_count, x, w, ids, kernel_remap=True):
+def marlin_layers(torch, args, token_count, x, w, ids, kernel_remap=True, spread=True):
     """``args.layers`` NVFP4-shaped layers on a stand-in of vLLM's Marlin experts (0.33
     layout), armed as the plugin arms them: expert-order blocks through the patched
     ``moe_align_block_size`` of a stand-in module (whose own work is none: preallocated
     outputs), rewritten by the manager's launch or (``kernel_remap=False``) by torch ops
     after it,
-    the packed side row of the global scales; warmed to the all-hit steady state.
+    the packed side row of the global scales, spread into their compact copies by the
+    gather (``spread``, as the plugin arms it) or unpacked after each step; warmed to the
+    all-hit steady state.
     Returns the layers' forward calls and their `ArmedLayer` objects."""
     import os
     import types
@@ -317,7 +326,8 @@ def marlin_layers(torch, args, token_count, x, w, ids, kernel_remap=True):
         cache = (SlotCache if kernel_remap else TorchBlocksCache)(
             E, S, {**{s.name: (s.shape, s.dtype) for s in d.specs},
                    SMALL_ROW: ((small.row_bytes,), torch.uint8)},
-            policy="lru", device="cuda", name=d.layer_name)
+            policy="lru", device="cuda", name=d.layer_name,
+            spread={SMALL_ROW: small.spread_targets()} if spread else None)
         a = ArmedLayer(layer, d, cache, index=i, padding=mask_reader(token_count, 64),
                        small=small, block_order=BlockOrder(E))
         a.install()
