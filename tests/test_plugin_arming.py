@@ -68,7 +68,9 @@ def test_per_expert_scales_too_small_for_a_slab_travel_in_the_packed_row():
     assert d.bytes_per_slot == weights + 16 + 8  # the packed row and the compact copies
     assert d.slot_bytes == 32 * d.bytes_per_slot + 128 * (16 + 8)
     line = summary_line([d], CFG, "0.26.0")
-    assert "w13_weight_scale_2[float32 1, packed]" in line
+    assert "w13_weight_scale_2[float32 1, packed, spread]" in line
+    off = summary_line([d], CacheConfig(slots=32, spread=False), "0.26.0")
+    assert "w13_weight_scale_2[float32 1, packed, unpacked a step]" in off
 
 
 def test_resident_layer_is_not_armed():

@@ -161,7 +161,7 @@ def test_the_layouts_and_what_each_format_mirrors():
     assert [s.name for s in nv.small] == ["w13_weight_scale_2", "w2_weight_scale_2"]
     assert "w13_input_scale" not in {s.name for s in nv.specs}
     line = summary_line([nv], CacheConfig(slots=S), "0.33.0")
-    assert "w13_weight_scale_2[float32 1, packed]" in line
+    assert "w13_weight_scale_2[float32 1, packed, spread]" in line
     assert "experts kernel MarlinExperts (vLLM 0.33 layout, blocks kept in expert order)" in line
     mx = plan_layer(ms.RoutedExperts("mxfp4", "0.33"), CacheConfig(slots=S))
     assert {"w13_bias", "w2_bias", "w13_weight_scale"} <= {s.name for s in mx.specs}

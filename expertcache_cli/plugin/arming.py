@@ -39,6 +39,7 @@ from ..config import CacheConfig
 from ..sizing.formats import SIDE_ROW_LIMIT, side_row_bytes
 from . import marlin
 from .compat import KNOWN_EXPERTS, LOAD_ONLY_TENSORS, NON_EXPERT_TENSORS, TRITON_WEIGHT_VIEWS
+from .small import spreadable
 
 ARM, SKIP, DECLINE = "arm", "skip", "decline"
 
@@ -391,9 +392,13 @@ def summary_line(
         return head + f"armed 0 of {len(decisions)} MoE layers ({why}); serving on the stock path"
     first = armed[0]
     gib = sum(d.slot_bytes for d in armed) / 2**30
+    # packed: in the side row; spread: its words written into the compact copies the
+    # kernel reads by the gather itself, else copied there after every step (`small`)
+    packed = ", packed" + (", spread" if cfg.spread and spreadable(
+        [s.bytes_per_expert for s in first.small]) else ", unpacked a step")
     tensors = ", ".join(
         f"{s.name}[{describe_dtype(s.dtype)} {'x'.join(map(str, s.shape)) or '1'}"
-        f"{', packed' if s in first.small else ''}]"
+        f"{packed if s in first.small else ''}]"
         for s in first.specs + first.small
     )
     counts = [d.num_slots for d in armed]

@@ -111,9 +111,7 @@ class SmallTensors:
         packing order: ``(address, first word in the row, words)`` each (`SlotCache`'s
         ``spread``); None where the row cannot be spread (a tensor's bytes or offset not a
         multiple of 4, or more tensors than the kernel takes), and `unpack` is needed."""
-        if len(self.specs) > SPREAD_MAX or any(
-                nbytes % WORD_BYTES or self.offsets[name] % WORD_BYTES
-                for name, _, _, nbytes in self.specs):
+        if not spreadable([nbytes for *_, nbytes in self.specs]):
             return None
         return [(self.slots[name].data_ptr(), self.offsets[name] // WORD_BYTES,
                  nbytes // WORD_BYTES) for name, _, _, nbytes in self.specs]
@@ -152,6 +150,13 @@ class SmallTensors:
         for (off, nbytes, names), buf in zip(self.runs, bufs):
             run = packed[:, off:off + nbytes * len(names)].view(rows, len(names), nbytes)
             buf.copy_(run.transpose(0, 1))
+
+
+def spreadable(sizes: Sequence[int]) -> bool:
+    """Whether a side row of tensors of ``sizes`` bytes an expert, packed in that order,
+    can be spread by the gather (`SmallTensors.spread_targets`): whole 4-byte words each
+    (so every offset is too), and no more tensors than the kernel takes."""
+    return len(sizes) <= SPREAD_MAX and all(b % WORD_BYTES == 0 for b in sizes)
 
 
 def _runs(specs: Sequence[tuple[str, tuple[int, ...], Any, int]]
