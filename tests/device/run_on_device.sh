@@ -47,8 +47,9 @@ if [ "$what" = sanitize ]; then
   # reductions only (the gather and the wide-step copies use no shared memory).
   for tool in memcheck racecheck; do
     if [ "$tool" = memcheck ]; then
-      files=(tests/device/test_manager.py tests/device/test_gather.py tests/device/test_wide_steps.py)
-      sel="tiny-churn or padding or gather or wide"; limit=200
+      files=(tests/device/test_manager.py tests/device/test_gather.py tests/device/test_wide_steps.py
+             tests/device/test_small_and_block_order.py)
+      sel="tiny-churn or padding or gather or wide or spread or side_row"; limit=240
     else
       files=(tests/device/test_manager.py); sel="tiny-churn or padding"; limit=330
     fi
