@@ -25,7 +25,7 @@ the tensors' own dtypes (`slots`), filled from those packed rows in one of two w
   an all-hit step moves nothing at all for the side row, and a miss moves its words with
   its weights.
 * otherwise, after each cache step, one copy per run of equally sized tensors
-  (`unpack`) from the packed slot rows (`needs_unpack`).
+  (`unpack`) from the packed slot rows (`spread_targets` is None).
 
 The wide-step scratch is indexed by expert id, so there the kernel gets `full`: compact
 ``[E, *shape]`` device copies made with the source, and no copy per step.
@@ -116,12 +116,6 @@ class SmallTensors:
         return [(self.slots[name].data_ptr(), self.offsets[name] // WORD_BYTES,
                  nbytes // WORD_BYTES) for name, _, _, nbytes in self.specs]
 
-    @property
-    def needs_unpack(self) -> bool:
-        """Whether the compact slot buffers must be copied from the gathered rows after a
-        step (`unpack`): the row cannot be spread (`spread_targets`)."""
-        return self.spread_targets() is None
-
     def refresh(self, tensors: Mapping[str, Any]) -> None:
         """(Re)build the source rows and the full copies from the layer's tensors (each
         ``[E, *shape]``, any device vLLM keeps them on): at arming, and after vLLM changed
@@ -142,7 +136,7 @@ class SmallTensors:
     def unpack(self, packed_slots: Any) -> None:
         """The compact slot buffers from the gathered ``[S, row_bytes]`` rows: one copy a
         run, on the current stream, no host synchronisation. For a row the gather does not
-        spread (`needs_unpack`)."""
+        spread (`spread_targets` is None)."""
         self._unpack(packed_slots, self._slot_bytes)
 
     def _unpack(self, packed: Any, bufs: Sequence[Any]) -> None:

@@ -75,7 +75,7 @@ def _setup(torch, E, S, specs=NVFP4, spread=False, seed=0):
                           for n, shape in specs], E, S, "cuda")
     small.refresh({n: t.cuda() for n, t in small_src.items()})
     targets = small.spread_targets()
-    assert targets is not None and not small.needs_unpack
+    assert targets is not None
     cache = SlotCache(E, S, {"w": ((64, 32), torch.bfloat16),
                              SMALL_ROW: ((small.row_bytes,), torch.uint8)},
                       spread={SMALL_ROW: targets} if spread else None)
