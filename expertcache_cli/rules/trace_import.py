@@ -39,9 +39,10 @@ from __future__ import annotations
 import csv
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 import numpy as np
 
@@ -51,6 +52,7 @@ from .trace import Trace, TraceError
 MAGIC = "# route_trace v1"
 COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert")
 PREFILL, DECODE = 0, 1
+T = TypeVar("T")
 #: the formats `read_recording` tells apart, as `import`'s default source names them
 CSV_KIND, JSONL_KIND, PAIRS_KIND = "route_trace v1", "routing JSONL", "token-pairs JSONL"
 
@@ -75,12 +77,18 @@ def _header_fields(line: str) -> dict[str, str]:
 def read_route_csv(path: str | Path) -> RouteCsv:
     """Parse a ``route_trace v1`` file, streamed (a long recording is not held as text);
     every failure is a TraceError naming the file and, where there is one, the line."""
-    p = Path(path)
+    return _read_text(Path(path), _parse, newline="")
+
+
+def _read_text(p: Path, parse: Callable[[Path, TextIO], T], newline: str | None = None) -> T:
+    """``parse(p, f)`` over the file opened as UTF-8 text: a missing file, or one the OS or
+    the decoder refuses at any point of the parse, is one TraceError naming it (the
+    readers' common refusals; each parser names its own)."""
     if not p.is_file():
         raise TraceError(f"{p}: no such file")
     try:
-        with p.open(encoding="utf-8", newline="") as f:
-            return _parse(p, f)
+        with p.open(encoding="utf-8", newline=newline) as f:
+            return parse(p, f)
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{p}: not a readable text file ({exc.__class__.__name__})") from None
 
@@ -217,14 +225,7 @@ def read_route_jsonl(path: str | Path) -> RouteJsonl:
     ``n_experts``, a line that is not a decode token's routing, a step out of order, a
     layer missing or extra, a token whose ids are not ``top_k`` distinct experts, and a
     file shorter or wider than its meta line says (a truncated recording)."""
-    p = Path(path)
-    if not p.is_file():
-        raise TraceError(f"{p}: no such file")
-    try:
-        with p.open(encoding="utf-8") as f:
-            return _parse_jsonl(p, f)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TraceError(f"{p}: not a readable text file ({exc.__class__.__name__})") from None
+    return _read_text(Path(path), _parse_jsonl)
 
 
 def _json_value(p: Path, n: int, line: str) -> object:
@@ -322,11 +323,7 @@ def read_token_pairs(path: str | Path, num_experts: int | None) -> RouteJsonl:
                          "has: give --experts N")
     if num_experts <= 0:
         raise TraceError(f"{p}: --experts {num_experts} is not a router")
-    try:
-        with p.open(encoding="utf-8") as f:
-            return _parse_pairs(p, f, num_experts)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TraceError(f"{p}: not a readable text file ({exc.__class__.__name__})") from None
+    return _read_text(p, lambda p, f: _parse_pairs(p, f, num_experts))
 
 
 def _parse_pairs(p: Path, f: TextIO, num_experts: int) -> RouteJsonl:
@@ -378,13 +375,7 @@ def read_recording(path: str | Path, num_experts: int | None = None) -> RouteCsv
     route_trace v1``; a JSON object: the routing JSONL's meta line; a JSON array: a
     token-pairs line, read at ``num_experts``)."""
     p = Path(path)
-    if not p.is_file():
-        raise TraceError(f"{p}: no such file")
-    try:
-        with p.open(encoding="utf-8", newline="") as f:
-            first = f.readline()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TraceError(f"{p}: not a readable text file ({exc.__class__.__name__})") from None
+    first = _read_text(p, lambda _, f: f.readline(), newline="")
     if first.strip() == MAGIC:
         return read_route_csv(p)
     if first.lstrip().startswith("{"):
