@@ -11,6 +11,7 @@ import ctypes
 
 import torch
 
+from expertcache_cli.device.slotcache import spread_of
 from expertcache_cli.rules.policy import LayerCache, Policy
 
 
@@ -33,8 +34,7 @@ class RefSlotCache:
         #: as SlotCache's: name -> (address, first word, words) targets its installs spread
         #: their words into (host addresses here: the plugin's CPU tests keep every
         #: buffer on the CPU)
-        self.spread = {n: [tuple(int(v) for v in t) for t in targets]
-                       for n, targets in (spread or {}).items()}
+        self.spread = spread_of(self.slots, spread)
 
     def fits(self, n):
         return n <= self.num_slots
@@ -86,6 +86,6 @@ class RefSlotCache:
         for e, s in misses:
             for n, buf in self.slots.items():
                 buf[s] = sources[n][e]
+                row = buf[s].contiguous()
                 for addr, off, words in self.spread.get(n, ()):
-                    row = buf[s].contiguous()
                     ctypes.memmove(addr + 4 * s * words, row.data_ptr() + 4 * off, 4 * words)
