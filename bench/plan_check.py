@@ -22,6 +22,10 @@ its ratio; the timed one is the like-for-like comparison.
     python bench/plan_check.py PLAN.json BASELINE.jsonl SAVED_PLAN.json
     python bench/plan_check.py --table [--command CMD] PLAN.json BASELINE.jsonl SAVED.json ...
         # one markdown table over several traces, each row saying the trace's routing source
+
+A baseline with an ``offload`` arm (the runner's ``OFFLOAD_ARM=1``) also gets the floor's
+rate on the same routing, and each cache arm's multiple of it: not judged, as `plan` does
+not predict the floor.
 """
 
 from __future__ import annotations
@@ -161,6 +165,23 @@ def rows_of(plan: dict, arms: dict, saved_plan: str, meta: dict | None = None
     return out
 
 
+FLOOR = "offload"
+
+
+def floor_line(arms: dict) -> str | None:
+    """The offload floor's rate where the baseline served one (the runner's
+    ``OFFLOAD_ARM=1``), and each cache arm's multiple of it: the cache's gain on this
+    routing, which `plan` does not predict and no row judges."""
+    floor = arms.get(FLOOR)
+    if floor is None or not floor.restarts or not floor.mean_tok_s:
+        return None
+    gains = ", ".join(f"{name} {a.mean_tok_s / floor.mean_tok_s:.2f}x"
+                      for name, a in arms.items()
+                      if name.startswith("cache:") and a.restarts and a.mean_tok_s)
+    return (f"{FLOOR} (the floor, same routing): {floor.mean_tok_s:.1f} tok/s"
+            + (f"; {gains}" if gains else ""))
+
+
 def compare(plan: dict, arms: dict, saved_plan: str, meta: dict | None = None) -> list[str]:
     """``plan``: `plan --json`'s output; ``arms``: measured arms by name (`ArmSummary`);
     ``meta``: the baseline file's protocol (its runs and tokens a run: the timed steps)."""
@@ -185,7 +206,8 @@ def compare(plan: dict, arms: dict, saved_plan: str, meta: dict | None = None) -
         out.append(f"{name}: predicted {pred:.1f} tok/s, measured {arm.mean_tok_s:.1f} "
                    f"({ratio:.3f}, {_verdict(ratio)}: {GOAL:.0%}); hit rate live "
                    f"{'-' if live is None else f'{live:.3f}'}{replayed}{timed}")
-    return out
+    line = floor_line(arms)
+    return out + ([line] if line else [])
 
 
 TABLE_HEAD = (
@@ -230,6 +252,10 @@ def table(runs: list[tuple[dict, dict, str, dict | None]], command: str | None =
             lines.append(f"| {label} | {routing} | `{name}` | {pred:.1f} | "
                          f"{arm.mean_tok_s:.1f} | {ratio:.3f} | {timed} | "
                          f"{'-' if live is None else f'{live:.3f}'} / {hit} |")
+        floor = arms.get(FLOOR)
+        if floor is not None and floor.restarts:
+            lines.append(f"| {label} | (as above) | `{FLOOR}` (the floor, not predicted) | - | "
+                         f"{floor.mean_tok_s:.1f} | - | - | - |")
     lines += ["", f"{met} of {total} measured rows within {GOAL:.0%} (over the timed steps "
               "where plan was given the served trace, else plan's own prediction)"]
     return lines

@@ -26,6 +26,8 @@
 # against uniform needs measuring once, not per trace). A resident baseline file already in
 # $PC (say, copied from an earlier run, as tests/data/plan-check-resident-24.jsonl is) is not
 # run again.
+# OFFLOAD_ARM=1 also serves the offload floor on the trace's routing (one server more a
+# trace): the cache's gain over it on real routing, beside plan's rows (plan_check.py).
 # POLICY=lfu plans and serves that policy (arms cache:S:lfu; files named -lfu): on a trace
 # whose LRU hit rates equal another's (tasks and zipf do, to 0.003), the other policy is
 # where their locality differs (zipf: LFU misses 35% at 16 slots, LRU 41%).
@@ -163,6 +165,7 @@ check() {
   local arms
   arms=$(echo "$slots" | sed "s/\([0-9]\+\)/cache:\1${SFX/-/:}/g")
   [ "${PLAN_ARM:-1}" = 0 ] || arms="$arms,plan:$p"
+  [ "${OFFLOAD_ARM:-0}" = 0 ] || arms="offload,$arms"
   baseline "$model" "$b" "$arms" EC_BENCH_TRACE_ROUTING="$t" \
     EC_BENCH_TRACE_RESTART="$RESTART" PYTHONPATH="$PWD/bench/trace_hook:$PYTHONPATH"
   $PY bench/plan_check.py "$j" "$b" "$p" | tee "$OUT/compare-$name$SFX.txt"
@@ -223,7 +226,9 @@ for kind in $TRACES; do
 done
 if [ "${#TABLE[@]}" -gt 0 ]; then  # one table over the traces run, with its command
   CMD="TRACES=\"$TRACES\" LAYERS=$LAYERS SLOTS=$SLOTS RUNS=$RUNS POLICY=$POLICY"
-  CMD="$CMD PLAN_ARM=${PLAN_ARM:-1} bash bench/run_plan_check_on_device.sh"
+  CMD="$CMD PLAN_ARM=${PLAN_ARM:-1}"
+  [ "${OFFLOAD_ARM:-0}" = 0 ] || CMD="$CMD OFFLOAD_ARM=1"
+  CMD="$CMD bash bench/run_plan_check_on_device.sh"
   $PY bench/plan_check.py --table --command "$CMD" "${TABLE[@]}" \
     > "$PC/plan-check-table$SFX.md" 2>&1
   cp "$PC/plan-check-table$SFX.md" "$OUT/plan-check-table$SFX.md"

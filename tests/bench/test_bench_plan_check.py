@@ -180,3 +180,40 @@ def test_one_table_over_traces_says_each_traces_routing_and_the_command(tmp_path
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--table",
                           files[0]], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_an_offload_arm_gives_the_floor_and_each_cache_arms_gain_unjudged(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "plan", str(TRACE),
+                        "--link-gbps", "50", "--resident-tok-s", "400", "--slots", "16,64",
+                        "--policy", "lru", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    pj = tmp_path / "p.json"
+    pj.write_text(r.stdout)
+    arms = {"offload": 20.0, **{f"cache:{x['slots']}": x["predicted_tok_s"]
+                                for x in plan["rows"]}}
+    bl = tmp_path / "bl.jsonl"
+    _baseline(bl, arms)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), str(pj),
+                          str(bl), str(tmp_path / "none.json")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.splitlines()[-1]
+    gain = arms["cache:64"] / 20.0
+    assert last.startswith("offload (the floor, same routing): 20.0 tok/s; cache:16 ")
+    assert f"cache:64 {gain:.2f}x" in last
+    tab = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--table",
+                          str(pj), str(bl), str(tmp_path / "none.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert tab.returncode == 0, tab.stderr
+    floor = [x for x in tab.stdout.splitlines() if "`offload`" in x]
+    assert len(floor) == 1 and "| 20.0 | - | - | - |" in floor[0]
+    # the floor is not a predicted row: the count of judged rows leaves it out
+    assert tab.stdout.splitlines()[-1].startswith("2 of 2 measured rows within 10%")
+    # without an offload arm, no floor line
+    _baseline(bl, {k: v for k, v in arms.items() if k != "offload"})
+    again = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), str(pj),
+                            str(bl), str(tmp_path / "none.json")], capture_output=True,
+                           text=True, timeout=120)
+    assert "(the floor, same routing)" not in again.stdout

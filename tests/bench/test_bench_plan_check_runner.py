@@ -132,6 +132,17 @@ def test_plan_arm_can_be_left_out_and_a_copied_resident_baseline_is_reused(runne
     assert not any("plan:" in c for c in baselines)
 
 
+def test_offload_arm_serves_the_floor_on_the_traces_routing_first(full_runner):
+    run, tmp = full_runner
+    calls, out = run(TRACES="zipf", LAYERS="24", PLAN_ARM="0", OFFLOAD_ARM="1")
+    last = _cmd(calls, "expertcache_cli baseline")[-1]
+    assert "--arms offload,cache:16,cache:32,cache:64 " in last
+    assert last.endswith(f"ENV={tmp}/pc/zipf-24.npz")  # the floor routed as the cache arms
+    assert "offload (the floor, same routing): 735.0 tok/s" in (
+        tmp / "out" / "compare-zipf.txt").read_text()
+    assert "OFFLOAD_ARM=1 bash bench/run_plan_check_on_device.sh" in out
+
+
 def test_another_policy_plans_and_serves_it_beside_the_lru_files(runner):
     run, tmp = runner
     run(TRACES="zipf", LAYERS="24", PLAN_ARM="0")
