@@ -21,6 +21,16 @@
 # the resident arm's N-stream rate and this run's probe, and prints each prediction
 # beside the inplace/staged arms' measured rate (the issue's bar: within 15%).
 #
+# TRACE=T.npz (a recording of 128 experts, e.g. traces/real-qwen3-30b-a3b-k6.npz): every
+# server's decode steps routed by it (bench/trace_routing.py through the bench's hook, fitted
+# to LAYERS by bench/trace_fit.py; up to 32 tokens a step is decode, each stream at its own
+# point of the recording), on a checkpoint of the recording's top-k (m<LAYERS>w-k<K>), so
+# that the decode rates have a real model's locality. Prefills wider than a recorded row keep
+# the dummy routers' ids: a chunk of 512 tokens or more routes every expert of a layer either
+# way, so the TTFT columns do not depend on it. Without TRACE: the dummy checkpoint's own
+# routers (synthetic routing). The routing goes into wide.md's first line. WSD holds one
+# routing's run: another TRACE given to it is refused (exit 2), as is a TRACE that is not a
+# file or not of 128 experts, before anything starts.
 # An arm whose JSON says ok is not run again; results go to $OUT after every arm. Detached
 # past a call's limit: bash bench/detach.sh wide env OUT=/tmp/ow bash bench/run_wide_on_device.sh
 # PY, WSD (arm records: /tmp/ws) and MODEL_DIR (/tmp) are overridable: the flow is tested
@@ -34,6 +44,27 @@ STEPS="${STEPS:-setup ckpt plan floor inplace staged resident trace predict}"
 LAYERS="${LAYERS:-24}"
 MODEL="${MODEL_DIR:-/tmp}/m${LAYERS}w"
 PY="${PY:-python3}"
+TRACE="${TRACE:-}"
+ROUTE=() K=""
+if [ -n "$TRACE" ]; then
+  [ -f "$TRACE" ] || { echo "TRACE=$TRACE: no such file (a routing trace .npz)" >&2; exit 2; }
+  case $TRACE in /*) ;; *) TRACE=$PWD/$TRACE ;; esac
+  read -r K E _ <<< "$($PY bench/trace_fit.py --shape "$TRACE")"
+  [ -n "$K" ] || exit 2
+  if [ "$E" != 128 ]; then
+    echo "TRACE=$TRACE: top-$K of $E experts; the wide steps' shape has 128 experts" >&2
+    exit 2
+  fi
+  MODEL=$MODEL-k$K
+  FIT=$WSD/route-$LAYERS.npz
+  ROUTE=(--env "EC_BENCH_TRACE_ROUTING=$FIT" --env EC_BENCH_TRACE_STREAMS=32
+         --env "PYTHONPATH=$PWD/bench/trace_hook:${PYTHONPATH:-}")
+fi
+if [ -f "$WSD/trace.src" ] && [ "$(cat "$WSD/trace.src")" != "${TRACE:-none}" ]; then
+  echo "WSD=$WSD holds a run routed by $(cat "$WSD/trace.src"), not TRACE=${TRACE:-none}:" \
+    "give another WSD" >&2
+  exit 2
+fi
 VLLM=("$PY" -m vllm.entrypoints.cli.main)
 # one step takes a whole 8,192-token prompt: one chunk, so the TTFT link bound is known
 FLAGS=(--load-format dummy --max-model-len 10240 --max-num-seqs 32 --max-num-batched-tokens 8192
@@ -48,14 +79,27 @@ WS=(--vocab 8192 --max-tokens "${DECODE_TOKENS:-64}" ${WS_ARGS:-})
 
 LOG_TAIL=300000
 save() { bench_save "$WSD"; }
-arm() { local name=$1; shift; bench_arm "$WSD" bench/wide_steps.py "$name" "${WS[@]}" "$@"; }
+arm() {
+  local name=$1; shift
+  bench_arm "$WSD" bench/wide_steps.py "$name" "${WS[@]}" "${ROUTE[@]}" "$@"
+}
 
 for step in $STEPS; do
   case $step in
     setup) device_vllm_setup || { echo "setup failed"; exit 1; } ;;
     ckpt)
       [ -f $MODEL/config.json ] || $PY -c "import sys; sys.path.insert(0, 'bench'); \
-import e2e_vllm as e; from pathlib import Path; e.write_model(Path('$MODEL'), $LAYERS, context=16384)" ;;
+import e2e_vllm as e; from pathlib import Path; \
+e.write_model(Path('$MODEL'), $LAYERS, context=16384, top_k=${K:-None})"
+      if [ -n "$TRACE" ]; then
+        [ -f "$FIT" ] || $PY bench/trace_fit.py "$TRACE" "$FIT" --layers "$LAYERS" \
+          > "$OUT/trace.txt" || exit 1
+        $PY bench/trace_fit.py --source "$FIT" > "$WSD/routing.txt"
+      else
+        echo "the dummy checkpoint's own routers (synthetic routing)" > "$WSD/routing.txt"
+      fi
+      echo "${TRACE:-none}" > "$WSD/trace.src"
+      cp "$WSD/routing.txt" "$OUT/" ;;
     plan)  # what the tools predict for this shape, before the servers say
       COLUMNS=160 $PY -m expertcache_cli size --model $MODEL --vram 141 --slots 64 \
         --wide staged-install -- --max-model-len 10240 --max-num-seqs 32 \
@@ -146,7 +190,9 @@ if "inplace" in rows and "staged" in rows:
 PY
 # issue 15's tables and goals (TTFT against the link bound, decode against the floor)
 if [ -f "$WSD/size.json" ] && [ -f "$WSD/probe.json" ]; then
-  $PY bench/wide_report.py "$WSD" --size "$WSD/size.json" --probe "$WSD/probe.json" \
-    --slots 64 2>&1 | tee "$OUT/wide.md"
+  { echo "Routing of every server's decode: $(cat "$WSD/routing.txt" 2>/dev/null || echo unknown)"
+    echo
+    $PY bench/wide_report.py "$WSD" --size "$WSD/size.json" --probe "$WSD/probe.json" \
+      --slots 64 2>&1; } | tee "$OUT/wide.md"
 fi
 echo "steps '$STEPS' done after $SECONDS s"

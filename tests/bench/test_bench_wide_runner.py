@@ -22,7 +22,7 @@ env = ",".join(k + "=" + os.environ[k] for k in ("EC_BENCH_MEM", "EXPERT_CACHE_W
                if k in os.environ)
 with open(os.environ["STUB_LOG"], "a") as log:
     log.write(" ".join(args) + ("  ENV=" + env if env else "") + "\n")
-if args[0] in ("-", "-c") or args[0].endswith("groups.py") or args[0].endswith("wide_report.py"):
+if args[0] in ("-", "-c") or args[0].endswith(("groups.py", "wide_report.py", "trace_fit.py")):
     os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
 if args[0].endswith("wide_steps.py"):
     name, out = args[1], Path(args[args.index("--out") + 1])
@@ -57,7 +57,8 @@ elif args[1:3] == ["expertcache_cli", "plan"]:
 
 @pytest.fixture()
 def runner(tmp_path):
-    run = make_runner(tmp_path, "run_wide_on_device.sh", ("e2e_vllm.py", "wide_report.py"),
+    run = make_runner(tmp_path, "run_wide_on_device.sh",
+                      ("e2e_vllm.py", "wide_report.py", "trace_fit.py"),
                       STUB, keep_bench_helpers=True, WSD=str(tmp_path / "ws"),
                       MODEL_DIR=str(tmp_path / "models"),
                       PROBE_SRC=str(ROOT / "tests" / "data" / "fp8-block-probe.json"))
@@ -138,3 +139,41 @@ def test_mem_arms_picks_the_servers_started(runner):
     calls, _ = run(STEPS="mem", MEM_ARMS="staged")
     serves = [c for c in calls if c.startswith("-m vllm.entrypoints.cli.main serve")]
     assert len(serves) == 1 and serves[0].endswith("EXPERT_CACHE_WIDE=staged-install")
+
+
+def test_a_recording_routes_every_arm_on_a_checkpoint_of_its_width(runner):
+    run, tmp = runner
+    trace = ROOT / "traces" / "real-qwen3-30b-a3b-k6.npz"
+    calls, stdout = run(TRACE=str(trace), STEPS="setup ckpt plan floor staged resident")
+    model = tmp / "models" / "m24w-k6"
+    assert '"num_experts_per_tok": 6' in (model / "config.json").read_text()
+    fit = tmp / "ws" / "route-24.npz"
+    assert fit.exists()  # the recording fitted to the 24 layers served
+    by = {c.split()[1]: c for c in calls if c.startswith("bench/wide_steps.py")}
+    assert list(by) == ["floor", "staged", "resident"]
+    for c in by.values():
+        assert f"--env EC_BENCH_TRACE_ROUTING={fit}" in c
+        assert "--env EC_BENCH_TRACE_STREAMS=32" in c and "/bench/trace_hook:" in c
+        assert f"serve {model} " in c
+    first = (tmp / "out" / "wide.md").read_text().splitlines()[0]
+    assert first.startswith("Routing of every server's decode: recorded (real model")
+    # the same WSD under another routing: refused before anything starts
+    calls, err = run(expect_rc=2, STEPS="floor")
+    assert calls == [] and "holds a run routed by" in err and "give another WSD" in err
+
+
+def test_without_a_trace_the_report_names_synthetic_routing(runner):
+    run, tmp = runner
+    run(STEPS="setup ckpt plan floor staged")
+    first = (tmp / "out" / "wide.md").read_text().splitlines()[0]
+    assert first == ("Routing of every server's decode: the dummy checkpoint's own routers "
+                     "(synthetic routing)")
+
+
+def test_a_trace_that_is_no_file_or_not_128_experts_is_refused(runner, tmp_path):
+    run, _ = runner
+    calls, err = run(expect_rc=2, TRACE=str(tmp_path / "none.npz"))
+    assert calls == [] and "no such file" in err
+    calls, err = run(expect_rc=2, TRACE=str(ROOT / "traces" / "real-olmoe-1b-7b-k8.npz"))
+    assert "top-8 of 64 experts" in err
+    assert not [c for c in calls if c.startswith("bench/wide_steps.py")]
