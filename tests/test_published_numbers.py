@@ -301,3 +301,20 @@ def test_every_section_link_in_the_docs_lands_on_a_heading():
                 if anchor not in heads:
                     broken.append(f"{doc.relative_to(ROOT)}:{line_no}: {target}")
     assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)
+
+
+def test_readme_opening_numbers_are_in_the_records():
+    """The README's opening (its title and first section, "What it is") quotes the headline
+    runs in prose, where no table's record column checks them: every figure with a decimal
+    point there must be in some record under bench/results/ (as written, or a more precise
+    figure rounding to it), so the first numbers a user reads say no more than a record."""
+    text = (ROOT / "README.md").read_text()
+    lines = unfenced(text)
+    sections = [i for i, line in enumerate(lines) if line.startswith("## ")]
+    opening = THOUSANDS.sub("", "\n".join(lines[:sections[1]]))
+    claims = [n for n in NUMBER.findall(opening) if "." in n]
+    assert claims, "the README's opening quotes no measured figure"
+    pool = numbers_in("\n".join(p.read_text(errors="replace")
+                                for p in sorted(RESULTS.glob("*.md"))))
+    missing = [c for c in claims if not found(c, pool)]
+    assert not missing, f"README opening: {missing} in no record under bench/results/"
