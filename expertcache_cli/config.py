@@ -236,15 +236,17 @@ def _bool(env: Mapping[str, str], name: str) -> bool:
     raise ConfigError(f"{name}={env.get(name)!r}: expected 1 or 0")
 
 
+def _on_unless_0(env: Mapping[str, str], name: str) -> bool:
+    """A switch that is on by default: unset or empty is on, else `_bool`'s reading."""
+    return env.get(name, "").strip() == "" or _bool(env, name)
+
+
 def pdl_from_env(env: Mapping[str, str] | None = None) -> bool:
     """Whether the kernels may use programmatic dependent launch (where the GPU and driver
     have it, which `binding` decides). On unless ``EXPERT_CACHE_PDL=0``: it takes the
     served step from 4.21 to 3.83 us a layer over stock (bench/results/kernels.md) with the
     same tokens; the switch stays as the way back should a driver mishandle it."""
-    env = os.environ if env is None else env
-    if env.get(PDL, "").strip() == "":
-        return True
-    return _bool(env, PDL)
+    return _on_unless_0(os.environ if env is None else env, PDL)
 
 
 def kernel_source(env: Mapping[str, str] | None = None) -> tuple[str | None, bool]:
@@ -357,6 +359,6 @@ def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
         trace_path=trace_path,
         wide=wide,
         pdl=pdl_from_env(env),
-        spread=env.get(SPREAD, "").strip() == "" or _bool(env, SPREAD),
+        spread=_on_unless_0(env, SPREAD),
         audit=_bool(env, AUDIT),
     )

@@ -28,6 +28,21 @@ def _baseline(path: Path, arms: dict[str, float], hit: float = 0.9,
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
+
+def _plan_at_16_and_64(trace: Path) -> subprocess.CompletedProcess:
+    """`plan --json` of ``trace`` at 16 and 64 LRU slots on made-up rates (50 GB/s, 400
+    tok/s resident): the plan the comparisons below are fed."""
+    return subprocess.run([sys.executable, "-m", "expertcache_cli", "plan", str(trace),
+                           "--link-gbps", "50", "--resident-tok-s", "400", "--slots", "16,64",
+                           "--policy", "lru", "--json"], capture_output=True, text=True,
+                          timeout=300)
+
+
+def _plan_check(*args: object, timeout: int = 120) -> subprocess.CompletedProcess:
+    """bench/plan_check.py run as the runner runs it."""
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"),
+                           *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
 def test_each_budget_and_the_saved_plan_beside_what_was_measured(tmp_path):
     saved = tmp_path / "plan.json"
     r = subprocess.run([sys.executable, "-m", "expertcache_cli", "plan", str(TRACE),
@@ -47,8 +62,7 @@ def test_each_budget_and_the_saved_plan_beside_what_was_measured(tmp_path):
     _baseline(bl, arms, requests=100 * plan["trace"]["layers"] * plan["model"]["top_k"])
     plan_json = tmp_path / "p.json"
     plan_json.write_text(json.dumps(plan))
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), str(plan_json),
-                          str(bl), str(saved)], capture_output=True, text=True, timeout=120)
+    out = _plan_check(plan_json, bl, saved)
     assert out.returncode == 0, out.stderr
     by = {line.split(": ", 1)[0]: line for line in out.stdout.splitlines()}
     assert "(1.000, met: 10%); hit rate live 0.900, replayed" in by["cache:16"]
@@ -106,10 +120,7 @@ def test_a_served_trace_is_also_predicted_over_the_steps_the_runs_timed(tmp_path
     from expertcache_cli.rules.replay import replay
 
     served = _served(tmp_path, 2, 60)
-    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "plan", str(served),
-                        "--link-gbps", "50", "--resident-tok-s", "400", "--slots", "16,64",
-                        "--policy", "lru", "--json"], capture_output=True, text=True,
-                       timeout=300)
+    r = _plan_at_16_and_64(served)
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     row = next(x for x in plan["rows"] if x["slots"] == 64)
@@ -138,10 +149,7 @@ def test_one_table_over_traces_says_each_traces_routing_and_the_command(tmp_path
     served = _served(tmp_path, 1, 40)
     files = []
     for name, trace in (("real", served), ("synth", TRACE)):
-        r = subprocess.run([sys.executable, "-m", "expertcache_cli", "plan", str(trace),
-                            "--link-gbps", "50", "--resident-tok-s", "400", "--slots",
-                            "16,64", "--policy", "lru", "--json"], capture_output=True,
-                           text=True, timeout=300)
+        r = _plan_at_16_and_64(trace)
         assert r.returncode == 0, r.stderr
         plan = json.loads(r.stdout)
         (tmp_path / f"{name}.json").write_text(r.stdout)
@@ -153,9 +161,7 @@ def test_one_table_over_traces_says_each_traces_routing_and_the_command(tmp_path
         bl.write_text("\n".join([json.dumps(meta), *rest]) + "\n")
         files += [str(tmp_path / f"{name}.json"), str(bl), str(tmp_path / "none.json")]
     cmd = "TRACES=real-qwen3-30b-a3b-k6 bash bench/run_plan_check_on_device.sh"
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--table",
-                          "--command", cmd, *files], capture_output=True, text=True,
-                         timeout=120)
+    out = _plan_check("--table", "--command", cmd, *files)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == f"Reproduce: `{cmd}`"
@@ -177,16 +183,12 @@ def test_one_table_over_traces_says_each_traces_routing_and_the_command(tmp_path
     assert all(row.split(" | ")[6] == "-" for row in synth)
     assert lines[-1].endswith("(over the timed steps where plan was given the served trace, "
                               "else plan's own prediction)")
-    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--table",
-                          files[0]], capture_output=True, text=True, timeout=60)
+    bad = _plan_check("--table", files[0], timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_an_offload_arm_gives_the_floor_and_each_cache_arms_gain_unjudged(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "plan", str(TRACE),
-                        "--link-gbps", "50", "--resident-tok-s", "400", "--slots", "16,64",
-                        "--policy", "lru", "--json"], capture_output=True, text=True,
-                       timeout=300)
+    r = _plan_at_16_and_64(TRACE)
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     pj = tmp_path / "p.json"
@@ -195,17 +197,13 @@ def test_an_offload_arm_gives_the_floor_and_each_cache_arms_gain_unjudged(tmp_pa
                                 for x in plan["rows"]}}
     bl = tmp_path / "bl.jsonl"
     _baseline(bl, arms)
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), str(pj),
-                          str(bl), str(tmp_path / "none.json")], capture_output=True,
-                         text=True, timeout=120)
+    out = _plan_check(pj, bl, tmp_path / "none.json")
     assert out.returncode == 0, out.stderr
     last = out.stdout.splitlines()[-1]
     gain = arms["cache:64"] / 20.0
     assert last.startswith("offload (the floor, same routing): 20.0 tok/s; cache:16 ")
     assert f"cache:64 {gain:.2f}x" in last
-    tab = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--table",
-                          str(pj), str(bl), str(tmp_path / "none.json")],
-                         capture_output=True, text=True, timeout=120)
+    tab = _plan_check("--table", pj, bl, tmp_path / "none.json")
     assert tab.returncode == 0, tab.stderr
     floor = [x for x in tab.stdout.splitlines() if "`offload`" in x]
     assert len(floor) == 1 and "| 20.0 | - | - | - |" in floor[0]
@@ -213,7 +211,5 @@ def test_an_offload_arm_gives_the_floor_and_each_cache_arms_gain_unjudged(tmp_pa
     assert tab.stdout.splitlines()[-1].startswith("2 of 2 measured rows within 10%")
     # without an offload arm, no floor line
     _baseline(bl, {k: v for k, v in arms.items() if k != "offload"})
-    again = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), str(pj),
-                            str(bl), str(tmp_path / "none.json")], capture_output=True,
-                           text=True, timeout=120)
+    again = _plan_check(pj, bl, tmp_path / "none.json")
     assert "(the floor, same routing)" not in again.stdout
