@@ -15,9 +15,9 @@ predicted and a prefill's fetches and tokens are not decode's. ``R`` is the full
 resident decode rate on the same GPU, and
 ``step_us`` what the cache's step costs per MoE layer even when every expert hits (the
 manager and a gather with nothing to copy: `probe-link`'s ``step`` measurement; 0 when it
-was not measured, and the source says so). Without the step term the arithmetic predicted
-270.4 tok/s where 252.6 was measured on a 48-layer model: 0.26 ms a token of cache steps
-(bench/results/small-card.md).
+was not measured, and the source says so). The step term is there because every MoE layer
+runs a cache step each token whether or not it misses: left out, the sum over-predicts by
+that time, which on a many-layer model is a tenth of a millisecond a token or more.
 Each input says where it came from (given, a saved probe, a baseline results file), so a
 prediction is never quieter about its basis than a measurement.
 
@@ -301,7 +301,7 @@ def plan_trace(
             f"resident {inputs.resident_tok_s:.0f} tok/s is {1000 / inputs.resident_tok_s:.2f} "
             "ms a token, where vLLM's per-token host work rather than the GPU may set the pace: "
             "installs then partly hide in GPU idle time and the measured rate can beat this "
-            "prediction (measured: an 8-layer model at 614 tok/s resident ran 1.22x it)")
+            "prediction")
     if batch:
         notes.append(server.describe_batch(batch))
         notes.append(f"re-batched to {batch} streams from one stream's routing: the resident "
