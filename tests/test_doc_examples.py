@@ -50,13 +50,12 @@ NOT_RUN = {
                                                    "traces' sources, not in the repository",
 }
 
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 #: a checkpoint directory an example names, made here from a config in tests/configs: the
 #: example says what it holds ("its config.json with GPTQ's quantization_config")
-CHECKPOINTS = {
-    "Qwen3-30B-A3B-GPTQ-Int4": ("qwen3-30b-a3b.json", {
-        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
-        "sym": True}),
-}
+CHECKPOINTS = {"Qwen3-30B-A3B-GPTQ-Int4": ("qwen3-30b-a3b.json", GPTQ)}
+#: Hub ids the examples name, put in a local Hugging Face cache the runs read offline
+HUB_CACHE = {"Qwen/Qwen3-30B-A3B-GPTQ-Int4": ("qwen3-30b-a3b.json", GPTQ)}
 
 PYTHON_RUN = re.compile(r"\S*python[\d.]*(?= -m vllm)")  # the interpreter serve execs
 
@@ -129,7 +128,8 @@ def missing_lines(shown: tuple[str, ...], printed: str) -> list[str]:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     """A working directory that sees the repository's traces, records and configs under
-    the paths the examples use, and whose own files (``--save plan.json``) stay out of the
+    the paths the examples use, holds the checkpoints and the Hugging Face cache they name
+    (never the network), and keeps their own files (``--save plan.json``) out of the
     checkout."""
     d = tmp_path_factory.mktemp("examples")
     for name in ("traces", "bench", "tests"):
@@ -138,6 +138,14 @@ def workdir(tmp_path_factory) -> Path:
         (d / name).mkdir()
         cfg = json.loads((ROOT / "tests" / "configs" / config).read_text())
         (d / name / "config.json").write_text(json.dumps(cfg | {"quantization_config": quant}))
+    for repo, (config, quant) in HUB_CACHE.items():
+        base = d / ".hf" / "hub" / f"models--{repo.replace('/', '--')}"
+        (base / "snapshots" / "0").mkdir(parents=True)
+        (base / "refs").mkdir()
+        (base / "refs" / "main").write_text("0")
+        cfg = json.loads((ROOT / "tests" / "configs" / config).read_text())
+        (base / "snapshots" / "0" / "config.json").write_text(
+            json.dumps(cfg | {"quantization_config": quant}))
     return d
 
 
@@ -170,8 +178,9 @@ def test_example_prints_what_it_shows(ex: Example, workdir: Path):
     best: tuple[int, list[str], str] | None = None
     for width in WIDTHS:
         # one stream, unbuffered: the lines interleave as a terminal shows them
-        env = os.environ | {"COLUMNS": str(width), "NO_COLOR": "1", "TERM": "dumb",
-                            "PYTHONUNBUFFERED": "1"}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+        env |= {"COLUMNS": str(width), "NO_COLOR": "1", "TERM": "dumb",
+                "PYTHONUNBUFFERED": "1", "HF_HOME": str(workdir / ".hf"), "HF_HUB_OFFLINE": "1"}
         env.pop("FORCE_COLOR", None)
         proc = subprocess.run(argv, cwd=workdir, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=180,

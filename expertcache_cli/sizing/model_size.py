@@ -1,7 +1,8 @@
-"""What sizing needs to know about a model, read from a preset, a ``config.json`` or a model
-directory.
+"""What sizing needs to know about a model, read from a preset, a ``config.json``, a model
+directory or a Hugging Face id.
 
-`load_model` turns a preset name, a ``config.json`` path or a model directory into a
+`load_model` turns a preset name, a ``config.json`` path, a model directory or a Hub id
+(`hub`: the local Hugging Face cache, else the Hub's config.json) into a
 `ModelSize`: MoE layers, experts, top_k, the bytes of one expert in one layer (every
 tensor the cache must mirror into a slot, as vLLM holds it), the non-expert weight bytes,
 and KV bytes per token. A directory's safetensors headers, when present, replace the
@@ -20,7 +21,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..vllm_facts import installed_vllm
-from . import formats
+from . import formats, hub
 from .formats import QUANTS, Tensor, ceil_div, linear_bytes, linear_tensors, quant_from_config
 from .presets import DEFAULT_PRESET, PRESETS, find_preset
 
@@ -449,7 +450,8 @@ def _tensor_bytes(meta: dict[str, Any]) -> int:
     return n
 
 
-def model_from_checkpoint(directory: Path, quant: str | None = None) -> ModelSize:
+def model_from_checkpoint(directory: Path, quant: str | None = None,
+                          config: dict[str, Any] | None = None) -> ModelSize:
     """Size a local model directory: config.json for the shape, safetensors for exact bytes.
 
     Expert bytes are the sum of every tensor under ``layers.N.…experts.`` (routed experts;
@@ -458,9 +460,9 @@ def model_from_checkpoint(directory: Path, quant: str | None = None) -> ModelSiz
     not loaded by vLLM for plain serving and are left out, with a note.
     """
     cfg_path = directory / "config.json"
-    if not cfg_path.is_file():
+    if config is None and not cfg_path.is_file():
         raise UserError(f"{directory}: no config.json in this directory")
-    cfg = _read_config(cfg_path)
+    cfg = config if config is not None else _read_config(cfg_path)
     model = model_from_config(cfg, directory.name, quant, source="config")
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -526,6 +528,20 @@ def model_from_checkpoint(directory: Path, quant: str | None = None) -> ModelSiz
 # --------------------------------------------------------------------------- resolving --model
 
 
+def model_from_hub(repo_id: str, quant: str | None = None, client: Any = None) -> ModelSize:
+    """A Hub id as vLLM would load it: its complete local snapshot (exact bytes from the
+    safetensors headers), else its config.json from the cache or the Hub (arithmetic)."""
+    found = hub.resolve(repo_id, client=client)
+    name = repo_id.rsplit("/", 1)[-1]
+    if found.snapshot is not None:
+        model = model_from_checkpoint(found.snapshot, quant, config=found.config)
+        model.name = name
+    else:
+        model = model_from_config(found.config, name, quant, source="config")
+    model.notes.append(f"{repo_id}: config.json from {found.origin}")
+    return model
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     try:
         cfg = json.loads(path.read_text())
@@ -544,7 +560,8 @@ def config_architectures(cfg: dict[str, Any]) -> tuple[str, ...]:
 
 
 def load_model(spec: str | Path | None = None, quant: str | None = None) -> ModelSize:
-    """A preset name / HF id, a config.json path, or a model directory -> :class:`ModelSize`."""
+    """A preset (by name, or the Hub id it stands for), a config.json path, a model directory
+    or any other Hub id (`model_from_hub`) -> :class:`ModelSize`."""
     if spec is None or str(spec) == "":
         spec = DEFAULT_PRESET
     path = Path(str(spec)).expanduser()
@@ -557,9 +574,11 @@ def load_model(spec: str | Path | None = None, quant: str | None = None) -> Mode
     if preset is None:
         if str(spec).endswith(".json") or str(spec).startswith(("/", ".", "~")):
             raise UserError(f"{spec}: no such file or directory")
+        if hub.is_hub_id(str(spec)):
+            return model_from_hub(str(spec), quant)
         raise UserError(
-            f"unknown model {spec!r}: give a config.json, a model directory or one of "
-            f"{', '.join(PRESETS)}"
+            f"unknown model {spec!r}: give a Hugging Face id (org/name), a config.json, a "
+            f"model directory or one of {', '.join(PRESETS)}"
         )
     m = model_from_config(preset.config, preset.name, quant or preset.quant, source="preset")
     return m
