@@ -50,6 +50,8 @@ def _model_table(m: model_size.ModelSize) -> Table:
     kv = f"{m.kv_bytes_per_token:,} B ({m.kv_kind})"
     if m.kv_window_bytes_per_seq:
         kv += f" + {m.kv_window_bytes_per_seq:,} B per sequence for the windows"
+    if m.state_bytes_per_seq:
+        kv += f" + {m.state_bytes_per_seq:,} B of linear-attention state per sequence"
     t.add_row("KV per token (bf16)", kv)
     ragged = [x.name for x in m.expert_tensors if not x.aligned]
     slabs = ("yes" if not ragged else f"yes ({', '.join(ragged)} in the packed side row)"

@@ -62,6 +62,9 @@ class ModelSize:
     #: config.json's ``architectures``: vLLM's per-model config may change how it serves
     #: (gpt-oss raises the CUDA-graph capture ceiling, `capture.for_model`)
     architectures: tuple[str, ...] = ()
+    #: linear-attention layers (Qwen3-Next, Qwen3.5): a fixed state a sequence, whatever
+    #: its length and the KV cache's dtype
+    state_bytes_per_seq: int = 0
 
     def per_rank(self, tp: int) -> ModelSize:
         """The share one of ``tp`` tensor-parallel GPUs holds.
@@ -89,6 +92,7 @@ class ModelSize:
             non_expert_bytes=ceil_div(self.non_expert_bytes, tp),
             kv_bytes_per_token=ceil_div(self.kv_bytes_per_token, kv_split),
             kv_window_bytes_per_seq=ceil_div(self.kv_window_bytes_per_seq, kv_split),
+            state_bytes_per_seq=ceil_div(self.state_bytes_per_seq, tp),
             tensor_parallel=tp,
             notes=[*self.notes, f"per GPU of {tp} (tensor parallel): experts, attention and "
                                 f"embeddings sharded, KV split over {kv_split} rank(s)"],
@@ -176,6 +180,7 @@ class ModelSize:
             "total_bytes": self.total_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_window_bytes_per_seq": self.kv_window_bytes_per_seq,
+            "state_bytes_per_seq": self.state_bytes_per_seq,
             "kv_kind": self.kv_kind,
             "expert_tensors": [asdict(t) | {"aligned": t.aligned} for t in self.expert_tensors],
             "aligned": self.aligned,
@@ -235,9 +240,13 @@ def model_from_config(
 def _model_from_config(
     cfg: dict[str, Any], name: str, quant: str | None, source: str
 ) -> ModelSize:
+    notes: list[str] = []
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the LM inside
         cfg = {**cfg, **cfg["text_config"]}
-    notes: list[str] = []
+        if isinstance(cfg.get("vision_config"), dict):
+            notes.append("the vision encoder (vision_config) is not in the arithmetic: vLLM "
+                         "loads it beside the language model unless told to serve text only "
+                         "(a model directory's safetensors count it)")
     if quant is None:
         quant = quant_from_config(cfg) or _base_quant(cfg)
     else:
@@ -273,6 +282,7 @@ def _model_from_config(
     kv_heads = int(_first(cfg, "num_key_value_heads", default=heads))
     head_dim = int(_first(cfg, "head_dim", default=hidden // max(heads, 1)))
     mla = cfg.get("kv_lora_rank") is not None
+    hybrid = _linear_attention(cfg, layers)
     if mla:  # DeepSeek configs carry a head_dim that does not describe MLA's projections
         head_dim = 0
     moe_layers = _moe_layer_indices(cfg, layers)
@@ -316,7 +326,10 @@ def _model_from_config(
         kv_kind = f"MLA latent {kv_rank}+{rope}"
     else:
         q_out, kv_out = heads * head_dim, kv_heads * head_dim
-        attn = linear_bytes(q_out, hidden, lin_q) + 2 * linear_bytes(kv_out, hidden, lin_q)
+        # a gated attention's query projection also emits the gate (Qwen3-Next, Qwen3.5)
+        gate = 2 if cfg.get("attn_output_gate", hybrid is not None) else 1
+        attn = linear_bytes(gate * q_out, hidden, lin_q) + 2 * linear_bytes(kv_out, hidden,
+                                                                            lin_q)
         attn += linear_bytes(hidden, q_out, lin_q)
         if cfg.get("attention_bias") or cfg.get("qkv_bias"):
             attn += (q_out + 2 * kv_out + (hidden if cfg.get("attention_bias") else 0)) * b16
@@ -344,18 +357,35 @@ def _model_from_config(
     if not cfg.get("tie_word_embeddings", False):
         non_expert += vocab * hidden * b16  # lm_head
     non_expert += hidden * b16  # final norm
+    linear = hybrid.layers if hybrid else frozenset()
     for i in range(layers):
-        non_expert += attn + norms
+        non_expert += (hybrid.weight_bytes(hidden, lin_q) if i in linear else attn) + norms
         non_expert += router + shared if i in moe_set else _mlp_bytes(hidden, dense_inter, lin_q)
 
-    # -- KV cache: sliding-window layers hold only the window, per sequence
+    # -- KV cache: sliding-window layers hold only the window, linear-attention layers a
+    # fixed state, per sequence
     types = cfg.get("layer_types") or []
     window = int(cfg.get("sliding_window") or 0)
     sliding = sum(1 for t in types if t == "sliding_attention") if window else 0
-    kv_tok = (layers - sliding) * kv_layer
+    kv_tok = (layers - sliding - len(linear)) * kv_layer
     kv_win = sliding * window * kv_layer
+    state = 0
     if sliding:
         kv_kind += f", {sliding} of {layers} layers sliding ({window} tokens)"
+    if hybrid:
+        # vLLM pages a hybrid model's KV and state in blocks of one size, a layer's state
+        # wide: a sequence's KV is rounded up to whole such blocks, so one block's worth of
+        # tokens is counted beside the state
+        layer_state = hybrid.state_bytes(cfg)
+        page_tokens = ceil_div(layer_state, kv_layer) if kv_layer else 0
+        state = len(linear) * layer_state + page_tokens * kv_tok
+        kv_kind += f", {len(linear)} of {layers} layers linear attention"
+        notes.append(
+            f"{len(linear)} of {layers} layers are linear attention (gated delta rule): no KV "
+            f"a token, {len(linear) * layer_state / 2**20:.1f} MiB of state a sequence, "
+            f"counted with the KV reserve with {page_tokens} tokens of KV for vLLM's rounding "
+            "to its hybrid pages (arithmetic over the config: no hybrid model has been "
+            "served with the cache)")
     return ModelSize(
         name=name,
         source=source,
@@ -378,7 +408,63 @@ def _model_from_config(
         kv_heads=0 if mla else kv_heads,
         attention_heads=heads,
         architectures=config_architectures(cfg),
+        state_bytes_per_seq=state,
     )
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The gated-delta-rule linear attention of Qwen3-Next and Qwen3.5, as vLLM holds it:
+    which layers have it, and what a layer's weights and a sequence's state take."""
+
+    layers: frozenset[int]
+    key_heads: int
+    key_dim: int
+    value_heads: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def weight_bytes(self, hidden: int, quant: str) -> int:
+        """One layer: the fused q/k/v/z and b/a input projections, the short causal
+        convolution, the per-head decay and its bias, the gated norm, the output
+        projection."""
+        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        b16 = 2
+        return (linear_bytes(2 * keys + 2 * values, hidden, quant)
+                + linear_bytes(2 * self.value_heads, hidden, quant)
+                + self.conv_channels * self.conv_kernel * b16
+                + 2 * self.value_heads * b16 + self.value_dim * b16
+                + linear_bytes(hidden, values, quant))
+
+    def state_bytes(self, cfg: dict[str, Any]) -> int:
+        """One layer, one sequence: the recurrent state (a key x value matrix a value
+        head, float32 where the config asks for it) and the convolution's last
+        ``kernel - 1`` inputs."""
+        ssm = 4 if str(cfg.get("mamba_ssm_dtype", "")).lower() in ("float32", "fp32") else 2
+        return (self.value_heads * self.key_dim * self.value_dim * ssm
+                + self.conv_channels * (self.conv_kernel - 1) * 2)
+
+
+def _linear_attention(cfg: dict[str, Any], layers: int) -> LinearAttention | None:
+    """The config's linear-attention layers (``layer_types``, else every layer but each
+    ``full_attention_interval``-th), or None for a model without them."""
+    if cfg.get("linear_num_value_heads") is None:
+        return None
+    types = cfg.get("layer_types")
+    if types:
+        linear = frozenset(i for i, t in enumerate(types[:layers]) if t == "linear_attention")
+    else:
+        every = int(cfg.get("full_attention_interval") or 4)
+        linear = frozenset(i for i in range(layers) if (i + 1) % every)
+    return LinearAttention(
+        layers=linear, key_heads=int(cfg["linear_num_key_heads"]),
+        key_dim=int(cfg["linear_key_head_dim"]), value_heads=int(cfg["linear_num_value_heads"]),
+        value_dim=int(cfg["linear_value_head_dim"]),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4))
 
 
 def _marlin_experts(cfg: dict[str, Any], quant: str, hidden: int, inter: int, bias: bool,

@@ -674,18 +674,18 @@ KV_DTYPE_SCALE: dict[str, float] = {"auto": 1.0, "bf16": 1.0, "fp16": 1.0, "fp8"
 def _kv_reserve(model: ModelSize, *, kv_cache_dtype: str, kv_tokens: int, max_model_len: int,
                 max_num_seqs: int, kv_cache_memory_bytes: int | None) -> tuple[int, int]:
     """(KV bytes a token, the KV the plan reserves): ``kv_tokens`` of KV plus the sliding
-    windows of the sequences they make, or the user's ``--kv-cache-memory-bytes``, which
-    must hold one ``max_model_len`` sequence or vLLM refuses to start."""
+    windows and linear-attention state of the sequences they make, or the user's
+    ``--kv-cache-memory-bytes``, which must hold one ``max_model_len`` sequence or vLLM
+    refuses to start."""
     kv_scale = KV_DTYPE_SCALE.get(kv_cache_dtype.lower())
     if kv_scale is None:
         raise UserError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}: auto, fp8")
     kv_per_tok = int(model.kv_bytes_per_token * kv_scale)
     seqs_for_window = max(1, min(max_num_seqs, kv_tokens // max(1, max_model_len)))
-    kv_reserved = kv_tokens * kv_per_tok + int(
-        model.kv_window_bytes_per_seq * kv_scale * seqs_for_window
-    )
+    per_seq = int(model.kv_window_bytes_per_seq * kv_scale) + model.state_bytes_per_seq
+    kv_reserved = kv_tokens * kv_per_tok + per_seq * seqs_for_window
     if kv_cache_memory_bytes is not None:
-        one_seq = max_model_len * kv_per_tok + int(model.kv_window_bytes_per_seq * kv_scale)
+        one_seq = max_model_len * kv_per_tok + per_seq
         if kv_cache_memory_bytes < one_seq:
             raise UserError(
                 f"--kv-cache-memory-bytes {kv_cache_memory_bytes:,} cannot hold one "

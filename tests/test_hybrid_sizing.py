@@ -1,0 +1,91 @@
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5): the weights, KV and state that
+sizing counts for them.
+
+Three of every four layers of these models are gated-delta-rule linear attention, which
+holds no KV a token but a fixed state a sequence; the others are gated full attention.
+Counting every layer as full attention would reserve four times the KV a token, and size
+the attention weights wrong. The expected figures are worked by hand from the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from expertcache_cli.sizing import model_size, sizing
+
+#: Qwen/Qwen3-Coder-Next's config.json fields (the Qwen3-Next-80B-A3B architecture), as a
+#: public parameter-count test quotes them; that test pins the checkpoint at
+#: 79,674,391,296 parameters.
+CODER_NEXT = {
+    "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+    "hidden_size": 2048, "num_hidden_layers": 48, "vocab_size": 151936, "head_dim": 256,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "num_experts": 512,
+    "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "intermediate_size": 5120,
+    "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
+    "max_position_embeddings": 262144, "torch_dtype": "bfloat16",
+}
+PARAMETERS = 79_674_391_296
+KV_LAYER = 2 * 2 * 256 * 2  # K and V, 2 KV heads of 256, bf16
+LAYER_STATE = 32 * 128 * 128 * 2 + (2 * 16 * 128 + 32 * 128) * 3 * 2  # recurrent + conv
+
+
+def test_qwen3_next_weights_are_its_parameter_count():
+    m = model_size.model_from_config(CODER_NEXT, "coder-next")
+    assert m.total_bytes == 2 * PARAMETERS
+    assert m.moe_layers == list(range(48)) and (m.num_experts, m.top_k) == (512, 10)
+    assert m.bytes_per_expert == 3 * 2048 * 512 * 2
+
+
+def test_qwen3_next_kv_is_its_full_attention_layers_and_state_its_linear_ones():
+    m = model_size.model_from_config(CODER_NEXT, "coder-next")
+    assert m.kv_bytes_per_token == 12 * KV_LAYER  # layers 3, 7, ..., 47
+    page_tokens = -(-LAYER_STATE // KV_LAYER)
+    assert m.state_bytes_per_seq == 36 * LAYER_STATE + page_tokens * 12 * KV_LAYER
+    assert "36 of 48 layers linear attention" in m.kv_kind
+    assert any("linear attention" in n and "no hybrid model has been served" in n
+               for n in m.notes)
+
+
+def test_layer_types_and_a_float32_state_are_read_qwen3_5_style():
+    """Qwen3.5 wraps the language model in text_config and lists its layer types; its
+    configs ask for the recurrent state in float32."""
+    text = {k: v for k, v in CODER_NEXT.items() if k != "full_attention_interval"}
+    text |= {"num_hidden_layers": 8, "mamba_ssm_dtype": "float32",
+             "layer_types": ["linear_attention", "full_attention"] * 4}
+    m = model_size.model_from_config({"model_type": "qwen3_5_moe", "text_config": text,
+                                      "vision_config": {"depth": 27}}, "q35")
+    state = 32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 3 * 2
+    assert m.kv_bytes_per_token == 4 * KV_LAYER
+    assert m.state_bytes_per_seq == 4 * state + -(-state // KV_LAYER) * 4 * KV_LAYER
+    assert any("vision encoder" in n for n in m.notes)
+
+
+def test_a_model_without_linear_attention_is_unchanged():
+    plain = {k: v for k, v in CODER_NEXT.items() if not k.startswith(("linear_", "full_"))}
+    m = model_size.model_from_config(plain, "plain")
+    assert m.state_bytes_per_seq == 0 and m.kv_bytes_per_token == 48 * KV_LAYER
+    assert not any("linear attention" in n for n in m.notes)
+
+
+def test_the_state_is_reserved_whatever_the_kv_dtype(tmp_path):
+    """An fp8 KV cache halves the KV a token, not the state (its dtype is the model's)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CODER_NEXT))
+    m = model_size.load_model(path)
+    auto = sizing.plan(path, 80, max_model_len=8192, max_num_seqs=1)
+    fp8 = sizing.plan(path, 80, max_model_len=8192, max_num_seqs=1, kv_cache_dtype="fp8")
+    assert auto.kv_reserved_bytes - fp8.kv_reserved_bytes == 8192 * m.kv_bytes_per_token // 2
+    assert fp8.kv_reserved_bytes >= m.state_bytes_per_seq
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_state_is_sharded_with_the_heads(tp):
+    m = model_size.model_from_config(CODER_NEXT, "coder-next")
+    assert m.per_rank(tp).state_bytes_per_seq == -(-m.state_bytes_per_seq // tp)
+    assert dataclasses.asdict(m.per_rank(1)) == dataclasses.asdict(m)
