@@ -210,6 +210,11 @@ def _moe_layer_indices(cfg: dict[str, Any], num_layers: int) -> list[int]:
             return [i for i in range(num_layers) if i < len(freq) and freq[i]]
         freq = int(freq or 1)
         return [i for i in range(first, num_layers) if i % freq == 0]
+    if isinstance(cfg.get("moe_layers"), list):  # Llama 4 lists them
+        return sorted(int(i) for i in cfg["moe_layers"] if int(i) < num_layers)
+    if cfg.get("interleave_moe_layer_step"):  # Llama 4: every step-th layer, the last of each
+        step = int(cfg["interleave_moe_layer_step"])
+        return [i for i in range(num_layers) if (i + 1) % step == 0]
     if "decoder_sparse_step" in cfg or "mlp_only_layers" in cfg:  # Qwen2/3-MoE
         step = int(cfg.get("decoder_sparse_step", 1) or 1)
         dense = set(cfg.get("mlp_only_layers") or [])
@@ -277,7 +282,8 @@ def _model_from_config(
     if num_experts <= 1 or top_k <= 0:
         raise UserError(f"{name}: not a mixture-of-experts model (no routed experts in its config)")
     inter = int(_first(cfg, "moe_intermediate_size", "intermediate_size"))
-    dense_inter = int(_first(cfg, "intermediate_size", default=inter))
+    # Llama 4 names its dense layers' width apart from the experts' (`intermediate_size`)
+    dense_inter = int(_first(cfg, "intermediate_size_mlp", "intermediate_size", default=inter))
     heads = int(cfg.get("num_attention_heads", 0))
     kv_heads = int(_first(cfg, "num_key_value_heads", default=heads))
     head_dim = int(_first(cfg, "head_dim", default=hidden // max(heads, 1)))
@@ -349,6 +355,8 @@ def _model_from_config(
     n_shared = int(cfg.get("n_shared_experts") or 0)
     if n_shared:
         shared = _mlp_bytes(hidden, n_shared * inter, lin_q)
+    if str(cfg.get("model_type", "")).startswith("llama4"):
+        shared = _mlp_bytes(hidden, inter, lin_q)  # one shared expert a MoE layer
     if cfg.get("shared_expert_intermediate_size"):
         shared = _mlp_bytes(hidden, int(cfg["shared_expert_intermediate_size"]), lin_q)
         shared += hidden * b16  # the shared expert's sigmoid gate

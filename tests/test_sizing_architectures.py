@@ -1,10 +1,14 @@
-"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5): the weights, KV and state that
-sizing counts for them.
+"""Architectures whose layers are not all alike: what sizing counts for them.
 
-Three of every four layers of these models are gated-delta-rule linear attention, which
-holds no KV a token but a fixed state a sequence; the others are gated full attention.
-Counting every layer as full attention would reserve four times the KV a token, and size
-the attention weights wrong. The expected figures are worked by hand from the config.
+Hybrid linear-attention models (Qwen3-Next, Qwen3.5): three of every four layers are
+gated-delta-rule linear attention, which holds no KV a token but a fixed state a
+sequence; the others are gated full attention. Counting every layer as full attention
+would reserve four times the KV a token, and size the attention weights wrong.
+
+Llama 4: a shared expert beside the routed ones in every MoE layer, and (Maverick) dense
+layers of another width interleaved with the MoE ones.
+
+The expected figures are worked by hand from the configs.
 """
 
 from __future__ import annotations
@@ -89,3 +93,35 @@ def test_the_state_is_sharded_with_the_heads(tp):
     m = model_size.model_from_config(CODER_NEXT, "coder-next")
     assert m.per_rank(tp).state_bytes_per_seq == -(-m.state_bytes_per_seq // tp)
     assert dataclasses.asdict(m.per_rank(1)) == dataclasses.asdict(m)
+
+
+#: Llama 4 Scout's text_config fields (meta-llama/Llama-4-Scout-17B-16E), as public config
+#: parsers' tests quote them
+SCOUT_TEXT = {
+    "model_type": "llama4_text", "hidden_size": 5120, "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
+    "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 16,
+    "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "vocab_size": 202048,
+    "attention_bias": False, "tie_word_embeddings": False, "use_qk_norm": True,
+}
+
+
+def test_llama4_counts_its_shared_expert_and_its_interleaved_dense_layers():
+    """Every Llama 4 MoE layer has a shared expert of the experts' width beside the routed
+    ones, and Maverick-style configs interleave dense layers of ``intermediate_size_mlp``."""
+    h, inter = 5120, 8192
+    attn = 2 * (h * 40 * 128 + 2 * h * 8 * 128 + 40 * 128 * h)
+    expert = 3 * h * inter * 2
+    layer = attn + 2 * h * 2 + 16 * h * 2 + expert  # norms, router, the shared expert
+    scout = model_size.model_from_config(
+        {"model_type": "llama4", "text_config": SCOUT_TEXT}, "scout")
+    assert scout.moe_layers == list(range(48)) and scout.bytes_per_expert == expert
+    assert scout.non_expert_bytes == 2 * 202048 * h * 2 + h * 2 + 48 * layer
+    maverick = model_size.model_from_config(
+        SCOUT_TEXT | {"num_local_experts": 128, "interleave_moe_layer_step": 2}, "maverick")
+    assert maverick.moe_layers == list(range(1, 48, 2))
+    dense = attn + 2 * h * 2 + 3 * h * 16384 * 2
+    assert maverick.non_expert_bytes == (2 * 202048 * h * 2 + h * 2 + 24 * (layer - 16 * h * 2
+                                         + 128 * h * 2) + 24 * dense)
+    listed = model_size.model_from_config(SCOUT_TEXT | {"moe_layers": [1, 3, 99]}, "listed")
+    assert listed.moe_layers == [1, 3]
