@@ -27,22 +27,25 @@ REPO = "someorg/Qwen3-30B-A3B-GPTQ-Int4"
 
 @pytest.fixture(autouse=True)
 def hf_env(tmp_path, monkeypatch):
-    """An empty Hugging Face home, no token, the default endpoint, online."""
+    """An empty Hugging Face home, no token, the default endpoint, online, the main branch."""
     for name in ("HF_HUB_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH",
                  "HF_ENDPOINT", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    return tmp_path / "hf"
+    token = hub.REVISION.set("main")
+    yield tmp_path / "hf"
+    hub.REVISION.reset(token)
 
 
-def snapshot(hf_home: Path, repo: str, config: dict, commit: str = "0123abc") -> Path:
-    """A repository in the local cache, as the Hub client leaves it: refs/main names the
+def snapshot(hf_home: Path, repo: str, config: dict, commit: str = "0123abc",
+             ref: str = "main") -> Path:
+    """A repository in the local cache, as the Hub client leaves it: refs/<ref> names the
     snapshot folder of that commit."""
     base = hf_home / "hub" / f"models--{repo.replace('/', '--')}"
     snap = base / "snapshots" / commit
     snap.mkdir(parents=True)
-    (base / "refs").mkdir()
-    (base / "refs" / "main").write_text(commit)
+    (base / "refs").mkdir(exist_ok=True)
+    (base / "refs" / ref).write_text(commit)
     (snap / "config.json").write_text(json.dumps(config))
     return snap
 
@@ -239,3 +242,22 @@ def test_size_and_serve_take_a_cached_hub_id(hf_env, tmp_path):
                           capture_output=True, text=True, cwd=tmp_path)
     assert gone.returncode == 2 and gone.stdout == ""
     assert gone.stderr.count("\n") == 1 and "HF_HUB_OFFLINE" in gone.stderr
+
+
+def test_vllms_revision_is_the_one_sized(hf_env):
+    """`-- --revision R` is what vLLM loads, so the sizing reads R's config: from the cache
+    by its ref or commit, else from the Hub at R."""
+    from expertcache_cli.commands import passthrough_args
+
+    snapshot(hf_env, REPO, QWEN3, commit="aaa")
+    snapshot(hf_env, REPO, QWEN3 | {"quantization_config": GPTQ}, commit="bbb", ref="int4")
+    assert model_size.load_model(REPO).quant == "bf16"
+    assert passthrough_args(["--revision", "int4"], ["size", "--", "--revision", "int4"])
+    assert model_size.load_model(REPO).quant == "w4a16"
+    hub.REVISION.set("bbb")  # a commit hash names its snapshot folder
+    assert model_size.load_model(REPO).quant == "w4a16"
+    seen: list[httpx.Request] = []
+    client = hub_client({f"/{REPO}/resolve/v9/config.json": (200, QWEN3)}, seen)
+    found = hub.resolve(REPO, "v9", client=client)
+    assert seen[0].url.path == f"/{REPO}/resolve/v9/config.json"
+    assert "--revision v9" in found.origin

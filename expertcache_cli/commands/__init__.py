@@ -13,6 +13,8 @@ from typing import Any
 import typer
 
 from ..errors import UserError
+from ..sizing import hub
+from ..vllm_facts import vllm_flags
 
 #: module name -> registered by that module's ``register(app)``
 COMMAND_MODULES = ["replay", "trace", "plan", "baseline", "size", "build_kernels", "probe_link",
@@ -88,7 +90,9 @@ def json_text(obj: Any) -> str:
 def passthrough_args(extra: Sequence[str], argv: Sequence[str] | None = None) -> list[str]:
     """The arguments for vLLM: the ones after ``--``. Anything else left over is a word we
     do not know before the ``--``, most likely a typo of one of our own options: refused
-    in one line instead of silently passed on (or, for `size`, silently ignored)."""
+    in one line instead of silently passed on (or, for `size`, silently ignored). A
+    ``--revision`` among them is the one vLLM loads a Hub id at, so the sizing reads that
+    revision's config too (`hub.REVISION`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     after = argv[argv.index("--") + 1:] if "--" in argv else []
     extra = list(extra)
@@ -98,6 +102,9 @@ def passthrough_args(extra: Sequence[str], argv: Sequence[str] | None = None) ->
             f"unknown option or argument {stray[0]!r} (vLLM's flags go after --, e.g. "
             f"`-- {stray[0]} ...`)"
         )
+    revision = vllm_flags.vllm_flag_value(extra, "--revision")
+    if revision:
+        hub.REVISION.set(revision)
     return extra
 
 

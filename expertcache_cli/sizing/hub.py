@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ from ..errors import UserError
 #: ``org/name``: what the Hub accepts as a model id (no scheme, no path beyond one slash)
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 TIMEOUT_S = 15.0
+#: the revision vLLM will load (its ``--revision``, which the command line passes on):
+#: set by `commands.passthrough_args`, read wherever a Hub id is sized
+REVISION: ContextVar[str] = ContextVar("hub_revision", default="main")
 #: the files beside config.json that vLLM reads a quantisation config from when
 #: config.json declares none (ModelOpt checkpoints: `hf_quant_config.json`)
 QUANT_SIDE_FILES = ("hf_quant_config.json",)
@@ -77,8 +81,9 @@ def token() -> str | None:
     return saved or None
 
 
-def cached_snapshot(repo_id: str, revision: str = "main") -> Path | None:
+def cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
     """The local cache's snapshot of ``repo_id`` at ``revision`` that holds a config.json."""
+    revision = revision or REVISION.get()
     repo = cache_root() / f"models--{repo_id.replace('/', '--')}"
     ref = repo / "refs" / revision
     try:
@@ -120,9 +125,11 @@ def _with_side_quant(config: dict[str, Any], side: dict[str, Any] | None) -> dic
     return config
 
 
-def resolve(repo_id: str, revision: str = "main", client: Any = None) -> HubModel:
-    """``repo_id``'s config (and complete snapshot, if any): the local cache first, then
-    the Hub. ``client`` is an ``httpx.Client`` (tests pass one with a mock transport)."""
+def resolve(repo_id: str, revision: str | None = None, client: Any = None) -> HubModel:
+    """``repo_id``'s config (and complete snapshot, if any) at ``revision`` (default: the
+    one vLLM will load, `REVISION`): the local cache first, then the Hub. ``client`` is an
+    ``httpx.Client`` (tests pass one with a mock transport)."""
+    revision = revision or REVISION.get()
     snap = cached_snapshot(repo_id, revision)
     if snap is not None:
         config = _read_json(snap / "config.json", repo_id)
@@ -140,7 +147,8 @@ def resolve(repo_id: str, revision: str = "main", client: Any = None) -> HubMode
             side, _ = _fetch(repo_id, name, revision, client, required=False)
             if side is not None:
                 break
-    return HubModel(repo_id, _with_side_quant(config, side), None, url)
+    return HubModel(repo_id, _with_side_quant(config, side), None,
+                    url if revision == "main" else f"{url} (--revision {revision})")
 
 
 def _fetch(repo_id: str, name: str, revision: str, client: Any,
