@@ -237,6 +237,11 @@ def test_size_and_serve_take_a_cached_hub_id(hf_env, tmp_path):
     assert serve.returncode == 0, serve.stderr
     assert "EXPERT_CACHE_SLOTS=102 EXPERT_CACHE_POLICY=lru" in serve.stdout
     assert f"serve {REPO} " in serve.stdout
+    snapshot(hf_env, REPO, QWEN3, commit="b16", ref="bf16")
+    other = subprocess.run([*cli, "size", "--model", REPO, "--vram", "16", "--",
+                            "--revision", "bf16"], env=env, capture_output=True, text=True,
+                           cwd=tmp_path)
+    assert other.returncode == 0 and "(bf16, from config)" in other.stdout, other.stderr
     env["HF_HOME"] = str(tmp_path / "empty")
     gone = subprocess.run([*cli, "size", "--model", REPO, "--vram", "16"], env=env,
                           capture_output=True, text=True, cwd=tmp_path)

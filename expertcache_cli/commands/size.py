@@ -194,8 +194,8 @@ def register(app: typer.Typer) -> None:
                 t.add_row(n + (" (default)" if n == DEFAULT_PRESET else ""), p.hf_id, p.quant)
             console.print(t)
             return
+        args = passthrough_args(ctx.args)  # first: a --revision there is the one sized
         m = model_size.load_model(Path(model) if Path(model).exists() else model, quant)
-        args = passthrough_args(ctx.args)
         common = vllm_flags.plan_kwargs_from_vllm_args(args)
         given = dict(
             max_model_len=max_model_len,
