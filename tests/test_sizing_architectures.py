@@ -8,6 +8,9 @@ would reserve four times the KV a token, and size the attention weights wrong.
 Llama 4: a shared expert beside the routed ones in every MoE layer, and (Maverick) dense
 layers of another width interleaved with the MoE ones.
 
+Mamba hybrids (Jamba, Nemotron-H): which layers are MoE, and a note that their Mamba
+layers are estimated.
+
 The expected figures are worked by hand from the configs.
 """
 
@@ -125,3 +128,17 @@ def test_llama4_counts_its_shared_expert_and_its_interleaved_dense_layers():
                                          + 128 * h * 2) + 24 * dense)
     listed = model_size.model_from_config(SCOUT_TEXT | {"moe_layers": [1, 3, 99]}, "listed")
     assert listed.moe_layers == [1, 3]
+
+
+@pytest.mark.parametrize("extra,moe", [
+    ({"hybrid_override_pattern": "MEM*EMEM"}, [1, 4, 6]),  # Nemotron-H: E marks MoE layers
+    ({"expert_layer_period": 2, "expert_layer_offset": 1, "mamba_d_state": 16},
+     [1, 3, 5, 7]),  # Jamba
+])
+def test_mamba_hybrids_say_their_mamba_layers_are_estimated(extra, moe):
+    cfg = {"hidden_size": 64, "num_hidden_layers": 8, "vocab_size": 100,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "intermediate_size": 32} | extra
+    m = model_size.model_from_config(cfg, "hybrid")
+    assert m.moe_layers == moe
+    assert any("Mamba layers are not in the arithmetic" in n for n in m.notes)

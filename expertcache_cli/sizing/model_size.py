@@ -201,6 +201,12 @@ def _base_quant(cfg: dict[str, Any]) -> str:
     return "fp16" if dt in ("float16", "fp16", "half") else "bf16"
 
 
+#: config keys of Mamba-hybrid families (Jamba, Nemotron-H, Granite 4): their Mamba layers'
+#: weights and state are not modelled, and a note says so
+MAMBA_KEYS = ("mamba_d_state", "mamba_expand", "mamba_num_heads", "hybrid_override_pattern",
+              "layers_block_type")
+
+
 def _moe_layer_indices(cfg: dict[str, Any], num_layers: int) -> list[int]:
     """Which decoder layers carry routed experts, per each family's config convention."""
     if cfg.get("n_routed_experts"):  # DeepSeek V2/V3, Kimi, GLM-4.5 style
@@ -210,6 +216,12 @@ def _moe_layer_indices(cfg: dict[str, Any], num_layers: int) -> list[int]:
             return [i for i in range(num_layers) if i < len(freq) and freq[i]]
         freq = int(freq or 1)
         return [i for i in range(first, num_layers) if i % freq == 0]
+    pattern = cfg.get("hybrid_override_pattern")
+    if isinstance(pattern, str):  # Nemotron-H: one letter a layer, E the MoE ones
+        return [i for i, kind in enumerate(pattern[:num_layers]) if kind == "E"]
+    if cfg.get("expert_layer_period"):  # Jamba: every period-th layer from the offset
+        period, offset = int(cfg["expert_layer_period"]), int(cfg.get("expert_layer_offset", 0))
+        return [i for i in range(num_layers) if i >= offset and (i - offset) % period == 0]
     if isinstance(cfg.get("moe_layers"), list):  # Llama 4 lists them
         return sorted(int(i) for i in cfg["moe_layers"] if int(i) < num_layers)
     if cfg.get("interleave_moe_layer_step"):  # Llama 4: every step-th layer, the last of each
@@ -289,6 +301,10 @@ def _model_from_config(
     head_dim = int(_first(cfg, "head_dim", default=hidden // max(heads, 1)))
     mla = cfg.get("kv_lora_rank") is not None
     hybrid = _linear_attention(cfg, layers)
+    if any(k in cfg for k in MAMBA_KEYS):
+        notes.append("Mamba layers are not in the arithmetic (counted as attention): the "
+                     "non-expert bytes and the KV reserve are estimates; a model directory's "
+                     "safetensors give the weights exactly")
     if mla:  # DeepSeek configs carry a head_dim that does not describe MLA's projections
         head_dim = 0
     moe_layers = _moe_layer_indices(cfg, layers)
