@@ -1,4 +1,4 @@
-"""Architectures whose layers are not all alike: what sizing counts for them.
+"""Architectures whose layers are not all alike, and multimodal ones: what sizing counts.
 
 Hybrid linear-attention models (Qwen3-Next, Qwen3.5): three of every four layers are
 gated-delta-rule linear attention, which holds no KV a token but a fixed state a
@@ -142,3 +142,41 @@ def test_mamba_hybrids_say_their_mamba_layers_are_estimated(extra, moe):
     m = model_size.model_from_config(cfg, "hybrid")
     assert m.moe_layers == moe
     assert any("Mamba layers are not in the arithmetic" in n for n in m.notes)
+
+
+def test_a_vision_encoder_is_estimated_as_a_vit():
+    """Qwen3.5's vision tower: 27 blocks of width 1152 (MLP 4304) and a 2x2 patch merger
+    to the language model's 2048; Llama 4's: 34 blocks of 1408 (MLP 5632) and a projector."""
+    qwen = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+            "spatial_merge_size": 2, "out_hidden_size": 2048}
+    blocks = 27 * (4 * 1152**2 + 2 * 1152 * 4304)
+    assert model_size.vision_encoder_bytes(qwen) == 2 * (blocks + 4608**2 + 4608 * 2048)
+    llama = {"hidden_size": 1408, "intermediate_size": 5632, "num_hidden_layers": 34,
+             "projector_input_dim": 4096, "projector_output_dim": 4096}
+    assert model_size.vision_encoder_bytes(llama) == 2 * (
+        34 * (4 * 1408**2 + 2 * 1408 * 5632) + 4096 * 4096)
+    text = {k: v for k, v in CODER_NEXT.items() if k != "full_attention_interval"}
+    with_vision = model_size.model_from_config(
+        {"model_type": "qwen3_5_moe", "text_config": text, "vision_config": qwen}, "q35")
+    alone = model_size.model_from_config(text, "q35")
+    assert with_vision.non_expert_bytes - alone.non_expert_bytes == \
+        model_size.vision_encoder_bytes(qwen)
+    assert any("vision encoder (vision_config) estimated at" in n for n in with_vision.notes)
+
+
+def test_a_checkpoints_safetensors_replace_the_vision_estimate(tmp_path):
+    from test_sizing import _write_safetensors
+
+    text = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "vocab_size": 100, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"text_config": text, "vision_config": {"depth": 2, "hidden_size": 32}}))
+    t = {f"model.layers.0.mlp.experts.{e}.{p}.weight": ("BF16", [32, 64])
+         for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
+    t["visual.blocks.0.attn.qkv.weight"] = ("BF16", [96, 32])
+    _write_safetensors(tmp_path / "model.safetensors", t)
+    m = model_size.load_model(tmp_path)
+    assert m.source == "checkpoint" and m.non_expert_bytes == 96 * 32 * 2
+    assert not any("vision encoder" in n for n in m.notes)

@@ -25,6 +25,7 @@ from . import formats, hub
 from .formats import QUANTS, Tensor, ceil_div, linear_bytes, linear_tensors, quant_from_config
 from .presets import DEFAULT_PRESET, PRESETS, find_preset
 
+_GIB = 2**30
 _DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8,
@@ -258,12 +259,17 @@ def _model_from_config(
     cfg: dict[str, Any], name: str, quant: str | None, source: str
 ) -> ModelSize:
     notes: list[str] = []
+    vision = 0
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the LM inside
         cfg = {**cfg, **cfg["text_config"]}
         if isinstance(cfg.get("vision_config"), dict):
-            notes.append("the vision encoder (vision_config) is not in the arithmetic: vLLM "
-                         "loads it beside the language model unless told to serve text only "
-                         "(a model directory's safetensors count it)")
+            vision = vision_encoder_bytes(cfg["vision_config"])
+            notes.append(
+                (f"{VISION_NOTE} estimated at {vision / _GIB:.2f} GiB, as a plain ViT of "
+                 "its depth and widths" if vision else f"{VISION_NOTE} not in the "
+                 "arithmetic (its config names no depth and width)")
+                + ": vLLM loads it beside the language model unless told to serve text only "
+                "(a model directory's safetensors count it exactly)")
     if quant is None:
         quant = quant_from_config(cfg) or _base_quant(cfg)
     else:
@@ -377,7 +383,7 @@ def _model_from_config(
         shared = _mlp_bytes(hidden, int(cfg["shared_expert_intermediate_size"]), lin_q)
         shared += hidden * b16  # the shared expert's sigmoid gate
     moe_set = set(moe_layers)
-    non_expert = vocab * hidden * b16  # embeddings
+    non_expert = vocab * hidden * b16 + vision  # embeddings, any vision encoder
     if not cfg.get("tie_word_embeddings", False):
         non_expert += vocab * hidden * b16  # lm_head
     non_expert += hidden * b16  # final norm
@@ -516,6 +522,30 @@ def _marlin_experts(cfg: dict[str, Any], quant: str, hidden: int, inter: int, bi
     return tensors
 
 
+VISION_NOTE = "the vision encoder (vision_config)"
+
+
+def vision_encoder_bytes(vcfg: dict[str, Any]) -> int:
+    """A multimodal config's vision encoder in bf16, estimated as a plain ViT: each block's
+    attention (4 h^2) and MLP (2 h i), and, where the config names them, the patch merger
+    to the language model's width (Qwen's ``spatial_merge_size``, ``out_hidden_size``) or
+    a projector (``projector_input_dim`` -> ``projector_output_dim``). Norms, biases and
+    position tables are left out: a few percent of it."""
+    h = int(_first(vcfg, "hidden_size", "embed_dim", "width", default=0) or 0)
+    depth = int(_first(vcfg, "depth", "num_hidden_layers", "num_layers", default=0) or 0)
+    if not h or not depth:
+        return 0
+    inter = int(_first(vcfg, "intermediate_size", "mlp_dim", default=4 * h) or 4 * h)
+    params = depth * (4 * h * h + 2 * h * inter)
+    merge, out = vcfg.get("spatial_merge_size"), vcfg.get("out_hidden_size")
+    if merge and out:
+        wide = h * int(merge) ** 2
+        params += wide * wide + wide * int(out)
+    if vcfg.get("projector_input_dim") and vcfg.get("projector_output_dim"):
+        params += int(vcfg["projector_input_dim"]) * int(vcfg["projector_output_dim"])
+    return 2 * params
+
+
 def _mlp_bytes(hidden: int, inter: int, quant: str) -> int:
     """A gated MLP (gate, up, down) of width ``inter``."""
     return 2 * linear_bytes(inter, hidden, quant) + linear_bytes(hidden, inter, quant)
@@ -628,7 +658,8 @@ def model_from_checkpoint(directory: Path, quant: str | None = None,
     if biggest % model.num_experts:
         model.notes.append("expert tensors do not divide evenly by the expert count")
     model.moe_layers = sorted(per_layer)
-    model.non_expert_bytes = non_expert
+    model.non_expert_bytes = non_expert  # a vision encoder's tensors among them, exactly
+    model.notes = [n for n in model.notes if not n.startswith(VISION_NOTE)]
     model.source = "checkpoint"
     if skipped:
         model.notes.append(f"{skipped} bytes of layers past num_hidden_layers not counted")
