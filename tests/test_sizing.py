@@ -702,3 +702,21 @@ def test_gpt_oss_is_sized_for_the_graphs_vllm_captures_for_it():
     oss, other = sizing.plan(m, 24), sizing.plan(plain, 24)
     assert oss.overhead_bytes > other.overhead_bytes
     assert "GptOssForCausalLM" in oss.graphs
+
+
+def test_a_context_too_long_for_the_card_says_what_8192_tokens_would_leave(tmp_path):
+    """Mixtral-8x22B at its 65,536-token context on 24 GiB: the KV alone is 14 GiB and
+    nothing fits; the plan says what the common 8,192 tokens would leave, and `serve`'s
+    refusal carries that line."""
+    config = CONFIGS / "mixtral-8x22b.json"
+    p = sizing.plan(config, 24)
+    assert p.verdict is sizing.Verdict.DOES_NOT_FIT
+    (note,) = [n for n in p.notes if sizing.SHORT_CONTEXT in n]
+    assert note.startswith("KV for one 65536-token sequence takes 14.00 GiB")
+    short = sizing.plan(config, 24, max_model_len=8192)
+    assert f"leaves room for {short.max_slots} slots: {short.verdict_text}" in note
+    r = subprocess.run([sys.executable, "-m", "expertcache_cli", "serve", str(tmp_path),
+                        "--size-from", str(config), "--vram", "24", "--dry-run"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "does not fit even with offload" in r.stderr and sizing.SHORT_CONTEXT in r.stderr

@@ -24,7 +24,7 @@ from ..errors import UserError
 from ..rules import budget
 from ..rules.policy import Wide
 from ..sizing import sizing
-from ..sizing.sizing import Verdict
+from ..sizing.sizing import SHORT_CONTEXT, Verdict
 from ..vllm_facts import installed_vllm, releases, vllm_experts, vllm_flags, vllm_runner
 
 #: flags serve sets itself; given by the user, the user's value wins (noted in the plan)
@@ -156,7 +156,8 @@ def make_plan(
     if why:
         raise UserError(why)
     if size.verdict is Verdict.DOES_NOT_FIT:
-        raise UserError(f"{size.model} on {size.where}: {size.verdict_text}")
+        shorter = next((f" ({n})" for n in size.notes if SHORT_CONTEXT in n), "")
+        raise UserError(f"{size.model} on {size.where}: {size.verdict_text}{shorter}")
     if size.verdict is Verdict.FITS_OUTRIGHT:
         notes.append("every expert fits in VRAM: serving without offload, the cache stays off")
         env = CacheConfig(disabled=True).to_env()

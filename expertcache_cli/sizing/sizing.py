@@ -164,6 +164,10 @@ def _check_inputs(**values: float | None) -> None:
             raise UserError(f"{flag} must be a whole number, got {value:g}")
 
 
+#: the context a plan whose KV crowds the card is tried again at, in a note
+SHORT_CONTEXT = "--max-model-len 8192"
+
+
 class Verdict(str, Enum):
     """What sizing decides for a model on a card, one name each.
 
@@ -575,8 +579,11 @@ def _plan_for(
             model, wide_mode, verdict, scratch=scratch, cost=cost, planned=planned, step=step,
             break_even=break_even,
             staged_peak=bool(staged_peak and overhead_gb is None)))
-    if (verdict.offloads and not forced and max_model_len > 8192
-            and kv_tokens == max_model_len and kv_reserved > budget // 10):
+    # a long context's KV that takes a tenth of the card, or more than the card has: what
+    # the common 8,192 tokens would leave
+    if ((verdict.offloads or verdict is Verdict.DOES_NOT_FIT) and not forced
+            and max_model_len > 8192 and kv_tokens == max_model_len
+            and kv_reserved > budget // 10):
         short = _plan_for(model, vram_gb, 8192, max_num_seqs, gpu_memory_utilization,
                      max_num_batched_tokens=max_num_batched_tokens,
                      kv_cache_dtype=kv_cache_dtype, overhead_gb=overhead_gb, graphs=graphs,
@@ -584,7 +591,7 @@ def _plan_for(
         if short.max_slots > max_slots or short.verdict != verdict:
             notes.append(
                 f"KV for one {max_model_len}-token sequence takes {kv_reserved / GiB:.2f} GiB; "
-                f"--max-model-len 8192 leaves room for {short.max_slots} slots: "
+                f"{SHORT_CONTEXT} leaves room for {short.max_slots} slots: "
                 f"{short.verdict_text}"
             )
     offload = math.ceil(model.expert_bytes / GiB + 0.5) if verdict.offloads else 0
