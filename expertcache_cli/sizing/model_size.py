@@ -22,10 +22,10 @@ from typing import Any
 from ..errors import UserError
 from ..vllm_facts import installed_vllm
 from . import formats, hub
+from .cards import GiB, MiB
 from .formats import QUANTS, Tensor, ceil_div, linear_bytes, linear_tensors, quant_from_config
 from .presets import DEFAULT_PRESET, PRESETS, find_preset
 
-_GIB = 2**30
 _DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8,
@@ -265,7 +265,7 @@ def _model_from_config(
         if isinstance(cfg.get("vision_config"), dict):
             vision = vision_encoder_bytes(cfg["vision_config"])
             notes.append(
-                (f"{VISION_NOTE} estimated at {vision / _GIB:.2f} GiB, as a plain ViT of "
+                (f"{VISION_NOTE} estimated at {vision / GiB:.2f} GiB, as a plain ViT of "
                  "its depth and widths" if vision else f"{VISION_NOTE} not in the "
                  "arithmetic (its config names no depth and width)")
                 + ": vLLM loads it beside the language model unless told to serve text only "
@@ -412,7 +412,7 @@ def _model_from_config(
         kv_kind += f", {len(linear)} of {layers} layers linear attention"
         notes.append(
             f"{len(linear)} of {layers} layers are linear attention (gated delta rule): no KV "
-            f"a token, {len(linear) * layer_state / 2**20:.1f} MiB of state a sequence, "
+            f"a token, {len(linear) * layer_state / MiB:.1f} MiB of state a sequence, "
             f"counted with the KV reserve with {page_tokens} tokens of KV for vLLM's rounding "
             "to its hybrid pages (arithmetic over the config: no hybrid model has been "
             "served with the cache)")

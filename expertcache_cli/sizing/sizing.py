@@ -26,9 +26,8 @@ from ..rules.policy import Wide
 from ..vllm_facts import capture, vllm_experts
 from ..vllm_facts.vllm_flags import ONLINE_FORMATS
 from . import cards, formats
+from .cards import GiB
 from .model_size import ModelSize, load_model
-
-GiB = 1024**3
 
 #: vLLM's `vllm serve` defaults (V1 engine): on cards with >= 70 GiB it raises both.
 VLLM_DEFAULT_UTILIZATION = 0.9
