@@ -33,8 +33,10 @@ def hf_env(tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     token = hub.REVISION.set("main")
+    hub._get_once.cache_clear()
     yield tmp_path / "hf"
     hub.REVISION.reset(token)
+    hub._get_once.cache_clear()
 
 
 def snapshot(hf_home: Path, repo: str, config: dict, commit: str = "0123abc",
@@ -50,13 +52,18 @@ def snapshot(hf_home: Path, repo: str, config: dict, commit: str = "0123abc",
     return snap
 
 
-def hub_client(files: dict[str, tuple[int, object]], seen: list[httpx.Request]) -> httpx.Client:
-    """A client whose Hub serves ``files`` ({url path: (status, JSON body)})."""
+def hub_transport(files: dict[str, tuple[int, object]],
+                  seen: list[httpx.Request]) -> httpx.MockTransport:
+    """A Hub that serves ``files`` ({url path: (status, JSON body)}) and records requests."""
     def answer(request: httpx.Request) -> httpx.Response:
         seen.append(request)
         status, body = files.get(request.url.path, (404, {"error": "not found"}))
         return httpx.Response(status, json=body)
-    return httpx.Client(transport=httpx.MockTransport(answer))
+    return httpx.MockTransport(answer)
+
+
+def hub_client(files: dict[str, tuple[int, object]], seen: list[httpx.Request]) -> httpx.Client:
+    return httpx.Client(transport=hub_transport(files, seen))
 
 
 def no_network(monkeypatch):
@@ -266,3 +273,17 @@ def test_vllms_revision_is_the_one_sized(hf_env):
     found = hub.resolve(REPO, "v9", client=client)
     assert seen[0].url.path == f"/{REPO}/resolve/v9/config.json"
     assert "--revision v9" in found.origin
+
+
+def test_the_hub_is_asked_once_a_process(monkeypatch):
+    """`serve` sizes its model more than once (the plan, the online-quantisation check):
+    each Hub file is fetched once, with the process's own client."""
+    seen: list[httpx.Request] = []
+    transport = hub_transport({f"/{REPO}/resolve/main/config.json": (200, QWEN3)}, seen)
+    real = httpx.Client
+    monkeypatch.setattr(httpx, "Client", lambda *a, **k: real(transport=transport))
+    first = model_size.load_model(REPO)
+    again = model_size.load_model(REPO)
+    assert first.bytes_per_expert == again.bytes_per_expert
+    assert [r.url.path for r in seen] == [f"/{REPO}/resolve/main/config.json",
+                                          f"/{REPO}/resolve/main/hf_quant_config.json"]

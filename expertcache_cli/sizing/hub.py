@@ -14,6 +14,7 @@ The order, and the environment it honours, is the Hub client's: the local cache
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -151,24 +152,30 @@ def resolve(repo_id: str, revision: str | None = None, client: Any = None) -> Hu
                     url if revision == "main" else f"{url} (--revision {revision})")
 
 
+@functools.lru_cache(maxsize=16)
+def _get_once(url: str, auth: tuple[tuple[str, str], ...]) -> Any:
+    """One GET of a URL a process: `serve` sizes its model more than once (the plan, the
+    check on online quantisation), and the Hub is asked once. A failure is not kept."""
+    import httpx
+
+    with httpx.Client(timeout=TIMEOUT_S, follow_redirects=True) as client:
+        return client.get(url, headers=dict(auth))
+
+
 def _fetch(repo_id: str, name: str, revision: str, client: Any,
            required: bool) -> tuple[dict[str, Any] | None, str]:
     import httpx
 
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     url = f"{endpoint}/{repo_id}/resolve/{revision}/{name}"
-    headers = {"Authorization": f"Bearer {tok}"} if (tok := token()) else {}
-    own = client is None
-    client = client or httpx.Client(timeout=TIMEOUT_S, follow_redirects=True)
+    auth = (("Authorization", f"Bearer {tok}"),) if (tok := token()) else ()
     try:
-        resp = client.get(url, headers=headers)
+        resp = (client.get(url, headers=dict(auth)) if client is not None
+                else _get_once(url, auth))
     except httpx.HTTPError as exc:
         raise UserError(f"{repo_id}: the Hugging Face Hub could not be reached for its "
                         f"{name} ({exc.__class__.__name__}: {exc}); offline, download the "
                         "model first or give its config.json") from None
-    finally:
-        if own:
-            client.close()
     if resp.status_code == 404 and not required:
         return None, url
     if resp.status_code in (401, 403):
