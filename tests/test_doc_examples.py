@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_hub import snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
@@ -139,13 +140,8 @@ def workdir(tmp_path_factory) -> Path:
         cfg = json.loads((ROOT / "tests" / "configs" / config).read_text())
         (d / name / "config.json").write_text(json.dumps(cfg | {"quantization_config": quant}))
     for repo, (config, quant) in HUB_CACHE.items():
-        base = d / ".hf" / "hub" / f"models--{repo.replace('/', '--')}"
-        (base / "snapshots" / "0").mkdir(parents=True)
-        (base / "refs").mkdir()
-        (base / "refs" / "main").write_text("0")
         cfg = json.loads((ROOT / "tests" / "configs" / config).read_text())
-        (base / "snapshots" / "0" / "config.json").write_text(
-            json.dumps(cfg | {"quantization_config": quant}))
+        snapshot(d / ".hf", repo, cfg | {"quantization_config": quant})
     return d
 
 
