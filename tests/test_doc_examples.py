@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from test_hub import snapshot
+from test_marlin_sizing import GPTQ
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
@@ -51,7 +52,6 @@ NOT_RUN = {
                                                    "traces' sources, not in the repository",
 }
 
-GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 #: a checkpoint directory an example names, made here from a config in tests/configs: the
 #: example says what it holds ("its config.json with GPTQ's quantization_config")
 CHECKPOINTS = {"Qwen3-30B-A3B-GPTQ-Int4": ("qwen3-30b-a3b.json", GPTQ)}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_marlin_sizing import GPTQ
 from test_sizing import _write_safetensors
 
 from expertcache_cli.errors import UserError
@@ -21,7 +22,6 @@ from expertcache_cli.sizing import hub, model_size
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3 = json.loads((ROOT / "tests" / "configs" / "qwen3-30b-a3b.json").read_text())
-GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 REPO = "someorg/Qwen3-30B-A3B-GPTQ-Int4"
 
 
