@@ -13,8 +13,6 @@ from typing import Any
 import typer
 
 from ..errors import UserError
-from ..sizing import hub
-from ..vllm_facts import vllm_flags
 
 #: module name -> registered by that module's ``register(app)``
 COMMAND_MODULES = ["replay", "trace", "plan", "baseline", "size", "build_kernels", "probe_link",
@@ -102,6 +100,9 @@ def passthrough_args(extra: Sequence[str], argv: Sequence[str] | None = None) ->
             f"unknown option or argument {stray[0]!r} (vLLM's flags go after --, e.g. "
             f"`-- {stray[0]} ...`)"
         )
+    from ..sizing import hub  # here, not at start-up: only vLLM's flags need them
+    from ..vllm_facts import vllm_flags
+
     revision = vllm_flags.vllm_flag_value(extra, "--revision")
     if revision:
         hub.REVISION.set(revision)
