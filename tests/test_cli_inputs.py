@@ -5,6 +5,7 @@ Each input below is run as a user would, with what the user must see.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,10 @@ BAD = [
     (["size", "--max-num-seqs", "-3"], "--max-num-seqs must be positive"),
     (["size", "--fraction", "1"], "--fraction: 1 is not a fraction"),
     (["size", "--bogus"], "unknown option or argument '--bogus'"),
+    (["size", "qwen3-30b-a3b", "--model", "mixtral-8x7b"], "the model is given twice"),
+    (["size", "qwen3-30b-a3b", "stray"], "unknown option or argument 'stray'"),
+    (["plan", "Qwen/Qwen3-30B-A3B", "--vram", "24"], "a model goes in --model"),
+    (["replay", "Qwen/Qwen3-30B-A3B"], "no such trace file"),
     (["size", "--vram", "24", "--", "--max-num-seqs", "x"], "--max-num-seqs 'x'"),
     (["replay", "--decay", "8", "--policy", "lru"], "--decay 8 applies to lfu only"),
     (["replay", "--slots", "x"], "--slots wants comma-separated integers"),
@@ -52,6 +57,23 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, words):
     assert len(lines) == 1 and lines[0].startswith("expertcache: error: "), r.stderr
     assert words in lines[0] and "Traceback" not in r.stderr
     assert list(tmp_path.iterdir()) == []  # no results file, no partial output
+
+
+def test_size_takes_the_model_as_its_first_word_as_serve_does():
+    """`size MODEL` as `serve MODEL` and `vllm serve MODEL` take it: the same plan as
+    `--model MODEL`, and a flag after `--` is still vLLM's, never the model."""
+    def size_json(*args: str) -> dict:
+        r = _cli(["size", "--vram", "24", "--json", *args], None)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    r = _cli(["size", "mixtral-8x7b", "--vram", "24", "--json"], None)
+    assert r.returncode == 0, r.stderr
+    first = json.loads(r.stdout)
+    assert first == size_json("--model", "mixtral-8x7b") == size_json("mixtral-8x7b")
+    assert first["model"] == "mixtral-8x7b"
+    after = size_json("--", "--max-model-len", "8192")
+    assert after["model"] != "--max-model-len" and after["max_model_len"] == 8192
 
 
 def test_version():

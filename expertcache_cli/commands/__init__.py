@@ -109,6 +109,31 @@ def passthrough_args(extra: Sequence[str], argv: Sequence[str] | None = None) ->
     return extra
 
 
+def model_word(extra: Sequence[str], argv: Sequence[str] | None = None
+               ) -> tuple[str | None, list[str]]:
+    """A model named as the first word (`size Qwen/Qwen3-30B-A3B`), the way `serve MODEL`
+    and `vllm serve MODEL` take it, and the rest of ``extra``. Only a word before ``--``
+    counts: everything after it is vLLM's."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    after = argv[argv.index("--") + 1:] if "--" in argv else []
+    extra = list(extra)
+    before = extra[: max(0, len(extra) - len(after))]
+    if before and not before[0].startswith("-"):
+        return before[0], extra[1:]
+    return None, extra
+
+
+def check_trace_argument(path: Path | None, model_goes: str) -> None:
+    """A TRACE that is no file and reads like a model id: the user gave the model where the
+    trace goes, so the line says where each belongs instead of only 'no such file'."""
+    if path is None or path.exists() or path.suffix in (".npz", ".csv", ".jsonl"):
+        return
+    raise UserError(
+        f"{path}: no such trace file (TRACE is a routing trace .npz: the bundled demo when "
+        f"left out, or one `expertcache trace` makes or imports; {model_goes})"
+    )
+
+
 #: the help both `replay` and `plan` give their wide-step options
 WIDE_HELP = ("what a step wider than the slots does: in-place (the plugin's default), staged "
              "(hits from slots, misses fetched once into a scratch) or staged-install")

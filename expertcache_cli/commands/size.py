@@ -14,7 +14,7 @@ from ..sizing.presets import DEFAULT_PRESET, PRESETS
 from ..sizing.sizing import Verdict
 from ..tables import Table
 from ..vllm_facts import installed_vllm, releases, vllm_experts, vllm_flags
-from . import VRAM_HELP, json_text, passthrough_args, wide_option
+from . import VRAM_HELP, json_text, model_word, passthrough_args, wide_option
 
 console = Console()
 
@@ -139,6 +139,7 @@ def _cards_table(m: model_size.ModelSize, rows: list[tuple[str, sizing.SizePlan]
 def register(app: typer.Typer) -> None:
     @app.command(
         "size",
+        options_metavar="[MODEL] [OPTIONS]",
         context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
         epilog="Flags after `--` are read as `vllm serve` would take them (max-model-len, "
         "max-num-seqs, utilization, batched tokens, KV dtype, CUDA-graph settings); the "
@@ -147,8 +148,10 @@ def register(app: typer.Typer) -> None:
     def size(
         ctx: typer.Context,
         model: str = typer.Option(
-            DEFAULT_PRESET, "--model", "-m",
-            help="preset name (see --list), a config.json path, or a local model directory",
+            None, "--model", "-m",
+            help="a Hugging Face id, a preset name (see --list), a config.json path, or a "
+            f"local model directory; also the first word, as `serve MODEL` takes it "
+            f"[default: {DEFAULT_PRESET}]",
         ),
         quant: str = typer.Option(
             None, "--quant",
@@ -194,7 +197,11 @@ def register(app: typer.Typer) -> None:
                 t.add_row(n + (" (default)" if n == DEFAULT_PRESET else ""), p.hf_id, p.quant)
             console.print(t)
             return
-        args = passthrough_args(ctx.args)  # first: a --revision there is the one sized
+        word, extra = model_word(ctx.args)
+        if word is not None and model is not None:
+            raise UserError(f"the model is given twice: {word!r} and --model {model!r}")
+        model = word or model or DEFAULT_PRESET
+        args = passthrough_args(extra)  # first: a --revision there is the one sized
         m = model_size.load_model(Path(model) if Path(model).exists() else model, quant)
         common = vllm_flags.plan_kwargs_from_vllm_args(args)
         given = dict(
