@@ -227,13 +227,13 @@ def test_a_preset_id_never_asks_the_hub(monkeypatch):
 
 
 def test_size_and_serve_take_a_cached_hub_id(hf_env, tmp_path):
-    """As typed: `size --model org/name` and `serve org/name --dry-run` plan a GPTQ model
+    """As typed: `size org/name` and `serve org/name --dry-run` plan a GPTQ model
     that only the local Hugging Face cache knows; offline with nothing cached, one line."""
     snapshot(hf_env, REPO, QWEN3 | {"quantization_config": GPTQ})
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env |= {"HF_HOME": str(hf_env), "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
     cli = [sys.executable, "-m", "expertcache_cli"]
-    size = subprocess.run([*cli, "size", "--model", REPO, "--vram", "16", "--",
+    size = subprocess.run([*cli, "size", REPO, "--vram", "16", "--",
                            "--max-model-len", "8192"], env=env, capture_output=True, text=True,
                           cwd=tmp_path)
     assert size.returncode == 0, size.stderr
@@ -254,6 +254,11 @@ def test_size_and_serve_take_a_cached_hub_id(hf_env, tmp_path):
                           capture_output=True, text=True, cwd=tmp_path)
     assert gone.returncode == 2 and gone.stdout == ""
     assert gone.stderr.count("\n") == 1 and "HF_HUB_OFFLINE" in gone.stderr
+    # serve's line says how serve is given the config (beside the id vLLM still loads)
+    gone = subprocess.run([*cli, "serve", REPO, "--vram", "16", "--dry-run"], env=env,
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert gone.returncode == 2 and gone.stderr.count("\n") == 1, gone.stderr
+    assert "--size-from PATH" in gone.stderr
 
 
 def test_vllms_revision_is_the_one_sized(hf_env):

@@ -47,7 +47,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Launch `vllm serve MODEL` with experts offloaded and the slot cache sized and armed."""
         from ..device.gpu_info import device_total_gib
+        from ..sizing import hub
 
+        hub.GIVE_CONFIG.set("give its config.json with --size-from PATH (vLLM still loads "
+                            "MODEL)")
         plan_file = plan
         plan = make_plan(
             model, vram, slots=slots, fraction=fraction, policy=policy, decay=decay,

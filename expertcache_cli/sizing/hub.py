@@ -31,6 +31,9 @@ TIMEOUT_S = 15.0
 #: the revision vLLM will load (its ``--revision``, which the command line passes on):
 #: set by `commands.passthrough_args`, read wherever a Hub id is sized
 REVISION: ContextVar[str] = ContextVar("hub_revision", default="main")
+#: how the running command is given a config.json instead of a Hub id, for the line that
+#: says to: `size` and `plan` take it as the model, `serve` beside the id (`--size-from`)
+GIVE_CONFIG: ContextVar[str] = ContextVar("hub_give_config", default="give its config.json")
 #: the files beside config.json that vLLM reads a quantisation config from when
 #: config.json declares none (ModelOpt checkpoints: `hf_quant_config.json`)
 QUANT_SIDE_FILES = ("hf_quant_config.json",)
@@ -140,7 +143,7 @@ def resolve(repo_id: str, revision: str | None = None, client: Any = None) -> Hu
                         snap if complete(snap) else None, f"the local Hugging Face cache ({snap})")
     if offline():
         raise UserError(f"{repo_id}: not in the local Hugging Face cache ({cache_root()}) and "
-                        "HF_HUB_OFFLINE is set: download it first, or give its config.json")
+                        f"HF_HUB_OFFLINE is set: download it first, or {GIVE_CONFIG.get()}")
     config, url = _fetch(repo_id, "config.json", revision, client, required=True)
     side = None
     if not (config.get("quantization_config") or config.get("compression_config")):
@@ -175,20 +178,20 @@ def _fetch(repo_id: str, name: str, revision: str, client: Any,
     except httpx.HTTPError as exc:
         raise UserError(f"{repo_id}: the Hugging Face Hub could not be reached for its "
                         f"{name} ({exc.__class__.__name__}: {exc}); offline, download the "
-                        "model first or give its config.json") from None
+                        f"model first or {GIVE_CONFIG.get()}") from None
     if resp.status_code == 404 and not required:
         return None, url
     if resp.status_code in (401, 403):
         raise UserError(f"{repo_id}: the Hub refused its {name} ({resp.status_code}: a gated "
-                        "or private model): accept its terms and set HF_TOKEN, or give its "
-                        "config.json")
+                        f"or private model): accept its terms and set HF_TOKEN, or "
+                        f"{GIVE_CONFIG.get()}")
     if resp.status_code == 404:
         raise UserError(f"{repo_id}: no such model on the Hugging Face Hub ({url} answered "
                         "404): give a config.json, a model directory or a built-in model "
                         "(expertcache size --list)")
     if resp.status_code != 200:
-        raise UserError(f"{repo_id}: the Hub answered {resp.status_code} for {url}; give its "
-                        "config.json instead")
+        raise UserError(f"{repo_id}: the Hub answered {resp.status_code} for {url}; "
+                        f"{GIVE_CONFIG.get()} instead")
     try:
         data = resp.json()
     except ValueError:
