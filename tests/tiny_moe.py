@@ -1,9 +1,11 @@
-"""The tiny Qwen3-MoE model of the tests: one config factory, and the writer the real-vLLM
-tests run (no GPU, no weights).
+"""The tiny MoE models of the tests: config factories, and the writer the real-vLLM tests
+run (no GPU, no weights).
 
 `qwen3_moe_config` is the one place a test builds a Qwen3-MoE ``config.json`` by hand;
 `MAKE_MODEL` writes it, with a tokenizer, for every test that starts vLLM's CPU build,
-run by that vLLM's python.
+run by that vLLM's python. `llama4_text_config` and `qwen3_next_config` are the two
+architectures whose sizing is checked against vLLM's own modules
+(`test_vllm_architectures.py`); `make_model_script` writes any of them.
 """
 
 from __future__ import annotations
@@ -32,9 +34,41 @@ def qwen3_moe_config(**overrides: Any) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if v is not None}
 
 
-#: Written by the vLLM python (which has `tokenizers`): a character-level tokenizer and
-#: the config above.
-MAKE_MODEL = r"""
+def llama4_text_config() -> dict[str, Any]:
+    """A Llama 4 text model as small: 4 layers, MoE every second (layers 1 and 3, each with
+    its shared expert), 8 experts top-1, dense layers of their own width."""
+    return {
+        "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
+        "hidden_size": 64, "intermediate_size": 32, "intermediate_size_mlp": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2, "max_position_embeddings": 512, "vocab_size": 128,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "no_rope_layers": [1, 1, 1, 0], "use_qk_norm": True,
+        "attention_chunk_size": 256, "attn_temperature_tuning": False,
+        "floor_scale": 8192, "attn_scale": 0.1, "rope_scaling": None,
+    }
+
+
+def qwen3_next_config() -> dict[str, Any]:
+    """A Qwen3-Next as small: 4 layers, the first three gated-delta-rule linear attention
+    and the fourth full (gated) attention, every layer MoE with a shared expert. Linear
+    heads of 64: vLLM's CPU kernels have none smaller."""
+    return qwen3_moe_config(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", num_hidden_layers=4,
+        full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+        shared_expert_intermediate_size=32, partial_rotary_factor=0.25)
+
+
+def make_model_script(config: dict[str, Any]) -> str:
+    """The script the vLLM python runs (it has `tokenizers`) to write a model directory
+    for ``config``: a character-level tokenizer and the config, no weights."""
+    return _MAKE.replace("CONFIG_JSON", repr(json.dumps(config)))
+
+
+_MAKE = r"""
 import json, sys
 from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -51,4 +85,7 @@ tok.save(str(d / "tokenizer.json"))
     "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
     "unk_token": "<unk>", "model_max_length": 512}))
 (d / "config.json").write_text(json.dumps(config, indent=1))
-""".replace("CONFIG_JSON", repr(json.dumps(qwen3_moe_config())))
+"""
+
+#: the tiny Qwen3-MoE model's writer, for every test that starts vLLM's CPU build
+MAKE_MODEL = make_model_script(qwen3_moe_config())

@@ -460,14 +460,14 @@ class LinearAttention:
 
     def weight_bytes(self, hidden: int, quant: str) -> int:
         """One layer: the fused q/k/v/z and b/a input projections, the short causal
-        convolution, the per-head decay and its bias, the gated norm, the output
-        projection."""
+        convolution, the per-head decay (float32 in vLLM, ``A_log``) and its bias, the gated
+        norm, the output projection."""
         keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
-        b16 = 2
+        b16, f32 = 2, 4
         return (linear_bytes(2 * keys + 2 * values, hidden, quant)
                 + linear_bytes(2 * self.value_heads, hidden, quant)
                 + self.conv_channels * self.conv_kernel * b16
-                + 2 * self.value_heads * b16 + self.value_dim * b16
+                + self.value_heads * (f32 + b16) + self.value_dim * b16
                 + linear_bytes(hidden, values, quant))
 
     def state_bytes(self, cfg: dict[str, Any]) -> int:

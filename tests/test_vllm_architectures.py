@@ -1,0 +1,143 @@
+"""Llama 4 and Qwen3-Next inside a real vLLM (the CPU build): what `size` says of them is
+what vLLM builds.
+
+`size` reads these architectures by arithmetic over their config (Llama 4's interleaved
+MoE layers and shared expert, Qwen3-Next's gated-delta-rule layers and their state). Here
+a tiny model of each is started in vLLM with the plugin, and the arithmetic is held to
+vLLM's own modules:
+- the plugin finds exactly the MoE layers the sizing counts, declines vLLM's CPU kernel
+  with its reason, and generation goes on;
+- the experts' bytes and everything else's are the bytes vLLM's parameters declare;
+- each linear-attention layer's state a sequence is what vLLM's KV spec for it holds.
+
+Needs a python with vLLM (``EXPERTCACHE_VLLM_PYTHON``; CI builds one with
+``.ci/vllm_cpu_env.sh``), else skipped. About a minute a model on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from real_vllm import vllm_python
+from tiny_moe import llama4_text_config, make_model_script, qwen3_next_config
+
+from expertcache_cli.sizing import model_size
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import json, math, os, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+d = Path(sys.argv[1])
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", EXPERT_CACHE_SLOTS="4",
+                  VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+from expertcache_cli.planning import launch
+from expertcache_cli.plugin import session
+if not launch.plugin_installed():
+    import expertcache_cli.plugin as plugin
+    plugin.register()
+from vllm import LLM, SamplingParams
+llm = LLM(model=str(d), load_format="dummy", dtype="bfloat16", max_model_len=256,
+          max_num_seqs=2, cpu_offload_gb=1, cpu_offload_params={"experts"})
+out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0,
+                                                ignore_eos=True), use_tqdm=False)
+
+def declared(model):
+    # the CPU build repacks linear weights into handles of its own and leaves an empty
+    # parameter: such a weight counts the shape its layer declares
+    out = {}
+    for mn, m in model.named_modules():
+        for pn, p in m.named_parameters(recurse=False):
+            n = f"{mn}.{pn}" if mn else pn
+            if pn == "weight" and p.numel() == 0:
+                rows = getattr(m, "output_size_per_partition", None) or m.output_size
+                cols = getattr(m, "input_size_per_partition", None) or m.input_size
+                out[n] = rows * cols * p.element_size()
+            else:
+                out[n] = p.numel() * p.element_size()
+    return out
+
+specs = llm.collective_rpc("get_kv_cache_spec")[0]
+ss = session.sessions()
+print("RESULT " + json.dumps({
+    "decisions": [[x.layer_name, x.action, x.reason] for s in ss for x in s.decisions],
+    "tokens": list(out[0].outputs[0].token_ids),
+    "params": llm.apply_model(declared)[0],
+    "specs": {name: [type(s).__name__,
+                     sum(math.prod(shape) * dtype.itemsize
+                         for shape, dtype in zip(s.shapes, s.dtypes))
+                     if hasattr(s, "shapes") else 0]
+              for name, s in specs.items()},
+}))
+"""
+
+MODELS = {
+    "llama4": (llama4_text_config(), "feed_forward"),
+    "qwen3-next": (qwen3_next_config(), "mlp"),
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Each tiny model started once for the module: what the script printed about it."""
+    py = vllm_python()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPERT_CACHE_")}
+    env["PYTHONPATH"] = str(ROOT)
+    results: dict[str, dict] = {}
+
+    def serve(name: str) -> dict:
+        if name not in results:
+            model = tmp_path_factory.mktemp(name) / "model"
+            subprocess.run([py, "-c", make_model_script(MODELS[name][0]), str(model)],
+                           check=True, timeout=120, env=env)
+            r = subprocess.run([py, "-c", SCRIPT, str(model), str(ROOT)],
+                               capture_output=True, text=True, timeout=600, env=env)
+            assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+            line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
+            results[name] = json.loads(line[len("RESULT "):])
+        return results[name]
+    return serve
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_sizing_is_what_vllm_builds(served, name):
+    config, block = MODELS[name]
+    m = model_size.model_from_config(config, name)
+    res = served(name)
+
+    # the plugin finds the MoE layers the sizing counts, and only those
+    assert [d[0] for d in res["decisions"]] == [
+        f"model.layers.{i}.{block}.experts" for i in m.moe_layers]
+    for _, action, reason in res["decisions"]:
+        assert action == "decline" and "X86CPU" in reason  # vLLM's CPU kernel
+    assert len(res["tokens"]) == 4  # and serving went on, on the stock path
+
+    params = res["params"]
+    experts = sum(b for n, b in params.items() if ".experts." in n)
+    assert experts == m.expert_bytes
+    assert sum(params.values()) - experts == m.non_expert_bytes
+
+
+def test_the_linear_attention_state_is_vllms(served):
+    """Each gated-delta-rule layer holds a sequence's convolution inputs and recurrent
+    state; the CPU build keeps the recurrent state in float32, as Qwen3.5's configs ask
+    for it (`mamba_ssm_dtype`), which the sizing reads."""
+    config, _ = MODELS["qwen3-next"]
+    res = served("qwen3-next")
+    linear = model_size._linear_attention(config, config["num_hidden_layers"])
+    assert linear is not None
+    per_layer = linear.state_bytes(config | {"mamba_ssm_dtype": "float32"})
+    kinds = res["specs"]
+    assert sorted(n for n, (kind, _) in kinds.items() if kind == "MambaSpec") == [
+        f"model.layers.{i}.linear_attn" for i in sorted(linear.layers)]
+    assert {b for kind, b in kinds.values() if kind == "MambaSpec"} == {per_layer}
+    assert sorted(n for n, (kind, _) in kinds.items() if kind == "FullAttentionSpec") == [
+        f"model.layers.{i}.self_attn.attn" for i in range(config["num_hidden_layers"])
+        if i not in linear.layers]
