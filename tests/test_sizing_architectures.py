@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 from expertcache_cli.sizing import model_size, sizing
+
+CONFIGS = Path(__file__).parent / "configs"
 
 #: Qwen/Qwen3-Coder-Next's config.json fields (the Qwen3-Next-80B-A3B architecture), as a
 #: public parameter-count test quotes them; that test pins the checkpoint at
@@ -182,3 +185,17 @@ def test_a_checkpoints_safetensors_replace_the_vision_estimate(tmp_path):
     m = model_size.load_model(tmp_path)
     assert m.source == "checkpoint" and m.non_expert_bytes == 96 * 32 * 2
     assert not any("vision encoder" in n for n in m.notes)
+
+
+def test_an_aux_loss_free_router_carries_its_float32_correction_bias():
+    """DeepSeek-V3's `noaux_tc` routing adds a float32 score-correction bias a MoE layer
+    (vLLM's `e_score_correction_bias`); GLM-4.5's router is float32 as well (checked
+    against vLLM's own modules in test_vllm_architectures.py)."""
+    with open(CONFIGS / "deepseek-v2-lite.json") as f:
+        lite = json.load(f)
+    greedy = model_size.model_from_config(lite, "lite")
+    noaux = model_size.model_from_config(lite | {"topk_method": "noaux_tc"}, "lite")
+    moe = len(greedy.moe_layers)
+    assert noaux.non_expert_bytes - greedy.non_expert_bytes == moe * 64 * 4
+    glm = model_size.model_from_config(lite | {"model_type": "glm4_moe"}, "glm")
+    assert glm.non_expert_bytes - greedy.non_expert_bytes == moe * (64 * 2048 * 2 + 64 * 4)

@@ -1,10 +1,11 @@
-"""Llama 4 and Qwen3-Next inside a real vLLM (the CPU build): what `size` says of them is
-what vLLM builds.
+"""MoE architectures inside a real vLLM (the CPU build): what `size` says of them is what
+vLLM builds.
 
-`size` reads these architectures by arithmetic over their config (Llama 4's interleaved
-MoE layers and shared expert, Qwen3-Next's gated-delta-rule layers and their state). Here
-a tiny model of each is started in vLLM with the plugin, and the arithmetic is held to
-vLLM's own modules:
+`size` reads an architecture by arithmetic over its config: Qwen3-MoE, Mixtral, GLM-4.5
+(a first dense layer, shared experts, a float32 router with its score-correction bias),
+Llama 4 (interleaved MoE layers with a shared expert) and Qwen3-Next (gated-delta-rule
+layers and their state). Here a tiny model of each is started in vLLM with the plugin,
+and the arithmetic is held to vLLM's own modules:
 - the plugin finds exactly the MoE layers the sizing counts, declines vLLM's CPU kernel
   with its reason, and generation goes on;
 - the experts' bytes and everything else's are the bytes vLLM's parameters declare;
@@ -23,7 +24,14 @@ from pathlib import Path
 
 import pytest
 from real_vllm import vllm_python
-from tiny_moe import llama4_text_config, make_model_script, qwen3_next_config
+from tiny_moe import (
+    glm4_moe_config,
+    llama4_text_config,
+    make_model_script,
+    mixtral_config,
+    qwen3_moe_config,
+    qwen3_next_config,
+)
 
 from expertcache_cli.sizing import model_size
 
@@ -50,16 +58,25 @@ out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0,
                                                 ignore_eos=True), use_tqdm=False)
 
 def declared(model):
-    # the CPU build repacks linear weights into handles of its own and leaves an empty
-    # parameter: such a weight counts the shape its layer declares
-    out = {}
+    # the CPU build repacks linear weights into handles of its own, leaving an empty
+    # parameter, and turns their biases to float32 for its GEMM: such a layer counts the
+    # shapes it declares, in its weight's dtype. A parameter two modules share (a router's
+    # score-correction bias, also the experts') counts once.
+    out, seen = {}, set()
     for mn, m in model.named_modules():
+        w = m._parameters.get("weight")
+        repacked = w is not None and w.numel() == 0
         for pn, p in m.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
             n = f"{mn}.{pn}" if mn else pn
-            if pn == "weight" and p.numel() == 0:
+            if repacked and pn == "weight":
                 rows = getattr(m, "output_size_per_partition", None) or m.output_size
                 cols = getattr(m, "input_size_per_partition", None) or m.input_size
-                out[n] = rows * cols * p.element_size()
+                out[n] = rows * cols * w.element_size()
+            elif repacked and pn == "bias":
+                out[n] = p.numel() * w.element_size()
             else:
                 out[n] = p.numel() * p.element_size()
     return out
@@ -79,6 +96,9 @@ print("RESULT " + json.dumps({
 """
 
 MODELS = {
+    "qwen3-moe": (qwen3_moe_config(), "mlp"),
+    "mixtral": (mixtral_config(), "block_sparse_moe"),
+    "glm4-moe": (glm4_moe_config(), "mlp"),
     "llama4": (llama4_text_config(), "feed_forward"),
     "qwen3-next": (qwen3_next_config(), "mlp"),
 }

@@ -3,9 +3,9 @@ run (no GPU, no weights).
 
 `qwen3_moe_config` is the one place a test builds a Qwen3-MoE ``config.json`` by hand;
 `MAKE_MODEL` writes it, with a tokenizer, for every test that starts vLLM's CPU build,
-run by that vLLM's python. `llama4_text_config` and `qwen3_next_config` are the two
-architectures whose sizing is checked against vLLM's own modules
-(`test_vllm_architectures.py`); `make_model_script` writes any of them.
+run by that vLLM's python. The other factories are the architectures whose sizing is
+checked against vLLM's own modules (`test_vllm_architectures.py`); `make_model_script`
+writes any of them.
 """
 
 from __future__ import annotations
@@ -60,6 +60,35 @@ def qwen3_next_config() -> dict[str, Any]:
         full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=2,
         linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
         shared_expert_intermediate_size=32, partial_rotary_factor=0.25)
+
+
+def _small(**fields: Any) -> dict[str, Any]:
+    """The fields every tiny model shares (3 layers of width 64, one KV head of 64), and
+    its own."""
+    return {
+        "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 512,
+        "vocab_size": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu",
+    } | fields
+
+
+def glm4_moe_config() -> dict[str, Any]:
+    """A GLM-4.5 (Air) as small: a first dense layer then two MoE layers with a shared
+    expert, a float32 router with its score-correction bias, biased q/k/v."""
+    return _small(
+        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", intermediate_size=128,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+        routed_scaling_factor=1.0, n_group=1, topk_group=1, partial_rotary_factor=0.5,
+        use_qk_norm=False, attention_bias=True, num_nextn_predict_layers=1)
+
+
+def mixtral_config() -> dict[str, Any]:
+    """A Mixtral as small: 8 experts top-2 in every layer."""
+    return _small(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                  intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
 
 
 def make_model_script(config: dict[str, Any]) -> str:

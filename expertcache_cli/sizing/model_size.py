@@ -359,9 +359,10 @@ def _model_from_config(
         attn = linear_bytes(gate * q_out, hidden, lin_q) + 2 * linear_bytes(kv_out, hidden,
                                                                             lin_q)
         attn += linear_bytes(hidden, q_out, lin_q)
-        if cfg.get("attention_bias") or cfg.get("qkv_bias"):
-            attn += (q_out + 2 * kv_out + (hidden if cfg.get("attention_bias") else 0)) * b16
         mt = str(cfg.get("model_type", ""))
+        if cfg.get("attention_bias") or cfg.get("qkv_bias"):
+            out_bias = cfg.get("attention_bias") and mt not in QKV_BIAS_ONLY
+            attn += (q_out + 2 * kv_out + (hidden if out_bias else 0)) * b16
         if mt.startswith("qwen3"):
             attn += 2 * head_dim * b16  # q_norm, k_norm over one head
         elif mt == "olmoe":
@@ -372,7 +373,7 @@ def _model_from_config(
         kv_kind = f"GQA {kv_heads} kv heads x {head_dim}"
 
     norms = 2 * hidden * b16
-    router = num_experts * hidden * b16 + (num_experts * b16 if has_expert_bias else 0)
+    router = _router_bytes(cfg, num_experts, hidden, has_expert_bias)
     shared = 0
     n_shared = int(cfg.get("n_shared_experts") or 0)
     if n_shared:
@@ -440,6 +441,25 @@ def _model_from_config(
         architectures=config_architectures(cfg),
         state_bytes_per_seq=state,
     )
+
+
+#: model types whose `attention_bias` biases the q/k/v projection only, not the output's
+QKV_BIAS_ONLY = frozenset({"glm4_moe"})
+#: model types whose router vLLM builds in float32 (its `params_dtype`), not the model's dtype
+FLOAT32_ROUTER = frozenset({"glm4_moe", "minimax_m2", "ernie4_5_moe"})
+
+
+def _router_bytes(cfg: dict[str, Any], num_experts: int, hidden: int, bias: bool) -> int:
+    """One MoE layer's router as vLLM holds it: its weight (in float32 for the
+    `FLOAT32_ROUTER` models), gpt-oss's bias, and the float32 score-correction bias of the
+    aux-loss-free routers (GLM-4.5, ERNIE 4.5, DeepSeek-V3's `noaux_tc`, MiniMax-M2's
+    `use_routing_bias`): a few MB a model that a tight card's slot count can feel."""
+    mt = str(cfg.get("model_type", ""))
+    weight = num_experts * hidden * (4 if mt in FLOAT32_ROUTER else 2)
+    correction = (mt in ("glm4_moe", "ernie4_5_moe")
+                  or cfg.get("topk_method") == "noaux_tc"
+                  or (mt == "minimax_m2" and cfg.get("use_routing_bias")))
+    return weight + (num_experts * 2 if bias else 0) + (num_experts * 4 if correction else 0)
 
 
 @dataclass(frozen=True)
