@@ -3,8 +3,9 @@ vLLM builds.
 
 `size` reads an architecture by arithmetic over its config: Qwen3-MoE, Mixtral, GLM-4.5
 (a first dense layer, shared experts, a float32 router with its score-correction bias),
-Llama 4 (interleaved MoE layers with a shared expert) and Qwen3-Next (gated-delta-rule
-layers and their state). Here a tiny model of each is started in vLLM with the plugin,
+DeepSeek-V2 (latent attention), gpt-oss (biases, sinks; in bf16 here), Llama 4
+(interleaved MoE layers with a shared expert) and Qwen3-Next (gated-delta-rule layers and
+their state). Here a tiny model of each is started in vLLM with the plugin,
 and the arithmetic is held to vLLM's own modules:
 - the plugin finds exactly the MoE layers the sizing counts, declines vLLM's CPU kernel
   with its reason, and generation goes on;
@@ -25,7 +26,9 @@ from pathlib import Path
 import pytest
 from real_vllm import vllm_python
 from tiny_moe import (
+    deepseek_v2_config,
     glm4_moe_config,
+    gpt_oss_config,
     llama4_text_config,
     make_model_script,
     mixtral_config,
@@ -99,6 +102,8 @@ MODELS = {
     "qwen3-moe": (qwen3_moe_config(), "mlp"),
     "mixtral": (mixtral_config(), "block_sparse_moe"),
     "glm4-moe": (glm4_moe_config(), "mlp"),
+    "deepseek-v2": (deepseek_v2_config(), "mlp"),
+    "gpt-oss": (gpt_oss_config(), "mlp"),
     "llama4": (llama4_text_config(), "feed_forward"),
     "qwen3-next": (qwen3_next_config(), "mlp"),
 }

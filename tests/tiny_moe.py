@@ -91,6 +91,31 @@ def mixtral_config() -> dict[str, Any]:
                   intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
 
 
+def deepseek_v2_config() -> dict[str, Any]:
+    """A DeepSeek-V2 as small: multi-head latent attention (its latent of 512 and rope key
+    of 64: vLLM's CPU MLA has no other head size), a first dense layer, then MoE layers
+    with a shared expert."""
+    return _small(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1,
+        norm_topk_prob=False, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+        topk_method="greedy", scoring_func="softmax", kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, num_key_value_heads=2)
+
+
+def gpt_oss_config() -> dict[str, Any]:
+    """A gpt-oss as small, in bf16 (vLLM's CPU build has no MXFP4): biased experts, router
+    and attention, sinks, alternating sliding windows."""
+    return _small(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", intermediate_size=64,
+        num_local_experts=8, num_experts_per_tok=2, experts_per_token=2, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        attention_bias=True, swiglu_limit=7.0, rope_scaling={
+            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 4096})
+
+
 def make_model_script(config: dict[str, Any]) -> str:
     """The script the vLLM python runs (it has `tokenizers`) to write a model directory
     for ``config``: a character-level tokenizer and the config, no weights."""
