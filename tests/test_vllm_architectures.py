@@ -24,7 +24,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from real_vllm import vllm_python
+from real_vllm import PLUGIN_LLM, vllm_python
 from tiny_moe import (
     deepseek_v2_config,
     glm4_moe_config,
@@ -42,23 +42,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SCRIPT = r"""
-import json, math, os, sys
-from pathlib import Path
-sys.path.insert(0, sys.argv[2])
-d = Path(sys.argv[1])
-os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", EXPERT_CACHE_SLOTS="4",
-                  VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-from expertcache_cli.planning import launch
-from expertcache_cli.plugin import session
-if not launch.plugin_installed():
-    import expertcache_cli.plugin as plugin
-    plugin.register()
-from vllm import LLM, SamplingParams
-llm = LLM(model=str(d), load_format="dummy", dtype="bfloat16", max_model_len=256,
-          max_num_seqs=2, cpu_offload_gb=1, cpu_offload_params={"experts"})
-out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0,
-                                                ignore_eos=True), use_tqdm=False)
+SCRIPT = PLUGIN_LLM + r"""
 
 def declared(model):
     # the CPU build repacks linear weights into handles of its own, leaving an empty
