@@ -37,18 +37,12 @@ def qwen3_moe_config(**overrides: Any) -> dict[str, Any]:
 def llama4_text_config() -> dict[str, Any]:
     """A Llama 4 text model as small: 4 layers, MoE every second (layers 1 and 3, each with
     its shared expert), 8 experts top-1, dense layers of their own width."""
-    return {
-        "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
-        "hidden_size": 64, "intermediate_size": 32, "intermediate_size_mlp": 128,
-        "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 1,
-        "interleave_moe_layer_step": 2, "max_position_embeddings": 512, "vocab_size": 128,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-        "hidden_act": "silu", "no_rope_layers": [1, 1, 1, 0], "use_qk_norm": True,
-        "attention_chunk_size": 256, "attn_temperature_tuning": False,
-        "floor_scale": 8192, "attn_scale": 0.1, "rope_scaling": None,
-    }
+    return _small(
+        architectures=["Llama4ForCausalLM"], model_type="llama4_text", intermediate_size=32,
+        intermediate_size_mlp=128, num_hidden_layers=4, num_local_experts=8,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, rope_theta=500000.0,
+        no_rope_layers=[1, 1, 1, 0], use_qk_norm=True, attention_chunk_size=256,
+        attn_temperature_tuning=False, floor_scale=8192, attn_scale=0.1, rope_scaling=None)
 
 
 def qwen3_next_config() -> dict[str, Any]:

@@ -85,16 +85,22 @@ def json_text(obj: Any) -> str:
     return json.dumps(finite(obj), indent=2, allow_nan=False)
 
 
+def _before_dashes(extra: list[str], argv: Sequence[str] | None) -> list[str]:
+    """The words of click's leftover ``extra`` that came before ``--`` on the command line
+    (``argv``, default the process's): the rest are vLLM's."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    after = argv[argv.index("--") + 1:] if "--" in argv else []
+    return extra[: max(0, len(extra) - len(after))]
+
+
 def passthrough_args(extra: Sequence[str], argv: Sequence[str] | None = None) -> list[str]:
     """The arguments for vLLM: the ones after ``--``. Anything else left over is a word we
     do not know before the ``--``, most likely a typo of one of our own options: refused
     in one line instead of silently passed on (or, for `size`, silently ignored). A
     ``--revision`` among them is the one vLLM loads a Hub id at, so the sizing reads that
     revision's config too (`hub.REVISION`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    after = argv[argv.index("--") + 1:] if "--" in argv else []
     extra = list(extra)
-    stray = extra[: max(0, len(extra) - len(after))]
+    stray = _before_dashes(extra, argv)
     if stray:
         raise UserError(
             f"unknown option or argument {stray[0]!r} (vLLM's flags go after --, e.g. "
@@ -114,20 +120,25 @@ def model_word(extra: Sequence[str], argv: Sequence[str] | None = None
     """A model named as the first word (`size Qwen/Qwen3-30B-A3B`), the way `serve MODEL`
     and `vllm serve MODEL` take it, and the rest of ``extra``. Only a word before ``--``
     counts: everything after it is vLLM's."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    after = argv[argv.index("--") + 1:] if "--" in argv else []
     extra = list(extra)
-    before = extra[: max(0, len(extra) - len(after))]
+    before = _before_dashes(extra, argv)
     if before and not before[0].startswith("-"):
         return before[0], extra[1:]
     return None, extra
 
 
-def check_trace_argument(path: Path | None, model_goes: str) -> None:
-    """A TRACE that is no file and reads like a model id: the user gave the model where the
-    trace goes, so the line says where each belongs instead of only 'no such file'."""
+def trace_argument(path: Path | None, extra: Sequence[str], model_goes: str
+                   ) -> tuple[Path | None, list[str]]:
+    """`replay`'s and `plan`'s optional TRACE and click's leftover words. With no TRACE,
+    click takes the first vLLM flag after ``--`` for it: that flag goes back to the words.
+    A TRACE that is no file and reads like a model id means the user gave the model where
+    the trace goes, so the line says where each belongs (``model_goes``) instead of only
+    'no such file'."""
+    extra = list(extra)
+    if path is not None and str(path).startswith("-"):
+        return None, [str(path), *extra]
     if path is None or path.exists() or path.suffix in (".npz", ".csv", ".jsonl"):
-        return
+        return path, extra
     raise UserError(
         f"{path}: no such trace file (TRACE is a routing trace .npz: the bundled demo when "
         f"left out, or one `expertcache trace` makes or imports; {model_goes})"

@@ -92,15 +92,11 @@ def register(app: typer.Typer) -> None:
         from ..files import atomic_write, check_output
         from ..planning import inputs, planner, serving
         from ..rules.trace import load
-        from . import check_trace_argument, passthrough_args
+        from . import passthrough_args, trace_argument
         from .replay import parse_policies
 
         vram_gib, card = parse_vram(vram)
-        extra = list(ctx.args)
-        if trace_path is not None and str(trace_path).startswith("-"):
-            # no TRACE given: click took the first vLLM flag after -- for it
-            extra, trace_path = [str(trace_path), *extra], None
-        check_trace_argument(trace_path, "a model goes in --model")
+        trace_path, extra = trace_argument(trace_path, ctx.args, "a model goes in --model")
         inputs.check_given(link_gbps, probe_file, resident_tok_s, baseline, card)
         if save is not None:
             save = check_output(save, "--save")

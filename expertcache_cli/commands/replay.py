@@ -146,16 +146,13 @@ def replay_command(
     from ..planning.serving import server as serving_server
     from ..rules.replay import replay
     from ..rules.split import recommend, split_policy
-    from . import check_trace_argument, passthrough_args
+    from . import passthrough_args, trace_argument
 
     if csv is not None:
         csv = check_output(csv, "--csv")  # before the sweep it would be written after
-    extra = list(ctx.args)
-    if trace_path is not None and str(trace_path).startswith("-"):
-        # no TRACE given: click took the first vLLM flag after -- for it
-        extra, trace_path = [str(trace_path), *extra], None
-    check_trace_argument(trace_path, "a model's expert size goes in --expert-bytes, and "
-                         "`expertcache plan --model` sizes one")
+    trace_path, extra = trace_argument(
+        trace_path, ctx.args,
+        "a model's expert size goes in --expert-bytes, and `expertcache plan --model` sizes one")
     vllm_args = passthrough_args(extra)
     if batch is None and (max_num_seqs is not None or vllm_version is not None or vllm_args):
         raise UserError("--max-num-seqs, --vllm-version and the vLLM flags after -- say how "
