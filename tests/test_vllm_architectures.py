@@ -136,13 +136,13 @@ def test_the_sizing_is_what_vllm_builds(served, name):
 
 def test_the_linear_attention_state_is_vllms(served):
     """Each gated-delta-rule layer holds a sequence's convolution inputs and recurrent
-    state; the CPU build keeps the recurrent state in float32, as Qwen3.5's configs ask
-    for it (`mamba_ssm_dtype`), which the sizing reads."""
+    state; the CPU build sets ``--mamba-ssm-cache-dtype float32`` itself, so the sizing
+    prices the state as it does for a user who gives that flag."""
     config, _ = MODELS["qwen3-next"]
     res = served("qwen3-next")
     linear = model_size._linear_attention(config, config["num_hidden_layers"])
     assert linear is not None
-    per_layer = linear.state_bytes(config | {"mamba_ssm_dtype": "float32"})
+    per_layer = linear.state(config, 0, 0).priced("auto", "float32").layer_bytes
     kinds = res["specs"]
     assert sorted(n for n, (kind, _) in kinds.items() if kind == "MambaSpec") == [
         f"model.layers.{i}.linear_attn" for i in sorted(linear.layers)]

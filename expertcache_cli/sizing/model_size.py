@@ -64,8 +64,10 @@ class ModelSize:
     #: (gpt-oss raises the CUDA-graph capture ceiling, `capture.for_model`)
     architectures: tuple[str, ...] = ()
     #: linear-attention layers (Qwen3-Next, Qwen3.5): a fixed state a sequence, whatever
-    #: its length and the KV cache's dtype
+    #: its length and the KV cache's dtype (vLLM's state dtypes: `with_state_dtypes`)
     state_bytes_per_seq: int = 0
+    #: what that state is made of, so vLLM's ``--mamba-*-cache-dtype`` flags re-price it
+    linear_state: LinearState | None = None
 
     def per_rank(self, tp: int) -> ModelSize:
         """The share one of ``tp`` tensor-parallel GPUs holds.
@@ -94,6 +96,8 @@ class ModelSize:
             kv_bytes_per_token=ceil_div(self.kv_bytes_per_token, kv_split),
             kv_window_bytes_per_seq=ceil_div(self.kv_window_bytes_per_seq, kv_split),
             state_bytes_per_seq=ceil_div(self.state_bytes_per_seq, tp),
+            linear_state=(dataclasses.replace(self.linear_state, tensor_parallel=tp)
+                          if self.linear_state else None),
             tensor_parallel=tp,
             notes=[*self.notes, f"per GPU of {tp} (tensor parallel): experts, attention and "
                                 f"embeddings sharded, KV split over {kv_split} rank(s)"],
@@ -160,6 +164,20 @@ class ModelSize:
         """Every per-expert tensor can be moved by the gather: a 16-byte slab, or within
         the packed side row (`formats.ragged_refusal`)."""
         return formats.ragged_refusal(self.expert_tensors) is None
+
+    def with_state_dtypes(self, mamba_cache_dtype: str = "auto",
+                          mamba_ssm_cache_dtype: str = "auto") -> ModelSize:
+        """The model with its linear-attention state in the dtypes vLLM's
+        ``--mamba-cache-dtype`` and ``--mamba-ssm-cache-dtype`` give it (`LinearState.priced`);
+        itself where it has no such state or both are ``auto``."""
+        import dataclasses
+
+        if self.linear_state is None or (mamba_cache_dtype, mamba_ssm_cache_dtype) == (
+                "auto", "auto"):
+            return self
+        state = self.linear_state.priced(mamba_cache_dtype, mamba_ssm_cache_dtype)
+        return dataclasses.replace(self, linear_state=state,
+                                   state_bytes_per_seq=state.bytes_per_seq)
 
     def active_bytes_per_token(self) -> int:
         """Weight bytes one decode token reads: non-expert + top_k experts in each MoE layer."""
@@ -400,16 +418,16 @@ def _model_from_config(
     sliding = sum(1 for t in types if t == "sliding_attention") if window else 0
     kv_tok = (layers - sliding - len(linear)) * kv_layer
     kv_win = sliding * window * kv_layer
-    state = 0
+    state, linear_state = 0, None
     if sliding:
         kv_kind += f", {sliding} of {layers} layers sliding ({window} tokens)"
     if hybrid:
         # vLLM pages a hybrid model's KV and state in blocks of one size, a layer's state
         # wide: a sequence's KV is rounded up to whole such blocks, so one block's worth of
         # tokens is counted beside the state
-        layer_state = hybrid.state_bytes(cfg)
-        page_tokens = ceil_div(layer_state, kv_layer) if kv_layer else 0
-        state = len(linear) * layer_state + page_tokens * kv_tok
+        linear_state = hybrid.state(cfg, kv_layer, kv_tok)
+        layer_state, page_tokens = linear_state.layer_bytes, linear_state.page_tokens
+        state = linear_state.bytes_per_seq
         kv_kind += f", {len(linear)} of {layers} layers linear attention"
         notes.append(
             f"{len(linear)} of {layers} layers are linear attention (gated delta rule): no KV "
@@ -440,6 +458,7 @@ def _model_from_config(
         attention_heads=heads,
         architectures=config_architectures(cfg),
         state_bytes_per_seq=state,
+        linear_state=linear_state,
     )
 
 
@@ -490,13 +509,90 @@ class LinearAttention:
                 + self.value_heads * (f32 + b16) + self.value_dim * b16
                 + linear_bytes(hidden, values, quant))
 
+    def state(self, cfg: dict[str, Any], kv_layer: int, kv_tok: int) -> LinearState:
+        """A sequence's state over these layers, in the dtypes vLLM picks by default: the
+        recurrent state (a key x value matrix a value head) and the convolution's last
+        ``kernel - 1`` inputs in the model's dtype, the recurrent one in the config's
+        ``mamba_ssm_dtype`` where vLLM reads it (`config_ssm_bytes`)."""
+        return LinearState(
+            layers=len(self.layers),
+            ssm_elements=self.value_heads * self.key_dim * self.value_dim,
+            conv_elements=self.conv_channels * (self.conv_kernel - 1),
+            model_bytes=2, config_ssm_bytes=config_ssm_bytes(cfg),
+            kv_layer=kv_layer, kv_tok=kv_tok)
+
     def state_bytes(self, cfg: dict[str, Any]) -> int:
-        """One layer, one sequence: the recurrent state (a key x value matrix a value
-        head, float32 where the config asks for it) and the convolution's last
-        ``kernel - 1`` inputs."""
-        ssm = 4 if str(cfg.get("mamba_ssm_dtype", "")).lower() in ("float32", "fp32") else 2
-        return (self.value_heads * self.key_dim * self.value_dim * ssm
-                + self.conv_channels * (self.conv_kernel - 1) * 2)
+        """One layer, one sequence, in vLLM's default dtypes."""
+        return self.state(cfg, 0, 0).layer_bytes
+
+
+#: vLLM's ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` values and their bytes
+MAMBA_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def config_ssm_bytes(cfg: dict[str, Any]) -> int | None:
+    """The recurrent state's element size a config asks for, where vLLM honours it: its
+    Qwen3.5 models (and their retrieval variant) take ``mamba_ssm_dtype`` as the default of
+    ``--mamba-ssm-cache-dtype``; vLLM reads the field for no other linear-attention model."""
+    archs = config_architectures(cfg)
+    qwen3_5 = (str(cfg.get("model_type", "")).startswith("qwen3_5")
+               or any(a.startswith(("Qwen3_5", "ColQwen3_5")) for a in archs))
+    dtype = str(cfg.get("mamba_ssm_dtype") or "").lower()
+    return MAMBA_DTYPE_BYTES.get({"fp32": "float32"}.get(dtype, dtype)) if qwen3_5 else None
+
+
+@dataclass(frozen=True)
+class LinearState:
+    """A sequence's linear-attention state as element counts and element sizes, so that
+    vLLM's state dtype flags re-price it; and vLLM's rounding of a hybrid model's pages:
+    it pages KV and state in blocks of one size, a layer's state wide, so a sequence's KV
+    is rounded up to whole such blocks (counted as one block's worth of tokens)."""
+
+    layers: int
+    ssm_elements: int  # one layer, one sequence
+    conv_elements: int
+    model_bytes: int
+    config_ssm_bytes: int | None
+    kv_layer: int  # one full-attention layer's KV bytes a token
+    kv_tok: int  # every full-attention layer's KV bytes a token
+    conv_bytes: int | None = None  # set by `priced`; None: the model's dtype
+    ssm_bytes: int | None = None  # set by `priced`; None: vLLM's default
+    tensor_parallel: int = 1
+
+    @property
+    def layer_bytes(self) -> int:
+        conv = self.conv_bytes or self.model_bytes
+        ssm = self.ssm_bytes or self.config_ssm_bytes or conv
+        return self.ssm_elements * ssm + self.conv_elements * conv
+
+    @property
+    def page_tokens(self) -> int:
+        return ceil_div(self.layer_bytes, self.kv_layer) if self.kv_layer else 0
+
+    @property
+    def bytes_per_seq(self) -> int:
+        return ceil_div(self.layers * self.layer_bytes + self.page_tokens * self.kv_tok,
+                        self.tensor_parallel)
+
+    def priced(self, mamba_cache_dtype: str, mamba_ssm_cache_dtype: str) -> LinearState:
+        """The state in vLLM's dtypes for these flags: ``--mamba-cache-dtype`` sets both
+        parts (``auto``: the model's dtype); ``--mamba-ssm-cache-dtype`` the recurrent part
+        alone (``auto``: the config's, for Qwen3.5, else the first flag's)."""
+        import dataclasses
+
+        def size(flag: str, value: str) -> int | None:
+            if value == "auto":
+                return None
+            if value not in MAMBA_DTYPE_BYTES:
+                raise UserError(f"unknown {flag} {value!r}: auto, "
+                                f"{', '.join(MAMBA_DTYPE_BYTES)}")
+            return MAMBA_DTYPE_BYTES[value]
+
+        conv = size("--mamba-cache-dtype", mamba_cache_dtype)
+        ssm = size("--mamba-ssm-cache-dtype", mamba_ssm_cache_dtype)
+        if ssm is None and self.config_ssm_bytes is None:
+            ssm = conv
+        return dataclasses.replace(self, conv_bytes=conv, ssm_bytes=ssm)
 
 
 def _linear_attention(cfg: dict[str, Any], layers: int) -> LinearAttention | None:

@@ -467,6 +467,8 @@ def _plan_for(
     quant: str | None = None,
     max_num_batched_tokens: int | None = None,
     kv_cache_dtype: str = "auto",
+    mamba_cache_dtype: str = "auto",
+    mamba_ssm_cache_dtype: str = "auto",
     kv_tokens: int | None = None,
     overhead_gb: float | None = None,
     graphs: capture.GraphSettings | None = None,
@@ -509,6 +511,8 @@ def _plan_for(
     trial).
     ``narrowest``: a per-layer plan's smallest budget (`serve --plan`): its layer reads
     through first, so the trap and the safe batch are judged against it.
+    ``mamba_cache_dtype``, ``mamba_ssm_cache_dtype``: vLLM's flags of those names, the
+    dtypes of a linear-attention model's state (`ModelSize.with_state_dtypes`).
     ``kv_cache_memory_bytes``: the user's ``--kv-cache-memory-bytes``; the plan then sizes
     around that KV cache (it must hold one ``max_model_len`` sequence) instead of one
     sequence's worth, and hands vLLM nothing of its own.
@@ -528,7 +532,8 @@ def _plan_for(
                   tensor_parallel_size=tensor_parallel_size)
     model = model_spec if isinstance(model_spec, ModelSize) else model_as_held(
         load_model(model_spec, quant), model_spec, quant, vllm_quantization)
-    model = model.per_rank(int(tensor_parallel_size or 1))
+    model = model.with_state_dtypes(mamba_cache_dtype, mamba_ssm_cache_dtype).per_rank(
+        int(tensor_parallel_size or 1))
     vram_gb, device, gpu_memory_utilization, budget, notes_device = _card_budget(
         float(vram_gb), device_total_gib, gpu_memory_utilization)
     graphs = capture.for_model(

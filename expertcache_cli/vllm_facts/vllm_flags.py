@@ -1,8 +1,8 @@
 """A user's `vllm serve` flags, read as sizing needs them.
 
 `serve`, `baseline` and `size -- FLAGS` pass the user's vLLM arguments through; the ones
-that change a plan (context, batch, utilization, KV dtype, CUDA-graph settings) are read
-here, once, the way vLLM reads them.
+that change a plan (context, batch, utilization, KV and state dtypes, CUDA-graph settings)
+are read here, once, the way vLLM reads them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ VLLM_PLAN_FLAGS: dict[str, tuple[str, type | str]] = {
     "--gpu-memory-utilization": ("gpu_memory_utilization", float),
     "--max-num-batched-tokens": ("max_num_batched_tokens", int),
     "--kv-cache-dtype": ("kv_cache_dtype", str),
+    "--mamba-cache-dtype": ("mamba_cache_dtype", str),
+    "--mamba-ssm-cache-dtype": ("mamba_ssm_cache_dtype", str),
     "--tensor-parallel-size": ("tensor_parallel_size", int),
     "--quantization": ("vllm_quantization", str),
     "--moe-backend": ("moe_backend", str),
