@@ -1,9 +1,7 @@
 """Architectures whose layers are not all alike, and multimodal ones: what sizing counts.
 
-Hybrid linear-attention models (Qwen3-Next, Qwen3.5): three of every four layers are
-gated-delta-rule linear attention, which holds no KV a token but a fixed state a
-sequence; the others are gated full attention. Counting every layer as full attention
-would reserve four times the KV a token, and size the attention weights wrong.
+Hybrid linear-attention models (Qwen3-Next, Qwen3.5) have their own file,
+`test_hybrid_pages.py`.
 
 Llama 4: a shared expert beside the routed ones in every MoE layer, and (Maverick) dense
 layers of another width interleaved with the MoE ones.
@@ -16,171 +14,15 @@ The expected figures are worked by hand from the configs.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+from hybrid_configs import CODER_NEXT
 
-from expertcache_cli.errors import UserError
-from expertcache_cli.sizing import model_size, sizing
-from expertcache_cli.vllm_facts import vllm_flags
+from expertcache_cli.sizing import model_size
 
 CONFIGS = Path(__file__).parent / "configs"
-
-#: Qwen/Qwen3-Coder-Next's config.json fields (the Qwen3-Next-80B-A3B architecture), as a
-#: public parameter-count test quotes them; that test pins the checkpoint at
-#: 79,674,391,296 parameters.
-CODER_NEXT = {
-    "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
-    "hidden_size": 2048, "num_hidden_layers": 48, "vocab_size": 151936, "head_dim": 256,
-    "num_attention_heads": 16, "num_key_value_heads": 2, "num_experts": 512,
-    "num_experts_per_tok": 10, "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512, "intermediate_size": 5120,
-    "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_num_value_heads": 32,
-    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
-    "max_position_embeddings": 262144, "torch_dtype": "bfloat16",
-}
-PARAMETERS = 79_674_391_296
-KV_LAYER = 2 * 2 * 256 * 2  # K and V, 2 KV heads of 256, bf16
-LAYER_STATE = 32 * 128 * 128 * 2 + (2 * 16 * 128 + 32 * 128) * 3 * 2  # recurrent + conv
-
-
-def test_qwen3_next_weights_are_its_parameter_count():
-    m = model_size.model_from_config(CODER_NEXT, "coder-next")
-    # every parameter in bf16 but the 36 linear-attention layers' A_log (32 heads each),
-    # which vLLM holds in float32
-    assert m.total_bytes == 2 * PARAMETERS + 36 * 32 * 2
-    assert m.moe_layers == list(range(48)) and (m.num_experts, m.top_k) == (512, 10)
-    assert m.bytes_per_expert == 3 * 2048 * 512 * 2
-
-
-def test_qwen3_next_kv_is_its_full_attention_layers_and_state_its_linear_ones():
-    m = model_size.model_from_config(CODER_NEXT, "coder-next")
-    assert m.kv_bytes_per_token == 12 * KV_LAYER  # layers 3, 7, ..., 47
-    page_tokens = -(-LAYER_STATE // KV_LAYER)
-    assert m.state_bytes_per_seq == 36 * LAYER_STATE + page_tokens * 12 * KV_LAYER
-    assert "36 of 48 layers linear attention" in m.kv_kind
-    assert any("linear attention" in n and "no hybrid model has been served" in n
-               for n in m.notes)
-
-
-#: a Qwen3.5-style wrapper of the Qwen3-Next layers: the language model in text_config, its
-#: layer types listed, the recurrent state asked for in float32
-QWEN3_5 = {
-    "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-    "vision_config": {"depth": 27},
-    "text_config": {k: v for k, v in CODER_NEXT.items()
-                    if k not in ("full_attention_interval", "architectures")}
-    | {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 8, "mamba_ssm_dtype": "float32",
-       "layer_types": ["linear_attention", "full_attention"] * 4},
-}
-
-
-def test_layer_types_and_a_float32_state_are_read_qwen3_5_style():
-    """Qwen3.5 wraps the language model in text_config and lists its layer types; its
-    configs ask for the recurrent state in float32."""
-    m = model_size.model_from_config(QWEN3_5, "q35")
-    state = 32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 3 * 2
-    assert m.kv_bytes_per_token == 4 * KV_LAYER
-    assert m.state_bytes_per_seq == 4 * state + -(-state // KV_LAYER) * 4 * KV_LAYER
-    assert any("vision encoder" in n for n in m.notes)
-
-
-def test_a_model_without_linear_attention_is_unchanged():
-    plain = {k: v for k, v in CODER_NEXT.items() if not k.startswith(("linear_", "full_"))}
-    m = model_size.model_from_config(plain, "plain")
-    assert m.state_bytes_per_seq == 0 and m.kv_bytes_per_token == 48 * KV_LAYER
-    assert not any("linear attention" in n for n in m.notes)
-
-
-def test_the_state_is_reserved_whatever_the_kv_dtype(tmp_path):
-    """An fp8 KV cache halves the KV a token, not the state (its dtype is the model's)."""
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(CODER_NEXT))
-    m = model_size.load_model(path)
-    auto = sizing.plan(path, 80, max_model_len=8192, max_num_seqs=1)
-    fp8 = sizing.plan(path, 80, max_model_len=8192, max_num_seqs=1, kv_cache_dtype="fp8")
-    assert auto.kv_reserved_bytes - fp8.kv_reserved_bytes == 8192 * m.kv_bytes_per_token // 2
-    assert fp8.kv_reserved_bytes >= m.state_bytes_per_seq
-
-
-RECURRENT = 36 * 32 * 128 * 128  # Coder-Next's recurrent state, elements a sequence
-CONV = 36 * (2 * 16 * 128 + 32 * 128) * 3  # its convolution inputs
-
-
-def _state(path, *vllm_args: str) -> int:
-    """The state a sequence `plan` reserves under these vLLM flags: its reserve for one
-    token, less that token's KV."""
-    kwargs = vllm_flags.plan_kwargs_from_vllm_args(list(vllm_args))
-    plan = sizing.plan(path, 80, max_model_len=8192, max_num_seqs=1, kv_tokens=1, **kwargs)
-    return plan.kv_reserved_bytes - 12 * KV_LAYER
-
-
-@pytest.mark.parametrize("args,ssm,conv", [
-    ((), 2, 2),
-    (("--mamba-ssm-cache-dtype", "float32"), 4, 2),
-    (("--mamba-cache-dtype", "float32"), 4, 4),
-    (("--mamba-cache-dtype=float32", "--mamba-ssm-cache-dtype", "bfloat16"), 2, 4),
-])
-def test_vllms_state_dtype_flags_price_the_state(tmp_path, args, ssm, conv):
-    """vLLM's ``--mamba-cache-dtype`` sets the whole state's dtype and
-    ``--mamba-ssm-cache-dtype`` the recurrent part's; the page rounding follows the
-    state's width (one full-attention layer's KV is 2,048 B a token)."""
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(CODER_NEXT))
-    layer = (RECURRENT * ssm + CONV * conv) // 36
-    assert _state(path, *args) == 36 * layer + -(-layer // KV_LAYER) * 12 * KV_LAYER
-
-
-def test_qwen3_5s_float32_state_is_its_default_and_a_flag_overrides_it(tmp_path):
-    """vLLM takes Qwen3.5's ``mamba_ssm_dtype`` as the default of ``--mamba-ssm-cache-dtype``,
-    so ``--mamba-cache-dtype`` alone leaves the recurrent part in float32; it reads the field
-    for no other model."""
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(QWEN3_5))
-    m = model_size.load_model(path)
-    recurrent, conv = 32 * 128 * 128, (2 * 16 * 128 + 32 * 128) * 3  # a layer, elements
-    assert m.linear_state is not None and m.linear_state.layer_bytes == recurrent * 4 + conv * 2
-    wide = m.with_state_dtypes("float32", "auto").linear_state
-    assert wide is not None and wide.layer_bytes == (recurrent + conv) * 4
-    narrow = m.with_state_dtypes("auto", "bfloat16").linear_state
-    assert narrow is not None and narrow.layer_bytes == (recurrent + conv) * 2
-    asked = CODER_NEXT | {"mamba_ssm_dtype": "float32"}
-    assert (model_size.model_from_config(asked, "next").state_bytes_per_seq
-            == model_size.model_from_config(CODER_NEXT, "next").state_bytes_per_seq)
-
-
-def test_an_unknown_state_dtype_is_one_line(tmp_path):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(CODER_NEXT))
-    with pytest.raises(UserError, match=r"unknown --mamba-ssm-cache-dtype 'fp8': auto, float32"):
-        _state(path, "--mamba-ssm-cache-dtype", "fp8")
-
-
-def test_a_model_without_linear_attention_takes_the_flags_unchanged():
-    plain = {k: v for k, v in CODER_NEXT.items() if not k.startswith(("linear_", "full_"))}
-    m = model_size.model_from_config(plain, "plain")
-    assert m.with_state_dtypes("float32", "float32") is m
-
-
-@pytest.mark.parametrize("tp", [2, 4])
-def test_a_priced_state_is_sharded_with_the_heads(tp):
-    m = model_size.model_from_config(CODER_NEXT, "coder-next").with_state_dtypes(
-        "auto", "float32")
-    sharded = m.per_rank(tp)
-    assert sharded.state_bytes_per_seq == -(-m.state_bytes_per_seq // tp)
-    assert sharded.linear_state is not None
-    assert sharded.linear_state.bytes_per_seq == sharded.state_bytes_per_seq
-
-
-@pytest.mark.parametrize("tp", [2, 4])
-def test_the_state_is_sharded_with_the_heads(tp):
-    m = model_size.model_from_config(CODER_NEXT, "coder-next")
-    assert m.per_rank(tp).state_bytes_per_seq == -(-m.state_bytes_per_seq // tp)
-    assert dataclasses.asdict(m.per_rank(1)) == dataclasses.asdict(m)
-
 
 #: Llama 4 Scout's text_config fields (meta-llama/Llama-4-Scout-17B-16E), as public config
 #: parsers' tests quote them

@@ -70,7 +70,14 @@ def declared(model):
 
 specs = llm.collective_rpc("get_kv_cache_spec")[0]
 ss = session.sessions()
+# what vLLM checks a start against: the pool one max_model_len sequence needs
+from vllm.v1.core import kv_cache_utils
+vc = llm.llm_engine.vllm_config
+groups = kv_cache_utils.get_kv_cache_groups(vc, dict(specs))
 print("RESULT " + json.dumps({
+    "one_sequence": kv_cache_utils._max_memory_usage_bytes_from_groups(vc, groups),
+    "block_size": vc.cache_config.block_size,
+    "mamba_cache_mode": vc.cache_config.mamba_cache_mode,
     "decisions": [[x.layer_name, x.action, x.reason] for s in ss for x in s.decisions],
     "tokens": list(out[0].outputs[0].token_ids),
     "params": llm.apply_model(declared)[0],
@@ -142,7 +149,7 @@ def test_the_linear_attention_state_is_vllms(served):
     res = served("qwen3-next")
     linear = model_size._linear_attention(config, config["num_hidden_layers"])
     assert linear is not None
-    per_layer = linear.state(config, 0, 0).priced("auto", "float32").layer_bytes
+    per_layer = linear.state(config, 0, 0).priced("auto", "float32").layer_bytes()
     kinds = res["specs"]
     assert sorted(n for n, (kind, _) in kinds.items() if kind == "MambaSpec") == [
         f"model.layers.{i}.linear_attn" for i in sorted(linear.layers)]
@@ -150,3 +157,24 @@ def test_the_linear_attention_state_is_vllms(served):
     assert sorted(n for n, (kind, _) in kinds.items() if kind == "FullAttentionSpec") == [
         f"model.layers.{i}.self_attn.attn" for i in range(config["num_hidden_layers"])
         if i not in linear.layers]
+
+
+#: the CPU build's block alignment: its attention kernel takes multiples of 32 tokens and
+#: its default block is 128 (`CpuPlatform`), where the GPU's kernels take multiples of 16
+CPU_BLOCK_ALIGN = 128
+
+
+def test_the_kv_pool_a_sequence_needs_is_vllms(served):
+    """The pages vLLM checks a start against for one sequence of the hybrid model, its KV
+    and its state paged together, are what the plan reserves (`hybrid_pages`), to the byte,
+    in the mode vLLM chose (0.32 serves a hybrid model with prefix caching: two state
+    pages a sequence)."""
+    config, _ = MODELS["qwen3-next"]
+    res = served("qwen3-next")
+    state = model_size.model_from_config(config, "qwen3-next").with_state_dtypes(
+        "auto", "float32").linear_state
+    assert state is not None and (state.layers, state.full_layers) == (3, 1)
+    assert state.block_tokens(1.0, align=CPU_BLOCK_ALIGN) == res["block_size"]
+    assert res["mamba_cache_mode"] in ("none", "align")
+    assert state.reserve(256, 1, prefix_caching=res["mamba_cache_mode"] == "align",
+                         align=CPU_BLOCK_ALIGN) == res["one_sequence"]

@@ -51,7 +51,8 @@ def _model_table(m: model_size.ModelSize) -> Table:
     if m.kv_window_bytes_per_seq:
         kv += f" + {m.kv_window_bytes_per_seq:,} B per sequence for the windows"
     if m.state_bytes_per_seq:
-        kv += f" + {m.state_bytes_per_seq:,} B of linear-attention state per sequence"
+        kv += (f" + {m.state_bytes_per_seq:,} B of linear-attention state per sequence, "
+               "paged with the KV")
     t.add_row("KV per token (bf16)", kv)
     ragged = [x.name for x in m.expert_tensors if not x.aligned]
     slabs = ("yes" if not ragged else f"yes ({', '.join(ragged)} in the packed side row)"

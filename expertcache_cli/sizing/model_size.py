@@ -24,6 +24,7 @@ from ..vllm_facts import installed_vllm
 from . import formats, hub
 from .cards import GiB, MiB
 from .formats import QUANTS, Tensor, ceil_div, linear_bytes, linear_tensors, quant_from_config
+from .hybrid_pages import MAMBA_DTYPE_BYTES, LinearState
 from .presets import DEFAULT_PRESET, PRESETS, find_preset
 
 _DTYPE_BYTES = {
@@ -96,7 +97,7 @@ class ModelSize:
             kv_bytes_per_token=ceil_div(self.kv_bytes_per_token, kv_split),
             kv_window_bytes_per_seq=ceil_div(self.kv_window_bytes_per_seq, kv_split),
             state_bytes_per_seq=ceil_div(self.state_bytes_per_seq, tp),
-            linear_state=(dataclasses.replace(self.linear_state, tensor_parallel=tp)
+            linear_state=(self.linear_state.per_rank(tp, kv_split)
                           if self.linear_state else None),
             tensor_parallel=tp,
             notes=[*self.notes, f"per GPU of {tp} (tensor parallel): experts, attention and "
@@ -422,19 +423,17 @@ def _model_from_config(
     if sliding:
         kv_kind += f", {sliding} of {layers} layers sliding ({window} tokens)"
     if hybrid:
-        # vLLM pages a hybrid model's KV and state in blocks of one size, a layer's state
-        # wide: a sequence's KV is rounded up to whole such blocks, so one block's worth of
-        # tokens is counted beside the state
-        linear_state = hybrid.state(cfg, kv_layer, kv_tok)
-        layer_state, page_tokens = linear_state.layer_bytes, linear_state.page_tokens
+        # vLLM pages a hybrid model's KV and state together (`hybrid_pages`): the plan
+        # reserves the pages, this is the state itself
+        linear_state = hybrid.state(cfg, layers - sliding - len(linear), kv_layer)
         state = linear_state.bytes_per_seq
         kv_kind += f", {len(linear)} of {layers} layers linear attention"
         notes.append(
             f"{len(linear)} of {layers} layers are linear attention (gated delta rule): no KV "
-            f"a token, {len(linear) * layer_state / MiB:.1f} MiB of state a sequence, "
-            f"counted with the KV reserve with {page_tokens} tokens of KV for vLLM's rounding "
-            "to its hybrid pages (arithmetic over the config: no hybrid model has been "
-            "served with the cache)")
+            f"a token, {state / MiB:.1f} MiB of state a sequence, reserved as vLLM pages it "
+            f"with the KV (blocks of {linear_state.block_tokens(1.0)} tokens at this KV "
+            "dtype; arithmetic over the config: no hybrid model has been served with the "
+            "cache)")
     return ModelSize(
         name=name,
         source=source,
@@ -509,25 +508,21 @@ class LinearAttention:
                 + self.value_heads * (f32 + b16) + self.value_dim * b16
                 + linear_bytes(hidden, values, quant))
 
-    def state(self, cfg: dict[str, Any], kv_layer: int, kv_tok: int) -> LinearState:
+    def state(self, cfg: dict[str, Any], full_layers: int, kv_layer: int) -> LinearState:
         """A sequence's state over these layers, in the dtypes vLLM picks by default: the
         recurrent state (a key x value matrix a value head) and the convolution's last
         ``kernel - 1`` inputs in the model's dtype, the recurrent one in the config's
-        ``mamba_ssm_dtype`` where vLLM reads it (`config_ssm_bytes`)."""
+        ``mamba_ssm_dtype`` where vLLM reads it (`config_ssm_bytes`); beside the
+        ``full_layers`` attention layers of ``kv_layer`` bytes a token it pages with."""
         return LinearState(
-            layers=len(self.layers),
+            layers=len(self.layers), full_layers=full_layers,
             ssm_elements=self.value_heads * self.key_dim * self.value_dim,
-            conv_elements=self.conv_channels * (self.conv_kernel - 1),
-            model_bytes=2, config_ssm_bytes=config_ssm_bytes(cfg),
-            kv_layer=kv_layer, kv_tok=kv_tok)
+            conv_channels=self.conv_channels, conv_taps=self.conv_kernel - 1,
+            kv_layer=kv_layer, config_ssm_bytes=config_ssm_bytes(cfg))
 
     def state_bytes(self, cfg: dict[str, Any]) -> int:
         """One layer, one sequence, in vLLM's default dtypes."""
-        return self.state(cfg, 0, 0).layer_bytes
-
-
-#: vLLM's ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` values and their bytes
-MAMBA_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+        return self.state(cfg, 0, 0).layer_bytes()
 
 
 def config_ssm_bytes(cfg: dict[str, Any]) -> int | None:
@@ -539,60 +534,6 @@ def config_ssm_bytes(cfg: dict[str, Any]) -> int | None:
                or any(a.startswith(("Qwen3_5", "ColQwen3_5")) for a in archs))
     dtype = str(cfg.get("mamba_ssm_dtype") or "").lower()
     return MAMBA_DTYPE_BYTES.get({"fp32": "float32"}.get(dtype, dtype)) if qwen3_5 else None
-
-
-@dataclass(frozen=True)
-class LinearState:
-    """A sequence's linear-attention state as element counts and element sizes, so that
-    vLLM's state dtype flags re-price it; and vLLM's rounding of a hybrid model's pages:
-    it pages KV and state in blocks of one size, a layer's state wide, so a sequence's KV
-    is rounded up to whole such blocks (counted as one block's worth of tokens)."""
-
-    layers: int
-    ssm_elements: int  # one layer, one sequence
-    conv_elements: int
-    model_bytes: int
-    config_ssm_bytes: int | None
-    kv_layer: int  # one full-attention layer's KV bytes a token
-    kv_tok: int  # every full-attention layer's KV bytes a token
-    conv_bytes: int | None = None  # set by `priced`; None: the model's dtype
-    ssm_bytes: int | None = None  # set by `priced`; None: vLLM's default
-    tensor_parallel: int = 1
-
-    @property
-    def layer_bytes(self) -> int:
-        conv = self.conv_bytes or self.model_bytes
-        ssm = self.ssm_bytes or self.config_ssm_bytes or conv
-        return self.ssm_elements * ssm + self.conv_elements * conv
-
-    @property
-    def page_tokens(self) -> int:
-        return ceil_div(self.layer_bytes, self.kv_layer) if self.kv_layer else 0
-
-    @property
-    def bytes_per_seq(self) -> int:
-        return ceil_div(self.layers * self.layer_bytes + self.page_tokens * self.kv_tok,
-                        self.tensor_parallel)
-
-    def priced(self, mamba_cache_dtype: str, mamba_ssm_cache_dtype: str) -> LinearState:
-        """The state in vLLM's dtypes for these flags: ``--mamba-cache-dtype`` sets both
-        parts (``auto``: the model's dtype); ``--mamba-ssm-cache-dtype`` the recurrent part
-        alone (``auto``: the config's, for Qwen3.5, else the first flag's)."""
-        import dataclasses
-
-        def size(flag: str, value: str) -> int | None:
-            if value == "auto":
-                return None
-            if value not in MAMBA_DTYPE_BYTES:
-                raise UserError(f"unknown {flag} {value!r}: auto, "
-                                f"{', '.join(MAMBA_DTYPE_BYTES)}")
-            return MAMBA_DTYPE_BYTES[value]
-
-        conv = size("--mamba-cache-dtype", mamba_cache_dtype)
-        ssm = size("--mamba-ssm-cache-dtype", mamba_ssm_cache_dtype)
-        if ssm is None and self.config_ssm_bytes is None:
-            ssm = conv
-        return dataclasses.replace(self, conv_bytes=conv, ssm_bytes=ssm)
 
 
 def _linear_attention(cfg: dict[str, Any], layers: int) -> LinearAttention | None:

@@ -23,9 +23,9 @@ from typing import Any
 from ..errors import UserError
 from ..rules import budget as rules
 from ..rules.policy import Wide
-from ..vllm_facts import capture, vllm_experts
+from ..vllm_facts import capture, installed_vllm, vllm_experts
 from ..vllm_facts.vllm_flags import ONLINE_FORMATS
-from . import cards, formats
+from . import cards, formats, hybrid_pages
 from .cards import GiB
 from .model_size import ModelSize, load_model
 
@@ -480,6 +480,7 @@ def _plan_for(
     kv_cache_memory_bytes: int | None = None,
     narrowest: int | None = None,
     speculative_tokens: int = 0,
+    prefix_caching: bool | None = None,
 ) -> SizePlan:
     """Size the cache for ``model_spec`` on a ``vram_gb`` GiB card, the batch as given.
 
@@ -513,6 +514,8 @@ def _plan_for(
     through first, so the trap and the safe batch are judged against it.
     ``mamba_cache_dtype``, ``mamba_ssm_cache_dtype``: vLLM's flags of those names, the
     dtypes of a linear-attention model's state (`ModelSize.with_state_dtypes`).
+    ``prefix_caching``: vLLM's ``--[no-]enable-prefix-caching`` (None: the installed
+    vLLM's default); a hybrid model keeps a second state page a sequence with it.
     ``kv_cache_memory_bytes``: the user's ``--kv-cache-memory-bytes``; the plan then sizes
     around that KV cache (it must hold one ``max_model_len`` sequence) instead of one
     sequence's worth, and hands vLLM nothing of its own.
@@ -549,7 +552,10 @@ def _plan_for(
     kv_tokens = int(kv_tokens if kv_tokens is not None else max_model_len)
     kv_per_tok, kv_reserved = _kv_reserve(
         model, kv_cache_dtype=kv_cache_dtype, kv_tokens=kv_tokens, max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_memory_bytes)
+        max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_memory_bytes,
+        speculative_tokens=max(int(speculative_tokens or 0), 0),
+        prefix_caching=(prefix_caching if prefix_caching is not None
+                        else hybrid_pages.prefix_caching_default(installed_vllm.version())))
     overhead, staged_peak = _runtime_reserve(
         model, wide_mode, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, graphs=graphs, overhead_gb=overhead_gb)
@@ -683,9 +689,11 @@ KV_DTYPE_SCALE: dict[str, float] = {"auto": 1.0, "bf16": 1.0, "fp16": 1.0, "fp8"
 
 
 def _kv_reserve(model: ModelSize, *, kv_cache_dtype: str, kv_tokens: int, max_model_len: int,
-                max_num_seqs: int, kv_cache_memory_bytes: int | None) -> tuple[int, int]:
+                max_num_seqs: int, kv_cache_memory_bytes: int | None,
+                speculative_tokens: int = 0, prefix_caching: bool = False) -> tuple[int, int]:
     """(KV bytes a token, the KV the plan reserves): ``kv_tokens`` of KV plus the sliding
-    windows and linear-attention state of the sequences they make, or the user's
+    windows of the sequences they make; for a hybrid linear-attention model, the pages vLLM
+    holds its KV and state in (`hybrid_pages.LinearState.reserve`); or the user's
     ``--kv-cache-memory-bytes``, which must hold one ``max_model_len`` sequence or vLLM
     refuses to start."""
     kv_scale = KV_DTYPE_SCALE.get(kv_cache_dtype.lower())
@@ -693,10 +701,19 @@ def _kv_reserve(model: ModelSize, *, kv_cache_dtype: str, kv_tokens: int, max_mo
         raise UserError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}: auto, fp8")
     kv_per_tok = int(model.kv_bytes_per_token * kv_scale)
     seqs_for_window = max(1, min(max_num_seqs, kv_tokens // max(1, max_model_len)))
-    per_seq = int(model.kv_window_bytes_per_seq * kv_scale) + model.state_bytes_per_seq
-    kv_reserved = kv_tokens * kv_per_tok + per_seq * seqs_for_window
+    window = int(model.kv_window_bytes_per_seq * kv_scale)
+    hybrid = model.linear_state
+
+    def reserve(tokens: int, seqs: int) -> int:
+        if hybrid is None:
+            return tokens * kv_per_tok + (window + model.state_bytes_per_seq) * seqs
+        return window * seqs + hybrid.reserve(
+            tokens, seqs, kv_scale=kv_scale, speculative_tokens=speculative_tokens,
+            prefix_caching=prefix_caching)
+
+    kv_reserved = reserve(kv_tokens, seqs_for_window)
     if kv_cache_memory_bytes is not None:
-        one_seq = max_model_len * kv_per_tok + per_seq
+        one_seq = reserve(max_model_len, 1)
         if kv_cache_memory_bytes < one_seq:
             raise UserError(
                 f"--kv-cache-memory-bytes {kv_cache_memory_bytes:,} cannot hold one "

@@ -117,10 +117,22 @@ def online_quantization_refusal(args: Sequence[str], model_quant: str, model_nam
     )
 
 
+def prefix_caching(args: Sequence[str]) -> bool | None:
+    """vLLM's ``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (the last one
+    given wins), or None where neither is: vLLM's default then."""
+    given = None
+    for a in args:
+        if a in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+            given = a == "--enable-prefix-caching"
+    return given
+
+
 def plan_kwargs_from_vllm_args(args: Sequence[str]) -> dict[str, Any]:
     """The keyword arguments for `plan` found among a user's vLLM flags (the CUDA-graph
     settings always: they decide how a decode batch is padded)."""
     out: dict[str, Any] = {"graphs": capture.settings_from_vllm_args(args)}
+    if (caching := prefix_caching(args)) is not None:
+        out["prefix_caching"] = caching
     args = _aliases(args)
     for flag, (key, kind) in VLLM_PLAN_FLAGS.items():
         raw = vllm_flag_value(args, flag)
