@@ -28,6 +28,13 @@ CONV = (2 * 16 * 128 + 32 * 128) * 3  # its convolution's channels x the 3 input
 LAYER_STATE = RECURRENT * 2 + CONV * 2  # 1,097,728 B in bf16
 
 
+@pytest.fixture(autouse=True)
+def vllm_0_32(monkeypatch):
+    """The rules of vLLM 0.32 unless a test says otherwise (no vLLM is installed here:
+    the sizing would take the newest read)."""
+    monkeypatch.setattr(installed_vllm, "version", lambda: (0, 32))
+
+
 @pytest.fixture
 def coder_next(tmp_path):
     path = tmp_path / "config.json"
@@ -196,11 +203,24 @@ def test_the_prefix_caching_switch_is_read(args, expected):
     assert vllm_flags.plan_kwargs_from_vllm_args(args).get("prefix_caching") == expected
 
 
-@pytest.mark.parametrize("version,caching", [((0, 26), False), ((0, 32), True),
-                                             ((0, 33), True), (None, True)])
-def test_prefix_caching_is_vllms_default_for_the_installed_release(
-        coder_next, monkeypatch, version, caching):
+# vLLM 0.33 on Hopper and Blackwell: with prefix caching, FlashInfer's gated-delta-rule
+# prefill saves states every 64 tokens, so blocks are multiples of 64 (16 x 9 = 576 tokens,
+# 15 for the sequence) and each state keeps a third page
+CHECKPOINTED = 12 * 576 * KV_LAYER * (15 + 3 * 3)
+
+
+@pytest.mark.parametrize("version,reserve", [
+    ((0, 26), 12 * PAGE * (16 + 3)),  # prefix caching off for hybrid models
+    ((0, 32), 12 * PAGE * (16 + 3 * 2)),  # on: a second state page
+    ((0, 33), CHECKPOINTED),
+    (None, CHECKPOINTED),  # no vLLM here: the newest read
+])
+def test_the_installed_vllms_defaults_decide_the_pages(coder_next, monkeypatch, version,
+                                                       reserve):
     monkeypatch.setattr(installed_vllm, "version", lambda: version)
-    assert hybrid_pages.prefix_caching_default(version) is caching
+    assert hybrid_pages.prefix_caching_default(version) is (version != (0, 26))
     plan = sizing.plan(coder_next, 80, max_model_len=8192, max_num_seqs=1)
-    assert plan.kv_reserved_bytes == 12 * PAGE * (16 + 3 * (2 if caching else 1))
+    assert plan.kv_reserved_bytes == reserve
+    off = sizing.plan(coder_next, 80, max_model_len=8192, max_num_seqs=1,
+                      prefix_caching=False)
+    assert off.kv_reserved_bytes == 12 * PAGE * (16 + 3)  # no checkpoints without caching

@@ -7,15 +7,17 @@ until one attention page holds a layer's state (in multiples of the attention ke
 block alignment), pads every state to that page, and sizes a pool whose block holds one
 page for each layer of a group, the groups formed from the layer counts. `reserve` is that
 arithmetic, read in vLLM 0.26, 0.32 and 0.33 (`_align_hybrid_block_size`,
-`_get_kv_cache_groups_uniform_page_size`, `_max_memory_usage_bytes_from_groups` and
-`MambaSpec.max_memory_usage_bytes`): what vLLM checks a start against, to the byte, for
-one sequence of ``--max-model-len`` tokens. It is held to vLLM's own check in
+`_get_kv_cache_groups_uniform_page_size`, `_max_memory_usage_bytes_from_groups`,
+`MambaSpec.max_memory_usage_bytes` and 0.33's prefill checkpoints of the gated delta rule):
+what vLLM checks a start against, to the byte, for one sequence of ``--max-model-len``
+tokens. It is held to vLLM's own check in
 `tests/test_vllm_architectures.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from ..errors import UserError
@@ -28,6 +30,10 @@ MAMBA_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: FlashInfer all take multiples of 16 tokens), which a hybrid model's block size is a
 #: multiple of
 GPU_BLOCK_ALIGN = 16
+#: the token alignment of the states FlashInfer's gated-delta-rule prefill saves inside a
+#: prefill (vLLM 0.33's ``FLASHINFER_GDN_CHECKPOINT_ALIGNMENT``): with prefix caching,
+#: blocks are multiples of it and each state keeps one more page for such a checkpoint
+CHECKPOINT_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -95,19 +101,23 @@ class LinearState:
 
     def reserve(self, kv_tokens: int, seqs: int, *, kv_scale: float = 1.0,
                 speculative_tokens: int = 0, prefix_caching: bool = False,
-                align: int = GPU_BLOCK_ALIGN) -> int:
+                checkpoints: bool = False, align: int = GPU_BLOCK_ALIGN) -> int:
         """The KV pool vLLM needs for ``seqs`` sequences of ``kv_tokens`` tokens in all:
         pages of ``block_tokens`` tokens of one layer's KV (each state padded to one),
         blocks of one page for each layer of a group. Each full-attention group takes its
         sequences' tokens in whole blocks; each linear group a block a sequence, one more
-        a draft token, and one more with prefix caching (vLLM's ``align`` mode)."""
+        a draft token, one more with prefix caching (vLLM's ``align`` mode) and, with it,
+        one more for ``checkpoints`` (FlashInfer's prefill states, `CHECKPOINT_ALIGN`)."""
         if not self.full_layers or not self.kv_layer:
             return seqs * self.layers * self.layer_bytes(speculative_tokens)
+        checkpoints = checkpoints and prefix_caching
+        if checkpoints:
+            align = math.lcm(align, CHECKPOINT_ALIGN)
         block = self.block_tokens(kv_scale, speculative_tokens, align)
         page = block * int(self.kv_layer * kv_scale)
         fewest, most = sorted((self.full_layers, self.layers))
         group = most if most < fewest * 1.5 else fewest
-        state_blocks = (2 if prefix_caching else 1) + speculative_tokens
+        state_blocks = (2 if prefix_caching else 1) + speculative_tokens + checkpoints
         blocks = (ceil_div(self.full_layers, group) * (ceil_div(kv_tokens, block) + seqs - 1)
                   + ceil_div(self.layers, group) * state_blocks * seqs)
         return group * page * blocks
@@ -116,9 +126,19 @@ class LinearState:
 #: vLLM releases read whose hybrid models serve without prefix caching by default (0.26
 #: leaves it off for them; 0.32 and 0.33 turn it on, with a second state page a sequence)
 PREFIX_CACHING_OFF_BY_DEFAULT = frozenset({(0, 26)})
+#: vLLM releases read whose gated-delta-rule layers save no states inside a prefill (0.33
+#: does with FlashInfer's prefill kernel, its pick on Hopper and Blackwell)
+NO_PREFILL_CHECKPOINTS = frozenset({(0, 26), (0, 32)})
 
 
 def prefix_caching_default(version: tuple[int, int] | None) -> bool:
     """Whether vLLM ``version`` serves a hybrid model with prefix caching unless told:
     on wherever it was not read off (the larger reserve, so that vLLM's check passes)."""
     return version not in PREFIX_CACHING_OFF_BY_DEFAULT
+
+
+def prefill_checkpoints(version: tuple[int, int] | None) -> bool:
+    """Whether vLLM ``version`` may keep a prefill checkpoint page a state (with prefix
+    caching): counted wherever it was not read absent, on GPUs before Hopper too, where
+    vLLM 0.33 takes none and the reserve is one page a linear group larger than needed."""
+    return version not in NO_PREFILL_CHECKPOINTS

@@ -555,7 +555,8 @@ def _plan_for(
         max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_memory_bytes,
         speculative_tokens=max(int(speculative_tokens or 0), 0),
         prefix_caching=(prefix_caching if prefix_caching is not None
-                        else hybrid_pages.prefix_caching_default(installed_vllm.version())))
+                        else hybrid_pages.prefix_caching_default(installed_vllm.version())),
+        checkpoints=hybrid_pages.prefill_checkpoints(installed_vllm.version()))
     overhead, staged_peak = _runtime_reserve(
         model, wide_mode, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, graphs=graphs, overhead_gb=overhead_gb)
@@ -597,7 +598,8 @@ def _plan_for(
         short = _plan_for(model, vram_gb, 8192, max_num_seqs, gpu_memory_utilization,
                      max_num_batched_tokens=max_num_batched_tokens,
                      kv_cache_dtype=kv_cache_dtype, overhead_gb=overhead_gb, graphs=graphs,
-                     device_total_gib=device, wide=wide_mode)
+                     device_total_gib=device, wide=wide_mode,
+                     speculative_tokens=speculative_tokens, prefix_caching=prefix_caching)
         if short.max_slots > max_slots or short.verdict != verdict:
             notes.append(
                 f"KV for one {max_model_len}-token sequence takes {kv_reserved / GiB:.2f} GiB; "
@@ -690,7 +692,8 @@ KV_DTYPE_SCALE: dict[str, float] = {"auto": 1.0, "bf16": 1.0, "fp16": 1.0, "fp8"
 
 def _kv_reserve(model: ModelSize, *, kv_cache_dtype: str, kv_tokens: int, max_model_len: int,
                 max_num_seqs: int, kv_cache_memory_bytes: int | None,
-                speculative_tokens: int = 0, prefix_caching: bool = False) -> tuple[int, int]:
+                speculative_tokens: int = 0, prefix_caching: bool = False,
+                checkpoints: bool = False) -> tuple[int, int]:
     """(KV bytes a token, the KV the plan reserves): ``kv_tokens`` of KV plus the sliding
     windows of the sequences they make; for a hybrid linear-attention model, the pages vLLM
     holds its KV and state in (`hybrid_pages.LinearState.reserve`); or the user's
@@ -709,7 +712,7 @@ def _kv_reserve(model: ModelSize, *, kv_cache_dtype: str, kv_tokens: int, max_mo
             return tokens * kv_per_tok + (window + model.state_bytes_per_seq) * seqs
         return window * seqs + hybrid.reserve(
             tokens, seqs, kv_scale=kv_scale, speculative_tokens=speculative_tokens,
-            prefix_caching=prefix_caching)
+            prefix_caching=prefix_caching, checkpoints=checkpoints)
 
     kv_reserved = reserve(kv_tokens, seqs_for_window)
     if kv_cache_memory_bytes is not None:
