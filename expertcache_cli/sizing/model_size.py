@@ -89,6 +89,7 @@ class ModelSize:
         kv_split = max(1, min(tp, self.kv_heads)) if self.kv_heads else 1
         tensors = [Tensor(t.name, t.shape, t.dtype, ceil_div(t.nbytes, tp))
                    for t in self.expert_tensors]
+        linear = self.linear_state.per_rank(tp, kv_split) if self.linear_state else None
         return dataclasses.replace(
             self,
             bytes_per_expert=sum(t.nbytes for t in tensors),
@@ -96,9 +97,9 @@ class ModelSize:
             non_expert_bytes=ceil_div(self.non_expert_bytes, tp),
             kv_bytes_per_token=ceil_div(self.kv_bytes_per_token, kv_split),
             kv_window_bytes_per_seq=ceil_div(self.kv_window_bytes_per_seq, kv_split),
-            state_bytes_per_seq=ceil_div(self.state_bytes_per_seq, tp),
-            linear_state=(self.linear_state.per_rank(tp, kv_split)
-                          if self.linear_state else None),
+            state_bytes_per_seq=(linear.bytes_per_seq if linear
+                                 else ceil_div(self.state_bytes_per_seq, tp)),
+            linear_state=linear,
             tensor_parallel=tp,
             notes=[*self.notes, f"per GPU of {tp} (tensor parallel): experts, attention and "
                                 f"embeddings sharded, KV split over {kv_split} rank(s)"],
@@ -519,10 +520,6 @@ class LinearAttention:
             ssm_elements=self.value_heads * self.key_dim * self.value_dim,
             conv_channels=self.conv_channels, conv_taps=self.conv_kernel - 1,
             kv_layer=kv_layer, config_ssm_bytes=config_ssm_bytes(cfg))
-
-    def state_bytes(self, cfg: dict[str, Any]) -> int:
-        """One layer, one sequence, in vLLM's default dtypes."""
-        return self.state(cfg, 0, 0).layer_bytes()
 
 
 def config_ssm_bytes(cfg: dict[str, Any]) -> int | None:
