@@ -36,7 +36,7 @@ from tiny_moe import (
     qwen3_next_config,
 )
 
-from expertcache_cli.sizing import model_size
+from expertcache_cli.sizing import model_size, sizing
 
 pytestmark = pytest.mark.integration
 
@@ -77,6 +77,8 @@ groups = kv_cache_utils.get_kv_cache_groups(vc, dict(specs))
 print("RESULT " + json.dumps({
     "one_sequence": kv_cache_utils._max_memory_usage_bytes_from_groups(vc, groups),
     "block_size": vc.cache_config.block_size,
+    "batched": vc.scheduler_config.max_num_batched_tokens,
+    "in_flight_batches": vc.max_concurrent_batches,
     "mamba_cache_mode": vc.cache_config.mamba_cache_mode,
     "decisions": [[x.layer_name, x.action, x.reason] for s in ss for x in s.decisions],
     "tokens": list(out[0].outputs[0].token_ids),
@@ -178,3 +180,19 @@ def test_the_kv_pool_a_sequence_needs_is_vllms(served):
     assert res["mamba_cache_mode"] in ("none", "align")
     assert state.reserve(256, 1, prefix_caching=res["mamba_cache_mode"] == "align",
                          align=CPU_BLOCK_ALIGN) == res["one_sequence"]
+
+
+@pytest.mark.parametrize("name", [n for n in MODELS if n != "qwen3-next"])
+def test_the_kv_a_sequence_needs_is_vllms(served, name):
+    """The KV vLLM checks a start against for one sequence (its context here, 256 tokens)
+    is what the plan reserves: every layer's tokens, and for gpt-oss's sliding windows
+    what vLLM holds of them (`sizing.window_reserve`), at the CPU build's block and
+    batch."""
+    config, _ = MODELS[name]
+    res = served(name)
+    m = model_size.model_from_config(config, name)
+    windows = sizing.window_reserve(
+        m, kv_scale=1.0, max_model_len=256, max_num_batched_tokens=res["batched"],
+        block=res["block_size"], in_flight_batches=res["in_flight_batches"])
+    assert (windows > 0) == (name == "gpt-oss")
+    assert 256 * m.kv_bytes_per_token + windows == res["one_sequence"]

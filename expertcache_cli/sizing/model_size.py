@@ -69,6 +69,10 @@ class ModelSize:
     state_bytes_per_seq: int = 0
     #: what that state is made of, so vLLM's ``--mamba-*-cache-dtype`` flags re-price it
     linear_state: LinearState | None = None
+    #: sliding-window layers and their window (tokens): ``kv_window_bytes_per_seq`` is
+    #: their window's KV; vLLM holds more (`sizing.window_reserve`)
+    window_layers: int = 0
+    sliding_window: int = 0
 
     def per_rank(self, tp: int) -> ModelSize:
         """The share one of ``tp`` tensor-parallel GPUs holds.
@@ -459,6 +463,8 @@ def _model_from_config(
         architectures=config_architectures(cfg),
         state_bytes_per_seq=state,
         linear_state=linear_state,
+        window_layers=sliding,
+        sliding_window=window if sliding else 0,
     )
 
 

@@ -27,6 +27,7 @@ from ..vllm_facts import capture, installed_vllm, vllm_experts
 from ..vllm_facts.vllm_flags import ONLINE_FORMATS
 from . import cards, formats, hybrid_pages
 from .cards import GiB
+from .formats import ceil_div
 from .model_size import ModelSize, load_model
 
 #: vLLM's `vllm serve` defaults (V1 engine): on cards with >= 70 GiB it raises both.
@@ -553,6 +554,7 @@ def _plan_for(
     kv_per_tok, kv_reserved = _kv_reserve(
         model, kv_cache_dtype=kv_cache_dtype, kv_tokens=kv_tokens, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_memory_bytes,
+        max_num_batched_tokens=max_num_batched_tokens,
         speculative_tokens=max(int(speculative_tokens or 0), 0),
         prefix_caching=(prefix_caching if prefix_caching is not None
                         else hybrid_pages.prefix_caching_default(installed_vllm.version())),
@@ -690,8 +692,35 @@ KV_DTYPE_SCALE: dict[str, float] = {"auto": 1.0, "bf16": 1.0, "fp16": 1.0, "fp8"
                                     "fp8_e4m3": 0.5, "fp8_e5m2": 0.5}
 
 
+#: vLLM's KV block on NVIDIA GPUs (tokens), where no hybrid state widens it
+KV_BLOCK_TOKENS = hybrid_pages.GPU_BLOCK_ALIGN
+#: batches vLLM keeps in flight (async scheduling, on by default): a sliding window's
+#: blocks are freed only once the tokens scheduled past it are processed
+IN_FLIGHT_BATCHES = 2
+
+
+def window_reserve(model: ModelSize, *, kv_scale: float, max_model_len: int,
+                   max_num_batched_tokens: int, block: int = KV_BLOCK_TOKENS,
+                   in_flight_batches: int = IN_FLIGHT_BATCHES) -> int:
+    """The KV vLLM holds for one sequence in a model's sliding-window layers: the window
+    less one token, plus every token in flight (``in_flight_batches`` x
+    ``max_num_batched_tokens``), at most the context, in whole blocks and one more (the
+    window need not start at a block's edge): vLLM's ``SlidingWindowSpec`` in 0.26-0.33.
+    Far more than the window itself once batches are wide: gpt-oss's 128-token window at
+    2,048 batched tokens holds 4,240 tokens a layer."""
+    if not model.window_layers or not model.sliding_window:
+        return 0
+    layer_token = ceil_div(model.kv_window_bytes_per_seq,
+                           model.window_layers * model.sliding_window)
+    held = min(model.sliding_window - 1 + in_flight_batches * max_num_batched_tokens,
+               max_model_len)
+    return (model.window_layers * int(layer_token * kv_scale) * block
+            * (ceil_div(held, block) + 1))
+
+
 def _kv_reserve(model: ModelSize, *, kv_cache_dtype: str, kv_tokens: int, max_model_len: int,
                 max_num_seqs: int, kv_cache_memory_bytes: int | None,
+                max_num_batched_tokens: int,
                 speculative_tokens: int = 0, prefix_caching: bool = False,
                 checkpoints: bool = False) -> tuple[int, int]:
     """(KV bytes a token, the KV the plan reserves): ``kv_tokens`` of KV plus the sliding
@@ -704,7 +733,8 @@ def _kv_reserve(model: ModelSize, *, kv_cache_dtype: str, kv_tokens: int, max_mo
         raise UserError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}: auto, fp8")
     kv_per_tok = int(model.kv_bytes_per_token * kv_scale)
     seqs_for_window = max(1, min(max_num_seqs, kv_tokens // max(1, max_model_len)))
-    window = int(model.kv_window_bytes_per_seq * kv_scale)
+    window = window_reserve(model, kv_scale=kv_scale, max_model_len=max_model_len,
+                            max_num_batched_tokens=max_num_batched_tokens)
     hybrid = model.linear_state
 
     def reserve(tokens: int, seqs: int) -> int:
