@@ -551,14 +551,15 @@ def _plan_for(
     max_num_batched_tokens = int(max_num_batched_tokens if max_num_batched_tokens is not None
                                  else d_batched)
     kv_tokens = int(kv_tokens if kv_tokens is not None else max_model_len)
+    release = installed_vllm.version()
     kv_per_tok, kv_reserved = _kv_reserve(
         model, kv_cache_dtype=kv_cache_dtype, kv_tokens=kv_tokens, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_memory_bytes,
         max_num_batched_tokens=max_num_batched_tokens,
         speculative_tokens=max(int(speculative_tokens or 0), 0),
         prefix_caching=(prefix_caching if prefix_caching is not None
-                        else hybrid_pages.prefix_caching_default(installed_vllm.version())),
-        checkpoints=hybrid_pages.prefill_checkpoints(installed_vllm.version()))
+                        else hybrid_pages.prefix_caching_default(release)),
+        checkpoints=hybrid_pages.prefill_checkpoints(release))
     overhead, staged_peak = _runtime_reserve(
         model, wide_mode, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, graphs=graphs, overhead_gb=overhead_gb)
