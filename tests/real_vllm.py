@@ -35,7 +35,8 @@ def vllm_python() -> str:
 #: checkout (argv[2]): in one process, the cache asked for (4 slots), the plugin registered
 #: (through its entry point when installed, else by hand: `entry_point` says which), the
 #: tiny model started with its experts offloaded, and ``out``, one greedy request of 4
-#: tokens through it.
+#: tokens through it. ``EC_TEST_LLM_ARGS`` (JSON) overrides the engine's arguments (a
+#: longer context, a narrower batch).
 PLUGIN_LLM = r"""
 import json, math, os, sys
 from pathlib import Path
@@ -50,8 +51,10 @@ if not entry_point:
     import expertcache_cli.plugin as plugin
     plugin.register()
 from vllm import LLM, SamplingParams
-llm = LLM(model=str(d), load_format="dummy", dtype="bfloat16", max_model_len=256,
-          max_num_seqs=2, cpu_offload_gb=1, cpu_offload_params={"experts"})
+engine_args = dict(load_format="dummy", dtype="bfloat16", max_model_len=256, max_num_seqs=2,
+                   cpu_offload_gb=1, cpu_offload_params={"experts"})
+engine_args.update(json.loads(os.environ.get("EC_TEST_LLM_ARGS") or "{}"))
+llm = LLM(model=str(d), **engine_args)
 out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0,
                                                 ignore_eos=True), use_tqdm=False)
 """

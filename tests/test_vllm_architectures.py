@@ -77,6 +77,7 @@ groups = kv_cache_utils.get_kv_cache_groups(vc, dict(specs))
 print("RESULT " + json.dumps({
     "one_sequence": kv_cache_utils._max_memory_usage_bytes_from_groups(vc, groups),
     "block_size": vc.cache_config.block_size,
+    "max_model_len": vc.model_config.max_model_len,
     "batched": vc.scheduler_config.max_num_batched_tokens,
     "in_flight_batches": vc.max_concurrent_batches,
     "mamba_cache_mode": vc.cache_config.mamba_cache_mode,
@@ -100,6 +101,12 @@ MODELS = {
     "llama4": (llama4_text_config(), "feed_forward"),
     "qwen3-next": (qwen3_next_config(), "mlp"),
 }
+#: engine arguments a model is started with beyond the common ones: Llama 4's context
+#: longer than its chunk and the tokens in flight, so that its chunked layers hold less
+#: than the context
+ENGINE_ARGS = {
+    "llama4": {"max_model_len": 2048, "max_num_batched_tokens": 256},
+}
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +123,9 @@ def served(tmp_path_factory):
             subprocess.run([py, "-c", make_model_script(MODELS[name][0]), str(model)],
                            check=True, timeout=120, env=env)
             r = subprocess.run([py, "-c", SCRIPT, str(model), str(ROOT)],
-                               capture_output=True, text=True, timeout=600, env=env)
+                               capture_output=True, text=True, timeout=600,
+                               env=env | {"EC_TEST_LLM_ARGS": json.dumps(ENGINE_ARGS.get(
+                                   name, {}))})
             assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
             line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
             results[name] = json.loads(line[len("RESULT "):])
@@ -184,15 +193,24 @@ def test_the_kv_pool_a_sequence_needs_is_vllms(served):
 
 @pytest.mark.parametrize("name", [n for n in MODELS if n != "qwen3-next"])
 def test_the_kv_a_sequence_needs_is_vllms(served, name):
-    """The KV vLLM checks a start against for one sequence (its context here, 256 tokens)
-    is what the plan reserves: every layer's tokens, and for gpt-oss's sliding windows
-    what vLLM holds of them (`sizing.window_reserve`), at the CPU build's block and
-    batch."""
+    """The KV vLLM checks a start against for one sequence (its context: 256 tokens, 2,048
+    for Llama 4) is what the plan reserves: every full-attention layer's tokens, and what
+    vLLM holds of gpt-oss's sliding windows (`sizing.window_reserve`) and of Llama 4's
+    chunks (`sizing.chunk_reserve`: 256 + 2 x 256 tokens of 2,048 in 128-token blocks), at
+    the CPU build's block and batch."""
     config, _ = MODELS[name]
     res = served(name)
     m = model_size.model_from_config(config, name)
-    windows = sizing.window_reserve(
-        m, kv_scale=1.0, max_model_len=256, max_num_batched_tokens=res["batched"],
-        block=res["block_size"], in_flight_batches=res["in_flight_batches"])
+    at = {"kv_scale": 1.0, "max_model_len": res["max_model_len"],
+          "max_num_batched_tokens": res["batched"], "block": res["block_size"],
+          "in_flight_batches": res["in_flight_batches"]}
+    windows, chunks = sizing.window_reserve(m, **at), sizing.chunk_reserve(m, **at)
     assert (windows > 0) == (name == "gpt-oss")
-    assert 256 * m.kv_bytes_per_token + windows == res["one_sequence"]
+    assert (chunks > 0) == (name == "llama4")
+    if name == "llama4":  # the chunk and the batches in flight, less than the context
+        layer_token = m.kv_chunk_bytes_per_seq // (m.chunked_layers * m.attention_chunk)
+        held = min(256 + res["in_flight_batches"] * res["batched"], 2048)
+        assert held < 2048 and res["batched"] == 256
+        assert chunks == m.chunked_layers * layer_token * 128 * -(-held // 128)
+    assert (res["max_model_len"] * m.kv_bytes_per_token + windows + chunks
+            == res["one_sequence"])

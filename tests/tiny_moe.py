@@ -42,7 +42,8 @@ def llama4_text_config() -> dict[str, Any]:
         intermediate_size_mlp=128, num_hidden_layers=4, num_local_experts=8,
         num_experts_per_tok=1, interleave_moe_layer_step=2, rope_theta=500000.0,
         no_rope_layers=[1, 1, 1, 0], use_qk_norm=True, attention_chunk_size=256,
-        attn_temperature_tuning=False, floor_scale=8192, attn_scale=0.1, rope_scaling=None)
+        attn_temperature_tuning=False, floor_scale=8192, attn_scale=0.1, rope_scaling=None,
+        max_position_embeddings=4096)
 
 
 def qwen3_next_config() -> dict[str, Any]:

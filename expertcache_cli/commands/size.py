@@ -50,6 +50,8 @@ def _model_table(m: model_size.ModelSize) -> Table:
     kv = f"{m.kv_bytes_per_token:,} B ({m.kv_kind})"
     if m.kv_window_bytes_per_seq:
         kv += f" + {m.kv_window_bytes_per_seq:,} B per sequence for the windows"
+    if m.kv_chunk_bytes_per_seq:
+        kv += f" + {m.kv_chunk_bytes_per_seq:,} B per sequence for the chunks"
     if m.state_bytes_per_seq:
         kv += (f" + {m.state_bytes_per_seq:,} B of linear-attention state per sequence, "
                "paged with the KV")

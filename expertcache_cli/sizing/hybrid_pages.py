@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import UserError
@@ -142,3 +144,33 @@ def prefill_checkpoints(version: tuple[int, int] | None) -> bool:
     caching): counted wherever it was not read absent, on GPUs before Hopper too, where
     vLLM 0.33 takes none and the reserve is one page a linear group larger than needed."""
     return version not in NO_PREFILL_CHECKPOINTS
+
+
+#: vLLM's switch for Llama 4's chunked layers under the hybrid KV cache manager (default
+#: on in 0.26-0.33; ``0`` turns the manager off for a chunked model)
+CHUNKED_HYBRID_ENV = "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE"
+
+
+def local_attention_paged(*, windows: bool, chunks: bool, manager: bool | None,
+                          speculative_tokens: int,
+                          environ: Mapping[str, str] | None = None) -> str | None:
+    """Why vLLM keeps every token of a sliding-window or chunked layer, as if it were full
+    attention, or None where it keeps only the window or chunk: vLLM 0.26-0.33 turn the
+    hybrid KV cache manager off (and a local layer then pages as a full one,
+    ``unify_hybrid_kv_cache_specs``) when told to (``manager`` False:
+    ``--disable-hybrid-kv-cache-manager``, or a ``--kv-transfer-config`` whose connector
+    may not support it), and for a chunked model with speculative decoding (EAGLE, MTP:
+    counted for every method, the larger reserve) or ``CHUNKED_HYBRID_ENV=0``."""
+    if not (windows or chunks):
+        return None
+    if manager is False:
+        return "the hybrid KV cache manager is off (--disable-hybrid-kv-cache-manager or " \
+               "a --kv-transfer-config)"
+    if manager is None and chunks:
+        if speculative_tokens > 0:
+            return "vLLM turns the hybrid KV cache manager off for chunked local " \
+                   "attention with speculative decoding"
+        env = os.environ if environ is None else environ
+        if env.get(CHUNKED_HYBRID_ENV, "1").strip() == "0":
+            return f"{CHUNKED_HYBRID_ENV}=0 turns the hybrid KV cache manager off"
+    return None

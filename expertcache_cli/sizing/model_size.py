@@ -73,6 +73,12 @@ class ModelSize:
     #: their window's KV; vLLM holds more (`sizing.window_reserve`)
     window_layers: int = 0
     sliding_window: int = 0
+    #: chunked local-attention layers (Llama 4's RoPE layers) and their chunk (tokens):
+    #: ``kv_chunk_bytes_per_seq`` is their chunk's KV; vLLM holds more
+    #: (`sizing.chunk_reserve`)
+    chunked_layers: int = 0
+    attention_chunk: int = 0
+    kv_chunk_bytes_per_seq: int = 0
 
     def per_rank(self, tp: int) -> ModelSize:
         """The share one of ``tp`` tensor-parallel GPUs holds.
@@ -101,6 +107,7 @@ class ModelSize:
             non_expert_bytes=ceil_div(self.non_expert_bytes, tp),
             kv_bytes_per_token=ceil_div(self.kv_bytes_per_token, kv_split),
             kv_window_bytes_per_seq=ceil_div(self.kv_window_bytes_per_seq, kv_split),
+            kv_chunk_bytes_per_seq=ceil_div(self.kv_chunk_bytes_per_seq, kv_split),
             state_bytes_per_seq=(linear.bytes_per_seq if linear
                                  else ceil_div(self.state_bytes_per_seq, tp)),
             linear_state=linear,
@@ -185,6 +192,25 @@ class ModelSize:
         return dataclasses.replace(self, linear_state=state,
                                    state_bytes_per_seq=state.bytes_per_seq)
 
+    def all_full_attention(self) -> ModelSize:
+        """The model as vLLM pages it with its hybrid KV cache manager off: every
+        sliding-window and chunked layer keeps a sequence's every token, as a full-attention
+        layer does (vLLM's ``unify_hybrid_kv_cache_specs``), so their KV is a token's."""
+        import dataclasses
+
+        local = []  # (the layers' KV for their span, the span in tokens)
+        if self.window_layers and self.sliding_window:
+            local.append((self.kv_window_bytes_per_seq, self.sliding_window))
+        if self.chunked_layers and self.attention_chunk:
+            local.append((self.kv_chunk_bytes_per_seq, self.attention_chunk))
+        if not local:
+            return self
+        extra = sum(ceil_div(kv, span) for kv, span in local)
+        return dataclasses.replace(
+            self, kv_bytes_per_token=self.kv_bytes_per_token + extra,
+            kv_window_bytes_per_seq=0, window_layers=0, sliding_window=0,
+            kv_chunk_bytes_per_seq=0, chunked_layers=0, attention_chunk=0)
+
     def active_bytes_per_token(self) -> int:
         """Weight bytes one decode token reads: non-expert + top_k experts in each MoE layer."""
         return self.non_expert_bytes + self.top_k * self.bytes_per_slot
@@ -205,6 +231,7 @@ class ModelSize:
             "total_bytes": self.total_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_window_bytes_per_seq": self.kv_window_bytes_per_seq,
+            "kv_chunk_bytes_per_seq": self.kv_chunk_bytes_per_seq,
             "state_bytes_per_seq": self.state_bytes_per_seq,
             "kv_kind": self.kv_kind,
             "expert_tensors": [asdict(t) | {"aligned": t.aligned} for t in self.expert_tensors],
@@ -422,11 +449,14 @@ def _model_from_config(
     types = cfg.get("layer_types") or []
     window = int(cfg.get("sliding_window") or 0)
     sliding = sum(1 for t in types if t == "sliding_attention") if window else 0
-    kv_tok = (layers - sliding - len(linear)) * kv_layer
+    chunk, chunked = _chunked_attention(cfg, layers)
+    kv_tok = (layers - sliding - chunked - len(linear)) * kv_layer
     kv_win = sliding * window * kv_layer
     state, linear_state = 0, None
     if sliding:
         kv_kind += f", {sliding} of {layers} layers sliding ({window} tokens)"
+    if chunked:
+        kv_kind += f", {chunked} of {layers} layers chunked local attention ({chunk} tokens)"
     if hybrid:
         # vLLM pages a hybrid model's KV and state together (`hybrid_pages`): the plan
         # reserves the pages, this is the state itself
@@ -465,7 +495,26 @@ def _model_from_config(
         linear_state=linear_state,
         window_layers=sliding,
         sliding_window=window if sliding else 0,
+        chunked_layers=chunked,
+        attention_chunk=chunk if chunked else 0,
+        kv_chunk_bytes_per_seq=chunked * chunk * kv_layer,
     )
+
+
+def _chunked_attention(cfg: dict[str, Any], layers: int) -> tuple[int, int]:
+    """(chunk, layers) of Llama 4's chunked local attention: every RoPE layer
+    (``no_rope_layers[i]`` 1) attends within ``attention_chunk_size`` tokens, the NoPE
+    layers to the whole sequence (vLLM's ``Llama4Attention``). transformers fills what a
+    config leaves out: a chunk of 8,192 tokens and a NoPE layer every
+    ``no_rope_layer_interval`` (4); a null chunk makes every layer full attention."""
+    if not str(cfg.get("model_type", "")).startswith("llama4"):
+        return 0, 0
+    chunk = int(cfg.get("attention_chunk_size", 8192) or 0)
+    if not chunk:
+        return 0, 0
+    interval = int(cfg.get("no_rope_layer_interval") or 4)
+    rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    return chunk, sum(1 for i in range(min(layers, len(rope))) if rope[i])
 
 
 #: model types whose `attention_bias` biases the q/k/v projection only, not the output's

@@ -482,6 +482,7 @@ def _plan_for(
     narrowest: int | None = None,
     speculative_tokens: int = 0,
     prefix_caching: bool | None = None,
+    hybrid_kv_cache_manager: bool | None = None,
 ) -> SizePlan:
     """Size the cache for ``model_spec`` on a ``vram_gb`` GiB card, the batch as given.
 
@@ -517,6 +518,9 @@ def _plan_for(
     dtypes of a linear-attention model's state (`ModelSize.with_state_dtypes`).
     ``prefix_caching``: vLLM's ``--[no-]enable-prefix-caching`` (None: the installed
     vLLM's default); a hybrid model keeps a second state page a sequence with it.
+    ``hybrid_kv_cache_manager``: vLLM's ``--[no-]disable-hybrid-kv-cache-manager`` as whether
+    it is on (None: vLLM decides); with it off, sliding-window and chunked layers keep every
+    token (`hybrid_pages.local_attention_paged`).
     ``kv_cache_memory_bytes``: the user's ``--kv-cache-memory-bytes``; the plan then sizes
     around that KV cache (it must hold one ``max_model_len`` sequence) instead of one
     sequence's worth, and hands vLLM nothing of its own.
@@ -538,6 +542,11 @@ def _plan_for(
         load_model(model_spec, quant), model_spec, quant, vllm_quantization)
     model = model.with_state_dtypes(mamba_cache_dtype, mamba_ssm_cache_dtype).per_rank(
         int(tensor_parallel_size or 1))
+    unpaged = hybrid_pages.local_attention_paged(
+        windows=bool(model.window_layers), chunks=bool(model.chunked_layers),
+        manager=hybrid_kv_cache_manager, speculative_tokens=int(speculative_tokens or 0))
+    if unpaged:
+        model = model.all_full_attention()
     vram_gb, device, gpu_memory_utilization, budget, notes_device = _card_budget(
         float(vram_gb), device_total_gib, gpu_memory_utilization)
     graphs = capture.for_model(
@@ -571,6 +580,9 @@ def _plan_for(
     forced = forced_slots is not None
     planned = forced_slots if forced_slots is not None else max_slots
     notes = list(model.notes) + notes_device
+    if unpaged:
+        notes.append(f"{unpaged}: the model's sliding-window and chunked layers keep every "
+                     "token of a sequence, reserved as full attention")
     verdict, planned, text = _decide(
         model, budget=budget, slot_budget=slot_budget, kv_reserved=kv_reserved,
         overhead=overhead, planned=planned, max_slots=max_slots, forced=forced,
@@ -602,7 +614,8 @@ def _plan_for(
                      max_num_batched_tokens=max_num_batched_tokens,
                      kv_cache_dtype=kv_cache_dtype, overhead_gb=overhead_gb, graphs=graphs,
                      device_total_gib=device, wide=wide_mode,
-                     speculative_tokens=speculative_tokens, prefix_caching=prefix_caching)
+                     speculative_tokens=speculative_tokens, prefix_caching=prefix_caching,
+                     hybrid_kv_cache_manager=hybrid_kv_cache_manager)
         if short.max_slots > max_slots or short.verdict != verdict:
             notes.append(
                 f"KV for one {max_model_len}-token sequence takes {kv_reserved / GiB:.2f} GiB; "
@@ -719,6 +732,23 @@ def window_reserve(model: ModelSize, *, kv_scale: float, max_model_len: int,
             * (ceil_div(held, block) + 1))
 
 
+def chunk_reserve(model: ModelSize, *, kv_scale: float, max_model_len: int,
+                  max_num_batched_tokens: int, block: int = KV_BLOCK_TOKENS,
+                  in_flight_batches: int = IN_FLIGHT_BATCHES) -> int:
+    """The KV vLLM holds for one sequence in a model's chunked local-attention layers: the
+    chunk plus every token in flight, at most the context, in whole blocks (vLLM's
+    ``ChunkedLocalAttentionSpec`` in 0.26-0.33; a chunk starts at a multiple of its
+    size, so no extra block). Llama 4 Scout's 36 chunked layers at 131,072 tokens of
+    context hold 8,192 + 2 x 2,048 tokens each, not 131,072."""
+    if not model.chunked_layers or not model.attention_chunk:
+        return 0
+    layer_token = ceil_div(model.kv_chunk_bytes_per_seq,
+                           model.chunked_layers * model.attention_chunk)
+    held = min(model.attention_chunk + in_flight_batches * max_num_batched_tokens,
+               max_model_len)
+    return model.chunked_layers * int(layer_token * kv_scale) * block * ceil_div(held, block)
+
+
 def _kv_reserve(model: ModelSize, *, kv_cache_dtype: str, kv_tokens: int, max_model_len: int,
                 max_num_seqs: int, kv_cache_memory_bytes: int | None,
                 max_num_batched_tokens: int,
@@ -734,8 +764,10 @@ def _kv_reserve(model: ModelSize, *, kv_cache_dtype: str, kv_tokens: int, max_mo
         raise UserError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}: auto, fp8")
     kv_per_tok = int(model.kv_bytes_per_token * kv_scale)
     seqs_for_window = max(1, min(max_num_seqs, kv_tokens // max(1, max_model_len)))
-    window = window_reserve(model, kv_scale=kv_scale, max_model_len=max_model_len,
-                            max_num_batched_tokens=max_num_batched_tokens)
+    window = (window_reserve(model, kv_scale=kv_scale, max_model_len=max_model_len,
+                             max_num_batched_tokens=max_num_batched_tokens)
+              + chunk_reserve(model, kv_scale=kv_scale, max_model_len=max_model_len,
+                              max_num_batched_tokens=max_num_batched_tokens))
     hybrid = model.linear_state
 
     def reserve(tokens: int, seqs: int) -> int:

@@ -127,12 +127,29 @@ def prefix_caching(args: Sequence[str]) -> bool | None:
     return given
 
 
+def hybrid_kv_cache_manager(args: Sequence[str]) -> bool | None:
+    """vLLM's ``--[no-]disable-hybrid-kv-cache-manager`` as whether the manager is on (the
+    last one given wins); off too with a ``--kv-transfer-config`` and no explicit
+    ``--no-disable-...`` (vLLM turns it off for a connector that does not support it:
+    taken as off, the larger reserve); None where vLLM decides."""
+    given = None
+    for a in args:
+        if a in ("--disable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager"):
+            given = a == "--no-disable-hybrid-kv-cache-manager"
+    if given is None and any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=")
+                             for a in args):
+        return False
+    return given
+
+
 def plan_kwargs_from_vllm_args(args: Sequence[str]) -> dict[str, Any]:
     """The keyword arguments for `plan` found among a user's vLLM flags (the CUDA-graph
     settings always: they decide how a decode batch is padded)."""
     out: dict[str, Any] = {"graphs": capture.settings_from_vllm_args(args)}
     if (caching := prefix_caching(args)) is not None:
         out["prefix_caching"] = caching
+    if (manager := hybrid_kv_cache_manager(args)) is not None:
+        out["hybrid_kv_cache_manager"] = manager
     args = _aliases(args)
     for flag, (key, kind) in VLLM_PLAN_FLAGS.items():
         raw = vllm_flag_value(args, flag)
