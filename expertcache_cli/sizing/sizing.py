@@ -483,6 +483,7 @@ def _plan_for(
     speculative_tokens: int = 0,
     prefix_caching: bool | None = None,
     hybrid_kv_cache_manager: bool | None = None,
+    block_size: int | None = None,
 ) -> SizePlan:
     """Size the cache for ``model_spec`` on a ``vram_gb`` GiB card, the batch as given.
 
@@ -521,6 +522,8 @@ def _plan_for(
     ``hybrid_kv_cache_manager``: vLLM's ``--[no-]disable-hybrid-kv-cache-manager`` as whether
     it is on (None: vLLM decides); with it off, sliding-window and chunked layers keep every
     token (`hybrid_pages.local_attention_paged`).
+    ``block_size``: vLLM's ``--block-size`` (None: its kernel's, `kv_block_tokens`); one
+    sequence's KV is reserved in whole blocks.
     ``kv_cache_memory_bytes``: the user's ``--kv-cache-memory-bytes``; the plan then sizes
     around that KV cache (it must hold one ``max_model_len`` sequence) instead of one
     sequence's worth, and hands vLLM nothing of its own.
@@ -537,7 +540,7 @@ def _plan_for(
     _check_inputs(vram_gb=vram_gb, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, kv_tokens=kv_tokens,
                   overhead_gb=overhead_gb, gpu_memory_utilization=gpu_memory_utilization,
-                  tensor_parallel_size=tensor_parallel_size)
+                  tensor_parallel_size=tensor_parallel_size, block_size=block_size)
     model = model_spec if isinstance(model_spec, ModelSize) else model_as_held(
         load_model(model_spec, quant), model_spec, quant, vllm_quantization)
     model = model.with_state_dtypes(mamba_cache_dtype, mamba_ssm_cache_dtype).per_rank(
@@ -568,7 +571,7 @@ def _plan_for(
         speculative_tokens=max(int(speculative_tokens or 0), 0),
         prefix_caching=(prefix_caching if prefix_caching is not None
                         else hybrid_pages.prefix_caching_default(release)),
-        checkpoints=hybrid_pages.prefill_checkpoints(release))
+        checkpoints=hybrid_pages.prefill_checkpoints(release), block_size=block_size)
     overhead, staged_peak = _runtime_reserve(
         model, wide_mode, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, graphs=graphs, overhead_gb=overhead_gb)
@@ -615,7 +618,7 @@ def _plan_for(
                      kv_cache_dtype=kv_cache_dtype, overhead_gb=overhead_gb, graphs=graphs,
                      device_total_gib=device, wide=wide_mode,
                      speculative_tokens=speculative_tokens, prefix_caching=prefix_caching,
-                     hybrid_kv_cache_manager=hybrid_kv_cache_manager)
+                     hybrid_kv_cache_manager=hybrid_kv_cache_manager, block_size=block_size)
         if short.max_slots > max_slots or short.verdict != verdict:
             notes.append(
                 f"KV for one {max_model_len}-token sequence takes {kv_reserved / GiB:.2f} GiB; "
@@ -708,6 +711,9 @@ KV_DTYPE_SCALE: dict[str, float] = {"auto": 1.0, "bf16": 1.0, "fp16": 1.0, "fp8"
 
 #: vLLM's KV block on NVIDIA GPUs (tokens), where no hybrid state widens it
 KV_BLOCK_TOKENS = hybrid_pages.GPU_BLOCK_ALIGN
+#: the largest block an MLA kernel of vLLM's takes (0.26-0.33: CUTLASS MLA on Blackwell; FlashMLA's
+#: 64 on Hopper divides it), where GQA models page in vLLM's default 16-token blocks
+MLA_KV_BLOCK_TOKENS = 128
 #: batches vLLM keeps in flight (async scheduling, on by default): a sliding window's
 #: blocks are freed only once the tokens scheduled past it are processed
 IN_FLIGHT_BATCHES = 2
@@ -749,30 +755,41 @@ def chunk_reserve(model: ModelSize, *, kv_scale: float, max_model_len: int,
     return model.chunked_layers * int(layer_token * kv_scale) * block * ceil_div(held, block)
 
 
+def kv_block_tokens(model: ModelSize, block_size: int | None = None) -> int:
+    """The tokens of one KV block vLLM pages ``model`` in: the user's ``--block-size``,
+    else what its attention kernel takes (vLLM's ``get_preferred_block_size``): 16 for
+    GQA, up to `MLA_KV_BLOCK_TOKENS` for latent attention."""
+    if block_size:
+        return int(block_size)
+    return MLA_KV_BLOCK_TOKENS if model.kv_kind.startswith("MLA") else KV_BLOCK_TOKENS
+
+
 def _kv_reserve(model: ModelSize, *, kv_cache_dtype: str, kv_tokens: int, max_model_len: int,
                 max_num_seqs: int, kv_cache_memory_bytes: int | None,
                 max_num_batched_tokens: int,
                 speculative_tokens: int = 0, prefix_caching: bool = False,
-                checkpoints: bool = False) -> tuple[int, int]:
-    """(KV bytes a token, the KV the plan reserves): ``kv_tokens`` of KV plus the sliding
-    windows of the sequences they make; for a hybrid linear-attention model, the pages vLLM
-    holds its KV and state in (`hybrid_pages.LinearState.reserve`); or the user's
-    ``--kv-cache-memory-bytes``, which must hold one ``max_model_len`` sequence or vLLM
-    refuses to start."""
+                checkpoints: bool = False, block_size: int | None = None) -> tuple[int, int]:
+    """(KV bytes a token, the KV the plan reserves): ``kv_tokens`` of KV in whole blocks
+    (vLLM checks a start against ``max_model_len`` rounded up to its block) plus the
+    sliding windows and chunks of the sequences they make; for a hybrid linear-attention
+    model, the pages vLLM holds its KV and state in (`hybrid_pages.LinearState.reserve`);
+    or the user's ``--kv-cache-memory-bytes``, which must hold one ``max_model_len``
+    sequence or vLLM refuses to start."""
     kv_scale = KV_DTYPE_SCALE.get(kv_cache_dtype.lower())
     if kv_scale is None:
         raise UserError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}: auto, fp8")
     kv_per_tok = int(model.kv_bytes_per_token * kv_scale)
     seqs_for_window = max(1, min(max_num_seqs, kv_tokens // max(1, max_model_len)))
-    window = (window_reserve(model, kv_scale=kv_scale, max_model_len=max_model_len,
-                             max_num_batched_tokens=max_num_batched_tokens)
-              + chunk_reserve(model, kv_scale=kv_scale, max_model_len=max_model_len,
-                              max_num_batched_tokens=max_num_batched_tokens))
+    block = kv_block_tokens(model, block_size)
+    local = {"kv_scale": kv_scale, "max_model_len": max_model_len,
+             "max_num_batched_tokens": max_num_batched_tokens, "block": block}
+    window = window_reserve(model, **local) + chunk_reserve(model, **local)
     hybrid = model.linear_state
 
     def reserve(tokens: int, seqs: int) -> int:
         if hybrid is None:
-            return tokens * kv_per_tok + (window + model.state_bytes_per_seq) * seqs
+            return (ceil_div(tokens, block) * block * kv_per_tok
+                    + (window + model.state_bytes_per_seq) * seqs)
         return window * seqs + hybrid.reserve(
             tokens, seqs, kv_scale=kv_scale, speculative_tokens=speculative_tokens,
             prefix_caching=prefix_caching, checkpoints=checkpoints)

@@ -21,6 +21,7 @@ VLLM_PLAN_FLAGS: dict[str, tuple[str, type | str]] = {
     "--gpu-memory-utilization": ("gpu_memory_utilization", float),
     "--max-num-batched-tokens": ("max_num_batched_tokens", int),
     "--kv-cache-dtype": ("kv_cache_dtype", str),
+    "--block-size": ("block_size", int),
     "--mamba-cache-dtype": ("mamba_cache_dtype", str),
     "--mamba-ssm-cache-dtype": ("mamba_ssm_cache_dtype", str),
     "--tensor-parallel-size": ("tensor_parallel_size", int),
