@@ -77,3 +77,15 @@ def test_a_budget_for_a_trace_must_be_below_its_experts():
     with pytest.raises(ValueError, match="^128 is not below the trace's 128 experts"):
         budget.budgets_below([16, 128, 200], 128, "the trace's ")
     assert budget.default_budgets(128, 8) == [16, 32, 64]
+
+
+def test_the_trap_never_advises_a_batch_of_no_sequences():
+    """Where even one sequence's verify step carries more ids than the slots (speculative
+    decoding on one slot), no ``--max-num-seqs`` helps, and the line says so rather than
+    advising ``--max-num-seqs 0``."""
+    text = budget.trap_text(8, 32, 1, 1, 0, "vLLM's defaults", spec_tokens=3)
+    assert "--max-num-seqs 0" not in text
+    assert "no --max-num-seqs keeps decode steps on it (one sequence's step carries at least " \
+           "4 ids)" in text
+    assert "--max-num-seqs 2 keeps every decode step on it" in budget.trap_text(
+        8, 8, 6, 12, 2, "vLLM's defaults")

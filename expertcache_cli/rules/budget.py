@@ -129,10 +129,13 @@ def trap_text(max_num_seqs: int, padded: int, top_k: int, slots: int, safe: int,
             if spec_tokens else f"{max_num_seqs} seqs")
     batch = (f"a full batch of {seqs} runs as {padded} (CUDA-graph padding, "
              f"{graphs})" if padded != tokens else f"a full batch of {seqs}")
+    keep = (f"--max-num-seqs {safe} keeps every decode step on it" if safe >= 1 else
+            f"no --max-num-seqs keeps decode steps on it (one sequence's step carries at "
+            f"least {(1 + spec_tokens) * top_k} ids)")
     return (
         f"sizing trap: {batch} x top_k {top_k} = {padded * top_k} ids > {slots} slots: "
-        f"batched decode steps bypass the cache silently; --max-num-seqs {safe} keeps every "
-        "decode step on it; --wide staged-install (EXPERT_CACHE_WIDE=staged-install) "
+        f"batched decode steps bypass the cache silently; {keep}; "
+        "--wide staged-install (EXPERT_CACHE_WIDE=staged-install) "
         "stages them through a VRAM scratch instead (measured at 16 streams: 1.71x the "
         "offload floor, where in place runs at it)"
     )
