@@ -50,3 +50,15 @@ def test_the_block_size_flag_reaches_the_plan():
     assert vllm_flags.plan_kwargs_from_vllm_args(["--block-size", "32"])["block_size"] == 32
     with pytest.raises(UserError, match="--block-size must be positive"):
         reserve(QWEN3, 1000, block_size=0)
+
+
+@pytest.mark.parametrize("dtype,scale", [("bfloat16", 1.0), ("float16", 1.0),
+                                         ("fp8_e5m2", 0.5)])
+def test_vllms_spelling_of_each_kv_dtype_is_sized(dtype, scale):
+    """vLLM spells the 16-bit KV dtypes ``bfloat16`` and ``float16``; a value the plan
+    cannot price is refused in one line naming those it can."""
+    kv, per_token = reserve(QWEN3, 1008, kv_cache_dtype=dtype)
+    full, full_token = reserve(QWEN3, 1008)
+    assert per_token == int(full_token * scale) and kv == 1008 * per_token
+    with pytest.raises(UserError, match="nvfp4.*not one the plan can size.*bfloat16"):
+        reserve(QWEN3, 1008, kv_cache_dtype="nvfp4")

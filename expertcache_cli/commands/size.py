@@ -169,7 +169,8 @@ def register(app: typer.Typer) -> None:
             None, help="vLLM --gpu-memory-utilization (default 0.9)"
         ),
         max_num_batched_tokens: int = typer.Option(None, help="vLLM --max-num-batched-tokens"),
-        kv_cache_dtype: str = typer.Option(None, help="vLLM --kv-cache-dtype: auto or fp8"),
+        kv_cache_dtype: str = typer.Option(
+            None, help="vLLM --kv-cache-dtype: auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2"),
         tensor_parallel_size: int = typer.Option(
             None, "--tensor-parallel-size", "-tp",
             help="vLLM --tensor-parallel-size: plan one GPU of that many (--vram is per GPU)"),

@@ -705,7 +705,7 @@ def _forced_slots(model: ModelSize, slots: int | None, fraction: float | None) -
 
 
 #: KV bytes per element against the model's dtype, per ``--kv-cache-dtype``
-KV_DTYPE_SCALE: dict[str, float] = {"auto": 1.0, "bf16": 1.0, "fp16": 1.0, "fp8": 0.5,
+KV_DTYPE_SCALE: dict[str, float] = {"auto": 1.0, "bfloat16": 1.0, "float16": 1.0, "fp8": 0.5,
                                     "fp8_e4m3": 0.5, "fp8_e5m2": 0.5}
 
 
@@ -777,7 +777,8 @@ def _kv_reserve(model: ModelSize, *, kv_cache_dtype: str, kv_tokens: int, max_mo
     sequence or vLLM refuses to start."""
     kv_scale = KV_DTYPE_SCALE.get(kv_cache_dtype.lower())
     if kv_scale is None:
-        raise UserError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}: auto, fp8")
+        raise UserError(f"--kv-cache-dtype {kv_cache_dtype!r}: not one the plan can size "
+                        f"the KV cache for ({', '.join(KV_DTYPE_SCALE)})")
     kv_per_tok = int(model.kv_bytes_per_token * kv_scale)
     seqs_for_window = max(1, min(max_num_seqs, kv_tokens // max(1, max_model_len)))
     block = kv_block_tokens(model, block_size)
