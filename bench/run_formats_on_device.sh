@@ -238,6 +238,7 @@ for fmt in ${FORMATS:-w8a8 fp8-block gptq gptq-act awq w4a16 nvfp4 mxfp4}; do
     run_arm "$fmt-resident" --env EXPERT_CACHE_DISABLE=1 "${prof_r[@]}" \
       -- "$PY" -m vllm.entrypoints.cli.main serve "$H" "${COMMON[@]}" "${res_args[@]}" \
       "${vprof_r[@]}"
+    plan_fmt  # as soon as resident's rate is known, so that a job cut short keeps it
     run_arm "$fmt-hot" "${hot_env[@]}" "${prof_h[@]}" \
       -- "$PY" -m expertcache_cli serve "$H" --vram 141 --slots "$S" -- "${COMMON[@]}" "${vprof_h[@]}"
     for v in ${HOT_VARIANTS:-}; do

@@ -295,9 +295,10 @@ def test_plan_predicts_the_cache_arm_on_the_fitted_trace_once_resident_has_its_r
     assert plans[0].split()[3] == str(tmp / "fm" / "nvfp4-route.npz")
     assert "--resident-tok-s 100.000 --slots 32 --policy lru --json" in plans[0]
     assert f"--probe {tmp / 'fm' / 'nvfp4-probe.json'}" in plans[0]
-    # after the resident arm, before the report
+    # after the resident arm and before the all-hit server, so that a job cut short during
+    # the all-hit server keeps it
     order = [c.split()[1] if c.startswith("bench/small") else c.split()[0] for c in calls]
-    assert order.index("nvfp4-resident") < calls.index(plans[0])
+    assert order.index("nvfp4-resident") < calls.index(plans[0]) < order.index("nvfp4-hot")
     report = (tmp / "out" / "formats.txt").read_text()
     assert ("plan predicted 104.0 tok/s at 32 slots (replayed hit rate 0.750), measured "
             "0.962 of it (met: 10%); routing: synthetic, stub trace") in report
