@@ -14,6 +14,11 @@
 #           format of bench/write_checkpoint.py starts the same way, e.g. the 4-bit NVFP4
 #           on Marlin on a card its 24 layers do not fit (7.6 GiB of experts):
 #             FORMAT=nvfp4 LAYERS=24 STARTS="8:in-place:8192 8:in-place:default" bash ...
+#   ARCH    instead of FORMAT: a real architecture's config cut to LAYERS layers (default 8),
+#           config only, served with --load-format dummy (bench/write_arch_config.py):
+#           llama4-scout (chunked local attention) or qwen3-next (linear attention), e.g.
+#             ARCH=llama4-scout STARTS="24:in-place:131072 24:in-place:8192" bash ...
+#             ARCH=qwen3-next STARTS="16:in-place:default 16:in-place:8192" bash ...
 #
 # Cold means cold: each start gets its own empty vLLM cache root, Inductor and Triton
 # caches and expertcache kernel cache (XDG_CACHE_HOME), as on a machine that never served.
@@ -31,11 +36,18 @@ STARTS="${STARTS:-24:in-place:default 24:staged-install:8192 24:in-place:8192 \
 16:staged-install:default}"
 MD="${MODEL_DIR:-/tmp}"
 FORMAT="${FORMAT:-w8a8}"
-LAYERS="${LAYERS:-48}"
-MODEL=$MD/$FORMAT
-[ "$FORMAT-$LAYERS" = w8a8-48 ] || MODEL=$MD/$FORMAT-$LAYERS
+ARCH="${ARCH:-}"
 PY="${PY:-python3}"
 EXTRA=(--attention-backend TRITON_ATTN --seed 0 --host 127.0.0.1 --port "{port}")
+if [ -n "$ARCH" ]; then
+  LAYERS="${LAYERS:-8}"
+  MODEL=$MD/$ARCH-$LAYERS
+  EXTRA+=(--load-format dummy)
+else
+  LAYERS="${LAYERS:-48}"
+  MODEL=$MD/$FORMAT
+  [ "$FORMAT-$LAYERS" = w8a8-48 ] || MODEL=$MD/$FORMAT-$LAYERS
+fi
 
 held=""
 ballast() {  # ballast GiB: hold all but GiB of the GPU (kept while the card stays the same)
@@ -49,6 +61,11 @@ for step in $STEPS; do
     setup)
       device_vllm_setup || { echo "setup failed"; exit 1; } ;;
     ckpt)
+      if [ -n "$ARCH" ]; then
+        [ -f "$MODEL/config.json" ] || $PY bench/write_arch_config.py "$MODEL" --arch "$ARCH" \
+          --layers "$LAYERS" | tee "$OUT/checkpoint.txt"
+        continue
+      fi
       [ -f "$MODEL/model.safetensors.index.json" ] || \
         $PY bench/write_checkpoint.py "$MODEL" --layers "$LAYERS" --format "$FORMAT" \
           --vocab 151936 --context 40960 --head-dim 128 2>&1 | tail -2 \

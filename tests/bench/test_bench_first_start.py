@@ -116,3 +116,18 @@ def test_report_goals_fail_on_kv_far_from_the_plan_and_on_a_refused_start(tmp_pa
 def test_report_on_an_empty_folder_says_so(tmp_path):
     assert fsr.report(tmp_path) == [f"no first-start records in {tmp_path}"]
     assert os.path.isdir(tmp_path)
+
+
+def test_an_architecture_is_written_config_only_and_served_with_dummy_weights(runner):
+    """ARCH: a real architecture's config cut to 8 layers, no weights; every start of it
+    loads vLLM's dummy weights, and nothing writes a checkpoint."""
+    run, tmp = runner
+    model = tmp / "models" / "llama4-scout-8"
+    calls, _ = run(STEPS="ckpt starts", STARTS="24:in-place:131072", ARCH="llama4-scout")
+    assert f"bench/write_arch_config.py {model} --arch llama4-scout --layers 8" in calls
+    assert not any("write_checkpoint.py" in c for c in calls)
+    size = next(c for c in calls if "expertcache_cli size" in c)
+    assert f"--model {model} --vram 24 --json -- --max-model-len 131072" in size
+    serve = next(c for c in calls if "small_card.py" in c).split(" -- ", 1)[1]
+    assert f"serve {model} --vram 24 -- --max-model-len 131072 " in serve
+    assert serve.endswith("--port {port} --load-format dummy")
