@@ -27,7 +27,9 @@
 # tested on CPU with the GPU steps stubbed (tests/bench/test_bench_first_start_runner.py).
 set -uo pipefail
 OUT="${OUT:-out}"
-export FS="${FS:-/tmp/fs}"
+# an architecture's starts keep records of their own: a start's record is named by its card,
+# mode and context only
+export FS="${FS:-/tmp/fs${ARCH:+-$ARCH}}"
 mkdir -p "$OUT" "$FS"
 source bench/_device_vllm.sh
 STEPS="${STEPS:-setup ckpt starts report}"
