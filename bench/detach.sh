@@ -17,8 +17,19 @@
 # its results packed in $OUT/NAME/results.tgz; exit 0 when all ended, 3 while any runs, 4 at
 # once when none of them is on this machine.
 set -uo pipefail
+# a remote call ends at 600 s, and what a poll packs must come back before then: a longer
+# wait is cut to MAX_WAIT_S, and said
+cap_wait() {
+  local cap=${MAX_WAIT_S:-560}
+  if [ "$1" -gt "$cap" ]; then
+    echo "(waiting $cap s, not $1: a call's 600 s must leave time to pack the results)" >&2
+    echo "$cap"
+  else
+    echo "$1"
+  fi
+}
 if [ "${1:-}" = "--poll-all" ]; then
-  wait_s=$2; shift 2
+  wait_s=$(cap_wait "$2"); shift 2
   [ $# -gt 0 ] || { echo "usage: detach.sh --poll-all SECONDS NAME=RESULTS..." >&2; exit 2; }
   names=() known=0
   for job in "$@"; do
@@ -47,7 +58,7 @@ if [ "${1:-}" = "--poll-all" ]; then
   exit 3
 fi
 if [ "${1:-}" = "--poll" ]; then
-  name=$2 wait_s=${3:-540} t0=$SECONDS
+  name=$2 wait_s=$(cap_wait "${3:-540}") t0=$SECONDS
   if [ ! -f "/tmp/detached-$name.log" ] && [ ! -f "/tmp/detached-$name.rc" ]; then
     # a machine given back between calls comes back bare: waiting would only spend time
     echo "no detached job '$name' on this machine (started fresh: its job and results are gone)"

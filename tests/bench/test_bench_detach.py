@@ -108,3 +108,24 @@ def test_poll_all_of_jobs_not_on_this_machine_says_so_at_once():
     r = _run("--poll-all", "540", f"t{uuid.uuid4().hex[:8]}=/tmp/none")
     assert r.returncode == 4 and "on this machine" in r.stdout
     assert _run("--poll-all", "5").returncode == 2
+
+
+def test_a_poll_longer_than_a_call_can_wait_is_cut_and_said(tmp_path):
+    """A poll of 600 s inside a call limited to 600 s would be killed before it packed the
+    results: the wait is cut to MAX_WAIT_S (560 by default) and the poll says so."""
+    import time
+
+    name = f"t{uuid.uuid4().hex[:8]}"
+    results, out = tmp_path / "res", tmp_path / "out"
+    results.mkdir()
+    out.mkdir()
+    try:
+        assert _run(name, "bash", "-c", "sleep 30").returncode == 0
+        t0 = time.monotonic()
+        r = _run("--poll", name, "600", env={"MAX_WAIT_S": "2", "OUT": str(out),
+                                              "RESULTS": str(results)})
+        assert r.returncode == 3 and time.monotonic() - t0 < 20
+        assert "waiting 2 s, not 600" in r.stderr
+        assert (out / "results.tgz").exists()  # packed, in time
+    finally:
+        _forget(name)
