@@ -118,29 +118,30 @@ def online_quantization_refusal(args: Sequence[str], model_quant: str, model_nam
     )
 
 
-def prefix_caching(args: Sequence[str]) -> bool | None:
-    """vLLM's ``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (the last one
-    given wins), or None where neither is: vLLM's default then."""
+def _switch(args: Sequence[str], flag: str) -> bool | None:
+    """A vLLM on/off flag, ``--flag`` / ``--no-flag`` (argparse's BooleanOptionalAction;
+    the last one given wins), or None where neither is: vLLM's default then."""
     given = None
     for a in args:
-        if a in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
-            given = a == "--enable-prefix-caching"
+        if a in (flag, "--no-" + flag[2:]):
+            given = a == flag
     return given
+
+
+def prefix_caching(args: Sequence[str]) -> bool | None:
+    """vLLM's ``--[no-]enable-prefix-caching``, or None: vLLM's default."""
+    return _switch(args, "--enable-prefix-caching")
 
 
 def hybrid_kv_cache_manager(args: Sequence[str]) -> bool | None:
-    """vLLM's ``--[no-]disable-hybrid-kv-cache-manager`` as whether the manager is on (the
-    last one given wins); off too with a ``--kv-transfer-config`` and no explicit
-    ``--no-disable-...`` (vLLM turns it off for a connector that does not support it:
-    taken as off, the larger reserve); None where vLLM decides."""
-    given = None
-    for a in args:
-        if a in ("--disable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager"):
-            given = a == "--no-disable-hybrid-kv-cache-manager"
-    if given is None and any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=")
-                             for a in args):
+    """vLLM's ``--[no-]disable-hybrid-kv-cache-manager`` as whether the manager is on; off
+    too with a ``--kv-transfer-config`` and no explicit ``--no-disable-...`` (vLLM turns it
+    off for a connector that does not support it: taken as off, the larger reserve); None
+    where vLLM decides."""
+    disabled = _switch(args, "--disable-hybrid-kv-cache-manager")
+    if disabled is None and vllm_flag_value(args, "--kv-transfer-config") is not None:
         return False
-    return given
+    return None if disabled is None else not disabled
 
 
 def plan_kwargs_from_vllm_args(args: Sequence[str]) -> dict[str, Any]:
