@@ -728,14 +728,11 @@ def window_reserve(model: ModelSize, *, kv_scale: float, max_model_len: int,
     window need not start at a block's edge): vLLM's ``SlidingWindowSpec`` in 0.26-0.33.
     Far more than the window itself once batches are wide: gpt-oss's 128-token window at
     2,048 batched tokens holds 4,240 tokens a layer."""
-    if not model.window_layers or not model.sliding_window:
-        return 0
-    layer_token = ceil_div(model.kv_window_bytes_per_seq,
-                           model.window_layers * model.sliding_window)
     held = min(model.sliding_window - 1 + in_flight_batches * max_num_batched_tokens,
                max_model_len)
-    return (model.window_layers * int(layer_token * kv_scale) * block
-            * (ceil_div(held, block) + 1))
+    return _local_reserve(model.window_layers, model.sliding_window,
+                          model.kv_window_bytes_per_seq, held, kv_scale=kv_scale, block=block,
+                          spare_blocks=1)
 
 
 def chunk_reserve(model: ModelSize, *, kv_scale: float, max_model_len: int,
@@ -746,13 +743,22 @@ def chunk_reserve(model: ModelSize, *, kv_scale: float, max_model_len: int,
     ``ChunkedLocalAttentionSpec`` in 0.26-0.33; a chunk starts at a multiple of its
     size, so no extra block). Llama 4 Scout's 36 chunked layers at 131,072 tokens of
     context hold 8,192 + 2 x 2,048 tokens each, not 131,072."""
-    if not model.chunked_layers or not model.attention_chunk:
-        return 0
-    layer_token = ceil_div(model.kv_chunk_bytes_per_seq,
-                           model.chunked_layers * model.attention_chunk)
     held = min(model.attention_chunk + in_flight_batches * max_num_batched_tokens,
                max_model_len)
-    return model.chunked_layers * int(layer_token * kv_scale) * block * ceil_div(held, block)
+    return _local_reserve(model.chunked_layers, model.attention_chunk,
+                          model.kv_chunk_bytes_per_seq, held, kv_scale=kv_scale, block=block,
+                          spare_blocks=0)
+
+
+def _local_reserve(layers: int, span: int, span_kv: int, held: int, *, kv_scale: float,
+                   block: int, spare_blocks: int) -> int:
+    """``layers`` local-attention layers (``span_kv`` bytes for their ``span`` tokens, in
+    the model's dtype) each holding ``held`` tokens in whole blocks, and ``spare_blocks``
+    more: what `window_reserve` and `chunk_reserve` share."""
+    if not layers or not span:
+        return 0
+    layer_token = ceil_div(span_kv, layers * span)
+    return layers * int(layer_token * kv_scale) * block * (ceil_div(held, block) + spare_blocks)
 
 
 def kv_block_tokens(model: ModelSize, block_size: int | None = None) -> int:
