@@ -32,6 +32,9 @@ SCOUT_TEXT = {
     "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 16,
     "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "vocab_size": 202048,
     "attention_bias": False, "tie_word_embeddings": False, "use_qk_norm": True,
+    "max_position_embeddings": 10485760, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
 }
 
 

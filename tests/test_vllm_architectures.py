@@ -9,7 +9,8 @@ their state). Here a tiny model of each is started in vLLM with the plugin,
 and the arithmetic is held to vLLM's own modules:
 - the plugin finds exactly the MoE layers the sizing counts, declines vLLM's CPU kernel
   with its reason, and generation goes on;
-- the experts' bytes and everything else's are the bytes vLLM's parameters declare;
+- the experts' bytes and everything else's are the bytes vLLM's parameters declare, and
+  the rotary caches are the bytes of vLLM's cos/sin buffers;
 - each linear-attention layer's state a sequence is what vLLM's KV spec for it holds.
 
 Needs a python with vLLM (``EXPERTCACHE_VLLM_PYTHON``; CI builds one with
@@ -68,6 +69,16 @@ def declared(model):
                 out[n] = p.numel() * p.element_size()
     return out
 
+def rotary(model):
+    # vLLM's cos/sin caches: buffers in no checkpoint, one a distinct rotary embedding
+    out, seen = 0, set()
+    for m in model.modules():
+        for bn, b in m.named_buffers(recurse=False):
+            if "cos_sin_cache" in bn and id(b) not in seen:
+                seen.add(id(b))
+                out += b.numel() * b.element_size()
+    return out
+
 specs = llm.collective_rpc("get_kv_cache_spec")[0]
 ss = session.sessions()
 # what vLLM checks a start against: the pool one max_model_len sequence needs
@@ -84,6 +95,7 @@ print("RESULT " + json.dumps({
     "decisions": [[x.layer_name, x.action, x.reason] for s in ss for x in s.decisions],
     "tokens": list(out[0].outputs[0].token_ids),
     "params": llm.apply_model(declared)[0],
+    "rotary": llm.apply_model(rotary)[0],
     "specs": {name: [type(s).__name__,
                      sum(math.prod(shape) * dtype.itemsize
                          for shape, dtype in zip(s.shapes, s.dtypes))
@@ -150,6 +162,9 @@ def test_the_sizing_is_what_vllm_builds(served, name):
     experts = sum(b for n, b in params.items() if ".experts." in n)
     assert experts == m.expert_bytes
     assert sum(params.values()) - experts == m.non_expert_bytes
+    # and the rotary caches vLLM builds beside them (yarn's scaled length, a partial
+    # rotation, MLA's rope head, Llama 4's NoPE layers sharing one)
+    assert res["rotary"] == m.rope_cache_bytes > 0
 
 
 def test_the_linear_attention_state_is_vllms(served):

@@ -47,6 +47,10 @@ def _model_table(m: model_size.ModelSize) -> Table:
     )
     t.add_row("all experts", f"{_gib(m.expert_bytes)} ({m.expert_bytes:,} B)")
     t.add_row("everything else", f"{_gib(m.non_expert_bytes)} ({m.non_expert_bytes:,} B)")
+    if m.rope_cache_bytes >= cards.MiB:
+        t.add_row("rotary cache (vLLM's)",
+                  f"{_gib(m.rope_cache_bytes)} ({m.max_position_embeddings:,} positions; in "
+                  "no checkpoint)")
     kv = f"{m.kv_bytes_per_token:,} B ({m.kv_kind})"
     if m.kv_window_bytes_per_seq:
         kv += f" + {m.kv_window_bytes_per_seq:,} B per sequence for the windows"
@@ -74,6 +78,8 @@ def _plan_table(p: sizing.SizePlan) -> Table:
         f"{_gib(p.budget_bytes)} = {p.vram_gib:g} GiB x {p.gpu_memory_utilization:g}",
     )
     t.add_row("  - non-expert weights", _gib(p.non_expert_bytes))
+    if p.rope_cache_bytes >= cards.MiB:
+        t.add_row("  - rotary cache", _gib(p.rope_cache_bytes))
     t.add_row(
         "  - KV reserve",
         f"{_gib(p.kv_reserved_bytes)} ("

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..vllm_facts import installed_vllm
-from . import formats, hub
+from . import formats, hub, rotary
 from .cards import GiB, MiB
 from .formats import QUANTS, Tensor, ceil_div, linear_bytes, linear_tensors, quant_from_config
 from .hybrid_pages import MAMBA_DTYPE_BYTES, LinearState
@@ -79,6 +79,9 @@ class ModelSize:
     chunked_layers: int = 0
     attention_chunk: int = 0
     kv_chunk_bytes_per_seq: int = 0
+    #: vLLM's rotary cos/sin caches (`rotary.rope_cache_bytes`): VRAM beside the weights
+    #: that no checkpoint holds; every tensor-parallel rank keeps them whole
+    rope_cache_bytes: int = 0
 
     def per_rank(self, tp: int) -> ModelSize:
         """The share one of ``tp`` tensor-parallel GPUs holds.
@@ -211,6 +214,12 @@ class ModelSize:
             kv_window_bytes_per_seq=0, window_layers=0, sliding_window=0,
             kv_chunk_bytes_per_seq=0, chunked_layers=0, attention_chunk=0)
 
+    @property
+    def resident_bytes(self) -> int:
+        """What stays in VRAM whatever is offloaded: the non-expert weights and the rotary
+        caches vLLM builds beside them (its "Model loading took" counts both)."""
+        return self.non_expert_bytes + self.rope_cache_bytes
+
     def active_bytes_per_token(self) -> int:
         """Weight bytes one decode token reads: non-expert + top_k experts in each MoE layer."""
         return self.non_expert_bytes + self.top_k * self.bytes_per_slot
@@ -228,6 +237,7 @@ class ModelSize:
             "bytes_per_slot": self.bytes_per_slot,
             "expert_bytes": self.expert_bytes,
             "non_expert_bytes": self.non_expert_bytes,
+            "rope_cache_bytes": self.rope_cache_bytes,
             "total_bytes": self.total_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_window_bytes_per_seq": self.kv_window_bytes_per_seq,
@@ -469,6 +479,7 @@ def _model_from_config(
             f"with the KV (blocks of {linear_state.block_tokens(1.0)} tokens at this KV "
             "dtype; arithmetic over the config: no hybrid model has been served with the "
             "cache)")
+    max_position = int(_first(cfg, "max_position_embeddings", default=4096))
     return ModelSize(
         name=name,
         source=source,
@@ -486,7 +497,7 @@ def _model_from_config(
         kv_window_bytes_per_seq=kv_win,
         kv_kind=kv_kind,
         vocab_size=vocab,
-        max_position_embeddings=int(_first(cfg, "max_position_embeddings", default=4096)),
+        max_position_embeddings=max_position,
         notes=notes,
         kv_heads=0 if mla else kv_heads,
         attention_heads=heads,
@@ -498,6 +509,8 @@ def _model_from_config(
         chunked_layers=chunked,
         attention_chunk=chunk if chunked else 0,
         kv_chunk_bytes_per_seq=chunked * chunk * kv_layer,
+        rope_cache_bytes=rotary.rope_cache_bytes(
+            cfg, int(cfg.get("qk_rope_head_dim", 64)) if mla else head_dim, max_position),
     )
 
 

@@ -199,6 +199,7 @@ class SizePlan:
     bytes_per_slot: int
     expert_bytes: int
     non_expert_bytes: int
+    rope_cache_bytes: int  # vLLM's rotary caches, held beside the non-expert weights
     kv_bytes_per_token: int
     vram_gib: float
     gpu_memory_utilization: float
@@ -410,7 +411,7 @@ def _decide(model: ModelSize, *, budget: int, slot_budget: int, kv_reserved: int
     if slot_budget < 0:
         verdict = Verdict.DOES_NOT_FIT
         text = (
-            f"does not fit even with offload: non-expert weights {gib(model.non_expert_bytes):.2f}"
+            f"does not fit even with offload: non-expert weights {gib(model.resident_bytes):.2f}"
             f" + KV {gib(kv_reserved):.2f} + runtime {gib(overhead):.2f} GiB exceed the "
             f"{gib(budget):.2f} GiB budget"
         )
@@ -575,7 +576,8 @@ def _plan_for(
     overhead, staged_peak = _runtime_reserve(
         model, wide_mode, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, graphs=graphs, overhead_gb=overhead_gb)
-    resident_need = model.non_expert_bytes + kv_reserved + overhead
+    overhead, compile_note = _compile_room(model, overhead, kv_reserved)
+    resident_need = model.resident_bytes + kv_reserved + overhead
     slot_budget, scratch, max_slots, fits_outright = _slot_room(
         model, wide_mode, budget - resident_need)
     util_fit = _utilization_to_fit(resident_need + model.expert_bytes, vram_gb, device)
@@ -583,6 +585,8 @@ def _plan_for(
     forced = forced_slots is not None
     planned = forced_slots if forced_slots is not None else max_slots
     notes = list(model.notes) + notes_device
+    if compile_note:
+        notes.append(compile_note)
     if unpaged:
         notes.append(f"{unpaged}: the model's sliding-window and chunked layers keep every "
                      "token of a sequence, reserved as full attention")
@@ -647,6 +651,7 @@ def _plan_for(
         bytes_per_slot=model.bytes_per_slot,
         expert_bytes=model.expert_bytes,
         non_expert_bytes=model.non_expert_bytes,
+        rope_cache_bytes=model.rope_cache_bytes,
         kv_bytes_per_token=kv_per_tok,
         vram_gib=float(vram_gb),
         gpu_memory_utilization=float(gpu_memory_utilization),
@@ -827,6 +832,26 @@ def _runtime_reserve(model: ModelSize, wide: Wide, *, max_num_seqs: int,
     sizes = len(capture.graph_sizes(max_num_seqs, max_num_batched_tokens, graphs))
     return (runtime_overhead_bytes(model, max_num_seqs, max_num_batched_tokens, sizes)
             + staged_peak, staged_peak)
+
+
+def _compile_room(model: ModelSize, overhead: int, kv_reserved: int) -> tuple[int, str | None]:
+    """(the runtime reserve, a note where it grew) so that a first start's compile has
+    room for a second copy of the rotary caches.
+
+    Inductor's combo-kernel benchmark (on in vLLM 0.26-0.33 wherever torch.compile runs)
+    allocates random copies of the inputs of the kernel it times, the rope kernel's whole
+    cos/sin cache among them, while vLLM compiles, before it allocates the KV cache. What
+    is free then is the KV reserve and the runtime reserve, so the runtime reserve covers
+    what the KV reserve does not. Only a cache of gigabytes (Llama 4's 10M positions)
+    comes near it; elsewhere this changes nothing.
+    """
+    need = model.rope_cache_bytes - kv_reserved
+    if need <= overhead:
+        return overhead, None
+    return need, (f"vLLM's rotary cache takes {model.rope_cache_bytes / GiB:.2f} GiB "
+                  f"({model.max_position_embeddings:,} positions), and a first start's "
+                  "compile briefly holds a second copy before the KV cache is allocated: "
+                  f"the runtime reserve is {need / GiB:.2f} GiB to leave room for it")
 
 
 def _slot_room(model: ModelSize, wide: Wide, room: int) -> tuple[int, int, int, bool]:
