@@ -58,6 +58,13 @@ def test_each_rope_type_is_sized_as_vllm_builds_it(cfg, head, rows, width):
     assert rotary.rope_cache_bytes(cfg, head, 4096) == rows * width * 2
 
 
+def test_gpt_oss_holds_its_rotary_cache_in_float32():
+    """vLLM builds gpt-oss's yarn cache in float32 whatever the model's dtype."""
+    cfg = {"model_type": "gpt_oss", "rope_scaling": {
+        "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}}
+    assert rotary.rope_cache_bytes(cfg, 64, 131072) == 131072 * 64 * 4
+
+
 def test_a_parameter_set_a_layer_type_builds_a_cache_each():
     """Gemma-style configs give full and sliding layers their own rotary parameters."""
     cfg = {"rope_parameters": {

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+#: model types whose rotary cache vLLM builds in float32 whatever the model's dtype (its
+#: ``get_rope(..., dtype=torch.float32)`` in 0.26-0.33)
+FLOAT32_ROPE = frozenset({"gpt_oss"})
+
 #: rope types whose cache vLLM sizes from the pre-scaling length times the factor
 _SCALED_ORIGINAL = frozenset({"yarn", "deepseek_yarn", "deepseek_llama_scaling"})
 
@@ -49,10 +53,13 @@ def rope_cache_bytes(cfg: dict[str, Any], head_dim: int, max_position: int,
 
     ``head_dim`` is the head the rotation applies to (MLA: the rope part of the query and
     key); ``partial_rotary_factor`` or ``rope_dim`` narrows it as vLLM's ``get_rope`` does.
-    ``max_position`` is the model's ``max_position_embeddings``, which vLLM passes on.
+    ``max_position`` is the model's ``max_position_embeddings``, which vLLM passes on;
+    ``dtype_bytes`` the model's dtype, except for the `FLOAT32_ROPE` models.
     """
     if max_position <= 0 or head_dim <= 0:
         return 0
+    if str(cfg.get("model_type", "")) in FLOAT32_ROPE:
+        dtype_bytes = 4
     total, seen = 0, set()
     for p in _parameter_sets(cfg):
         factor = float(p.get("partial_rotary_factor",
