@@ -507,14 +507,15 @@ def test_a_batch_the_user_gave_is_never_replaced():
 
 def test_serve_hands_vllm_the_planned_kv_cache():
     """The profile step cannot shrink what the plan gives KV: --kv-cache-memory-bytes is
-    the reserve plus what whole slots leave, and weights + slots + KV + runtime add up
-    to the budget."""
+    the reserve plus what whole slots leave, and weights (with vLLM's rotary cache) +
+    slots + KV + runtime add up to the budget."""
     p = _plan(vllm_args=["--max-model-len", "8192"])
     s = p.size
     kv = int(flag_value(p.argv, "--kv-cache-memory-bytes"))
     assert kv == s.kv_cache_bytes and kv >= s.kv_reserved_bytes
     assert kv - s.kv_reserved_bytes < s.bytes_per_slot  # less than one more slot
-    used = s.non_expert_bytes + s.overhead_bytes + s.slots * s.bytes_per_slot + kv
+    used = (s.non_expert_bytes + s.rope_cache_bytes + s.overhead_bytes
+            + s.slots * s.bytes_per_slot + kv)
     assert used == s.budget_bytes
     # a KV size the user gives is planned around and passed as theirs, once
     own = _plan(vllm_args=["--max-model-len", "8192", "--kv-cache-memory-bytes", "2G"])
