@@ -45,6 +45,7 @@ def test_scout_cut_to_eight_layers_loads_what_vllm_reported():
                        "original_max_position_embeddings": 4096}}, 64, 131072, 64),
     # a partial rotation narrows the rows (Qwen3-Next, GLM-4.5)
     ({"partial_rotary_factor": 0.25}, 256, 4096, 64),
+    ({"rotary_pct": 0.5}, 128, 4096, 64),
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, 128,
      4096, 64),
     # linear scaling: one cache a factor, each the length times its factor
@@ -53,6 +54,8 @@ def test_scout_cut_to_eight_layers_loads_what_vllm_reported():
     ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0],
                        "long_factor": [1.0], "original_max_position_embeddings": 1024}},
      96, 1024 + 4096, 96),
+    ({"rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [1.0],
+                       "original_max_position_embeddings": 1024}}, 96, 1024 + 4096, 96),
 ])
 def test_each_rope_type_is_sized_as_vllm_builds_it(cfg, head, rows, width):
     assert rotary.rope_cache_bytes(cfg, head, 4096) == rows * width * 2

@@ -6,7 +6,7 @@ The buffer is in no checkpoint, so neither the config's arithmetic nor the safet
 count it, yet vLLM's "Model loading took" does. For most models it is a few MiB; Llama 4
 Scout declares 10,485,760 positions, so its cache alone is 2.5 GiB, which a 24 GiB card's
 plan has to leave room for, and a first start's compile briefly needs it twice
-(`sizing.compile_copy_bytes`).
+(`sizing._compile_room`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from typing import Any
 #: model types whose rotary cache vLLM builds in float32 whatever the model's dtype (its
 #: ``get_rope(..., dtype=torch.float32)`` in 0.26-0.33)
 FLOAT32_ROPE = frozenset({"gpt_oss"})
+
+#: the config names vLLM reads a partial rotation from, in its order
+PARTIAL_KEYS = ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction")
 
 #: rope types whose cache vLLM sizes from the pre-scaling length times the factor
 _SCALED_ORIGINAL = frozenset({"yarn", "deepseek_yarn", "deepseek_llama_scaling"})
@@ -35,6 +38,7 @@ def _parameter_sets(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 def _positions(p: dict[str, Any], max_position: int) -> int:
     """Rows of one cache, as vLLM's rotary classes compute them."""
     kind = str(p.get("rope_type") or p.get("type") or "default")
+    kind = {"su": "longrope"}.get(kind, kind)  # vLLM's name for the legacy one
     if kind in _SCALED_ORIGINAL:
         original = int(p.get("original_max_position_embeddings") or max_position)
         return int(original * float(p.get("factor", 1.0)))
@@ -62,8 +66,8 @@ def rope_cache_bytes(cfg: dict[str, Any], head_dim: int, max_position: int,
         dtype_bytes = 4
     total, seen = 0, set()
     for p in _parameter_sets(cfg):
-        factor = float(p.get("partial_rotary_factor",
-                             cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+        factor = float(p.get("partial_rotary_factor")
+                       or next((cfg[k] for k in PARTIAL_KEYS if cfg.get(k)), 1.0))
         rotary_dim = int(p.get("rope_dim") or head_dim * factor)
         rows = _positions(p, max_position)
         key = (rotary_dim, rows, repr(sorted(p.items())))
