@@ -4,7 +4,9 @@ Reads the records `bench/run_first_start_on_device.sh` leaves in one folder (per
 ``NAME.json`` from `bench/small_card.py` and ``NAME.size.json`` from `expertcache size
 --json`) and prints one markdown table and the goals: the first start healthy, vLLM's KV
 cache within ``KV_TOLERANCE_GIB`` of the plan's, every MoE layer armed with the planned
-slots.
+slots, and what vLLM loaded ("Model loading took") within ``KV_TOLERANCE_GIB`` of the
+weights the plan holds in VRAM (the non-expert weights and vLLM's rotary cache), where the
+log gives it: a plan that misses a buffer of vLLM's shows here before it costs a start.
 
     python bench/first_start_report.py /tmp/fs
 """
@@ -25,6 +27,8 @@ def row(rec: dict, size: dict) -> dict:
     lg = rec.get("log") or {}
     plan_kv = size.get("kv_cache_bytes", 0) / GiB
     kv = lg.get("kv_gib")
+    plan_w = (size.get("non_expert_bytes", 0) + size.get("rope_cache_bytes", 0)) / GiB
+    weights = lg.get("weights_gib")
     slots = lg.get("slots")
     healthy = rec.get("status") == "ok"
     return {
@@ -38,6 +42,10 @@ def row(rec: dict, size: dict) -> dict:
         "plan_kv": plan_kv,
         "kv": kv,
         "kv_ok": kv is not None and abs(kv - plan_kv) <= KV_TOLERANCE_GIB,
+        "plan_weights": plan_w if size.get("non_expert_bytes") else None,
+        "weights": weights,
+        "weights_ok": (weights is None or not size.get("non_expert_bytes")
+                       or abs(weights - plan_w) <= KV_TOLERANCE_GIB),
         "slots_ok": slots is not None and slots == size.get("slots")
         and lg.get("armed_layers") == lg.get("moe_layers"),
         "tok_s": (rec.get("tok_s") or [None])[0],
@@ -51,8 +59,9 @@ def _f(v: float | None, fmt: str = ".2f") -> str:
 
 def report(folder: Path) -> list[str]:
     lines = ["| card | mode | context | first start | s to healthy | compile | --max-num-seqs "
-             "| slots planned / armed | KV planned / vLLM (GiB) | decode tok/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| slots planned / armed | weights planned / vLLM (GiB) "
+             "| KV planned / vLLM (GiB) | decode tok/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     goals = []
     for path in sorted(folder.glob("fs*.json")):
         if path.name.endswith(".size.json"):
@@ -68,18 +77,23 @@ def report(folder: Path) -> list[str]:
             f"| {card} GiB | {mode} | {ctx} | {'healthy' if r['healthy'] else 'FAILED'} | "
             f"{_f(r['start_s'], '.0f')} | {r['compile']} | {r['max_num_seqs']} | "
             f"{r['plan_slots']} / {r['slots'] if r['slots'] is not None else '-'} "
-            f"({r['armed']} layers) | {_f(r['plan_kv'])} / {_f(r['kv'])} | "
+            f"({r['armed']} layers) | {_f(r['plan_weights'])} / {_f(r['weights'])} | "
+            f"{_f(r['plan_kv'])} / {_f(r['kv'])} | "
             f"{_f(r['tok_s'], '.1f')} |")
-        met = r["healthy"] and r["kv_ok"] and r["slots_ok"]
+        met = r["healthy"] and r["kv_ok"] and r["slots_ok"] and r["weights_ok"]
         goals.append(f"- {name}: {'met' if met else 'NOT met'}"
                      + ("" if r["healthy"] else f" (start failed: {r['why']})")
                      + ("" if r["kv_ok"] or not r["healthy"] else
                         f" (KV {_f(r['kv'])} vs planned {_f(r['plan_kv'])} GiB)")
-                     + ("" if r["slots_ok"] or not r["healthy"] else " (slots not as planned)"))
+                     + ("" if r["slots_ok"] or not r["healthy"] else " (slots not as planned)")
+                     + ("" if r["weights_ok"] else
+                        f" (vLLM loaded {_f(r['weights'])} GiB, the plan holds "
+                        f"{_f(r['plan_weights'])})"))
     if not goals:
         return ["no first-start records in " + str(folder)]
-    return [*lines, "", f"goals (healthy on the first start, KV within {KV_TOLERANCE_GIB} GiB "
-            "of the plan, every MoE layer armed with the planned slots):", *goals]
+    return [*lines, "", f"goals (healthy on the first start, KV and the weights vLLM loaded "
+            f"within {KV_TOLERANCE_GIB} GiB of the plan, every MoE layer armed with the "
+            "planned slots):", *goals]
 
 
 def main() -> int:

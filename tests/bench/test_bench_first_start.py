@@ -113,6 +113,22 @@ def test_report_goals_fail_on_kv_far_from_the_plan_and_on_a_refused_start(tmp_pa
     assert "| 16 GiB | staged-install | 8192 | FAILED |" in text
 
 
+def test_report_goals_fail_where_vllm_loaded_more_than_the_plan_holds(tmp_path):
+    """Llama 4 Scout cut to 8 layers: vLLM loaded 9.17 GiB where a plan without its rotary
+    cache held 6.67; with the cache counted the two agree."""
+    size = {"slots": 5, "kv_cache_bytes": int(0.81 * 2**30), "max_num_seqs": 4,
+            "non_expert_bytes": 7159326720}
+    log = {"kv_gib": 0.81, "slots": 5, "armed_layers": 8, "moe_layers": 8, "weights_gib": 9.17}
+    _write(tmp_path, "fs24-in-place-8192", {"status": "ok", "log": log}, size)
+    _write(tmp_path, "fs24-in-place-131072", {"status": "ok", "log": log},
+           size | {"rope_cache_bytes": 10485760 * 128 * 2})
+    text = "\n".join(fsr.report(tmp_path))
+    assert ("- fs24-in-place-8192: NOT met (vLLM loaded 9.17 GiB, the plan holds 6.67)"
+            in text)
+    assert "- fs24-in-place-131072: met" in text
+    assert "| 9.17 / 9.17 |" in text
+
+
 def test_report_on_an_empty_folder_says_so(tmp_path):
     assert fsr.report(tmp_path) == [f"no first-start records in {tmp_path}"]
     assert os.path.isdir(tmp_path)
