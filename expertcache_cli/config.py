@@ -34,6 +34,7 @@ PDL = "EXPERT_CACHE_PDL"
 AUDIT = "EXPERT_CACHE_AUDIT"
 MARLIN = "EXPERT_CACHE_MARLIN"
 SPREAD = "EXPERT_CACHE_SPREAD"
+PLANNED_WEIGHTS = "EXPERT_CACHE_PLANNED_WEIGHTS"
 
 @dataclass(frozen=True)
 class EnvVar:
@@ -85,6 +86,11 @@ ENV_VARS: dict[str, EnvVar] = {
                    "on a GPU (MXFP4, NVFP4; GPTQ, AWQ and W4A16: today every one), a format "
                    "added later declined until served",
                    "every 4-bit format", ("Marlin experts", "served from slots")),
+    PLANNED_WEIGHTS: EnvVar("bytes the plan holds in VRAM beside the slots (the non-expert "
+                            "weights and vLLM's rotary cache), set by expertcache serve: "
+                            "where vLLM loaded more, the plugin warns at start that the "
+                            "difference comes out of the KV cache's and the compile's room",
+                            "unset", ("set by expertcache serve", "warns")),
 }
 
 #: the variables that change what a server measures or writes: a launcher that states a
@@ -134,6 +140,8 @@ class CacheConfig:
     spread: bool = True
     #: at shutdown, check the slots against their experts' weights (`Session.audit`)
     audit: bool = False
+    #: what the plan holds in VRAM beside the slots (`plugin.memory.weights_warning`)
+    planned_weights: int | None = None
 
     @property
     def asked(self) -> bool:
@@ -207,6 +215,8 @@ class CacheConfig:
             env[SPREAD] = "0"
         if self.audit:
             env[AUDIT] = "1"
+        if self.planned_weights is not None:
+            env[PLANNED_WEIGHTS] = str(self.planned_weights)
         return env
 
 
@@ -225,6 +235,16 @@ def _int(env: Mapping[str, str], name: str, lo: int) -> int | None:
     if not lo <= value <= INT_MAX:
         raise ConfigError(f"{name}={raw!r}: expected an integer from {lo} to {INT_MAX}")
     return value
+
+
+def _bytes(env: Mapping[str, str], name: str) -> int | None:
+    """A byte count (no C-int limit: it never reaches a kernel), or None where unset."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ConfigError(f"{name}={raw!r}: expected a byte count (an integer >= 0)")
+    return int(raw)
 
 
 def _bool(env: Mapping[str, str], name: str) -> bool:
@@ -361,4 +381,5 @@ def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
         pdl=pdl_from_env(env),
         spread=_on_unless_0(env, SPREAD),
         audit=_bool(env, AUDIT),
+        planned_weights=_bytes(env, PLANNED_WEIGHTS),
     )

@@ -28,7 +28,9 @@ def test_cache_plan_sets_the_environment_and_offloads_the_experts():
     p = _plan(vllm_args=["--", "--max-num-seqs", "4", "--max-model-len", "8192", "--port", "9"])
     s = p.size
     assert s.verdict == "cache" and 0 < s.slots < 128 and not s.trap
-    assert p.env == {"EXPERT_CACHE_SLOTS": str(s.slots), "EXPERT_CACHE_POLICY": "lru"}
+    assert p.env == {"EXPERT_CACHE_SLOTS": str(s.slots), "EXPERT_CACHE_POLICY": "lru",
+                     "EXPERT_CACHE_PLANNED_WEIGHTS": str(s.non_expert_bytes
+                                                         + s.rope_cache_bytes)}
     assert p.argv[:3] == ["vllm", "serve", MODEL]
     a = p.argv
     assert a[a.index("--cpu-offload-gb") + 1] == str(s.cpu_offload_gb) and s.cpu_offload_gb > 0
@@ -117,8 +119,9 @@ def test_does_not_fit_is_an_error():
 def test_forced_budget_policy_and_decay():
     p = _plan(slots=24, policy="lfu", decay=32,
               vllm_args=["--max-num-seqs", "2", "--max-model-len", "8192"])
+    held = str(p.size.non_expert_bytes + p.size.rope_cache_bytes)
     assert p.env == {"EXPERT_CACHE_SLOTS": "24", "EXPERT_CACHE_POLICY": "lfu",
-                     "EXPERT_CACHE_DECAY": "32"}
+                     "EXPERT_CACHE_DECAY": "32", "EXPERT_CACHE_PLANNED_WEIGHTS": held}
     p = _plan(fraction=0.25, vllm_args=["--max-num-seqs", "2", "--max-model-len", "8192"])
     assert p.env["EXPERT_CACHE_SLOTS"] == "32"
 
@@ -517,6 +520,8 @@ def test_serve_hands_vllm_the_planned_kv_cache():
     used = (s.non_expert_bytes + s.rope_cache_bytes + s.overhead_bytes
             + s.slots * s.bytes_per_slot + kv)
     assert used == s.budget_bytes
+    # and the plugin is told what the plan holds beside the slots, to warn if vLLM loads more
+    assert p.env["EXPERT_CACHE_PLANNED_WEIGHTS"] == str(s.non_expert_bytes + s.rope_cache_bytes)
     # a KV size the user gives is planned around and passed as theirs, once
     own = _plan(vllm_args=["--max-model-len", "8192", "--kv-cache-memory-bytes", "2G"])
     assert own.argv.count("--kv-cache-memory-bytes") == 1

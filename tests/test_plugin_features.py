@@ -416,6 +416,37 @@ def test_a_per_layer_plan_on_a_pipeline_stage_arms_nothing_and_says_why(armed_wo
     assert len(uniform.armed) == 2
 
 
+def test_a_model_that_loads_more_than_the_plan_is_warned_before_its_kv_cache(monkeypatch,
+                                                                            caplog):
+    """`serve` passes what its plan holds beside the slots; vLLM measuring more at load
+    (a buffer the plan does not know, such as Llama 4's rotary cache) is said with the
+    difference and the slots to give up, before vLLM allocates the KV cache. Within the
+    tolerance, or without a plan, nothing is said."""
+    import expertcache_cli.device.slotcache as slotcache_mod
+    from expertcache_cli.plugin import memory
+
+    monkeypatch.setattr(slotcache_mod, "SlotCache", RefSlotCache)
+    fake_vllm_layout(monkeypatch)
+    caplog.set_level("WARNING", logger="vllm.expertcache")
+    GiB = 2**30
+    for planned, loaded, warned in ((int(6.67 * GiB), int(9.17 * GiB), True),
+                                    (int(9.10 * GiB), int(9.17 * GiB), False),
+                                    (None, int(9.17 * GiB), False)):
+        caplog.clear()
+        worker = Worker026(_Model(seed=42))
+        worker.model_runner.model_memory_usage = loaded
+        sess = plugin._arm_worker(worker, CacheConfig(slots=6, planned_weights=planned),
+                                  "0.26.0")
+        assert len(sess.armed) == 2
+        assert ("vLLM loaded 9.17 GiB of weights where `expertcache serve` planned 6.67 GiB"
+                in caplog.text) == warned
+        # counted after the check: the slots join vLLM's own record as before
+        assert worker.model_runner.model_memory_usage == loaded + sess.cache_bytes
+    per_slot = 2 * GiB
+    text = memory.weights_warning(int(9.17 * GiB), int(6.67 * GiB), per_slot)
+    assert "the 2.50 GiB more" in text and "--vram 2.50 GiB lower or 2 fewer slot(s)" in text
+
+
 # The non-KV lines of vLLM's `memory_profiling` (vllm/utils/mem_utils.py), as released.
 def memory_profiling_026(result, non_torch_memory, peak_activation_memory):
     result.non_kv_cache_memory = (

@@ -179,12 +179,13 @@ def make_plan(
                     "keeps every decode step on it (pass it after --), or --allow-trap to "
                     "serve anyway")
             )
+        held = size.non_expert_bytes + size.rope_cache_bytes  # what stays beside the slots
         if per_layer is not None:
-            env = CacheConfig(slots_per_layer=tuple(per_layer), policy=pol,
-                              decay=decay, wide=wide_mode).to_env()
+            env = CacheConfig(slots_per_layer=tuple(per_layer), policy=pol, decay=decay,
+                              wide=wide_mode, planned_weights=held).to_env()
         else:
-            env = CacheConfig(slots=size.slots, policy=pol, decay=decay,
-                              wide=wide_mode).to_env()
+            env = CacheConfig(slots=size.slots, policy=pol, decay=decay, wide=wide_mode,
+                              planned_weights=held).to_env()
     planned = size.vllm_args()
     for flag, value in zip(planned[::2], planned[1::2]):
         given = flag_value(args, flag) if flag in _OWNED_FLAGS else None

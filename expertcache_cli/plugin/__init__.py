@@ -431,6 +431,12 @@ def _arm_worker(worker: Any, cfg: CacheConfig, version: str) -> Any:
         log.exception("expertcache: arming failed (%s); serving on the stock path", exc)
         return None
     session.memory_mechanism = mechanism
+    if session.armed:
+        per_slot = session.slot_bytes // cfg.slots if cfg.slots else None
+        warning = memory.weights_warning(memory.loaded_weights(worker), cfg.planned_weights,
+                                         per_slot)
+        if warning:
+            log.warning(warning)
     if session.armed and mechanism != memory.MEASURED:
         # (0.26, or not recognised: where model_memory_usage is not read, adding is inert;
         # refused accounting declined every layer: nothing to count)

@@ -153,6 +153,41 @@ def count_as_weights(worker: Any, slot_bytes: int) -> int:
     return total
 
 
+#: how much more than the plan vLLM may load before the start is warned: below it, the
+#: plan's headroom (a tenth of the card) absorbs the difference
+WEIGHTS_TOLERANCE = GiB // 4
+
+
+def loaded_weights(worker: Any) -> int | None:
+    """The bytes vLLM measured while loading the model (its ``model_memory_usage``, read
+    before the slots join it), or None where the runner does not say."""
+    value = getattr(getattr(worker, "model_runner", None), WEIGHTS_ATTR, None)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return int(value)
+
+
+def weights_warning(loaded: int | None, planned: int | None,
+                    bytes_per_slot: int | None = None) -> str | None:
+    """The warning for a start whose model took more VRAM than `expertcache serve`
+    planned, or None.
+
+    Why: the plan hands vLLM a KV cache sized from what it expects the weights to take; a
+    buffer the plan does not know of (vLLM's 2.5 GiB rotary cache for Llama 4 Scout was
+    one) comes out of the room left for the KV cache and the first start's compile, and
+    the start then fails inside vLLM with a bare CUDA out-of-memory error. Said before
+    that happens, with the difference and what to give up for it."""
+    if loaded is None or planned is None or loaded - planned <= WEIGHTS_TOLERANCE:
+        return None
+    extra = loaded - planned
+    fewer = f" or {-(-extra // bytes_per_slot)} fewer slot(s)" if bytes_per_slot else ""
+    return (f"expertcache: vLLM loaded {loaded / GiB:.2f} GiB of weights where `expertcache "
+            f"serve` planned {planned / GiB:.2f} GiB: the {extra / GiB:.2f} GiB more comes "
+            "out of the room planned for the KV cache and the first start's compile, and "
+            f"this start may run out of memory; serve with --vram {extra / GiB:.2f} GiB "
+            f"lower{fewer}, and report the model: its plan misses something vLLM holds")
+
+
 def explicit_kv_bytes(worker: Any) -> int | None:
     """``--kv-cache-memory-bytes`` when it was given (by the user, or by `expertcache
     serve`, which plans it): vLLM then sizes no KV cache from its profile."""
