@@ -57,7 +57,7 @@ def test_qwen3_next_kv_is_its_full_attention_layers_and_state_its_linear_ones():
     assert m.state_bytes_per_seq == 36 * LAYER_STATE
     assert "36 of 48 layers linear attention" in m.kv_kind
     assert any("linear attention" in n and "blocks of 544 tokens" in n
-               and "no hybrid model has been served" in n for n in m.notes)
+               and "no real hybrid checkpoint has been served" in n for n in m.notes)
 
 
 def test_layer_types_and_a_float32_state_are_read_qwen3_5_style():

@@ -477,8 +477,8 @@ def _model_from_config(
             f"{len(linear)} of {layers} layers are linear attention (gated delta rule): no KV "
             f"a token, {state / MiB:.1f} MiB of state a sequence, reserved as vLLM pages it "
             f"with the KV (blocks of {linear_state.block_tokens(1.0)} tokens at this KV "
-            "dtype; arithmetic over the config: no hybrid model has been served with the "
-            "cache)")
+            "dtype; the pages vLLM allocated at start matched on a GPU, with Qwen3-Next's "
+            "layout; no real hybrid checkpoint has been served with the cache)")
     max_position = int(_first(cfg, "max_position_embeddings", default=4096))
     return ModelSize(
         name=name,
