@@ -18,6 +18,7 @@ import pytest
 from test_sizing_architectures import SCOUT_TEXT
 
 from expertcache_cli.sizing import model_size, rotary, sizing
+from expertcache_cli.vllm_facts import capture
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +101,17 @@ def test_the_plan_holds_the_cache_and_room_for_the_compiles_copy():
         assert any("second copy" in n for n in p.notes)
         # what the device ran out of: the cache was not counted, 6 and 7 slots planned
         assert p.slots == 5
+
+
+def test_an_eager_server_compiles_nothing_and_needs_no_room_for_the_copy():
+    cut = SCOUT_TEXT | {"num_hidden_layers": 8}
+    m = model_size.model_from_config(cut, "scout-8")
+    eager = sizing.plan(m, 24, max_model_len=8192, max_num_seqs=4, max_num_batched_tokens=2048,
+                        graphs=capture.settings_from_vllm_args(["--enforce-eager"]))
+    assert not any("second copy" in n for n in eager.notes)
+    assert eager.kv_reserved_bytes + eager.overhead_bytes < m.rope_cache_bytes
+    assert eager.slot_budget_bytes == (eager.budget_bytes - m.resident_bytes
+                                       - eager.kv_reserved_bytes - eager.overhead_bytes)
 
 
 def test_a_small_cache_leaves_the_runtime_reserve_alone():

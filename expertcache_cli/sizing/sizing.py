@@ -576,7 +576,8 @@ def _plan_for(
     overhead, staged_peak = _runtime_reserve(
         model, wide_mode, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, graphs=graphs, overhead_gb=overhead_gb)
-    overhead, compile_note = _compile_room(model, overhead, kv_reserved)
+    overhead, compile_note = _compile_room(model, overhead, kv_reserved,
+                                           compiles=not graphs.eager)
     resident_need = model.resident_bytes + kv_reserved + overhead
     slot_budget, scratch, max_slots, fits_outright = _slot_room(
         model, wide_mode, budget - resident_need)
@@ -834,9 +835,11 @@ def _runtime_reserve(model: ModelSize, wide: Wide, *, max_num_seqs: int,
             + staged_peak, staged_peak)
 
 
-def _compile_room(model: ModelSize, overhead: int, kv_reserved: int) -> tuple[int, str | None]:
+def _compile_room(model: ModelSize, overhead: int, kv_reserved: int,
+                  compiles: bool = True) -> tuple[int, str | None]:
     """(the runtime reserve, a note where it grew) so that a first start's compile has
-    room for a second copy of the rotary caches.
+    room for a second copy of the rotary caches (``compiles`` False: ``--enforce-eager``,
+    under which vLLM runs no torch.compile).
 
     Inductor's combo-kernel benchmark (on in vLLM 0.26-0.33 wherever torch.compile runs)
     allocates random copies of the inputs of the kernel it times, the rope kernel's whole
@@ -846,7 +849,7 @@ def _compile_room(model: ModelSize, overhead: int, kv_reserved: int) -> tuple[in
     comes near it; elsewhere this changes nothing.
     """
     need = model.rope_cache_bytes - kv_reserved
-    if need <= overhead:
+    if not compiles or need <= overhead:
         return overhead, None
     return need, (f"vLLM's rotary cache takes {model.rope_cache_bytes / GiB:.2f} GiB "
                   f"({model.max_position_embeddings:,} positions), and a first start's "
