@@ -179,7 +179,7 @@ def make_plan(
                     "keeps every decode step on it (pass it after --), or --allow-trap to "
                     "serve anyway")
             )
-        held = size.non_expert_bytes + size.rope_cache_bytes  # what stays beside the slots
+        held = size.resident_bytes  # what stays beside the slots
         if per_layer is not None:
             env = CacheConfig(slots_per_layer=tuple(per_layer), policy=pol, decay=decay,
                               wide=wide_mode, planned_weights=held).to_env()

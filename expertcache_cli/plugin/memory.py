@@ -136,8 +136,7 @@ def accounting_refusal(worker: Any, mechanism: str | None = WEIGHTS) -> str | No
     runner = getattr(worker, "model_runner", None)
     if runner is None:
         return "the vLLM worker has no model_runner (unknown layout)"
-    value = getattr(runner, WEIGHTS_ATTR, None)
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    if loaded_weights(worker) is None:
         return (
             f"{type(runner).__name__}.{WEIGHTS_ATTR} is not a byte count, so the slots could "
             "not be counted in vLLM's memory plan (the KV cache would take their memory)"

@@ -253,6 +253,11 @@ class SizePlan:
     card: str | None = None
 
     @property
+    def resident_bytes(self) -> int:
+        """What the plan holds in VRAM beside the slots (`ModelSize.resident_bytes`)."""
+        return self.non_expert_bytes + self.rope_cache_bytes
+
+    @property
     def shares_device(self) -> bool:
         """The card is a share of a bigger GPU (another tenant, or an emulated small card)."""
         return self.device_total_gib > self.vram_gib
@@ -411,7 +416,8 @@ def _decide(model: ModelSize, *, budget: int, slot_budget: int, kv_reserved: int
     if slot_budget < 0:
         verdict = Verdict.DOES_NOT_FIT
         text = (
-            f"does not fit even with offload: non-expert weights {gib(model.resident_bytes):.2f}"
+            "does not fit even with offload: non-expert weights and rotary cache "
+            f"{gib(model.resident_bytes):.2f}"
             f" + KV {gib(kv_reserved):.2f} + runtime {gib(overhead):.2f} GiB exceed the "
             f"{gib(budget):.2f} GiB budget"
         )
