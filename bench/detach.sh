@@ -68,6 +68,7 @@ if [ "${1:-}" = "--poll" ]; then
   tail -n "${TAIL_LINES:-40}" "/tmp/detached-$name.log"
   if [ -n "${OUT:-}" ] && [ -n "${RESULTS:-}" ] && [ -d "$RESULTS" ]; then
     cp "/tmp/detached-$name.log" "$RESULTS/" 2>/dev/null
+    mkdir -p "$OUT"  # a sub-folder of the call's $OUT (one a poll) need not exist yet
     tar czf "$OUT/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
   fi
   if [ -f "/tmp/detached-$name.rc" ]; then

@@ -68,6 +68,25 @@ def test_detached_runner_outlives_its_caller_and_poll_reports_it(tmp_path):
         _forget(name)
 
 
+def test_a_poll_into_a_sub_folder_not_made_yet_packs_the_results(tmp_path):
+    """Two polls in a session write under $OUT/a and $OUT/b so that the second does not
+    overwrite the first's results.tgz; the call's $OUT starts empty, so the poll makes it."""
+    import tarfile
+
+    name = f"t{uuid.uuid4().hex[:8]}"
+    results = tmp_path / "res"
+    results.mkdir()
+    out = tmp_path / "out" / "a"
+    try:
+        assert _run(name, "bash", "-c", f"echo 1 > {results}/a.json").returncode == 0
+        ended = _run("--poll", name, "30", env={"OUT": str(out), "RESULTS": str(results)})
+        assert ended.returncode == 0, ended.stdout + ended.stderr
+        with tarfile.open(out / "results.tgz") as tar:
+            assert "res/a.json" in tar.getnames()
+    finally:
+        _forget(name)
+
+
 def test_poll_of_a_job_not_on_this_machine_says_so_at_once():
     name = f"t{uuid.uuid4().hex[:8]}"  # never started: as on a machine that came back bare
     r = _run("--poll", name, "540")
