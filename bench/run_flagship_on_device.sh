@@ -173,8 +173,11 @@ for step in $STEPS; do
                "${BENCH_FLAGS[@]}" "${SERVER_FLAGS[@]}")
       fi
       # the floor's start once first: a configuration's first start compiles the model and
-      # parts from warm ones at near-ties, so neither compared server may be it
-      arm "warm$GIB" --warm-only --env EXPERT_CACHE_DISABLE=1 -- "${SERVE[@]}"
+      # parts from warm ones at near-ties, so neither compared server may be it; it measures
+      # nothing else, so it logs what vLLM's "Model loading took" is made of
+      # (bench/loaded_memory.py: the plan's weights beside vLLM's)
+      arm "warm$GIB" --warm-only --env EXPERT_CACHE_DISABLE=1 --env EC_BENCH_LOADED=1 \
+        -- "${SERVE[@]}"
       arm "floor$GIB" --env EXPERT_CACHE_DISABLE=1 -- "${SERVE[@]}"
       arm "cache$GIB" --env EXPERT_CACHE_STATS=400 -- "${SERVE[@]}"
       ballast stop ;;

@@ -143,8 +143,10 @@ def test_every_step_as_a_new_user_runs_it_on_both_cards(runner):
         assert "--port {port}" in cache
         # a warm-up start of the floor's very command and environment right before it
         warm = _arm(calls, f"warm{gib}")
-        assert warm.replace(f" warm{gib} ", " ").replace(" --warm-only", "") == \
-            floor.replace(f" floor{gib} ", " ")
+        # (and, measuring nothing, it logs what vLLM's loaded weights are made of)
+        assert " --env EC_BENCH_LOADED=1 " in warm and "EC_BENCH_LOADED" not in floor + cache
+        assert warm.replace(f" warm{gib} ", " ").replace(" --warm-only", "").replace(
+            " --env EC_BENCH_LOADED=1", "") == floor.replace(f" floor{gib} ", " ")
         # the ballast holds the card around size, plan and every server
         start = calls.index(f"bench/ballast.py start --leave {gib}")
         stop = next(i for i, c in enumerate(calls) if i > start and c == "bench/ballast.py stop")
