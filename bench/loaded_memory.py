@@ -141,7 +141,9 @@ def patch_runner_class(cls: Any) -> bool:
 
             gc.collect()
             allocated = torch.cuda.memory_allocated()
-            for line in lines(breakdown(self.model), allocated):
+            # get_model() unwraps vLLM's CUDA-graph wrappers (a runner without it: .model)
+            model = self.get_model() if hasattr(self, "get_model") else self.model
+            for line in lines(breakdown(model), allocated):
                 log.warning("%s", line)
         except Exception as exc:  # noqa: BLE001 - a bench probe never stops a start
             log.warning("EC_BENCH_LOADED: no breakdown (%s: %s)", type(exc).__name__, exc)

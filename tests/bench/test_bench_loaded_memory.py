@@ -88,6 +88,16 @@ def test_the_wrap_logs_after_the_load_and_never_stops_it(caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="vllm.expertcache.bench"):
         assert Runner().load_model() == "loaded"
     assert order == ["load", "breakdown"]
+
+    class Wrapped(Runner):  # vLLM's runner: the model behind a CUDA-graph wrapper
+        def get_model(self):
+            order.append("get_model")
+            return self.model
+
+    loaded_memory.patch_runner_class(Wrapped)
+    order.clear()
+    assert Wrapped().load_model() == "loaded"
+    assert order == ["load", "get_model", "breakdown"]
     assert any(r.getMessage().startswith("EC_BENCH_LOADED: allocated") for r in caplog.records)
 
     def broken(model, **kw):
