@@ -41,6 +41,9 @@ class Breakdown:
     attributes: dict[str, int] = field(default_factory=dict)
     #: "shape dtype" -> (count, bytes), live tensors no module reaches
     elsewhere: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: parameters vLLM's UVA offloader moved to host memory: device tensors by type, host
+    #: bytes in fact, so in no part above (nor in vLLM's figure)
+    offloaded: int = 0
 
     @property
     def counted(self) -> int:
@@ -74,6 +77,9 @@ def breakdown(model: Any, device_type: str = "cuda", scan: bool = True) -> Break
         return nbytes
 
     for name, p in model.named_parameters(remove_duplicate=False):
+        if getattr(p, "_vllm_is_uva_offloaded", False):
+            out.offloaded += take(p)  # seen now: its views are not counted elsewhere
+            continue
         n = take(p)
         if ".experts." in f".{name}":
             out.expert_params += n
@@ -112,7 +118,8 @@ def lines(b: Breakdown, allocated: int, top: int = TOP) -> list[str]:
             f"buffers {b.buffers / gib:.3f} + module attributes "
             f"{sum(b.attributes.values()) / gib:.3f} + held elsewhere "
             f"{sum(x for _, x in b.elsewhere.values()) / gib:.3f} + not found "
-            f"{(allocated - b.counted) / gib:.3f}")
+            f"{(allocated - b.counted) / gib:.3f} (offloaded to host, not counted: "
+            f"{b.offloaded / gib:.3f})")
     out = [head]
     by_attr = defaultdict(lambda: [0, 0])  # the attribute's last name, over modules
     for name, n in b.attributes.items():

@@ -52,6 +52,20 @@ def test_every_byte_lands_in_one_part_and_views_count_once():
     del held
 
 
+def test_parameters_offloaded_to_host_are_in_no_device_part():
+    """vLLM's UVA offloader leaves a device-typed view of host memory in the parameter: it
+    is not VRAM, and a view of it met by the scan is not counted either."""
+    model = torch.nn.Sequential(Layer())
+    w = model[0].experts.w13_weight
+    w._vllm_is_uva_offloaded = True
+    view = w[:2]  # as a kernel's argument would hold it
+    b = loaded_memory.breakdown(model, device_type="cpu")
+    assert b.offloaded == 4 * 8 * 16 * 4 and b.expert_params == 0
+    assert not any(k.startswith("(2, 8, 16)") for k in b.elsewhere)
+    assert b.other_params == 48 * 16 * 4
+    del view
+
+
 def test_other_devices_are_not_counted():
     b = loaded_memory.breakdown(torch.nn.Sequential(Layer()), device_type="cuda", scan=False)
     assert (b.expert_params, b.other_params, b.buffers, b.attributes) == (0, 0, 0, {})
@@ -65,7 +79,8 @@ def test_the_lines_add_up_to_what_was_allocated():
     lines = loaded_memory.lines(b, allocated=(3 << 30) + (40 << 20))
     assert lines[0].startswith("EC_BENCH_LOADED: allocated 3.039 GiB = expert parameters "
                                "1.000 + other parameters 2.000")
-    assert lines[0].endswith("held elsewhere 0.035 + not found 0.002")
+    assert lines[0].endswith("held elsewhere 0.035 + not found 0.002 (offloaded to host, "
+                             "not counted: 0.000)")
     assert "EC_BENCH_LOADED attribute workspace: 2 module(s), 2.00 MiB" in lines
     assert "EC_BENCH_LOADED elsewhere (128, 8960) float32: 36 tensor(s), 36.00 MiB" in lines
 
