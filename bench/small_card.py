@@ -411,7 +411,8 @@ def run_arm(a: argparse.Namespace) -> dict:
         rec["prompt_tokens"] = [len(run_prompt(i, cycle).split()) for i in range(1, a.runs + 1)]
         rec["prompt_cycle"] = cycle
         rec["tok_s"] = [r.tok_s for r in runs]
-        rec["decode_tokens"] = sum(r.tokens - 1 for r in runs)
+        rec["run_tokens"] = [r.tokens - 1 for r in runs]
+        rec["decode_tokens"] = sum(rec["run_tokens"])
         rec["counters_before"], rec["counters_after"] = before, after
         rec["smi_after_runs"] = smi_memory()
         rec["greedy"] = greedy_ids(server.base_url, mid, a.greedy_tokens)
