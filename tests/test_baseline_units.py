@@ -292,6 +292,27 @@ def test_summary_math_by_hand():
     assert math.isnan(s.arm("offload").recovered)
 
 
+def test_a_restart_decodes_its_runs_tokens_over_their_summed_time():
+    """Runs of different prompts decode at different rates: a server that decoded 199
+    tokens at 150 tok/s and twice 199 at 68 served 597 tokens in 7.18 s, 83.2 tok/s, not
+    the 95.3 a mean of the three rates says. Runs without a decode time count by rate."""
+    recs = _runs("cache:4", [[150.0, 68.0, 68.0], [100.0, 100.0, 100.0]])
+    for r in recs:
+        r["decode_s"] = 199 / r["tok_s"]
+    s = summarise(recs, {"arms": ["cache:4"], "runs": 3})
+    together = 597 / (199 / 150 + 2 * 199 / 68)
+    assert s.arm("cache:4").restart_means == [pytest.approx(together), pytest.approx(100.0)]
+    assert s.arm("cache:4").mean_tok_s == pytest.approx((together + 100.0) / 2)
+    # a run of twice the tokens weighs twice
+    recs[0]["decode_s"] = 2 * 199 / 150
+    s = summarise(recs, {"arms": ["cache:4"], "runs": 3})
+    assert s.arm("cache:4").restart_means[0] == pytest.approx(
+        (2 * 199 + 2 * 199) / (2 * 199 / 150 + 2 * 199 / 68))
+    untimed = _runs("a", [[150.0, 68.0, 68.0]])
+    assert summarise(untimed, {"arms": ["a"], "runs": 3}).arm("a").mean_tok_s == (
+        pytest.approx(286 / 3))
+
+
 def test_summary_uses_only_the_latest_server_of_a_block():
     recs = _runs("a", [[1.0]], sid_prefix="old") + _runs("a", [[5.0, 7.0]], sid_prefix="new")
     s = summarise(recs, {"arms": ["a"], "runs": 2})
@@ -478,13 +499,13 @@ def test_cli_report_at_80_columns_and_in_a_pipe_keeps_every_value_whole():
         assert p.returncode == 0, p.stderr
         assert "…" not in p.stdout
         assert all(len(line) <= 80 for line in p.stdout.splitlines()), p.stdout
-        for value in ("441.5 .. 768.6", "445.7", "69.6%", "88.1%", "5.460"):
+        for value in ("453.8 .. 747.9", "445.6", "70.1%", "88.1%", "5.458"):
             assert value in p.stdout
         assert "left out to fit 80 columns: runs, between sd, within sd" in p.stdout
     wide = subprocess.run([sys.executable, "-m", "expertcache_cli", "baseline", "report",
                            str(report)], capture_output=True, text=True, timeout=120,
                           env={**env, "COLUMNS": "200"}).stdout
-    assert "left out" not in wide and "between sd" in wide and "65.8" in wide
+    assert "left out" not in wide and "between sd" in wide and "59.2" in wide
 
 
 def test_plot_writes_png(tmp_path):
@@ -538,7 +559,9 @@ def test_held_back_runs_are_left_out():
         r["ttft_s"], r["decode_s"] = ttft, dec
     s = summarise(recs, {"arms": ["resident"], "runs": 3})
     assert s.bursty_runs == {"resident": 1}
-    assert s.arm("resident").restart_means[0] == pytest.approx(130.0)
+    # the two runs left: their tokens over their time
+    assert s.arm("resident").restart_means[0] == pytest.approx(
+        (120.0 * 1.06 + 140.0 * 0.9) / (1.06 + 0.9))
     # a long prompt slows every first token of a server alike: nothing is left out
     for r in recs:
         r["ttft_s"] = 2.0

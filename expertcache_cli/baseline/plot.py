@@ -1,7 +1,7 @@
 """``--plot``: decode tok/s per arm, showing every restart, so the spread is visible.
 
-Each arm gets its runs as small points, its restart means as larger points (one colour
-per restart) and the mean of restart means with its 95% interval. A reader sees at once
+Each arm gets its runs as small points, its restart rates as larger points (one colour
+per restart) and the mean of restart rates with its 95% interval. A reader sees at once
 whether restarts disagree more than runs do.
 """
 

@@ -477,7 +477,7 @@ def load_summary(path: str | os.PathLike[str]):
 
 
 def resident_from_baseline(path: str | Path) -> tuple[float, str]:
-    """The resident arm's decode rate (mean of restart means) from a baseline results file."""
+    """The resident arm's decode rate (mean of restart rates) from a baseline results file."""
     summary, _ = load_summary(path)
     arm = next((a for a in summary.arms if a.arm == "resident" and a.restarts > 0), None)
     if arm is None or not math.isfinite(arm.mean_tok_s):
