@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..plotting import image_path, pyplot, save_figure
-from .summary import Summary, measured_runs
+from .summary import Summary, measured_runs, restart_rates
 
 
 def plot(summary: Summary, records: list[dict[str, Any]], path: str | Path) -> Path:
@@ -30,6 +30,7 @@ def plot(summary: Summary, records: list[dict[str, Any]], path: str | Path) -> P
     restarts = sorted({int(r) for r in df["restart"].dropna().unique()})
     for x, a in enumerate(arms):
         sub = df[df["arm"] == a.arm]
+        rates = restart_rates(sub)
         for r in restarts:
             rs = sub[sub["restart"] == r]["tok_s"].dropna()
             if rs.empty:
@@ -39,7 +40,7 @@ def plot(summary: Summary, records: list[dict[str, Any]], path: str | Path) -> P
             ax.scatter([x + off] * len(rs), rs, s=8, color=colour, alpha=0.45, linewidths=0)
             ax.scatter(
                 [x + off],
-                [rs.mean()],
+                [float(rates.get(r, rs.mean()))],
                 s=40,
                 color=colour,
                 edgecolors="black",
