@@ -40,7 +40,7 @@ def plot(summary: Summary, records: list[dict[str, Any]], path: str | Path) -> P
             ax.scatter([x + off] * len(rs), rs, s=8, color=colour, alpha=0.45, linewidths=0)
             ax.scatter(
                 [x + off],
-                [float(rates.get(r, rs.mean()))],
+                [float(rates[r])],
                 s=40,
                 color=colour,
                 edgecolors="black",

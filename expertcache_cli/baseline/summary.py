@@ -255,11 +255,11 @@ def summarise(records: list[dict[str, Any]], meta: dict[str, Any] | None = None)
             )
             continue
         grouped = sub.groupby("restart")["tok_s"]
-        means = restart_rates(sub)
+        rates = restart_rates(sub)
         variances = grouped.var(ddof=1).dropna()
-        n = int(means.size)
-        mean = float(means.mean())
-        between = float(means.std(ddof=1)) if n >= 2 else math.nan
+        n = int(rates.size)
+        mean = float(rates.mean())
+        between = float(rates.std(ddof=1)) if n >= 2 else math.nan
         within = float(math.sqrt(variances.mean())) if variances.size else math.nan
         half = t975(n - 1) * between / math.sqrt(n) if n >= 2 else math.nan
         arms.append(
@@ -274,7 +274,7 @@ def summarise(records: list[dict[str, Any]], meta: dict[str, Any] | None = None)
                 ci_high=mean + half,
                 ttft_s=float(sub["ttft_s"].mean()),
                 failed_servers=n_failed,
-                restart_means=[float(x) for x in means.tolist()],
+                restart_means=[float(x) for x in rates.tolist()],
                 counters=last_counters.get(name),
             )
         )
