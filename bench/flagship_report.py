@@ -12,7 +12,7 @@ are spent.
 
     python bench/flagship_report.py /tmp/fs              # the table and the goals
     python bench/flagship_report.py --serve-argv /tmp/fs/plan24.json   # for the runner
-    python bench/flagship_report.py --median /tmp/fs/resident.json     # for the runner
+    python bench/flagship_report.py --rate /tmp/fs/resident.json       # for the runner
 """
 
 from __future__ import annotations
@@ -419,14 +419,14 @@ def main(argv: list[str]) -> int:
             return 1
         print("\n".join(got))
         return 0
-    if len(argv) == 2 and argv[0] == "--median":
-        tok = median(_read(Path(argv[1])))
+    if len(argv) == 2 and argv[0] == "--rate":  # plan's resident rate: the report's own
+        tok = rate(_read(Path(argv[1])))
         if not tok:
             return 1
         print(f"{tok:.3f}")
         return 0
     if len(argv) != 1:
-        print("usage: flagship_report.py DIR | --serve-argv PLAN.json | --median RECORD",
+        print("usage: flagship_report.py DIR | --serve-argv PLAN.json | --rate RECORD",
               file=sys.stderr)
         return 2
     print("\n".join(report(Path(argv[0]))))

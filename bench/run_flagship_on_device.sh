@@ -151,7 +151,7 @@ for step in $STEPS; do
       GIB=${step#card}
       if arm_done "floor$GIB" && arm_done "cache$GIB"; then echo "card$GIB: done before"; continue; fi
       hooks || exit 1
-      R=$($PY bench/flagship_report.py --median "$FS/resident.json") || {
+      R=$($PY bench/flagship_report.py --rate "$FS/resident.json") || {
         echo "card$GIB: no resident rate yet (run the resident step): plan needs it"; continue; }
       ballast "$GIB"
       # as a new user: what fits, then the plan on the workload's trace, then its command

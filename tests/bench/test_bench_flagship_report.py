@@ -145,9 +145,9 @@ def test_a_failed_server_and_a_floor_goal_missed_are_said(tmp_path, capsys):
     _write(tmp_path, "cache24", arm(45.0))
     assert "24 GiB: cache 1.50x the offload floor (NOT met: at least 2x)" in report.report(
         tmp_path)
-    assert report.main(["--median", str(tmp_path / "cache24.json")]) == 0
+    assert report.main(["--rate", str(tmp_path / "cache24.json")]) == 0
     assert capsys.readouterr().out.strip() == "45.000"
-    assert report.main(["--median", str(tmp_path / "resident.json")]) == 1
+    assert report.main(["--rate", str(tmp_path / "resident.json")]) == 1
     assert report.main(["--serve-argv", str(tmp_path / "plan24.json")]) == 1
     assert report.main([]) == 2
 
@@ -223,3 +223,14 @@ def test_the_goal_is_judged_on_the_rate_over_the_runs(tmp_path):
     assert f"{together:.1f} over the runs (their median 37.5)" in "\n".join(lines)
     assert any(f"measured {together:.1f} tok/s = {together / 50:.3f} of plan's 50.0" in x
                and "(met: 10%)" in x for x in lines)
+
+
+def test_the_runner_hands_plan_the_rate_the_report_compares(tmp_path, capsys):
+    """`plan` is given the resident's rate the report's resident column shows: over the
+    runs where they replayed different requests, not their median."""
+    _write(tmp_path, "resident", {**arm(0.0, prompt_cycle=4, run_tokens=[199, 199, 199]),
+                                  "tok_s": [200.0, 230.0, 214.0]})
+    assert report.main(["--rate", str(tmp_path / "resident.json")]) == 0
+    got = float(capsys.readouterr().out)
+    assert got == pytest.approx(597 / (199 / 200 + 199 / 230 + 199 / 214), abs=1e-3)
+    assert got != 214.0
