@@ -14,7 +14,6 @@ recording ran the model at 6 experts a token, and the checkpoint is routed at th
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from flagship_report import _greedy, _status, live_hit_rate, median, seeded  # noqa: E402
+from flagship_report import _greedy, _status, live_hit_rate, rate, seeded, varied  # noqa: E402
 from formats_report import plan_row, plan_verdict, slots_of  # noqa: E402
 from small_card import describe, prompts_line  # noqa: E402
 from trace_routing import IN_FORCE_LINE  # noqa: E402
@@ -103,11 +102,14 @@ def routing_lines(run: dict) -> list[str]:
 
 
 def _runs(rec: dict | None) -> str:
+    """The server's rate and its runs' spread; runs that replayed different recorded
+    requests are said to be taken together (their median would be one request's)."""
     runs = (rec or {}).get("tok_s") or []
-    if not runs:
+    tok = rate(rec)
+    if not runs or tok is None:
         return "-"
     spread = f"{min(runs):.2f}-{max(runs):.2f}" if len(runs) > 1 else f"{runs[0]:.2f}"
-    return f"{statistics.median(runs):.2f} ({spread})"
+    return f"{tok:.2f}{' over the runs' if varied(rec) else ''} ({spread})"
 
 
 TABLE_HEAD = ("| card | arm | slots: size planned / armed | decode tok/s, median (runs) | "
@@ -128,16 +130,16 @@ def _predicted(run: dict, card: int, rec: dict | None, tok: float | None) -> str
 
 def table(run: dict) -> list[str]:
     arms = run["arms"]
-    res = median(arms.get("resident"))
+    res = rate(arms.get("resident"))
     rows = [TABLE_HEAD]
     for c in CARDS:
         floor, cache = arms.get(f"floor{c}"), arms.get(f"cache{c}")
-        f_tok = median(floor)
+        f_tok = rate(floor)
         for name, rec, what in ((f"floor{c}", floor, "floor: experts offloaded, no cache"),
                                 (f"cache{c}", cache, "cache at the planned slots")):
             if rec is None:
                 continue
-            tok = median(rec)
+            tok = rate(rec)
             slots = "-"
             if name.startswith("cache"):
                 lg = rec.get("log") or {}
@@ -161,11 +163,11 @@ def table(run: dict) -> list[str]:
 
 
 def findings(run: dict) -> list[str]:
-    arms, res = run["arms"], median(run["arms"].get("resident"))
+    arms, res = run["arms"], rate(run["arms"].get("resident"))
     out = []
     for c in CARDS:
         floor, cache = arms.get(f"floor{c}"), arms.get(f"cache{c}")
-        f_tok, c_tok = median(floor), median(cache)
+        f_tok, c_tok = rate(floor), rate(cache)
         if c_tok and f_tok:
             gap = (f"; the gap to resident recovered: {(c_tok - f_tok) / (res - f_tok):.1%}"
                    if res and res > f_tok else "")

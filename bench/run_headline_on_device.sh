@@ -205,7 +205,7 @@ for step in $STEPS; do
       # recording shorter than a request cycled as the hook cycles it); CPU only
       if [ "$TRACE" = none ]; then echo "plan: TRACE=none: plan predicts on a trace"; continue; fi
       [ -f "$HL/probe.json" ] || { echo "plan: no probe.json (the probe step)"; continue; }
-      R=$($PY bench/flagship_report.py --median "$HL/resident.json") || {
+      R=$($PY bench/flagship_report.py --rate "$HL/resident.json") || {
         echo "plan: no resident rate (the resident step)"; continue; }
       for GIB in 24 16; do
         arm_done "cache$GIB" && [ ! -s "$HL/plan$GIB.json" ] || continue

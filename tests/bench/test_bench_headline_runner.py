@@ -73,6 +73,10 @@ elif args[0].endswith("small_card.py"):
                             "margin": [1.0, 1.0]},
            "log": {"slots": 85 if name == "cache24" else 51, "armed_layers": 48,
                    "moe_layers": 48}}
+    if "--prompt-cycle" in args:  # runs of different recorded requests decode unlike
+        rec.update(prompt_cycle=int(args[args.index("--prompt-cycle") + 1]),
+                   tok_s=[tok, 2 * tok, tok], run_tokens=[199, 199, 199],
+                   prompt_tokens=[24, 32, 40])
     if name.startswith("cache"):
         rec["counters_before"] = {"requests": 1000, "installs": 100}
         rec["counters_after"] = {"requests": 11000, "installs": 1100}
@@ -346,3 +350,11 @@ def test_a_recording_of_several_requests_is_replayed_in_turn(runner):
     fit = next(c for c in calls if c.startswith("bench/trace_fit.py") and "served24" in c)
     assert fit.endswith("--decode-only --prompt-tokens 16,24,32,40")
     assert (hl / "plan24.json").exists()
+    # runs of different requests are taken together (tokens over summed time), not by
+    # their median (one request's rate), in the table and in plan's resident rate
+    report = (tmp / "out" / "headline.md").read_text()
+    assert "| 24 GiB | cache at the planned slots | 85 / 85 (48 of 48 layers armed) | " \
+        "180.00 over the runs (150.00-300.00) | 5.00 | 0.500 |" in report
+    assert "Prompts: every request its own prompt of 16-40 words" in report
+    plan = next(c for c in calls if c.startswith("-m expertcache_cli plan"))
+    assert "--resident-tok-s 360.000" in plan
