@@ -42,7 +42,8 @@
 # token's experts are exactly the recorded ones), a model directory per shape (model24-k6,
 # model24-k8-e64; top-8 of 128 shares model24), and per model its own probe (probe-k6.json)
 # and resident rate (bl-resident-24-k6.jsonl: resident tok/s depends on the experts a
-# token). SLOTS are counted for 128 experts: a recording of E experts is served at
+# token; served under the trace hook, as the cache arms are, so that plan's baseline pays
+# the hook's per-layer cost as they do). SLOTS are counted for 128 experts: a recording of E experts is served at
 # SLOTS x E / 128 (16,32,64 -> 8,16,32 of OLMoE's 64). The servers route by the recording fitted to
 # LAYERS (bench/trace_fit.py --layers: model layer i routes as trace layer i mod L); `plan
 # --model` (the checkpoint's bytes an expert, its top-k checked against the trace's) is
@@ -167,7 +168,7 @@ check() {
   [ "${PLAN_ARM:-1}" = 0 ] || arms="$arms,plan:$p"
   [ "${OFFLOAD_ARM:-0}" = 0 ] || arms="offload,$arms"
   baseline "$model" "$b" "$arms" EC_BENCH_TRACE_ROUTING="$t" \
-    EC_BENCH_TRACE_RESTART="$RESTART" PYTHONPATH="$PWD/bench/trace_hook:$PYTHONPATH"
+    EC_BENCH_TRACE_RESTART="$RESTART" PYTHONPATH="$PWD/bench/trace_hook:${PYTHONPATH:-}"
   $PY bench/plan_check.py "$j" "$b" "$p" | tee "$OUT/compare-$name$SFX.txt"
   TABLE+=("$j" "$b" "$p")
 }
@@ -206,14 +207,19 @@ for kind in $TRACES; do
       tag=k$k; [ "$e" = 128 ] || tag=k$k-e$e
       probe=$PC/probe.json; [ "$tag" = k8 ] || probe=$PC/probe-$tag.json
       probe_of "$M" "$probe"
-      res=$PC/bl-resident-$LAYERS-$tag.jsonl
-      baseline "$M" "$res" resident
       # the servers' routing: the recording at LAYERS layers; plan's: the ids it handed them
       T=$PC/$name-$LAYERS.npz
       steps=$(( (RUNS + 1) * TOKENS ))
       S=$PC/$name-$LAYERS-served$steps.npz
       [ -f "$T" ] || $PY bench/trace_fit.py "${REC_SRC[$kind]}" "$T" --layers "$LAYERS" \
         > /dev/null || { echo "$kind: trace_fit failed: trace skipped"; continue; }
+      # resident under the same bench hook as the arms it is the baseline of: the hook's
+      # per-layer substitution (a few small kernels a layer, in the captured step) is in
+      # every cache server's token, so plan's resident rate carries it too (routed by the
+      # first recording of this shape; the ids do not change resident's time, the width does)
+      res=$PC/bl-resident-$LAYERS-$tag.jsonl
+      baseline "$M" "$res" resident EC_BENCH_TRACE_ROUTING="$T" \
+        EC_BENCH_TRACE_RESTART="$RESTART" PYTHONPATH="$PWD/bench/trace_hook:${PYTHONPATH:-}"
       served=()
       [ "${#lengths[@]}" = 0 ] || served=(--prompt-tokens "$(IFS=,; echo "${lengths[*]}")")
       [ -f "$S" ] || $PY bench/trace_fit.py "$T" "$S" --layers "$LAYERS" --streams 1 \

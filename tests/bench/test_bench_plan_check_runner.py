@@ -201,8 +201,10 @@ def test_a_recording_is_served_at_its_own_width_and_plan_replays_what_was_served
                                        ("2", "real-gpt-oss-120b-k2")),
                                       (baselines[:2], baselines[2:]), strict=True):
         model = f"{models}/model24-k{k}"
-        # the resident rate of this top-k's model, routed by nothing
-        assert res.split()[3] == model and "--arms resident " in res and res.endswith("ENV=")
+        # the resident rate of this top-k's model, under the hook the cache arms run
+        # (routed by the recording: the hook's per-layer cost is in plan's baseline too)
+        assert res.split()[3] == model and "--arms resident " in res
+        assert res.endswith(f"RESTART=1  ENV={pc}/{name}-24.npz")
         assert f"--out {pc}/bl-resident-24-k{k}.jsonl" in res
         # the budgets, on the same model, routed by the recording at 24 layers
         assert arms.split()[3] == model
