@@ -62,7 +62,7 @@ if [ "$what" = sanitize ]; then
   done
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  for b in bench_manager bench_layer_step bench_gather bench_wide_stage; do
+  for b in bench_manager bench_layer_step bench_gather bench_wide_stage bench_trace_hook; do
     echo "\$ python bench/$b.py" > "$OUT/$b.log"
     timeout 150 python3 "bench/$b.py" >> "$OUT/$b.log" 2>&1
     echo "exit $?" >> "$OUT/$b.log"
