@@ -200,9 +200,13 @@ def compare(plan: dict, arms: dict, saved_plan: str, meta: dict | None = None) -
         if r["timed"]:
             t_pred, t_hit, t_steps = r["timed"]
             t_ratio = arm.mean_tok_s / t_pred
+            # a token's time beyond the formula's: a fixed cost shows as the same gap at
+            # every budget, a mispriced gather as one that grows with the misses
+            gap_ms = 1e3 / arm.mean_tok_s - 1e3 / t_pred
             timed = (f"; over the {t_steps} decode steps the runs timed (after the warm-up): "
                      f"predicted {t_pred:.1f} ({t_ratio:.3f}, {_verdict(t_ratio)}: "
-                     f"{GOAL:.0%}), hit rate replayed {t_hit:.3f}")
+                     f"{GOAL:.0%}; {gap_ms:+.3f} ms a token against it), hit rate replayed "
+                     f"{t_hit:.3f}")
         out.append(f"{name}: predicted {pred:.1f} tok/s, measured {arm.mean_tok_s:.1f} "
                    f"({ratio:.3f}, {_verdict(ratio)}: {GOAL:.0%}); hit rate live "
                    f"{'-' if live is None else f'{live:.3f}'}{replayed}{timed}")

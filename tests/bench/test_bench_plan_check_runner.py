@@ -232,6 +232,13 @@ def test_a_recording_is_served_at_its_own_width_and_plan_replays_what_was_served
         assert [x.split(":")[1] for x in compare[:3]] == ["16", "32", "64"]
         assert all("over the 597 decode steps the runs timed (after the warm-up)" in x
                    for x in compare[:3])
+        for x in compare[:3]:  # the token's time beyond the formula's, from the same figures
+            measured = float(x.split(", measured ")[1].split()[0])
+            formula = float(x.split("after the warm-up): predicted ")[1].split()[0])
+            gap = float(x.split(" ms a token against it")[0].rsplit("; ", 1)[1])
+            # the printed tok/s are rounded to 0.1: their rounding bounds the check
+            slack = 1e-3 + 1e3 * 0.05 * (1 / measured ** 2 + 1 / formula ** 2)
+            assert gap == pytest.approx(1e3 / measured - 1e3 / formula, abs=slack)
         assert compare[3].endswith(": not measured")  # the saved plan: PLAN_ARM=0
     # the table over both traces, its command, each row's routing the recording's source
     table = (tmp / "out" / "plan-check-table.md").read_text()
