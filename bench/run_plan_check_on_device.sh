@@ -43,9 +43,10 @@
 # model24-k8-e64; top-8 of 128 shares model24), and per model its own probe (probe-k6.json)
 # and resident rate (bl-resident-24-k6.jsonl: resident tok/s depends on the experts a
 # token; served under the trace hook, as the cache arms are, so that plan's baseline pays
-# the hook's per-layer cost as they do). SLOTS are counted for 128 experts: a recording of E experts is served at
-# SLOTS x E / 128 (16,32,64 -> 8,16,32 of OLMoE's 64). The servers route by the recording fitted to
-# LAYERS (bench/trace_fit.py --layers: model layer i routes as trace layer i mod L); `plan
+# the hook's per-layer cost as they do). SLOTS are counted for 128 experts: a recording of
+# E experts is served at SLOTS x E / 128 (16,32,64 -> 8,16,32 of OLMoE's 64). The servers
+# route by the recording fitted to LAYERS (bench/trace_fit.py --layers: model layer i
+# routes as trace layer i mod L); `plan
 # --model` (the checkpoint's bytes an expert, its top-k checked against the trace's) is
 # given the ids the hook handed each server: a warm-up and RUNS requests of 200 tokens
 # (`expertcache baseline`'s protocol), each from the trace's row 0 with a 16-token prefill
