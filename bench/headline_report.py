@@ -101,11 +101,11 @@ def routing_lines(run: dict) -> list[str]:
     return [*lines, f"Prompts: {prompts_line(run['arms'])}."]
 
 
-def _runs(rec: dict | None) -> str:
-    """The server's rate and its runs' spread; runs that replayed different recorded
-    requests are said to be taken together (their median would be one request's)."""
+def _runs(rec: dict | None, tok: float | None) -> str:
+    """The server's rate ``tok`` (`rate`, as the row's ratios use it) and its runs' spread;
+    runs that replayed different recorded requests are said to be taken together (their
+    median would be one request's)."""
     runs = (rec or {}).get("tok_s") or []
-    tok = rate(rec)
     if not runs or tok is None:
         return "-"
     spread = f"{min(runs):.2f}-{max(runs):.2f}" if len(runs) > 1 else f"{runs[0]:.2f}"
@@ -151,14 +151,14 @@ def table(run: dict) -> list[str]:
             live = live_hit_rate(rec) if name.startswith("cache") else None
             plan = _predicted(run, c, rec, tok) if name.startswith("cache") else "-"
             rows.append(
-                f"| {c} GiB | {what} | {slots} | {_status(rec) or _runs(rec)} | "
+                f"| {c} GiB | {what} | {slots} | {_status(rec) or _runs(rec, tok)} | "
                 f"{f'{tok / f_tok:.2f}' if tok and f_tok else '-'} | "
                 f"{f'{tok / res:.3f}' if tok and res else '-'} | "
                 f"{'-' if live is None else f'{live:.2%}'} | {plan} |")
     if arms.get("resident") is not None:
         rec = arms["resident"]
         rows.append(f"| whole {run['gpu'] or 'GPU'} | resident: every expert in VRAM | - | "
-                    f"{_status(rec) or _runs(rec)} | - | {'1.000' if res else '-'} | - | - |")
+                    f"{_status(rec) or _runs(rec, res)} | - | {'1.000' if res else '-'} | - | - |")
     return rows
 
 
