@@ -279,7 +279,7 @@ def test_summary_math_by_hand():
     s = summarise(recs, {"arms": ["resident", "offload", "cache:4"], "runs": 2})
     c = s.arm("cache:4")
     assert c.restarts == 3 and c.runs == 6
-    assert c.restart_means == [11, 15, 12]
+    assert c.restart_rates == [11, 15, 12]
     assert c.mean_tok_s == pytest.approx(38 / 3)
     assert c.between_sd == pytest.approx(math.sqrt(26 / 9 * 3 / 2))  # sd of 11, 15, 12
     assert c.within_sd == pytest.approx(math.sqrt(2))
@@ -301,12 +301,12 @@ def test_a_restart_decodes_its_runs_tokens_over_their_summed_time():
         r["decode_s"] = 199 / r["tok_s"]
     s = summarise(recs, {"arms": ["cache:4"], "runs": 3})
     together = 597 / (199 / 150 + 2 * 199 / 68)
-    assert s.arm("cache:4").restart_means == [pytest.approx(together), pytest.approx(100.0)]
+    assert s.arm("cache:4").restart_rates == [pytest.approx(together), pytest.approx(100.0)]
     assert s.arm("cache:4").mean_tok_s == pytest.approx((together + 100.0) / 2)
     # a run of twice the tokens weighs twice
     recs[0]["decode_s"] = 2 * 199 / 150
     s = summarise(recs, {"arms": ["cache:4"], "runs": 3})
-    assert s.arm("cache:4").restart_means[0] == pytest.approx(
+    assert s.arm("cache:4").restart_rates[0] == pytest.approx(
         (2 * 199 + 2 * 199) / (2 * 199 / 150 + 2 * 199 / 68))
     untimed = _runs("a", [[150.0, 68.0, 68.0]])
     assert summarise(untimed, {"arms": ["a"], "runs": 3}).arm("a").mean_tok_s == (
@@ -482,6 +482,8 @@ def test_cli_report_renders_table_and_json(tmp_path):
     data = json.loads(j.stdout)
     assert [a["arm"] for a in data["arms"]] == ["resident", "offload"]
     assert data["arms"][1]["ratio_resident"] == pytest.approx(0.4)
+    assert data["arms"][0]["restart_rates"] == [pytest.approx(50), pytest.approx(51),
+                                                pytest.approx(49)]
 
 
 def test_cli_report_at_80_columns_and_in_a_pipe_keeps_every_value_whole():
@@ -545,7 +547,7 @@ def test_summary_leaves_out_bursty_runs_and_says_so():
     recs[1]["tok_s"], recs[1]["bursty"] = 19072.0, True
     s = summarise(recs, {"arms": ["resident"], "runs": 2})
     a = s.arm("resident")
-    assert a.runs == 3 and a.restart_means == [100.0, 102.0]
+    assert a.runs == 3 and a.restart_rates == [100.0, 102.0]
     assert s.bursty_runs == {"resident": 1}
     assert _warn(s, "left out 1 run(s) (1 of resident)")
     assert not _warn(s, "the file is incomplete")
@@ -560,7 +562,7 @@ def test_held_back_runs_are_left_out():
     s = summarise(recs, {"arms": ["resident"], "runs": 3})
     assert s.bursty_runs == {"resident": 1}
     # the two runs left: their tokens over their time
-    assert s.arm("resident").restart_means[0] == pytest.approx(
+    assert s.arm("resident").restart_rates[0] == pytest.approx(
         (120.0 * 1.06 + 140.0 * 0.9) / (1.06 + 0.9))
     # a long prompt slows every first token of a server alike: nothing is left out
     for r in recs:

@@ -81,7 +81,7 @@ class ArmSummary:
     ratio_offload: float = math.nan
     recovered: float = math.nan
     failed_servers: int = 0
-    restart_means: list[float] = field(default_factory=list)
+    restart_rates: list[float] = field(default_factory=list)
     counters: dict[str, float] | None = None
 
     @property
@@ -274,7 +274,7 @@ def summarise(records: list[dict[str, Any]], meta: dict[str, Any] | None = None)
                 ci_high=mean + half,
                 ttft_s=float(sub["ttft_s"].mean()),
                 failed_servers=n_failed,
-                restart_means=[float(x) for x in rates.tolist()],
+                restart_rates=[float(x) for x in rates.tolist()],
                 counters=last_counters.get(name),
             )
         )
