@@ -145,6 +145,38 @@ def test_a_served_trace_is_also_predicted_over_the_steps_the_runs_timed(tmp_path
     assert pred > row["predicted_tok_s"]
 
 
+def test_the_live_hit_rate_is_set_beside_the_replay_that_counts_as_the_cache_does(tmp_path):
+    """`plan` prices decode steps only; the cache's counter also counts a prefill whose
+    experts fit the slots (top-2: 16 tokens touch at most 32 experts a layer), and not one
+    read through. The line says the rate the live one is to equal where they differ."""
+    from expertcache_cli.rules import trace as tracefile
+    from expertcache_cli.rules.policy import Policy
+    from expertcache_cli.rules.replay import replay
+
+    out = tmp_path / "served.npz"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "trace_fit.py"),
+                        str(ROOT / "traces" / "real-gpt-oss-120b-k2.npz"), str(out),
+                        "--layers", "4", "--streams", "1", "--steps", "120",
+                        "--request-steps", "60", "--prefill-tokens", "16",
+                        "--expert-bytes", "9437184"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    tr = tracefile.load(out)
+    prefill = (tr.step_tokens > 1).astype("int64")
+    for slots in (16, 64):
+        rep = replay(tr, [Policy.LRU], [slots], groups=prefill)
+        decode, pre = rep.group(0).iloc[0], rep.group(1).iloc[0]
+        counted = plan_check.counted_hit_rate(out, "lru", slots)
+        if slots == 16:  # 16 tokens x 2 > 16 slots: read through, counted nowhere
+            assert pre["read_through_steps"] == 2 * 4  # layer-steps
+            assert counted == 1 - decode["installs"] / decode["requests"]
+        else:
+            assert pre["served_steps"] == 2 * 4 and pre["installs"] > 0
+            want = 1 - (decode["installs"] + pre["installs"]) / (
+                decode["requests"] + pre["requests"])
+            assert abs(counted - want) < 1e-12
+            assert counted < 1 - decode["installs"] / decode["requests"]
+
+
 def test_one_table_over_traces_says_each_traces_routing_and_the_command(tmp_path):
     served = _served(tmp_path, 1, 40)
     files = []
