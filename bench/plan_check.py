@@ -71,10 +71,10 @@ def window_hit_rate(trace_path: str | Path, policy: str, slots: int, steps: int)
 
 def counted_hit_rate(trace_path: str | Path, policy: str, slots: int) -> float:
     """The whole served trace's hit rate as the cache's own counter counts it: `plan`'s
-    replay prices decode steps only, but a prefill step whose distinct experts fit the
-    slots goes through the cache and its counter (top-2 at 32 of 128 slots: 16 tokens touch
-    about 27 experts a layer), while a wider one is read through and counted nowhere. The
-    live hit rate is to be set beside this, not beside the decode-only rate."""
+    replay prices decode steps only, but a prefill step no wider than the slots (tokens x
+    top-k, the plugin's gate: 16 tokens at top-2 are 32 ids, served from 32 slots) goes
+    through the cache and its counter, while a wider one is read through and counted
+    nowhere. The live hit rate is to be set beside this, not beside the decode-only rate."""
     from expertcache_cli.rules import trace as tracefile
     from expertcache_cli.rules.policy import Policy
     from expertcache_cli.rules.replay import replay

@@ -147,7 +147,7 @@ def test_a_served_trace_is_also_predicted_over_the_steps_the_runs_timed(tmp_path
 
 def test_the_live_hit_rate_is_set_beside_the_replay_that_counts_as_the_cache_does(tmp_path):
     """`plan` prices decode steps only; the cache's counter also counts a prefill whose
-    experts fit the slots (top-2: 16 tokens touch at most 32 experts a layer), and not one
+    ids fit the slots (top-2: 16 tokens are 32 ids a layer), and not one
     read through. The line says the rate the live one is to equal where they differ."""
     from expertcache_cli.rules import trace as tracefile
     from expertcache_cli.rules.policy import Policy
