@@ -31,6 +31,7 @@ not predict the floor.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -245,11 +246,24 @@ TABLE_HEAD = (
     "| --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
+def measured_on(plan: dict) -> str:
+    """What ``plan`` was given, on which GPU: a table over runs from several machines (links
+    that differ twofold) is read row by row against its own link and resident rate."""
+    where = re.match(r"probe-link on (.+?) \(", plan.get("link_source") or "")
+    parts = [where.group(1)] if where else []
+    if plan.get("link_gbps"):
+        parts.append(f"gather {plan['link_gbps']:.1f} GB/s")
+    if plan.get("resident_tok_s"):
+        parts.append(f"resident {plan['resident_tok_s']:.1f} tok/s")
+    return f" [plan given: {', '.join(parts)}]" if parts else ""
+
+
 def table(runs: list[tuple[dict, dict, str, dict | None]], command: str | None = None
           ) -> list[str]:
     """The markdown table over several traces (each ``(plan, arms, saved_plan, meta)``),
     with the command that reproduces it; the routing column says each trace's ``source``
-    (recorded or synthetic: what routing produced the row)."""
+    (recorded or synthetic: what routing produced the row) and, on its first row, what
+    ``plan`` was given (``measured_on``)."""
     lines = [f"Reproduce: `{command}`", ""] if command else []
     lines.append(TABLE_HEAD)
     met = total = 0
@@ -258,7 +272,7 @@ def table(runs: list[tuple[dict, dict, str, dict | None]], command: str | None =
         label = Path(trace.get("path") or "?").name.removesuffix(".npz")
         source = trace.get("source") or "no source recorded"
         for i, r in enumerate(rows_of(plan, arms, saved, meta)):
-            routing = source if i == 0 else "(as above)"
+            routing = source + measured_on(plan) if i == 0 else "(as above)"
             arm, pred = r["arm"], r["predicted"]
             name = r["name"] if not r["name"].startswith("plan:") else "`plan:` per-layer split"
             if arm is None:

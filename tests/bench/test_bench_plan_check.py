@@ -206,6 +206,10 @@ def test_one_table_over_traces_says_each_traces_routing_and_the_command(tmp_path
     real, synth = rows[:2], rows[2:]
     assert "recorded (real model, greedy decode, one prompt)" in real[0]
     assert "[as the hook serves 2 request(s) of 40 steps" in real[0]
+    # each trace's first row says what plan was given (a table may join several machines)
+    given = json.loads((tmp_path / "real.json").read_text())
+    assert f"[plan given: gather {given['link_gbps']:.1f} GB/s, resident " in real[0]
+    assert "[plan given: " not in real[1]
     assert "| (as above) |" in real[1] and "| (as above) |" in synth[1]
     assert "synthetic" in synth[0]
     for row in rows:
@@ -245,3 +249,14 @@ def test_an_offload_arm_gives_the_floor_and_each_cache_arms_gain_unjudged(tmp_pa
     _baseline(bl, {k: v for k, v in arms.items() if k != "offload"})
     again = _plan_check(pj, bl, tmp_path / "none.json")
     assert "(the floor, same routing)" not in again.stdout
+
+
+def test_a_row_names_the_gpu_from_plans_probe_source_and_nothing_it_was_not_given():
+    probed = {"link_source": "probe-link on NVIDIA H200 (/tmp/p.json: the gather, gather_8)",
+              "link_gbps": 49.8, "resident_tok_s": 512.03}
+    assert plan_check.measured_on(probed) == (
+        " [plan given: NVIDIA H200, gather 49.8 GB/s, resident 512.0 tok/s]")
+    # a rate typed on the command line names no GPU; a plan with no inputs says nothing
+    typed = {"link_source": "--link-gbps", "link_gbps": 25.0}
+    assert plan_check.measured_on(typed) == " [plan given: gather 25.0 GB/s]"
+    assert plan_check.measured_on({}) == ""
