@@ -257,14 +257,14 @@ def replay_check(out: Path, name: str) -> dict:
     """Replay the recorded trace at the live budget; installs must equal the live count."""
     from expertcache_cli.rules.engine import sweep
     from expertcache_cli.rules.policy import Policy
+    from expertcache_cli.rules.replay import live_requests
     from expertcache_cli.rules.trace import load
 
     tr = load(out / f"trace_{name}.npz")
     live = json.loads((out / f"trace_{name}.live.json").read_text())
     counts = sweep(tr.topk_ids, tr.num_experts, [Policy.LRU], [live["slots"]])
     replay_installs = sum(c.installs for c in counts)
-    # the replay counts distinct ids on read-through steps too; the live counter does not
-    replay_requests = sum(c.requests - c.read_through_ids for c in counts)
+    replay_requests = sum(live_requests(c.requests, c.read_through_ids) for c in counts)
     return {"steps": tr.steps, "layers": tr.num_layers, "width": tr.width,
             "live_installs": live["installs"], "replay_installs": replay_installs,
             "live_requests": live["requests"], "replay_requests": replay_requests,

@@ -78,13 +78,12 @@ def counted_hit_rate(trace_path: str | Path, policy: str, slots: int) -> float:
     nowhere. The live hit rate is to be set beside this, not beside the decode-only rate."""
     from expertcache_cli.rules import trace as tracefile
     from expertcache_cli.rules.policy import Policy
-    from expertcache_cli.rules.replay import replay
+    from expertcache_cli.rules.replay import live_hit_rate, replay
 
     row = replay(tracefile.load(trace_path), [Policy[policy.upper()]],
                  [slots]).results.iloc[0]
-    # the server's counters: its installs, over the ids of the steps it served from slots
-    # (rules/replay.py says how these replay to them)
-    return 1 - float(row["installs"]) / (float(row["requests"]) - float(row["read_through_ids"]))
+    return live_hit_rate(int(row["installs"]), int(row["requests"]),
+                         int(row["read_through_ids"]))
 
 
 def served_steps(counters: dict, layers: int, top_k: int) -> int | None:

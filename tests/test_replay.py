@@ -331,3 +331,26 @@ def test_a_split_is_recommended_for_a_policy_a_server_runs():
 
     assert split_policy([Policy.OPT, Policy.LFU, Policy.LRU]) is Policy.LFU
     assert split_policy([Policy.OPT]) is Policy.LRU
+
+
+def test_the_live_counters_view_of_a_replay_leaves_out_the_steps_read_through():
+    """One layer, 4 slots, top-2: a 3-token prefill (6 ids > 4 slots, read through), then
+    decode steps {0,1}, {0,1}, {2,3}: the cache installs 4 and serves 6 ids, so its counter
+    says 1 - 4/6; the replay's own miss rate also counts the prefill's 4 distinct ids."""
+    from expertcache_cli.rules.policy import Policy
+    from expertcache_cli.rules.replay import live_hit_rate, live_requests, replay
+    from expertcache_cli.rules.trace import Trace
+
+    ids = np.full((4, 1, 6), -1, dtype=np.int32)
+    ids[0, 0] = [0, 1, 2, 3, 0, 1]
+    ids[1, 0, :2], ids[2, 0, :2], ids[3, 0, :2] = [0, 1], [0, 1], [2, 3]
+    tr = Trace(topk_ids=ids, num_experts=8, top_k=2,
+               step_tokens=np.array([3, 1, 1, 1], dtype=np.int32))
+    row = replay(tr, [Policy.LRU], [4]).results.iloc[0]
+    assert (row["read_through_ids"], row["installs"], row["requests"]) == (4, 4, 10)
+    assert live_requests(int(row["requests"]), int(row["read_through_ids"])) == 6
+    live = live_hit_rate(int(row["installs"]), int(row["requests"]),
+                         int(row["read_through_ids"]))
+    assert live == pytest.approx(1 - 4 / 6)
+    assert 1 - row["miss_rate"] == pytest.approx(1 - 8 / 10)
+    assert np.isnan(live_hit_rate(0, 4, 4))  # nothing served from slots

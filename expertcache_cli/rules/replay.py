@@ -22,7 +22,7 @@ The shape gate is the plugin's own (`policy.gate_widths`: a recorded trace's tok
 top_k as vLLM ran each step, padding rows included), so a trace recorded from a server
 replays to its live counters: the server's ``installs`` equal ``installs`` here, and its
 ``requests`` (counted only on steps served from slots) equal ``requests -
-read_through_ids``.
+read_through_ids`` (`live_requests`; the counter's hit rate, `live_hit_rate`).
 """
 
 from __future__ import annotations
@@ -74,6 +74,22 @@ class ReplayReport:
         out[COUNT_FIELDS + ["misses"]] = out[COUNT_FIELDS + ["misses"]].fillna(0).astype(int)
         out["miss_rate"] = out["misses"] / out["requests"].where(out["requests"] > 0, 1)
         return out
+
+
+def live_requests(requests: int, read_through_ids: int) -> int:
+    """The ``requests`` a server's live counter reports for a replay's counts: it counts
+    ids only on the steps it served from slots, so a read-through step's are not in it."""
+    return requests - read_through_ids
+
+
+def live_hit_rate(installs: int, requests: int, read_through_ids: int) -> float:
+    """The hit rate the cache's own counter reports for a replay's counts (installs over
+    the ids it served). It differs from ``1 - miss_rate`` wherever steps were read through
+    (which count as misses there, nowhere live) or where a prefill step fits the slots
+    (which `plan`'s decode-only rate leaves out and the counter does not); NaN where the
+    cache served nothing."""
+    served = live_requests(requests, read_through_ids)
+    return 1 - installs / served if served > 0 else float("nan")
 
 
 def _derive(df: pd.DataFrame, tokens: int, expert_bytes: int | None, link_gbps: float | None):
