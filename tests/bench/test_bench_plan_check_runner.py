@@ -195,8 +195,11 @@ def test_a_recording_is_served_at_its_own_width_and_plan_replays_what_was_served
         f"{pc}/probe-k6.json", f"{pc}/probe-k2.json"]
     baselines = _cmd(calls, "expertcache_cli baseline")
     prompt = "--prompt " + RUNNER_PROMPT
-    assert all(prompt in c and "--runs 3 --max-tokens 200" in c for c in baselines)
+    assert all(prompt in c for c in baselines)
     assert len(baselines) == 4
+    # plan's resident input gets three times the arms' runs (RES_RUNS), the arms RUNS
+    assert ["--runs 9 --max-tokens 200" in c for c in baselines] == [True, False] * 2
+    assert ["--runs 3 --max-tokens 200" in c for c in baselines] == [False, True] * 2
     for (k, name), (res, arms) in zip((("6", "real-qwen3-30b-a3b-k6"),
                                        ("2", "real-gpt-oss-120b-k2")),
                                       (baselines[:2], baselines[2:]), strict=True):
