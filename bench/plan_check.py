@@ -248,8 +248,10 @@ TABLE_HEAD = (
 def measured_on(plan: dict) -> str:
     """What ``plan`` was given, on which GPU: a table over runs from several machines (links
     that differ twofold) is read row by row against its own link and resident rate."""
-    where = re.match(r"probe-link on (.+?) \(", plan.get("link_source") or "")
-    parts = [where.group(1)] if where else []
+    probed = (re.match(r"probe-link on (.+?) \(", plan.get(key) or "")
+              for key in ("link_source", "step_source"))
+    where = next((m.group(1) for m in probed if m), None)
+    parts = [where] if where else []
     if plan.get("link_gbps"):
         parts.append(f"gather {plan['link_gbps']:.1f} GB/s")
     if plan.get("resident_tok_s"):

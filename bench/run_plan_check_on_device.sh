@@ -16,8 +16,8 @@
 # host's per-token work rather than the GPU (resident runs of 588-655 tok/s in one
 # server), and installs hide in GPU idle time: the planner's additive model, which holds
 # where the GPU sets the pace, cannot be judged there. RES_RUNS (default 3 x RUNS): the
-# resident arm's runs, whose mean is plan's input (a resident step near 2 ms is host-paced
-# at 24 layers too, and its runs spread more than the cache arms').
+# resident arm's runs, whose mean is plan's input (its runs can spread far more than the
+# cache arms': 12-18% on some hosts, bench/results/plan-check-recorded.md).
 # On a 2-GPU box the traces run side by side after the resident arm:
 #   TRACES=none bash ...;  then  CUDA_VISIBLE_DEVICES=0 TRACES=tasks EC_KEEP_SERVERS=1 bash ... &
 #   CUDA_VISIBLE_DEVICES=1 TRACES=zipf EC_KEEP_SERVERS=1 OUT=out2 bash ...
@@ -85,9 +85,7 @@ OFFLOAD_GB=$(( LAYERS * 5 / 4 + 1 ))
 SLOTS="${SLOTS:-16,32,64}"
 POLICY="${POLICY:-lru}"
 RUNS="${RUNS:-3}"
-# the resident's runs: its rate is plan's input and, near 2 ms a token, paced by vLLM's
-# per-token host work, whose jitter moves single runs by over 10% on some hosts
-# (bench/results/plan-check-recorded.md); a run costs it under half a second
+# the resident's runs (see above); a run costs it under half a second
 RES_RUNS="${RES_RUNS:-$(( RUNS * 3 ))}"
 TOKENS=200  # a request's tokens (baseline --max-tokens): its prefill and 199 decode steps
 PREFILL=16  # the recorded traces' prompt, in tokens (one word a token)
@@ -130,12 +128,14 @@ for kind in "${!REC_SRC[@]}"; do
   REC_K[$kind]=$k REC_E[$kind]=$e REC_R[$kind]=${r:-1}
 done
 
-baseline() {  # baseline MODEL OUT.jsonl ARMS [env...]: one server per arm, resumable
+baseline() {  # baseline [--runs N] MODEL OUT.jsonl ARMS [env...]: one server an arm, resumable
+  local runs=$RUNS
+  [ "$1" = --runs ] && { runs=$2; shift 2; }
   local model=$1 out=$2 arms=$3; shift 3
   local resume=()
   [ -s "$out" ] && resume=(--resume)
   env "$@" timeout -s INT -k 60 "${BL_SECONDS:-540}" $PY -m expertcache_cli baseline \
-    "$model" --arms "$arms" --restarts 1 --runs "${BL_RUNS:-$RUNS}" --max-tokens "$TOKENS" "${prompt[@]}" \
+    "$model" --arms "$arms" --restarts 1 --runs "$runs" --max-tokens "$TOKENS" "${prompt[@]}" \
     --cpu-offload-gb "$OFFLOAD_GB" --start-timeout 400 --stop-grace 20 --out "$out" "${resume[@]}" \
     -- "${VLLM_ARGS[@]}" 2>&1 | tail -12
   cp "$out" "$OUT/"
@@ -185,7 +185,7 @@ prompt=()
 if [ "$synthetic" = 1 ]; then  # the top-8 model's resident rate (synthetic traces, none)
   MODEL=$(model_of 8)
   probe_of "$MODEL" "$PC/probe.json"
-  BL_RUNS=$RES_RUNS baseline "$MODEL" "$PC/bl-resident-$LAYERS.jsonl" resident
+  baseline --runs "$RES_RUNS" "$MODEL" "$PC/bl-resident-$LAYERS.jsonl" resident
 fi
 
 for kind in $TRACES; do
@@ -225,7 +225,7 @@ for kind in $TRACES; do
       # every cache server's token, so plan's resident rate carries it too (routed by the
       # first recording of this shape; the ids do not change resident's time, the width does)
       res=$PC/bl-resident-$LAYERS-$tag.jsonl
-      BL_RUNS=$RES_RUNS baseline "$M" "$res" resident EC_BENCH_TRACE_ROUTING="$T" \
+      baseline --runs "$RES_RUNS" "$M" "$res" resident EC_BENCH_TRACE_ROUTING="$T" \
         EC_BENCH_TRACE_RESTART="$RESTART" PYTHONPATH="$PWD/bench/trace_hook:${PYTHONPATH:-}"
       served=()
       [ "${#lengths[@]}" = 0 ] || served=(--prompt-tokens "$(IFS=,; echo "${lengths[*]}")")

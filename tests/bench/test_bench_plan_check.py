@@ -259,4 +259,8 @@ def test_a_row_names_the_gpu_from_plans_probe_source_and_nothing_it_was_not_give
     # a rate typed on the command line names no GPU; a plan with no inputs says nothing
     typed = {"link_source": "--link-gbps", "link_gbps": 25.0}
     assert plan_check.measured_on(typed) == " [plan given: gather 25.0 GB/s]"
+    # a typed link with a probed step: the step's probe still names the GPU
+    step = "probe-link on NVIDIA H100 80GB HBM3 (p.json: the cache step, every expert a hit)"
+    assert plan_check.measured_on({**typed, "step_source": step}) == (
+        " [plan given: NVIDIA H100 80GB HBM3, gather 25.0 GB/s]")
     assert plan_check.measured_on({}) == ""
