@@ -241,8 +241,8 @@ def compare(plan: dict, arms: dict, saved_plan: str, meta: dict | None = None) -
 TABLE_HEAD = (
     "| trace | routing (the trace's source) | arm | plan: predicted tok/s | measured tok/s "
     "| measured / predicted | plan's formula over the timed steps: predicted tok/s "
-    "(measured / it) | hit rate live / replayed (timed steps) |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- |")
+    "(measured / it) | hit rate live / replayed (timed steps) | of resident | x floor |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def measured_on(plan: dict) -> str:
@@ -259,6 +259,14 @@ def measured_on(plan: dict) -> str:
     return f" [plan given: {', '.join(parts)}]" if parts else ""
 
 
+def gains(tok_s: float, resident: float | None, floor: float | None) -> str:
+    """A row's last two cells: its rate as a share of the resident rate `plan` was given
+    (what the cache recovers of all-in-VRAM) and as a multiple of the floor on the same
+    routing (what it adds over offloading alone), ``-`` where that rate is missing."""
+    return (f"{tok_s / resident:.3f} | " if resident else "- | ") + (
+        f"{tok_s / floor:.2f} |" if floor else "- |")
+
+
 def table(runs: list[tuple[dict, dict, str, dict | None]], command: str | None = None
           ) -> list[str]:
     """The markdown table over several traces (each ``(plan, arms, saved_plan, meta)``),
@@ -269,6 +277,9 @@ def table(runs: list[tuple[dict, dict, str, dict | None]], command: str | None =
     lines.append(TABLE_HEAD)
     met = total = 0
     for plan, arms, saved, meta in runs:
+        resident = plan.get("resident_tok_s")
+        floor = arms.get(FLOOR)
+        floor_rate = floor.mean_tok_s if floor is not None and floor.restarts else None
         trace = plan.get("trace") or {}
         label = Path(trace.get("path") or "?").name.removesuffix(".npz")
         source = trace.get("source") or "no source recorded"
@@ -278,7 +289,7 @@ def table(runs: list[tuple[dict, dict, str, dict | None]], command: str | None =
             name = r["name"] if not r["name"].startswith("plan:") else "`plan:` per-layer split"
             if arm is None:
                 lines.append(f"| {label} | {routing} | {name} | {pred:.1f} | not measured "
-                             "| - | - | - |")
+                             "| - | - | - | - | - |")
                 continue
             ratio = arm.mean_tok_s / pred
             timed, hit = "-", "-"
@@ -294,11 +305,12 @@ def table(runs: list[tuple[dict, dict, str, dict | None]], command: str | None =
             met += abs(1 - judged) <= GOAL
             lines.append(f"| {label} | {routing} | `{name}` | {pred:.1f} | "
                          f"{arm.mean_tok_s:.1f} | {ratio:.3f} | {timed} | "
-                         f"{'-' if live is None else f'{live:.3f}'} / {hit} |")
-        floor = arms.get(FLOOR)
-        if floor is not None and floor.restarts:
+                         f"{'-' if live is None else f'{live:.3f}'} / {hit} | "
+                         f"{gains(arm.mean_tok_s, resident, floor_rate)}")
+        if floor_rate:
             lines.append(f"| {label} | (as above) | `{FLOOR}` (the floor, not predicted) | - | "
-                         f"{floor.mean_tok_s:.1f} | - | - | - |")
+                         f"{floor_rate:.1f} | - | - | - | "
+                         f"{gains(floor_rate, resident, floor_rate)}")
     lines += ["", f"{met} of {total} measured rows within {GOAL:.0%} (over the timed steps "
               "where plan was given the served trace, else plan's own prediction)"]
     return lines

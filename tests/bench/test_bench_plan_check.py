@@ -243,6 +243,10 @@ def test_an_offload_arm_gives_the_floor_and_each_cache_arms_gain_unjudged(tmp_pa
     assert tab.returncode == 0, tab.stderr
     floor = [x for x in tab.stdout.splitlines() if "`offload`" in x]
     assert len(floor) == 1 and "| 20.0 | - | - | - |" in floor[0]
+    # each measured row against plan's resident rate (400 tok/s here) and the floor
+    assert floor[0].endswith(f"| {20.0 / 400:.3f} | 1.00 |")
+    top = next(x for x in tab.stdout.splitlines() if "| `cache:64` |" in x)
+    assert top.endswith(f"| {arms['cache:64'] / 400:.3f} | {gain:.2f} |")
     # the floor is not a predicted row: the count of judged rows leaves it out
     assert tab.stdout.splitlines()[-1].startswith("2 of 2 measured rows within 10%")
     # without an offload arm, no floor line
