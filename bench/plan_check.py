@@ -188,18 +188,26 @@ def rows_of(plan: dict, arms: dict, saved_plan: str, meta: dict | None = None
 FLOOR = "offload"
 
 
-def floor_line(arms: dict) -> str | None:
+def floor_rate(arms: dict) -> float | None:
     """The offload floor's rate where the baseline served one (the runner's
-    ``OFFLOAD_ARM=1``), and each cache arm's multiple of it: the cache's gain on this
-    routing, which `plan` does not predict and no row judges."""
+    ``OFFLOAD_ARM=1``): what each cache arm's gain on this routing is a multiple of."""
     floor = arms.get(FLOOR)
     if floor is None or not floor.restarts or not floor.mean_tok_s:
         return None
-    gains = ", ".join(f"{name} {a.mean_tok_s / floor.mean_tok_s:.2f}x"
-                      for name, a in arms.items()
-                      if name.startswith("cache:") and a.restarts and a.mean_tok_s)
-    return (f"{FLOOR} (the floor, same routing): {floor.mean_tok_s:.1f} tok/s"
-            + (f"; {gains}" if gains else ""))
+    return floor.mean_tok_s
+
+
+def floor_line(arms: dict) -> str | None:
+    """The floor's rate and each cache arm's multiple of it: the cache's gain on this
+    routing, which `plan` does not predict and no row judges."""
+    floor = floor_rate(arms)
+    if floor is None:
+        return None
+    multiples = ", ".join(f"{name} {a.mean_tok_s / floor:.2f}x"
+                          for name, a in arms.items()
+                          if name.startswith("cache:") and a.restarts and a.mean_tok_s)
+    return (f"{FLOOR} (the floor, same routing): {floor:.1f} tok/s"
+            + (f"; {multiples}" if multiples else ""))
 
 
 def compare(plan: dict, arms: dict, saved_plan: str, meta: dict | None = None) -> list[str]:
@@ -277,9 +285,7 @@ def table(runs: list[tuple[dict, dict, str, dict | None]], command: str | None =
     lines.append(TABLE_HEAD)
     met = total = 0
     for plan, arms, saved, meta in runs:
-        resident = plan.get("resident_tok_s")
-        floor = arms.get(FLOOR)
-        floor_rate = floor.mean_tok_s if floor is not None and floor.restarts else None
+        resident, floor = plan.get("resident_tok_s"), floor_rate(arms)
         trace = plan.get("trace") or {}
         label = Path(trace.get("path") or "?").name.removesuffix(".npz")
         source = trace.get("source") or "no source recorded"
@@ -306,11 +312,10 @@ def table(runs: list[tuple[dict, dict, str, dict | None]], command: str | None =
             lines.append(f"| {label} | {routing} | `{name}` | {pred:.1f} | "
                          f"{arm.mean_tok_s:.1f} | {ratio:.3f} | {timed} | "
                          f"{'-' if live is None else f'{live:.3f}'} / {hit} | "
-                         f"{gains(arm.mean_tok_s, resident, floor_rate)}")
-        if floor_rate:
+                         f"{gains(arm.mean_tok_s, resident, floor)}")
+        if floor:
             lines.append(f"| {label} | (as above) | `{FLOOR}` (the floor, not predicted) | - | "
-                         f"{floor_rate:.1f} | - | - | - | "
-                         f"{gains(floor_rate, resident, floor_rate)}")
+                         f"{floor:.1f} | - | - | - | {gains(floor, resident, floor)}")
     lines += ["", f"{met} of {total} measured rows within {GOAL:.0%} (over the timed steps "
               "where plan was given the served trace, else plan's own prediction)"]
     return lines
