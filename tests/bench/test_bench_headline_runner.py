@@ -288,6 +288,22 @@ def test_a_seeded_resident_is_not_run_again_and_is_said(runner):
         in text
 
 
+def test_the_second_card_alone_on_another_gpu_is_its_own_table(runner):
+    """A session whose GPU differs from the first card's cannot be seeded: the 16 GiB card
+    run unseeded brings its own probe and resident, plan predicts it from them, and the
+    report's table holds that card's rows and no 24 GiB row."""
+    run, tmp = runner
+    calls, _ = run(STEPS="setup model probe resident card16 plan report")
+    assert _servers(calls) == ["resident", "warm16", "floor16", "cache16"]
+    assert json.loads((tmp / "hl" / "plan16.json").read_text())["rows"][0]["slots"] == 51
+    assert not (tmp / "hl" / "plan24.json").exists()
+    table = [row for row in (tmp / "out" / "headline.md").read_text().splitlines()
+             if row.startswith("| ")]
+    assert any(row.startswith("| 16 GiB | cache at the planned slots | 51 / 51") and
+               "| 100.0 (0.900) |" in row for row in table)
+    assert not any(row.startswith("| 24 GiB") for row in table)
+
+
 def test_the_report_names_the_gpu_the_setup_found(runner):
     """Cards are emulated on whatever GPU the job gets: the table says which one, in its
     header and in the resident row, from what the setup step recorded."""
