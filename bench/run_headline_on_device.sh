@@ -55,6 +55,8 @@
 # ~24-30 device minutes in all: one detached job, polled every ~4.5 minutes (or split, below):
 #   bash bench/detach.sh headline env OUT=/tmp/ohl bash bench/run_headline_on_device.sh
 #   RESULTS=/tmp/ohl bash bench/detach.sh --poll headline 280
+# Split over two jobs on one box: the second, STEPS="card16 plan report" with the same TRACE
+# (as typed in the checkout), goes on from the records HL kept, whatever copy it runs from.
 # Split over two sessions (the box keeps nothing between them): STEPS="setup model probe
 # resident card24 plan report", then SEED=DIR STEPS="setup model probe resident card16 plan
 # report", where DIR (a folder in the carried tree) holds the first session's records (from
@@ -90,8 +92,12 @@ if [ "$TRACE" != none ]; then
   fi
   case $TRACE in /*) ;; *) TRACE=$PWD/$TRACE ;; esac
 fi
-if [ -f "$HL/trace.src" ] && [ "$(cat "$HL/trace.src")" != "$TRACE" ]; then
-  echo "HL=$HL holds a run routed by $(cat "$HL/trace.src"), not TRACE=$TRACE: give another HL" >&2
+# HL names the trace as typed in the checkout (traces/NAME.npz), not by this copy's path, so
+# a later job from another copy of the tree (a second detached job) goes on with the run
+TRACE_ID=${TRACE#"$PWD"/}
+if [ -f "$HL/trace.src" ] && [ "$(cat "$HL/trace.src")" != "$TRACE_ID" ]; then
+  echo "HL=$HL holds a run routed by $(cat "$HL/trace.src"), not TRACE=$TRACE_ID: give another" \
+    "HL" >&2
   exit 2
 fi
 mkdir -p "$OUT" "$HL"
@@ -166,7 +172,7 @@ for step in $STEPS; do
           > "$HL/routing.txt"
       fi
       echo "$M" > "$HL/model.path"
-      echo "$TRACE" > "$HL/trace.src"
+      echo "$TRACE_ID" > "$HL/trace.src"
       df -h /tmp | tail -1 ;;
     probe)
       served || exit 1

@@ -60,8 +60,11 @@ if [ -n "$TRACE" ]; then
   ROUTE=(--env "EC_BENCH_TRACE_ROUTING=$FIT" --env EC_BENCH_TRACE_STREAMS=32
          --env "PYTHONPATH=$PWD/bench/trace_hook:${PYTHONPATH:-}")
 fi
-if [ -f "$WSD/trace.src" ] && [ "$(cat "$WSD/trace.src")" != "${TRACE:-none}" ]; then
-  echo "WSD=$WSD holds a run routed by $(cat "$WSD/trace.src"), not TRACE=${TRACE:-none}:" \
+# WSD names the trace as typed in the checkout (traces/NAME.npz), not by this copy's path,
+# so a later job from another copy of the tree (a second detached job) goes on with the run
+TRACE_ID=${TRACE#"$PWD"/}
+if [ -f "$WSD/trace.src" ] && [ "$(cat "$WSD/trace.src")" != "${TRACE_ID:-none}" ]; then
+  echo "WSD=$WSD holds a run routed by $(cat "$WSD/trace.src"), not TRACE=${TRACE_ID:-none}:" \
     "give another WSD" >&2
   exit 2
 fi
@@ -98,7 +101,7 @@ e.write_model(Path('$MODEL'), $LAYERS, context=16384, top_k=${K:-None})"
       else
         echo "the dummy checkpoint's own routers (synthetic routing)" > "$WSD/routing.txt"
       fi
-      echo "${TRACE:-none}" > "$WSD/trace.src"
+      echo "${TRACE_ID:-none}" > "$WSD/trace.src"
       cp "$WSD/routing.txt" "$OUT/" ;;
     plan)  # what the tools predict for this shape, before the servers say
       COLUMNS=160 $PY -m expertcache_cli size --model $MODEL --vram 141 --slots 64 \

@@ -38,15 +38,17 @@ def make_runner(tmp_path: Path, script: str, files: tuple[str, ...], stub_source
     stub.chmod(0o755)
     log = tmp_path / "calls.log"
 
-    def run(expect_rc: int = 0, **extra: str) -> tuple[list[str], str]:
+    def run(expect_rc: int = 0, cwd: Path | None = None,
+            **extra: str) -> tuple[list[str], str]:
         """The calls and the stdout (with the stderr after it where ``expect_rc`` is not
-        0: a refusal's one line)."""
+        0: a refusal's one line). ``cwd``: another copy of the tree to run from, as a
+        second detached job does."""
         log.write_text("")
         full = {**os.environ, "PY": str(stub), "REAL_PY": sys.executable,
                 "STUB_LOG": str(log), "OUT": str(tmp_path / "out"), "PYTHONPATH": str(ROOT),
                 "ROOT": str(ROOT),
                 "EXPERTCACHE_SERVER_GROUPS": str(tmp_path / "groups"), **env, **extra}
-        r = subprocess.run(["bash", f"bench/{script}"], cwd=bench.parent, env=full,
+        r = subprocess.run(["bash", f"bench/{script}"], cwd=cwd or bench.parent, env=full,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == expect_rc, r.stdout + r.stderr
         return log.read_text().splitlines(), r.stdout if expect_rc == 0 else r.stdout + r.stderr

@@ -237,8 +237,25 @@ def test_records_of_one_routing_are_not_mixed_with_anothers(runner):
     run(STEPS="setup model")
     calls, out = run(expect_rc=2, TRACE="none", STEPS="report")
     assert calls == [] and out.strip() == (
-        f"HL={tmp / 'hl'} holds a run routed by {tmp}/tree/traces/{QWEN}.npz, not "
+        f"HL={tmp / 'hl'} holds a run routed by traces/{QWEN}.npz, not "
         "TRACE=none: give another HL")
+
+
+def test_a_job_from_another_copy_of_the_tree_goes_on_with_the_run(runner):
+    """A second detached job runs in its own copy of the tree: HL names the trace as typed
+    in the checkout, so the same TRACE from the copy continues the run (its card, the
+    report) and the report's command names the checkout's path, not a copy's."""
+    import shutil
+
+    run, tmp = runner
+    run(STEPS="setup model probe resident card24")
+    copy = tmp / "tree2"
+    shutil.copytree(tmp / "tree", copy, symlinks=True)
+    calls, _ = run(STEPS="card16 report", cwd=copy, TRACE=f"traces/{QWEN}.npz")
+    assert _servers(calls) == ["warm16", "floor16", "cache16"]
+    report = (tmp / "out" / "headline.md").read_text()
+    assert f"Reproduce: `TRACE=traces/{QWEN}.npz bash bench/run_headline_on_device.sh`" \
+        in report
 
 
 def test_a_trace_of_another_expert_count_writes_no_checkpoint(runner):
