@@ -109,10 +109,10 @@ def _runs(rec: dict | None, tok: float | None) -> str:
     if not runs or tok is None:
         return "-"
     spread = f"{min(runs):.2f}-{max(runs):.2f}" if len(runs) > 1 else f"{runs[0]:.2f}"
-    return f"{tok:.2f}{' over the runs' if varied(rec) else ''} ({spread})"
+    return f"{tok:.2f} {'over the runs' if varied(rec) else 'median'} ({spread})"
 
 
-TABLE_HEAD = ("| card | arm | slots: size planned / armed | decode tok/s, median (runs) | "
+TABLE_HEAD = ("| card | arm | slots: size planned / armed | decode tok/s (runs' range) | "
               "x floor | of resident | live hit rate over the runs | plan predicted "
               "(measured / predicted) |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- |")
