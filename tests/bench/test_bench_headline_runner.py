@@ -8,6 +8,7 @@ width and table. Device minutes are few; a runner bug must not be found on the d
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -245,8 +246,6 @@ def test_a_job_from_another_copy_of_the_tree_goes_on_with_the_run(runner):
     """A second detached job runs in its own copy of the tree: HL names the trace as typed
     in the checkout, so the same TRACE from the copy continues the run (its card, the
     report) and the report's command names the checkout's path, not a copy's."""
-    import shutil
-
     run, tmp = runner
     run(STEPS="setup model probe resident card24")
     copy = tmp / "tree2"
