@@ -10,7 +10,9 @@
 # mem: in place and staged (MEM_ARMS, default "inplace staged") started only for vLLM's
 # memory report, with the bench memory hook (bench_mem_server), to find the staged
 # servers' extra profile peak.
-# trace/predict: `plan --batch N` against the measured N-stream decode. `trace` records one
+# trace/predict: `plan --batch N` against the measured N-stream decode (under TRACE, `trace`
+# is skipped and `predict` is bench/wide_served.py: plan's formula on the ids the hook handed
+# each server, each round's misses in the cache state the earlier ones left). `trace` records one
 # stream's routing (a cache server with EXPERT_CACHE_TRACE) over TRACE_REQUESTS (default 48)
 # requests in turn, each of the decode rounds' shape (a fresh 32-word prompt, DECODE_TOKENS
 # tokens), so that the re-batched streams are in different requests as the N measured
@@ -138,11 +140,20 @@ e.write_model(Path('$MODEL'), $LAYERS, context=16384, top_k=${K:-None})"
     resident)
       arm resident --env EXPERT_CACHE_DISABLE=1 -- "${VLLM[@]}" serve $MODEL "${FLAGS[@]}" ;;
     trace)
+      if [ -n "$TRACE" ]; then  # the hook replays every request from the same rows
+        echo "trace: not recorded under TRACE (predict replays the hook's own ids)"
+        continue
+      fi
       arm trace1 --env EXPERT_CACHE_SLOTS=64 --env "EXPERT_CACHE_TRACE=$WSD/one.npz" \
         --streams --requests "${TRACE_REQUESTS:-48}" --greedy-streams 0 --prompt-tokens \
         -- "${VLLM[@]}" serve $MODEL "${OFFLOAD[@]}" "${FLAGS[@]}"
       cp "$WSD/one.npz" "$OUT/" 2>/dev/null ;;
     predict)
+      if [ -n "$TRACE" ]; then  # plan's formula on the ids the hook handed the servers
+        $PY bench/wide_served.py "$FIT" "$WSD" --slots 64 --hook-streams 32 \
+          --tokens "${DECODE_TOKENS:-64}" 2> "$OUT/predict.err" | tee "$OUT/predict.txt"
+        continue
+      fi
       for n in 16 32; do
         R=$($PY -c "import json; print(json.load(open('$WSD/resident.json'))['decode']['$n']['tok_s'])")
         for mode in in-place staged-install staged; do

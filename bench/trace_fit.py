@@ -12,7 +12,7 @@ with the fitting said after it.
 
     python bench/trace_fit.py IN.npz OUT.npz --layers 24 [--expert-bytes N | --size S.json]
         [--top-k K] [--streams S --steps N [--request-steps R [--prefill-tokens P]
-        [--decode-only]]]
+        [--decode-only]] [--hook-streams H]]
 
 ``--top-k K`` serves a recording made at a wider top-k to a model of top-``K``: each
 token keeps its first ``K`` ids, which a recording keeps in its router's rank order (the
@@ -74,12 +74,16 @@ def narrow(trace: tracefile.Trace, top_k: int) -> tracefile.Trace:
 def as_served(trace: tracefile.Trace, streams: int, steps: int,
               request_steps: int | None = None, prefill_tokens: int | None = None,
               decode_only: bool = False,
-              prompt_tokens: list[int] | None = None) -> tracefile.Trace:
+              prompt_tokens: list[int] | None = None,
+              hook_streams: int | None = None) -> tracefile.Trace:
     """The ids the hook (`bench/trace_routing.py`) hands ``steps`` steps of ``streams``
     streams: step ``t`` is row ``t mod T``'s first ``streams x top_k`` ids (padding where
     the row is short), or, on a trace recorded one stream at a time, stream ``i``'s top_k
-    ids from row ``t + i x T / streams`` (mod T). With ``request_steps`` R, each request of R
-    steps starts again at the first row of the recorded request its prefill picks (the
+    ids from row ``t + i x (T // H)`` (mod T), where ``H`` is ``hook_streams``, the hook's
+    ``EC_BENCH_TRACE_STREAMS`` (default ``streams``): the hook spaces the streams of every
+    decode step by the most it was told to expect, so a server set for 32 streams decoding
+    16 puts them ``T // 32`` rows apart, not ``T // 16``. With ``request_steps`` R, each
+    request of R steps starts again at the first row of the recorded request its prefill picks (the
     hook's rule: request q's prompt of ``prompt_tokens[q mod len]`` tokens replays
     recorded request (tokens // 8) mod the trace's requests; row 0 without prompts or for
     a trace of one request), and that first step, its prefill, takes ``prefill_tokens x
@@ -91,6 +95,10 @@ def as_served(trace: tracefile.Trace, streams: int, steps: int,
     if streams <= 0 or steps <= 0 or (request_steps is not None and request_steps <= 0):
         raise ValueError(f"streams, steps and request steps must be positive, got "
                          f"{streams}, {steps}, {request_steps}")
+    spacing = streams if hook_streams is None else hook_streams
+    if spacing < streams:
+        raise ValueError(f"the hook's streams ({spacing}) are fewer than the {streams} a step "
+                         "decodes: the hook would take such a step for a prefill")
     if prompt_tokens is not None and (not prompt_tokens or min(prompt_tokens) <= 0):
         raise ValueError(f"prompt tokens must be positive, got {prompt_tokens}")
     k, t_rows = trace.top_k, trace.steps
@@ -112,7 +120,7 @@ def as_served(trace: tracefile.Trace, streams: int, steps: int,
     if streams > 1 and one_stream(trace):
         # one row a stream, `TraceRouting._streams`; a prefill as the hook takes it
         rows = trace.topk_ids[:, :, :k]
-        offsets = np.arange(streams, dtype=np.int64) * (t_rows // streams)
+        offsets = np.arange(streams, dtype=np.int64) * (t_rows // spacing)
         ids = np.full((steps, trace.num_layers, width), -1, dtype=trace.topk_ids.dtype)
         per = rows[(at[:, None] + offsets[None, :]) % t_rows]  # [steps, streams, L, k]
         ids[:, :, : streams * k] = per.transpose(0, 2, 1, 3).reshape(steps, trace.num_layers, -1)
@@ -146,6 +154,8 @@ def as_served(trace: tracefile.Trace, streams: int, steps: int,
             f"(its prefill"
             f"{f' of {prefill_tokens} tokens' if prefill_tokens else ''}){picked}, "
             f"{streams} stream(s){', prefills left out' if decode_only else ''}")
+    if streams > 1 and spacing != streams:
+        what += f", {t_rows // spacing} rows apart (the hook set for {spacing} streams)"
     served_req = None if request_steps is None else (t // request_steps)[keep]
     # a prefill ran its prompt's tokens whatever ids its row holds (a decode-only recording's
     # first row holds one token's): `plan` tells it apart by them and does not price it
@@ -211,6 +221,9 @@ def main(argv: list[str]) -> int:
                     help="with --request-steps: the served requests' prompts, in tokens, "
                     "comma-separated, in the order sent (cycled): which recorded request each "
                     "replays")
+    ap.add_argument("--hook-streams", type=int, default=None,
+                    help="with --streams: the hook's EC_BENCH_TRACE_STREAMS, which spaces the "
+                    "streams (default: --streams)")
     a = ap.parse_args(argv)
     if (a.streams is None) != (a.steps is None):
         print("trace_fit: --streams and --steps go together", file=sys.stderr)
@@ -233,7 +246,7 @@ def main(argv: list[str]) -> int:
             prompts = ([int(x) for x in a.prompt_tokens.split(",")]
                        if a.prompt_tokens else None)
             trace = as_served(trace, a.streams, a.steps, a.request_steps, a.prefill_tokens,
-                              a.decode_only, prompts)
+                              a.decode_only, prompts, a.hook_streams)
     except ValueError as exc:
         print(f"trace_fit: {exc}", file=sys.stderr)
         return 2

@@ -13,8 +13,11 @@ after it. Which one: the prefill's tokens // `PROMPT_STEP`, modulo the requests,
 served prompts whose lengths differ by `PROMPT_STEP` tokens replay different recorded
 requests while one prompt always replays the same one (two servers given it compare).
 A decode step of several streams on a trace recorded one stream at a time gives stream
-``i`` the row ``i x T / streams`` after the first stream's (as `rebatch` places streams):
-each stream at another point of the recording, in another request where it holds them.
+``i`` the row ``i x (T // S)`` after the first stream's, ``S`` being
+``EC_BENCH_TRACE_STREAMS``: each stream at another point of the recording, in another
+request where it holds them. At ``S`` streams that is where `rebatch` places them; a step
+of fewer streams keeps the spacing (16 streams of a hook set for 32 are ``T // 32`` rows
+apart), which `trace_fit.as_served` writes with ``hook_streams``.
 The substitution is device work on a device step counter per layer, so it is
 captured in CUDA graphs like the rest of the step. Every process that imports vLLM's
 router gets it (``bench/trace_hook/sitecustomize.py`` imports this module at startup when

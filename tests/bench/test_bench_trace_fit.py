@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -132,3 +133,19 @@ def test_decode_only_leaves_each_requests_prefill_out():
     got = trace_fit.as_served(t, 1, 8, request_steps=4, decode_only=True)
     assert got.topk_ids[:, 0].tolist() == [[5, 6], [7, 8], [1, 2]] * 2
     assert got.steps == 6 and "prefills left out" in got.source
+
+
+def test_streams_are_spaced_by_the_hooks_streams_not_the_steps():
+    """A hook set for 8 streams (EC_BENCH_TRACE_STREAMS) decoding 2 puts them T // 8 rows
+    apart: as_served writes that spacing when told the hook's streams, and refuses fewer
+    than a step decodes (the hook would take that step for a prefill)."""
+    ids = (np.arange(16)[:, None, None] * 2 + np.arange(2)).astype(np.int64)  # T16 L1 top-2
+    t = tracefile.Trace(ids, num_experts=64, top_k=2, step_tokens=np.ones(16, np.int64),
+                        source="recorded y")
+    own = trace_fit.as_served(t, 2, 1)  # 16 // 2 = 8 rows apart
+    assert own.topk_ids[0, 0].tolist() == [0, 1, 16, 17]
+    hook = trace_fit.as_served(t, 2, 3, hook_streams=8)  # 16 // 8 = 2 rows apart
+    assert hook.topk_ids[:, 0].tolist() == [[0, 1, 4, 5], [2, 3, 6, 7], [4, 5, 8, 9]]
+    assert "2 rows apart (the hook set for 8 streams)" in hook.source
+    with pytest.raises(ValueError, match="fewer than the 2"):
+        trace_fit.as_served(t, 2, 3, hook_streams=1)

@@ -195,10 +195,13 @@ def test_one_stream_is_what_the_recording_ran():
     assert not trace_routing.one_stream(Trace(wide, 24, 2, step_tokens=np.full(12, 2)))
 
 
-@pytest.mark.parametrize("streams,prompts", [(1, [16, 24, 40]), (1, None), (3, [16, 32])])
-def test_as_served_hands_plan_the_ids_the_hook_served(streams, prompts):
+@pytest.mark.parametrize("streams,prompts,hook", [
+    (1, [16, 24, 40], None), (1, None, None), (3, [16, 32], None),
+    (2, None, 4), (3, [16, 32], 5)])
+def test_as_served_hands_plan_the_ids_the_hook_served(streams, prompts, hook):
     """trace_fit.as_served is the hook's rule written for `plan`: driven request by request,
-    the hook hands every decode step the ids as_served wrote for it."""
+    the hook hands every decode step the ids as_served wrote for it, also where the hook
+    was set for more streams than a step decodes (``hook``: its streams spacing them)."""
     import trace_fit
 
     from expertcache_cli.rules.trace import Trace
@@ -209,7 +212,7 @@ def test_as_served_hands_plan_the_ids_the_hook_served(streams, prompts):
     tr = Trace(ids, 32, 2, step_tokens=np.ones(20, np.int64),
                requests=np.repeat(np.arange(4), 5)).validate()
     # without prompts as_served starts every request at row 0: a hook on one request
-    routing = trace_routing.TraceRouting(ids, top_k=2, streams=streams,
+    routing = trace_routing.TraceRouting(ids, top_k=2, streams=hook or streams,
                                          starts=tr.request_starts() if prompts else None,
                                          one_stream=trace_routing.one_stream(tr))
     cls = type("FusedMoERouter", (Router,), {"select_experts": Router.select_experts})
@@ -225,7 +228,8 @@ def test_as_served_hands_plan_the_ids_the_hook_served(streams, prompts):
             served.append([r.select_experts(torch.zeros(streams, 4), None)[1].reshape(-1)
                            .tolist() for r in layers])
     want = trace_fit.as_served(tr, streams, steps_per_request * n_requests, steps_per_request,
-                               16, decode_only=True, prompt_tokens=prompts)
+                               16, decode_only=True, prompt_tokens=prompts,
+                               hook_streams=hook)
     assert (want.topk_ids[:, :, streams * 2:] == -1).all()  # a prefill's width, unused
     assert want.topk_ids[:, :, : streams * 2].tolist() == served
     assert want.request_ids().tolist() == [q for q in range(n_requests)

@@ -22,7 +22,8 @@ env = ",".join(k + "=" + os.environ[k] for k in ("EC_BENCH_MEM", "EXPERT_CACHE_W
                if k in os.environ)
 with open(os.environ["STUB_LOG"], "a") as log:
     log.write(" ".join(args) + ("  ENV=" + env if env else "") + "\n")
-if args[0] in ("-", "-c") or args[0].endswith(("groups.py", "wide_report.py", "trace_fit.py")):
+if args[0] in ("-", "-c") or args[0].endswith(("groups.py", "wide_report.py", "trace_fit.py",
+                                                 "wide_served.py")):
     os.execv(os.environ["REAL_PY"], [os.environ["REAL_PY"], *args])
 if args[0].endswith("wide_steps.py"):
     name, out = args[1], Path(args[args.index("--out") + 1])
@@ -58,7 +59,8 @@ elif args[1:3] == ["expertcache_cli", "plan"]:
 @pytest.fixture()
 def runner(tmp_path):
     run = make_runner(tmp_path, "run_wide_on_device.sh",
-                      ("e2e_vllm.py", "wide_report.py", "trace_fit.py"),
+                      ("e2e_vllm.py", "wide_report.py", "trace_fit.py", "wide_served.py",
+                       "trace_routing.py"),
                       STUB, keep_bench_helpers=True, WSD=str(tmp_path / "ws"),
                       MODEL_DIR=str(tmp_path / "models"),
                       PROBE_SRC=str(ROOT / "tests" / "data" / "fp8-block-probe.json"))
@@ -177,3 +179,23 @@ def test_a_trace_that_is_no_file_or_not_128_experts_is_refused(runner, tmp_path)
     calls, err = run(expect_rc=2, TRACE=str(ROOT / "traces" / "real-olmoe-1b-7b-k8.npz"))
     assert "top-8 of 64 experts" in err
     assert not [c for c in calls if c.startswith("bench/wide_steps.py")]
+
+
+def test_under_a_recording_predict_replays_the_ids_the_hook_served(runner):
+    """No trace arm (every request would replay the same rows): predict is plan's formula on
+    the hook's own ids for each server, beside each arm's measured rate."""
+    pytest.importorskip("torch", reason="no torch: wide_served.py drives the routing hook")
+    run, tmp = runner
+    trace = ROOT / "traces" / "real-qwen3-30b-a3b-k6.npz"
+    calls, stdout = run(TRACE=str(trace),
+                        STEPS="setup ckpt plan inplace staged resident trace predict")
+    assert _arms(calls) == ["inplace", "staged", "resident"]
+    assert "trace: not recorded under TRACE" in stdout
+    assert not [c for c in calls if c.startswith("-m expertcache_cli plan")]
+    served = next(c for c in calls if c.startswith("bench/wide_served.py"))
+    assert f"{tmp / 'ws' / 'route-24.npz'} {tmp / 'ws'} --slots 64 --hook-streams 32" in served
+    predict = (tmp / "out" / "predict.txt").read_text()
+    assert predict.startswith("routing: recorded (real model")
+    # the stub's in-place arm decodes 16 streams at 192 tok/s
+    assert "| 16 | in-place |" in predict and "| 192.0 |" in predict
+    assert "| 32 | staged-install |" in predict
