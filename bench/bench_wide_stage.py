@@ -4,10 +4,10 @@
 
 `plan` and `replay` price a staged wide step as its missing distinct experts fetched from
 host at the gather rate; the hits, copied from the layer's slots into the scratch by the
-same gather kernel over device memory, are priced at zero. At 16 streams on the H200 the
-staged-install server decoded 0.82 of what a CPU what-if of `plan --batch` gave it (stop
-18), and staged-install copies more hits a step than staged does (its installs become
-hits). This measures that term instead of guessing it.
+same gather kernel over device memory, are priced at zero. With a real model's routing a
+staged decode step is mostly hits (35-46 a layer against 1-5 misses at 16 and 32 streams,
+bench/results/wide-steps.md), and staged-install copies more hits a step than staged does
+(its installs become hits). This measures that term instead of guessing it.
 
 For the Qwen3-30B-A3B bf16 expert (w13 [1536, 2048] + w2 [2048, 768], 9.44 MB; other
 shapes with --w13/--w2), a layer of E experts with S in slots, the stage of one step
