@@ -113,7 +113,7 @@ e.write_model(Path('$MODEL'), $LAYERS, context=16384, top_k=${K:-None})"
         --max-model-len 10240 --max-num-seqs 32 --max-num-batched-tokens 8192 \
         > "$WSD/size.json" 2> "$OUT/size.err"
       cp "$WSD/size.json" "$OUT/" 2>/dev/null
-      [ -f "$WSD/probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step \
+      [ -f "$WSD/probe.json" ] || $PY -m expertcache_cli probe-link --only gather,step,stage \
         --model $MODEL --save "$WSD/probe.json" > "$OUT/probe.txt" 2>&1
       tail -5 "$OUT/size.txt" ;;
     floor)

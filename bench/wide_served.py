@@ -18,13 +18,13 @@ ids, which on the bench's random-weight checkpoint spread over the layer's exper
 here as every expert (past 128 tokens at top-6 of 128 an expert is left out with odds
 below 0.3%). One replay (`replay`'s step groups) counts each timed round's misses in the
 cache state every earlier forward left, and `planner.predict_ms` prices them with the
-probe's link and step cost and resident's rate at that stream count, as `plan` prices a
-trace. Staged steps' hits, copied from the slots into the scratch, are priced at zero, as
-`plan` prices them; ``--hit-us U`` adds U microseconds a hit (`bench/bench_wide_stage.py`
-measures it on the serving GPU), to show what that term is worth.
+probe's link, step cost and staged hit-copy rate (its ``stage``, else `plan`'s constant)
+and resident's rate at that stream count, as `plan` prices a trace. A last pair of columns
+prices the staged steps' hits at zero, as `plan` did before it priced them, to show what
+that term is worth.
 
     python bench/wide_served.py FIT.npz WSD --slots 64 [--hook-streams 32] [--tokens 64]
-        [--streams 1 4 8 16 32] [--hit-us U]
+        [--streams 1 4 8 16 32]
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +45,7 @@ sys.path.insert(0, str(HERE))
 
 from trace_fit import source_of  # noqa: E402
 
+from expertcache_cli.errors import UserError  # noqa: E402
 from expertcache_cli.rules import trace as tracefile  # noqa: E402
 
 #: bench/wide_steps.py's forwards before the decode rounds: the warm-up request (a 64-word
@@ -100,9 +103,9 @@ def served(trace: tracefile.Trace, plan: list[tuple[int, int]], hook_streams: in
 
 
 def predict(trace: tracefile.Trace, groups: np.ndarray, streams: list[int], slots: int,
-            wide: str, bytes_per_expert: int, link_gbps: float, step_us: float,
-            resident: dict[int, float], hit_us: float | None = None) -> list[dict]:
-    """Each stream count's timed round: misses, staged hits and plan's formula."""
+            wide: str, inputs_at: Callable[[int], Any]) -> list[dict]:
+    """Each stream count's timed round: misses, staged hits and plan's formula, with the
+    `planner.Inputs` ``inputs_at(n)`` gives (resident's rate at ``n`` streams)."""
     from expertcache_cli.planning import planner
     from expertcache_cli.rules.policy import Policy
     from expertcache_cli.rules.replay import replay
@@ -110,43 +113,35 @@ def predict(trace: tracefile.Trace, groups: np.ndarray, streams: list[int], slot
     rep = replay(trace, [Policy.LRU], [slots], wide=wide, groups=groups)
     rows = []
     for g, n in enumerate(streams, 1):
-        if n not in resident:
+        inputs = inputs_at(n)
+        if inputs is None:
             continue
         c = rep.group(g).iloc[0]
         steps = int((groups == g).sum())
-        per_token = steps * n
-        misses = float(c["misses"])
-        # a staged step's hits are copied slots -> scratch; a narrow step's are the cache's
-        staged_hits = float(c["requests"] - misses) if int(c["staged_steps"]) else 0.0
-        inputs = planner.Inputs(bytes_per_expert, "size", link_gbps, "probe", resident[n],
-                                "resident", step_us=step_us)
-        ms = planner.predict_ms(misses / per_token, inputs, trace.num_layers / n)
-        row = {"streams": n, "mode": wide, "steps": steps, "misses_per_step_layer":
-               misses / (steps * trace.num_layers), "staged_hits_per_step_layer":
-               staged_hits / (steps * trace.num_layers), "predicted_tok_s": 1000.0 / ms}
-        if hit_us is not None:
-            row["with_hits_tok_s"] = 1000.0 / (ms + staged_hits * hit_us / 1000.0 / per_token)
-        rows.append(row)
+        per_token, layer_steps = steps * n, steps * trace.num_layers
+        misses, hits = float(c["misses"]), float(c["staged_hits"])
+        args = (misses / per_token, inputs, trace.num_layers / n)
+        rows.append({"streams": n, "mode": wide, "steps": steps,
+                     "misses_per_step_layer": misses / layer_steps,
+                     "staged_hits_per_step_layer": hits / layer_steps,
+                     "predicted_tok_s": 1000.0 / planner.predict_ms(*args, hits / per_token),
+                     "hits_free_tok_s": 1000.0 / planner.predict_ms(*args)})
     return rows
 
 
-def table(rows: list[dict], measured: dict[tuple[str, int], float],
-          hit_us: float | None) -> str:
+def table(rows: list[dict], measured: dict[tuple[str, int], float]) -> str:
     """The rows beside the measured rates, markdown."""
     head = ("| streams | mode | misses a layer-step | staged hits a layer-step | measured tok/s "
-            "| plan's formula tok/s | measured / predicted |")
-    if hit_us is not None:
-        head += f" + hits at {hit_us:.2f} us tok/s | measured / predicted |"
+            "| plan's formula tok/s | measured / predicted | hits at zero tok/s "
+            "| measured / predicted |")
     out = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         m = measured.get((r["mode"], r["streams"]))
+        p, z = r["predicted_tok_s"], r["hits_free_tok_s"]
         cells = [str(r["streams"]), r["mode"], f"{r['misses_per_step_layer']:.2f}",
-                 f"{r['staged_hits_per_step_layer']:.1f}",
-                 f"{m:.1f}" if m else "-", f"{r['predicted_tok_s']:.1f}",
-                 f"{m / r['predicted_tok_s']:.3f}" if m else "-"]
-        if hit_us is not None:
-            w = r["with_hits_tok_s"]
-            cells += [f"{w:.1f}", f"{m / w:.3f}" if m else "-"]
+                 f"{r['staged_hits_per_step_layer']:.1f}", f"{m:.1f}" if m else "-",
+                 f"{p:.1f}", f"{m / p:.3f}" if m else "-",
+                 f"{z:.1f}", f"{m / z:.3f}" if m else "-"]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -160,19 +155,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--hook-streams", type=int, default=32, help="EC_BENCH_TRACE_STREAMS")
     ap.add_argument("--tokens", type=int, default=64, help="a timed round's tokens a stream")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16, 32])
-    ap.add_argument("--hit-us", type=float, default=None,
-                    help="a staged hit's copy, us (bench_wide_stage.py on the serving GPU)")
     a = ap.parse_args(argv)
     from expertcache_cli.planning import planner
 
     try:
         trace = tracefile.load(a.trace)
         size = json.loads((a.wsd / "size.json").read_text())
-        link, _, step = planner.read_probe(a.wsd / "probe.json")
+        link, link_src, step = planner.read_probe(a.wsd / "probe.json")
+        hit_copy = planner.read_hit_copy(a.wsd / "probe.json")
         arms = {m: json.loads((a.wsd / f"{arm}.json").read_text())
                 for m, arm in ARMS.items() if (a.wsd / f"{arm}.json").exists()}
         res = json.loads((a.wsd / "resident.json").read_text())["decode"]
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, UserError) as exc:
         print(f"wide_served: {exc}", file=sys.stderr)
         return 2
     plan = schedule(a.streams, a.tokens)
@@ -181,11 +175,25 @@ def main(argv: list[str]) -> int:
     resident = {int(n): float(v["tok_s"]) for n, v in res.items()}
     measured = {(m, int(n)): float(v["tok_s"]) for m, r in arms.items()
                 for n, v in (r.get("decode") or {}).items()}
-    rows = [r for mode in arms for r in predict(
-        st, groups, a.streams, a.slots, mode, int(size["bytes_per_expert"]), link,
-        step[0] if step else 0.0, resident, a.hit_us)]
+
+    def inputs_at(n: int) -> planner.Inputs | None:
+        if n not in resident:
+            return None
+        i = planner.Inputs(int(size["bytes_per_expert"]), "size.json", link, link_src,
+                           resident[n], f"resident.json, {n} stream(s)")
+        if step:
+            i.step_us, i.step_source = step
+        if hit_copy:
+            i.hit_copy_gbps, i.hit_copy_source = hit_copy
+        return i
+
+    rows = [r for mode in arms for r in predict(st, groups, a.streams, a.slots, mode,
+                                                inputs_at)]
+    some = inputs_at(next(iter(resident))) if resident else None
     print(f"routing: {st.source}")
-    print(table(rows, measured, a.hit_us))
+    if some is not None:
+        print(f"staged hits copied at {some.hit_copy_gbps:,.0f} GB/s: {some.hit_copy_source}")
+    print(table(rows, measured))
     return 0
 
 

@@ -99,6 +99,7 @@ def test_engine_equals_reference_on_wide_steps(policy, wide):
         assert fast.tolist() == [r.miss_count for r in ref], (e, s, w, decay, cap)
         (c,) = engine.sweep(seq[:, None, :], e, [policy], [s], decay, cap, wide=wide)
         assert c.staged_ids == sum(r.staged_ids for r in ref)
+        assert c.staged_hits == sum(r.staged_hits for r in ref)
         assert c.staged_steps == sum(r.staged for r in ref)
         assert c.read_through_steps == 0 and c.read_through_ids == 0
         assert c.dropped == sum(r.dropped for r in ref)
@@ -118,7 +119,7 @@ def test_wide_step_modes_by_hand():
     c = warm(Wide.STAGED)
     r = c.forward([1, 3, 4])
     # 1 is a hit, refreshed (prio = step 3); 3 and 4 go to the scratch; nothing installed
-    assert (r.staged, r.staged_ids, r.misses) == (True, 2, [])
+    assert (r.staged, r.staged_ids, r.misses, r.staged_hits) == (True, 2, [], 1)
     assert c.step_count == 3 and c.prio[c.table[1]] == 3 and c.table[3] == -1
     slot_of_2 = int(c.table[2])
     assert c.forward([5]).misses == [(5, slot_of_2)]  # 2 is now the least recently used
@@ -126,6 +127,8 @@ def test_wide_step_modes_by_hand():
     r = c.forward([1, 3, 4])
     # slot of 2 is the only evictable one: 3 (the lowest missing id) is installed, 4 staged
     assert r.misses == [(3, 1)] and r.staged_ids == 1 and c.table[2] == -1
+    assert r.staged_hits == 1  # 1, copied from its slot into the scratch
+    assert warm(Wide.IN_PLACE).forward([1, 3, 4]).staged_hits == 0  # read through: no copy
 
 
 def test_staged_modes_against_in_place():

@@ -7,12 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from expertcache_cli.errors import UserError
 from expertcache_cli.planning import planner
-from expertcache_cli.rules.policy import Policy
-from expertcache_cli.rules.trace import load
+from expertcache_cli.rules.policy import Policy, Wide
+from expertcache_cli.rules.trace import Trace, load
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "traces" / "demo-qwen3-30b-a3b-tasks.npz"
@@ -55,6 +56,42 @@ def test_the_cache_step_is_paid_in_every_moe_layer_every_step():
         assert rep.to_json()["step_us"] == i.step_us
     per_token = trace.num_layers * trace.steps / trace.tokens
     assert rows["step"] - rows["none"] == pytest.approx(per_token * 3.7 / 1000)
+
+
+def test_a_staged_steps_hits_are_priced_as_device_copies(tmp_path):
+    """A staged wide step copies each expert it finds in the slots into the scratch: with
+    --wide staged-install every such hit costs its bytes at the hit-copy rate, a probe's
+    `stage` where it measured one, else the planner's constant; in place nothing is
+    staged and nothing changes."""
+    # 4 experts, 2 slots, top-1; steps 0-1 install 0 and 1, then 3 wide steps of 3 tokens
+    # route 0, 1, 2: each finds 0 and 1 in the slots and stages 2
+    ids = np.array([[[0, -1, -1]], [[1, -1, -1]]] + [[[0, 1, 2]]] * 3)
+    trace = Trace(ids, 4, 1, step_tokens=np.array([1, 1, 3, 3, 3])).validate()
+    inputs = planner.Inputs(1_000_000, "given", 1.0, "given", 1000.0, "given",
+                            hit_copy_gbps=100.0, hit_copy_source="probe")
+    kw = dict(fits_upto=None, model={"name": "t"}, serve_model="/m", vram_gb=None)
+    staged = planner.plan_trace(trace, inputs, [Policy.LRU], [2], wide=Wide.STAGED_INSTALL,
+                                **kw).rows[0]
+    tokens = trace.tokens  # every step priced as decode
+    assert staged["staged_hits_per_token"] == pytest.approx(6 / tokens)
+    ms = planner.predict_ms(staged["misses_per_token"], inputs)
+    assert staged["predicted_ms_per_token"] == pytest.approx(ms + 6 / tokens * 1000 / 100e3)
+    inplace = planner.plan_trace(trace, inputs, [Policy.LRU], [2], **kw).rows[0]
+    assert inplace["staged_hits_per_token"] == 0
+    assert inplace["predicted_ms_per_token"] == pytest.approx(
+        planner.predict_ms(inplace["misses_per_token"], inputs))
+    # no rate given: the measured constant, and the source says it was not measured here
+    default = planner.Inputs(1, "b", 1.0, "l", 1.0, "r")
+    assert default.hit_copy_gbps == planner.HIT_COPY_GBPS
+    assert default.hit_copy_source.startswith("not measured")
+    # a probe that measured the stage gives its rate
+    assert planner.read_hit_copy(PROBE) is None
+    data = json.loads(PROBE.read_text())
+    data["stage_gbps"] = 1234.5
+    saved = tmp_path / "probe.json"
+    saved.write_text(json.dumps(data))
+    gbps, src = planner.read_hit_copy(saved)
+    assert gbps == 1234.5 and "the stage" in src and "NVIDIA H200" in src
 
 
 def test_the_step_is_read_from_a_probe_that_measured_it(tmp_path):

@@ -127,7 +127,10 @@ def register(app: typer.Typer) -> None:
         budgets = inputs.budgets(parse_int_list(slots, "--slots") if slots else None, trace,
                                  fits_upto)
         rep = planner.plan_trace(
-            trace, inputs.prediction_inputs(per_expert, link, resident), policies, budgets,
+            trace, inputs.prediction_inputs(
+                per_expert, link, resident,
+                planner.read_hit_copy(probe_file) if probe_file is not None else None),
+            policies, budgets,
             fits_upto=fits_upto, serve_model=inputs.serve_model(model), vram_gb=vram,
             plan_file=str(save) if save else None, vllm_args=srv.vllm_args, wide=mode,
             batch=batch, server=srv,
@@ -162,13 +165,18 @@ def register(app: typer.Typer) -> None:
         console.print(f"link {i.link_gbps:.1f} GB/s: {i.link_source}")
         console.print(f"resident {i.resident_tok_s:.1f} tok/s: {i.resident_source}")
         console.print(f"cache step {i.step_us:.2f} us a MoE layer: {i.step_source}")
+        if rep.trace.get("wide", "in-place") != "in-place":
+            console.print(f"staged hits copied at {i.hit_copy_gbps:,.0f} GB/s: "
+                          f"{i.hit_copy_source}")
         if rep.model.get("vram_gib"):
             card = rep.model.get("card") or f"{rep.model['vram_gib']:g} GiB"
             console.print(f"card {card}: up to {rep.model['max_slots']} slots a layer fit")
         streams = (f"{rep.trace['batch']} streams (aggregate)" if rep.trace.get("batch")
                    else "as traced")
+        staged = (" + staged hits x expert bytes / device copy"
+                  if rep.trace.get("wide", "in-place") != "in-place" else "")
         t = Table(title=f"predicted decode, {streams}: 1000/R + layer steps x cache step + "
-                        "misses/token x expert bytes / link")
+                        f"misses/token x expert bytes / link{staged}")
         for col, keep in (("policy", 9), ("slots", 9), ("misses/token", 6), ("miss rate", 5),
                           ("ms/token", 7), ("tok/s", 9), ("fits", 8)):
             t.add_column(col, justify="left" if col in ("policy", "fits") else "right",

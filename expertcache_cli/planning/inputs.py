@@ -203,15 +203,19 @@ def card_slots(model: ModelSize | None, vram: str | None, mode: Wide, server: Se
 
 
 def prediction_inputs(per_expert: tuple[int, str], link: LinkRate,
-                      resident: Sourced) -> Inputs:
+                      resident: Sourced, hit_copy: Sourced | None = None) -> Inputs:
     """The `Inputs` of a prediction, each number with its source; the cache step comes
     with the link where that source measured it (a probe, a measurement here), else the
-    step is priced at 0 and its source says it was not measured."""
+    step is priced at 0 and its source says it was not measured. ``hit_copy``: a staged
+    hit's copy rate where a probe measured it (`planner.read_hit_copy`), else the
+    measured constant, which its source names."""
     from .planner import Inputs
 
     inputs = Inputs(per_expert[0], per_expert[1], link[0], link[1], resident[0], resident[1])
     if link[2] is not None:
         inputs.step_us, inputs.step_source = link[2]
+    if hit_copy is not None:
+        inputs.hit_copy_gbps, inputs.hit_copy_source = hit_copy
     return inputs
 
 

@@ -6,6 +6,7 @@ link's measured rate on top of the resident decode time:
 
     ms/token = 1000 / R + layer_steps_per_token x step_us / 1000
                + 1000 x misses_per_token x bytes_per_expert / (link_gbps x 1e9)
+               + 1000 x staged_hits_per_token x bytes_per_expert / (hit_copy_gbps x 1e9)
 
 ``misses`` are every expert fetched over the link (installs into slots plus the distinct
 ids of read-through steps), counted on the decode steps only (`priced_steps`): a recorded
@@ -18,6 +19,11 @@ manager and a gather with nothing to copy: `probe-link`'s ``step`` measurement; 
 was not measured, and the source says so). The step term is there because every MoE layer
 runs a cache step each token whether or not it misses: left out, the sum over-predicts by
 that time, which on a many-layer model is a tenth of a millisecond a token or more.
+``staged_hits`` are the experts a staged wide step (`--wide staged`/`staged-install`)
+finds in the slots: each is copied from its slot into the scratch over device memory, a
+twentieth of a miss's time, but with a real model's routing a wide decode step is mostly
+hits (35-46 a layer against 1-5 misses at 16 and 32 streams), so left out they made the
+staged prediction 1.4-1.8x the served rate (bench/results/wide-steps.md).
 Each input says where it came from (given, a saved probe, a baseline results file), so a
 prediction is never quieter about its basis than a measurement.
 
@@ -61,14 +67,33 @@ class Inputs:
     resident_source: str
     step_us: float = 0.0
     step_source: str = "not measured (probe-link --only gather,step measures it)"
+    hit_copy_gbps: float = 0.0  # a staged hit's copy, slots -> scratch (0: HIT_COPY_GBPS)
+    hit_copy_source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.hit_copy_gbps <= 0:
+            self.hit_copy_gbps = HIT_COPY_GBPS
+            self.hit_copy_source = ("not measured: the planner's measured constant "
+                                    "(probe-link --only stage measures your GPU's)")
+
+
+#: GB/s of a staged step's hit copies (slots -> scratch, the gather kernel over device
+#: memory) where no probe measured them: an H100 80GB HBM3's, the slower of the two GPUs
+#: measured (1,101 GB/s at 32 hits of a 9.4 MB expert; an H200 1,500-1,900). Source in
+#: docs/design.md, measured constants
+HIT_COPY_GBPS = 1100.0
 
 
 def predict_ms(misses_per_token: float, inputs: Inputs,
-               layer_steps_per_token: float = 0.0) -> float:
+               layer_steps_per_token: float = 0.0,
+               staged_hits_per_token: float = 0.0) -> float:
     """Decode milliseconds per token: resident time, the cache's own step in every MoE
-    layer, and the misses' bytes over the link."""
+    layer, the misses' bytes over the link and a staged step's hits copied on the device."""
     return (1000.0 / inputs.resident_tok_s + layer_steps_per_token * inputs.step_us / 1000.0
-            + 1000.0 * misses_per_token * inputs.bytes_per_expert / (inputs.link_gbps * 1e9))
+            + 1000.0 * misses_per_token * inputs.bytes_per_expert / (inputs.link_gbps * 1e9)
+            + 1000.0 * staged_hits_per_token * inputs.bytes_per_expert
+            / (inputs.hit_copy_gbps * 1e9))
+
 
 
 #: single-stream resident rates above this are where vLLM's host work, not the GPU, may pace
@@ -126,6 +151,17 @@ def _step_of(data: Any, path: str | Path) -> tuple[float, str] | None:
     return float(us), f"probe-link on {where} ({path}: the cache step, every expert a hit)"
 
 
+def read_hit_copy(path: str | Path) -> tuple[float, str] | None:
+    """A saved probe's staged hit-copy rate (`probe-link`'s ``stage``) with its source, or
+    None where that probe did not measure it."""
+    data = _read_json(path, "--probe", "probe-link --save")
+    gbps = data.get("stage_gbps") if isinstance(data, dict) else None
+    if not isinstance(gbps, (int, float)) or not math.isfinite(gbps) or gbps <= 0:
+        return None
+    where = data.get("device_name", "a GPU")
+    return float(gbps), f"probe-link on {where} ({path}: the stage, hits from slots)"
+
+
 @dataclass(frozen=True)
 class Priced:
     """The steps a prediction prices, and the prefills it replays but leaves out."""
@@ -181,6 +217,8 @@ class PlanReport:
             "resident_source": i.resident_source,
             "step_us": i.step_us,
             "step_source": i.step_source,
+            "hit_copy_gbps": i.hit_copy_gbps,
+            "hit_copy_source": i.hit_copy_source,
             "rows": self.rows,
             "recommended": self.recommended,
             "notes": self.notes,
@@ -239,12 +277,13 @@ def plan_trace(
     for r in decode.itertuples():
         if Policy.parse(r.policy) not in online:
             continue
-        mpt = r.misses / tokens
-        ms = predict_ms(mpt, inputs, layer_steps)
+        mpt, hpt = r.misses / tokens, r.staged_hits / tokens
+        ms = predict_ms(mpt, inputs, layer_steps, hpt)
         rows.append({
             "policy": r.policy,
             "slots": int(r.slots),
             "misses_per_token": mpt,
+            "staged_hits_per_token": hpt,
             "miss_rate": float(r.miss_rate),
             "predicted_ms_per_token": ms,
             "predicted_tok_s": 1000.0 / ms,
@@ -265,7 +304,10 @@ def plan_trace(
         serve = serveable(server, best["slots"], trace.top_k, wide, batch)
         (split,) = recommend(trace, pol, [best["slots"]], wide=wide,
                              floor=min(serve.floor, best["slots"]), decode_only=True)
-        split_ms = predict_ms(split.misses / tokens, inputs, layer_steps)
+        # the split moves slots between layers, not steps across the gate: its staged hits
+        # are taken as the uniform budget's (a hit's copy is a twentieth of a miss)
+        split_ms = predict_ms(split.misses / tokens, inputs, layer_steps,
+                              best["staged_hits_per_token"])
         use_split = split.misses < split.uniform_misses
         served = min(split.slots) if use_split and plan_file else best["slots"]
         older = older_release_note(serve, served, server)

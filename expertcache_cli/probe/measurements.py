@@ -220,6 +220,47 @@ def measure_gather(torch, device: int, tensors: Sequence[tuple[str, int]], num_e
     return out, impl, errors
 
 
+def measure_stage(torch, device: int, tensors: Sequence[tuple[str, int]], num_experts: int,
+                  repeats: int, warmup: int) -> Rate:
+    """A staged wide step's hits at the model's per-expert slabs: the layer's slots hold H
+    experts and a stage routes exactly those, so each is copied from its slot into the
+    scratch by the cache's gather kernel over device memory and nothing crosses the link.
+    `plan` prices a staged step's hits at this rate (`planner.read_hit_copy`): with a real
+    model's routing a wide decode step is mostly hits, and their copies are most of it.
+    The scratch's counts and bytes are checked, so a stage that fetched from host (or
+    copied nothing) cannot pass for the device copy."""
+    from ..device.scratch import Scratch
+
+    dev = torch.device("cuda", device)
+    stream = torch.cuda.Stream(dev)
+    e, s, _ = gather_counts(num_experts)
+    specs = {name: ((nbytes,), torch.uint8) for name, nbytes in tensors}
+    per_expert = sum(n for _, n in tensors)
+    with torch.cuda.device(dev):
+        scratch = Scratch(e, specs, dev)
+        g = torch.Generator(device=dev).manual_seed(0)
+        slots = {k: torch.randint(0, 256, (s, n), dtype=torch.uint8, device=dev, generator=g)
+                 for k, n in tensors}
+        sources = {k: torch.zeros((e, n), dtype=torch.uint8, pin_memory=True)
+                   for k, n in tensors}
+        table = torch.full((e,), -1, dtype=torch.int32, device=dev)
+        table[:s] = torch.arange(s, dtype=torch.int32, device=dev)
+        ids = torch.arange(s, dtype=torch.int32, device=dev)  # every slot's expert: all hits
+
+    def stage() -> None:
+        scratch.stage(ids, table, slots, sources)
+
+    it = _iters_for(s * per_expert, 256 * MiB)
+    samples = _time_per_call(torch, stage, it, repeats, warmup, stream)
+    torch.cuda.synchronize(dev)
+    if scratch.counts.tolist() != [s, 0] or not all(
+            torch.equal(scratch.buffers[k][:s], slots[k]) for k in slots):
+        raise RuntimeError(f"the stage did not copy its {s} hits from the slots "
+                           f"(counts {scratch.counts.tolist()})")
+    return _rate("stage_hits", s * per_expert, samples,
+                 note=f"{s} hit(s) x {per_expert:,} B a stage, slots -> scratch")
+
+
 STEP_LAYERS = 48  # layers in the timed graph: a decode graph of a deep MoE model
 STEP_SLAB = 256  # bytes per expert per tensor: a step that hits copies none of them
 
@@ -422,6 +463,21 @@ class Gather(ModelMeasurement):
         rep.gather, rep.gather_impl, errs = measure_gather(torch, s.device, tensors,
                                                            m.num_experts, s.repeats, s.warmup)
         rep.errors.extend(errs)
+
+
+@register
+class Stage(ModelMeasurement):
+    key = "stage"
+    about = "a staged wide step's hits copied slots -> scratch at --model's expert slab"
+    title = "staged hits"
+    rows = {"stage_hits": "staged hits, slots -> scratch (device)"}
+
+    def run(self, torch, s: Settings, rep: LinkReport) -> None:
+        m = s.model
+        r = measure_stage(torch, s.device, gather_slabs(list(m.expert_tensors)),
+                          m.num_experts, s.repeats, s.warmup)
+        rep.rates.append(r)
+        rep.stage_gbps = r.gbps
 
 
 @register

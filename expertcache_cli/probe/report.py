@@ -50,6 +50,7 @@ class LinkReport:
     hbm_traffic_gbps: float = 0.0  # read + write traffic of that copy
     step_us: float = 0.0  # the cache's all-hit step per MoE layer (0: not measured)
     step_cold_us: float = 0.0  # the same with its state evicted from L2 before each layer
+    stage_gbps: float = 0.0  # a staged step's hits, slots -> scratch (0: not measured)
     link_class: str = ""
     model: dict[str, Any] = field(default_factory=dict)
     decode: dict[str, Any] = field(default_factory=dict)

@@ -23,8 +23,9 @@ from numba import njit
 from .policy import NEVER, Policy, Wide, gate_widths
 
 # Counter layout of one (policy, slots, layer) job.
-INSTALLS, DROPPED, RT_STEPS, RT_IDS, REQUESTS, SERVED_STEPS, STAGED_STEPS, STAGED_IDS = range(8)
-N_COUNTERS = 8
+(INSTALLS, DROPPED, RT_STEPS, RT_IDS, REQUESTS, SERVED_STEPS, STAGED_STEPS, STAGED_IDS,
+ STAGED_HITS) = range(9)
+N_COUNTERS = 9
 
 #: The wide-step codes the compiled loop branches on: `Wide.code` of each member
 #: (tests/test_policy_rules.py pins the two together).
@@ -111,6 +112,8 @@ def _replay_layer(seq, nxt, widths, num_experts, num_slots, policy, decay, max_i
             else:
                 missing[m] = e
                 m += 1
+        if is_wide:  # the step's resident experts, copied slots -> scratch
+            o[STAGED_HITS] += n - m
         if m > cap:  # past the cap: dropped, or on a wide step fetched to scratch
             o[STAGED_IDS if is_wide else DROPPED] += m - cap
             m = cap
@@ -222,6 +225,7 @@ class LayerCounts:
     served_steps: int
     staged_steps: int = 0
     staged_ids: int = 0
+    staged_hits: int = 0
     by_group: tuple[tuple[int, ...], ...] = ()
 
     def group(self, g: int) -> LayerCounts:

@@ -131,6 +131,12 @@ class StepResult:
     def miss_count(self) -> int:
         return len(self.misses)
 
+    @property
+    def staged_hits(self) -> int:
+        """A staged step's experts found in the slots, each copied from its slot into the
+        scratch (a device copy, not a fetch over the link); 0 for any other step."""
+        return self.distinct - self.miss_count - self.staged_ids if self.staged else 0
+
 
 def next_use_positions(seq: np.ndarray) -> np.ndarray:
     """For a layer's routing ``seq[T, W]``, the next step (> t) each entry's id is used.

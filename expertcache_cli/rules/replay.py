@@ -12,6 +12,8 @@ defined once:
 - ``staged_ids``: with a staged wide-step mode (`policy.Wide`), the experts wide steps
   fetched into the scratch (their misses not installed); such steps are ``staged_steps``.
 - ``misses = installs + read_through_ids + staged_ids``: experts fetched over the link.
+- ``staged_hits``: the experts staged steps found in the slots, each copied from its slot
+  into the scratch: no link traffic, but a device copy a step pays (`plan` prices it).
 
 Each count is also kept per step group, in the same pass (`ReplayReport.by_group`): by
 default the trace's step kinds (`Trace.step_kinds`: decode and prefill), so that `plan`
@@ -47,6 +49,7 @@ COUNT_FIELDS = [
     "served_steps",
     "staged_steps",
     "staged_ids",
+    "staged_hits",
 ]
 
 

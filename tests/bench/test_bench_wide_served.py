@@ -54,23 +54,31 @@ def test_the_hook_spaces_a_steps_streams_by_its_own_setting():
     assert "set for 4 streams" in st.source and st.source.startswith("recorded x")
 
 
-def test_in_place_reads_a_wide_step_through_and_staged_counts_its_hits():
+def test_in_place_reads_a_wide_step_through_and_staged_prices_its_hits():
+    from expertcache_cli.planning.planner import Inputs
+
     tr = _one_stream()
     plan = [(40, 0)] + [(1, 0)] * 15 + [(40, 0)] + [(4, 1)] * 3
     st = wide_served.served(tr, plan, hook_streams=4)
     groups = np.array([g for _, g in plan])
-    args = dict(bytes_per_expert=1_000_000, link_gbps=1.0, step_us=0.0,
-                resident={4: 1000.0})
+    inputs = Inputs(1_000_000, "b", 1.0, "l", 1000.0, "r", hit_copy_gbps=10.0)
+
+    def at(n):
+        return inputs if n == 4 else None
+
     # 4 streams x top-2 = 8 ids > 6 slots: wide; every routed expert read in place
-    (ip,) = wide_served.predict(st, groups, [4], 6, "in-place", **args)
+    (ip,) = wide_served.predict(st, groups, [4], 6, "in-place", at)
     assert ip["misses_per_step_layer"] == 8 and ip["staged_hits_per_step_layer"] == 0
     # a token: 1 ms resident + 2 layers x 8 misses x 1 ms over the link / 4 tokens
-    assert ip["predicted_tok_s"] == pytest.approx(1000 / 5)
-    (sg,) = wide_served.predict(st, groups, [4], 6, "staged-install", hit_us=500.0, **args)
+    assert ip["predicted_tok_s"] == pytest.approx(1000 / 5) == ip["hits_free_tok_s"]
+    (sg,) = wide_served.predict(st, groups, [4], 6, "staged-install", at)
     # the 1-stream steps left rows 10..15's experts in the six slots: some of each step hit
     assert sg["staged_hits_per_step_layer"] > 0
     assert sg["misses_per_step_layer"] + sg["staged_hits_per_step_layer"] == 8
-    assert sg["with_hits_tok_s"] < sg["predicted_tok_s"]
+    # each hit: 1 MB at 10 GB/s = 0.1 ms, on top of the hits-free prediction
+    hits_ms = sg["staged_hits_per_step_layer"] * 2 / 4 * 0.1
+    assert 1000 / sg["predicted_tok_s"] == pytest.approx(1000 / sg["hits_free_tok_s"] + hits_ms)
+    assert wide_served.predict(st, groups, [4], 6, "in-place", lambda n: None) == []
 
 
 def test_main_prints_each_arm_beside_its_prediction(tmp_path, capsys):
@@ -92,4 +100,5 @@ def test_main_prints_each_arm_beside_its_prediction(tmp_path, capsys):
     assert out.startswith("routing: recorded x [as the hook served")
     assert "| 4 | in-place |" in out and "| 4 | staged-install |" in out
     assert "| staged |" not in out  # no staged0 arm ran
+    assert "staged hits copied at 1,100 GB/s: not measured" in out
     assert wide_served.main([str(path), str(tmp_path / "none"), "--slots", "6"]) == 2

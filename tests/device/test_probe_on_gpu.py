@@ -35,6 +35,10 @@ def test_probe_small_run_is_complete_and_sane(cuda):
     assert rep.step_cold_us > rep.step_us * 0.9, (rep.step_cold_us, rep.step_us)
     assert rep.link_class
     assert rep.hbm_traffic_gbps > rep.rate("h2d_pinned").gbps  # HBM beats any host link
+    # a staged step's hits, copied slots -> scratch on the device (measure_stage checks
+    # the scratch's bytes and counts): device memory, far past the host link
+    assert rep.stage_gbps > 5 * rep.rate("h2d_pinned").gbps, rep.stage_gbps
+    assert rep.rate("stage_hits") is not None
     d = rep.decode
     assert d["resident_tok_s"] > d["offload_tok_s"] > 0
     json.dumps(rep.to_json())
