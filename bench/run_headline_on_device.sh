@@ -5,8 +5,9 @@
 # 16 GiB card (bench/ballast.py holds the rest of the H200): the offload floor, the cache at
 # the slots `serve` plans, and resident (every expert in VRAM on the whole H200).
 #
-# Routing: every server replays TRACE (bench/trace_routing.py; default the recorded
-# traces/real-qwen3-30b-a3b-k6.npz, Qwen3-30B-A3B's own routers on one prompt), fitted to
+# Routing: every server replays TRACE (bench/trace_routing.py; default the published table's,
+# traces/real-gpt-oss-120b-k4.npz, gpt-oss-120b's own routers on four prompts; the
+# one-recording table's is traces/real-qwen3-30b-a3b-k6.npz, Qwen3-30B-A3B's on one), fitted to
 # the 48 layers (bench/trace_fit.py --layers 48: layer i routes as trace layer i mod L; the
 # Qwen3 recording has 48), each request from the trace's row 0 (its prefill: the bench
 # prompt's 16 tokens take row 0's first 16 tokens' experts), then a row a decoded token (a
@@ -75,7 +76,7 @@ HL="${HL:-/tmp/hl}"
 STEPS="${STEPS:-setup model probe resident card24 card16 plan report}"
 PY="${PY:-python3}"
 MD="${MODEL_DIR:-/tmp}"
-TRACE="${TRACE-traces/real-qwen3-30b-a3b-k6.npz}"
+TRACE="${TRACE-traces/real-gpt-oss-120b-k4.npz}"
 LAYERS=48
 for step in $STEPS; do
   case $step in

@@ -89,16 +89,35 @@ elif args[0].endswith("small_card.py"):
 '''
 
 
-@pytest.fixture()
-def runner(tmp_path):
+def _make(tmp_path, **env: str):
     run = make_runner(tmp_path, "run_headline_on_device.sh",
                       ("headline_report.py", "flagship_report.py", "formats_report.py",
                        "small_card.py",
                        "synth_weights.py", "trace_routing.py", "trace_fit.py"), STUB,
                       keep_bench_helpers=True, HL=str(tmp_path / "hl"),
-                      MODEL_DIR=str(tmp_path / "models"))
+                      MODEL_DIR=str(tmp_path / "models"), **env)
     (tmp_path / "tree" / "traces").symlink_to(ROOT / "traces")
-    return run, tmp_path
+    return run
+
+
+@pytest.fixture()
+def runner(tmp_path):
+    """The runner on the Qwen3 one-prompt recording (one recorded request: the simplest
+    flow to follow); the default recording has its own test."""
+    return _make(tmp_path, TRACE=f"traces/{QWEN}.npz"), tmp_path
+
+
+def test_the_default_recording_is_the_published_tables(tmp_path):
+    """With no TRACE the runner serves what the published headline table was measured on:
+    gpt-oss-120b's four-prompt recording, on a checkpoint of its top-4."""
+    run = _make(tmp_path)
+    calls, _ = run(STEPS="setup model")
+    write = next(c for c in calls if "write_checkpoint.py" in c)
+    assert write.endswith("--top-k 4") and "w8a8-k4" in write
+    trace = tmp_path / "tree" / "traces" / "real-gpt-oss-120b-k4.npz"
+    assert f"bench/trace_fit.py --shape {trace}" in calls
+    assert (tmp_path / "hl" / "trace.src").read_text().strip() == \
+        "traces/real-gpt-oss-120b-k4.npz"
 
 
 def _servers(calls: list[str]) -> list[str]:
