@@ -270,3 +270,19 @@ def test_probe_link_prints_the_cold_step_beside_the_warm_one(monkeypatch, tmp_pa
     saved = json.loads(out.read_text())
     assert (saved["step_us"], saved["step_cold_us"]) == (3.7, 4.9)
     assert planner.read_probe(out)[2][0] == 3.7
+
+
+def test_the_stage_measurement_copies_every_hit_from_the_slots_and_checks_it():
+    """probe-link's `stage` times a stage that routes only experts in the slots; its check
+    fails where the scratch does not hold the slots' bytes or something came from host."""
+    torch = pytest.importorskip("torch", reason="no torch: the scratch is torch tensors")
+    from expertcache_cli.device.scratch import torch_copiers
+    from expertcache_cli.probe.measurements import gather_counts, stage_setup
+
+    stage, check, hits = stage_setup(torch, torch.device("cpu"), [("w", 64), ("s", 8)], 128,
+                                     copier=torch_copiers)
+    assert hits == gather_counts(128)[1] == 32
+    with pytest.raises(RuntimeError, match="did not copy its 32 hits"):
+        check()  # nothing staged yet
+    stage()
+    check()

@@ -220,6 +220,40 @@ def measure_gather(torch, device: int, tensors: Sequence[tuple[str, int]], num_e
     return out, impl, errors
 
 
+def stage_setup(torch, dev, tensors: Sequence[tuple[str, int]], num_experts: int,
+                copier: Any = None) -> tuple[Any, Any, int]:
+    """``(stage, check, hits)`` for `measure_stage`: a scratch of the layer's experts, slots
+    holding ``hits`` experts of random bytes and a stage routing exactly those; ``check()``
+    raises unless the last stage copied every hit's bytes from its slot and fetched nothing
+    from host. ``copier``: the scratch's (default the CUDA kernels; the CPU test passes
+    `scratch.torch_copiers`)."""
+    from ..device.scratch import Scratch
+
+    e, s, _ = gather_counts(num_experts)
+    specs = {name: ((nbytes,), torch.uint8) for name, nbytes in tensors}
+    scratch = Scratch(e, specs, dev, copier=copier)
+    g = torch.Generator(device=dev).manual_seed(0)
+    slots = {k: torch.randint(0, 256, (s, n), dtype=torch.uint8, device=dev, generator=g)
+             for k, n in tensors}
+    pinned = torch.device(dev).type == "cuda"
+    sources = {k: torch.zeros((e, n), dtype=torch.uint8, pin_memory=pinned)
+               for k, n in tensors}
+    table = torch.full((e,), -1, dtype=torch.int32, device=dev)
+    table[:s] = torch.arange(s, dtype=torch.int32, device=dev)
+    ids = torch.arange(s, dtype=torch.int32, device=dev)  # every slot's expert: all hits
+
+    def stage() -> None:
+        scratch.stage(ids, table, slots, sources)
+
+    def check() -> None:
+        if scratch.counts.tolist() != [s, 0] or not all(
+                torch.equal(scratch.buffers[k][:s], slots[k]) for k in slots):
+            raise RuntimeError(f"the stage did not copy its {s} hits from the slots "
+                               f"(counts {scratch.counts.tolist()})")
+
+    return stage, check, s
+
+
 def measure_stage(torch, device: int, tensors: Sequence[tuple[str, int]], num_experts: int,
                   repeats: int, warmup: int) -> Rate:
     """A staged wide step's hits at the model's per-expert slabs: the layer's slots hold H
@@ -227,38 +261,19 @@ def measure_stage(torch, device: int, tensors: Sequence[tuple[str, int]], num_ex
     scratch by the cache's gather kernel over device memory and nothing crosses the link.
     `plan` prices a staged step's hits at this rate (`planner.read_hit_copy`): with a real
     model's routing a wide decode step is mostly hits, and their copies are most of it.
-    The scratch's counts and bytes are checked, so a stage that fetched from host (or
-    copied nothing) cannot pass for the device copy."""
-    from ..device.scratch import Scratch
-
+    The scratch's counts and bytes are checked after the timed stages, so a stage that
+    fetched from host (or copied nothing) cannot pass for the device copy."""
     dev = torch.device("cuda", device)
     stream = torch.cuda.Stream(dev)
-    e, s, _ = gather_counts(num_experts)
-    specs = {name: ((nbytes,), torch.uint8) for name, nbytes in tensors}
-    per_expert = sum(n for _, n in tensors)
     with torch.cuda.device(dev):
-        scratch = Scratch(e, specs, dev)
-        g = torch.Generator(device=dev).manual_seed(0)
-        slots = {k: torch.randint(0, 256, (s, n), dtype=torch.uint8, device=dev, generator=g)
-                 for k, n in tensors}
-        sources = {k: torch.zeros((e, n), dtype=torch.uint8, pin_memory=True)
-                   for k, n in tensors}
-        table = torch.full((e,), -1, dtype=torch.int32, device=dev)
-        table[:s] = torch.arange(s, dtype=torch.int32, device=dev)
-        ids = torch.arange(s, dtype=torch.int32, device=dev)  # every slot's expert: all hits
-
-    def stage() -> None:
-        scratch.stage(ids, table, slots, sources)
-
-    it = _iters_for(s * per_expert, 256 * MiB)
+        stage, check, hits = stage_setup(torch, dev, tensors, num_experts)
+    per_expert = sum(n for _, n in tensors)
+    it = _iters_for(hits * per_expert, 256 * MiB)
     samples = _time_per_call(torch, stage, it, repeats, warmup, stream)
     torch.cuda.synchronize(dev)
-    if scratch.counts.tolist() != [s, 0] or not all(
-            torch.equal(scratch.buffers[k][:s], slots[k]) for k in slots):
-        raise RuntimeError(f"the stage did not copy its {s} hits from the slots "
-                           f"(counts {scratch.counts.tolist()})")
-    return _rate("stage_hits", s * per_expert, samples,
-                 note=f"{s} hit(s) x {per_expert:,} B a stage, slots -> scratch")
+    check()
+    return _rate("stage_hits", hits * per_expert, samples,
+                 note=f"{hits} hit(s) x {per_expert:,} B a stage, slots -> scratch")
 
 
 STEP_LAYERS = 48  # layers in the timed graph: a decode graph of a deep MoE model
