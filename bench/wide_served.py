@@ -44,17 +44,18 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from trace_fit import source_of  # noqa: E402
+from wide_steps import (  # noqa: E402  (the server's order: one word, one token)
+    STREAM_WORDS,
+    TTFT_PROMPTS,
+    TTFT_RUNS,
+    WARM_ROUND_TOKENS,
+    WARMUP_TOKENS,
+    WARMUP_WORDS,
+)
 
 from expertcache_cli.errors import UserError  # noqa: E402
 from expertcache_cli.rules import trace as tracefile  # noqa: E402
 
-#: bench/wide_steps.py's forwards before the decode rounds: the warm-up request (a 64-word
-#: prompt, 8 tokens) and the TTFT prompts (one token each, 3 runs of each length)
-WARMUP_PROMPT, WARMUP_TOKENS = 64, 8
-TTFT_PROMPTS, TTFT_RUNS = (512, 2048, 8192), 3
-#: a decode round's prompt (`wide_steps.STREAM_WORDS`: one word, one token) and its
-#: discarded warm-up round's tokens a stream
-STREAM_PROMPT, WARM_ROUND_TOKENS = 32, 16
 #: the arms whose N-stream decode is predicted, by wide-step mode
 ARMS = {"in-place": "inplace", "staged-install": "staged", "staged": "staged0"}
 
@@ -63,11 +64,11 @@ def schedule(streams: list[int], tokens: int) -> list[tuple[int, int]]:
     """``(tokens, group)`` of every forward, in order: group ``g`` > 0 marks the decode
     steps of ``streams[g - 1]``'s timed round (its rate is timed from each stream's first
     token, which the prefill makes, to its last), 0 everything else."""
-    out = [(WARMUP_PROMPT, 0)] + [(1, 0)] * (WARMUP_TOKENS - 1)
+    out = [(WARMUP_WORDS, 0)] + [(1, 0)] * (WARMUP_TOKENS - 1)
     out += [(p, 0) for p in TTFT_PROMPTS for _ in range(TTFT_RUNS)]
     for g, n in enumerate(streams, 1):
-        out += [(n * STREAM_PROMPT, 0)] + [(n, 0)] * (WARM_ROUND_TOKENS - 1)
-        out += [(n * STREAM_PROMPT, 0)] + [(n, g)] * (tokens - 1)
+        out += [(n * STREAM_WORDS, 0)] + [(n, 0)] * (WARM_ROUND_TOKENS - 1)
+        out += [(n * STREAM_WORDS, 0)] + [(n, g)] * (tokens - 1)
     return out
 
 

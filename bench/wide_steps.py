@@ -47,6 +47,12 @@ from expertcache_cli.baseline.server import Server  # noqa: E402
 #: the prompt of every decoded stream: the decode rounds', the greedy texts' and the
 #: ``--requests`` recording's, which must be of one shape for `plan --batch` to price them
 STREAM_WORDS = 32
+#: the server's first request, discarded (a prompt of WARMUP_WORDS words, WARMUP_TOKENS
+#: tokens), the TTFT prompts' default lengths and runs, and the tokens a stream of each
+#: decode round's discarded warm-up round: `bench/wide_served.py` replays this order
+WARMUP_WORDS, WARMUP_TOKENS = 64, 8
+TTFT_PROMPTS, TTFT_RUNS = (512, 2048, 8192), 3
+WARM_ROUND_TOKENS = 16
 
 
 def prompt(rng: random.Random, words: int, vocab: int) -> str:
@@ -108,7 +114,7 @@ def run_arm(a: argparse.Namespace) -> dict:
 
     def measure(server: Server, log: Path, rec: dict, save: Callable[[], None]) -> None:
         base, mid = server.base_url, server.model_id or "model"
-        together(base, mid, [prompt(rng, 64, a.vocab)], 8)  # warm-up, discarded
+        together(base, mid, [prompt(rng, WARMUP_WORDS, a.vocab)], WARMUP_TOKENS)  # discarded
         rec["ttft"] = {}
         for n in a.prompt_tokens:
             runs = []
@@ -123,7 +129,8 @@ def run_arm(a: argparse.Namespace) -> dict:
         rec["decode"] = {}
         for s in a.streams:
             # warm-up, discarded
-            together(base, mid, [prompt(rng, STREAM_WORDS, a.vocab) for _ in range(s)], 16)
+            together(base, mid, [prompt(rng, STREAM_WORDS, a.vocab) for _ in range(s)],
+                     WARM_ROUND_TOKENS)
             res = together(base, mid, [prompt(rng, STREAM_WORDS, a.vocab) for _ in range(s)],
                            a.max_tokens)
             rec["decode"][str(s)] = {"tok_s": decode_rate(res),
@@ -149,8 +156,8 @@ def run_arm(a: argparse.Namespace) -> dict:
 
 def main() -> int:
     ap = arm_parser(__doc__)
-    ap.add_argument("--prompt-tokens", type=int, nargs="*", default=[512, 2048, 8192])
-    ap.add_argument("--ttft-runs", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, nargs="*", default=list(TTFT_PROMPTS))
+    ap.add_argument("--ttft-runs", type=int, default=TTFT_RUNS)
     ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 8, 16, 32])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--greedy-streams", type=int, default=16)

@@ -50,8 +50,10 @@ def declared(model):
     # the CPU build repacks linear weights into handles of its own, leaving an empty
     # parameter, and turns their biases to float32 for its GEMM: such a layer counts the
     # shapes it declares, in its weight's dtype. A parameter two modules share (a router's
-    # score-correction bias, also the experts') counts once.
-    out, seen = {}, set()
+    # score-correction bias, also the experts') counts once, and so does memory two
+    # parameters share: MLA's W_UK_T and W_UV are views of kv_b_proj's weight where it is
+    # unquantized (registered as parameters where the CPU build has no AMX kernels).
+    out, seen, storages = {}, set(), set()
     for mn, m in model.named_modules():
         w = m._parameters.get("weight")
         repacked = w is not None and w.numel() == 0
@@ -66,8 +68,13 @@ def declared(model):
                 out[n] = rows * cols * w.element_size()
             elif repacked and pn == "bias":
                 out[n] = p.numel() * w.element_size()
+            elif p.numel() == 0:
+                out[n] = 0
             else:
-                out[n] = p.numel() * p.element_size()
+                storage = p.untyped_storage()
+                key = storage.data_ptr()
+                out[n] = 0 if key in storages else storage.nbytes()
+                storages.add(key)
     return out
 
 def rotary(model):

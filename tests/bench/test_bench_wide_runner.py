@@ -60,7 +60,7 @@ elif args[1:3] == ["expertcache_cli", "plan"]:
 def runner(tmp_path):
     run = make_runner(tmp_path, "run_wide_on_device.sh",
                       ("e2e_vllm.py", "wide_report.py", "trace_fit.py", "wide_served.py",
-                       "trace_routing.py"),
+                       "trace_routing.py", "wide_steps.py", "small_card.py"),
                       STUB, keep_bench_helpers=True, WSD=str(tmp_path / "ws"),
                       MODEL_DIR=str(tmp_path / "models"),
                       PROBE_SRC=str(ROOT / "tests" / "data" / "fp8-block-probe.json"))

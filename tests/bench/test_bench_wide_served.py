@@ -35,9 +35,9 @@ def test_the_schedule_times_each_rounds_decode_steps_only():
     timed = [t for t, g in plan if g == 2]
     assert timed == [4] * 4
     first = groups.index(2)
-    assert plan[first - 1] == (4 * wide_served.STREAM_PROMPT, 0)  # the round's prefill
+    assert plan[first - 1] == (4 * wide_served.STREAM_WORDS, 0)  # the round's prefill
     # the warm-up request and the TTFT prompts come first, as wide_steps.py sends them
-    assert plan[0] == (wide_served.WARMUP_PROMPT, 0)
+    assert plan[0] == (wide_served.WARMUP_WORDS, 0)
     assert sum(1 for t, _ in plan if t == 8192) == wide_served.TTFT_RUNS
 
 
