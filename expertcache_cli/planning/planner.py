@@ -95,7 +95,6 @@ def predict_ms(misses_per_token: float, inputs: Inputs,
             / (inputs.hit_copy_gbps * 1e9))
 
 
-
 #: single-stream resident rates above this are where vLLM's host work, not the GPU, may pace
 #: decoding, so the additive sum can under-predict; measured, source in
 #: docs/design.md, measured constants
