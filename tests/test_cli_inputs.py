@@ -87,7 +87,8 @@ def test_probe_link_lists_its_measurements_without_a_gpu():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     keys = [line.split()[0] for line in r.stdout.splitlines()]
-    assert keys == ["pinned", "pageable", "zero-copy", "hbm", "latency", "gather", "step"]
+    assert keys == ["pinned", "pageable", "zero-copy", "hbm", "latency", "gather", "step",
+                    "stage"]
 
 
 def _cli(args: list[str], cwd) -> subprocess.CompletedProcess:

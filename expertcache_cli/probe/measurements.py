@@ -481,6 +481,20 @@ class Gather(ModelMeasurement):
 
 
 @register
+class Step(ModelMeasurement):
+    key = "step"
+    about = "the cache's per-layer step when every expert hits (what plan adds per layer)"
+    title = "cache step"
+
+    def run(self, torch, s: Settings, rep: LinkReport) -> None:
+        m = s.model
+        slabs = len(gather_slabs(list(m.expert_tensors)))
+        args = (torch, s.device, slabs, m.num_experts, m.top_k, s.repeats)
+        rep.step_us = measure_step(*args)
+        rep.step_cold_us = measure_step(*args, cold=True)
+
+
+@register
 class Stage(ModelMeasurement):
     key = "stage"
     about = "a staged wide step's hits copied slots -> scratch at --model's expert slab"
@@ -493,20 +507,6 @@ class Stage(ModelMeasurement):
                           m.num_experts, s.repeats, s.warmup)
         rep.rates.append(r)
         rep.stage_gbps = r.gbps
-
-
-@register
-class Step(ModelMeasurement):
-    key = "step"
-    about = "the cache's per-layer step when every expert hits (what plan adds per layer)"
-    title = "cache step"
-
-    def run(self, torch, s: Settings, rep: LinkReport) -> None:
-        m = s.model
-        slabs = len(gather_slabs(list(m.expert_tensors)))
-        args = (torch, s.device, slabs, m.num_experts, m.top_k, s.repeats)
-        rep.step_us = measure_step(*args)
-        rep.step_cold_us = measure_step(*args, cold=True)
 
 
 def row_label(path: str) -> str:
