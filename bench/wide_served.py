@@ -157,6 +157,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="a timed round's tokens a stream")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     a = ap.parse_args(argv)
+    from expertcache_cli.planning import inputs as plan_inputs
     from expertcache_cli.planning import planner
 
     try:
@@ -180,13 +181,9 @@ def main(argv: list[str]) -> int:
     def inputs_at(n: int) -> planner.Inputs | None:
         if n not in resident:
             return None
-        i = planner.Inputs(int(size["bytes_per_expert"]), "size.json", link, link_src,
-                           resident[n], f"resident.json, {n} stream(s)")
-        if step:
-            i.step_us, i.step_source = step
-        if hit_copy:
-            i.hit_copy_gbps, i.hit_copy_source = hit_copy
-        return i
+        return plan_inputs.prediction_inputs(
+            (int(size["bytes_per_expert"]), "size.json"), (link, link_src, step),
+            (resident[n], f"resident.json, {n} stream(s)"), hit_copy)
 
     rows = [r for mode in arms for r in predict(st, groups, a.streams, a.slots, mode,
                                                 inputs_at)]

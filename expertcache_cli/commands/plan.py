@@ -165,7 +165,8 @@ def register(app: typer.Typer) -> None:
         console.print(f"link {i.link_gbps:.1f} GB/s: {i.link_source}")
         console.print(f"resident {i.resident_tok_s:.1f} tok/s: {i.resident_source}")
         console.print(f"cache step {i.step_us:.2f} us a MoE layer: {i.step_source}")
-        if rep.trace.get("wide", "in-place") != "in-place":
+        staged_mode = rep.trace.get("wide", "in-place") != "in-place"
+        if staged_mode:
             console.print(f"staged hits copied at {i.hit_copy_gbps:,.0f} GB/s: "
                           f"{i.hit_copy_source}")
         if rep.model.get("vram_gib"):
@@ -173,8 +174,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"card {card}: up to {rep.model['max_slots']} slots a layer fit")
         streams = (f"{rep.trace['batch']} streams (aggregate)" if rep.trace.get("batch")
                    else "as traced")
-        staged = (" + staged hits x expert bytes / device copy"
-                  if rep.trace.get("wide", "in-place") != "in-place" else "")
+        staged = " + staged hits x expert bytes / device copy" if staged_mode else ""
         t = Table(title=f"predicted decode, {streams}: 1000/R + layer steps x cache step + "
                         f"misses/token x expert bytes / link{staged}")
         for col, keep in (("policy", 9), ("slots", 9), ("misses/token", 6), ("miss rate", 5),
